@@ -1,0 +1,113 @@
+"""Raw MPI data movement on torch tensors, with device staging decided once.
+
+Torch tensors go to mpi4py directly (mpi4py reads them through DLPack / the CUDA array
+interface), so there is no Python-level copy. A CUDA tensor is passed as a device buffer when the
+MPI library is CUDA-aware; otherwise it is staged through a pinned host buffer that is allocated
+once per shape and reused. 16-bit tensors travel as ``int16`` words: MPI only moves them.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lightning_mpi.comm.cuda import mpi_is_cuda_aware
+
+_AS_WORDS = {torch.float16: torch.int16, torch.bfloat16: torch.int16}
+
+
+def _mpi_view(tensor: Tensor) -> Tensor:
+    """A view MPI can move: 16-bit floats as int16 words, everything else as is."""
+    words = _AS_WORDS.get(tensor.dtype)
+    return tensor.view(words) if words is not None else tensor
+
+
+class Transport:
+    """Blocking and non-blocking collectives on contiguous torch tensors over one communicator.
+
+    Args:
+        comm: an mpi4py intracommunicator. Every rank of it must call the same collectives in the
+            same order (the usual MPI contract).
+    """
+
+    def __init__(self, comm: Any) -> None:
+        from mpi4py import MPI
+
+        self.MPI = MPI
+        self.comm = comm
+        self.rank: int = comm.Get_rank()
+        self.size: int = comm.Get_size()
+        self._staging: dict[tuple, Tensor] = {}
+
+    # -- staging -------------------------------------------------------------------------------
+    def _needs_staging(self, tensor: Tensor) -> bool:
+        return tensor.is_cuda and not mpi_is_cuda_aware()
+
+    def host_buffer(self, like: Tensor, slot: str) -> Tensor:
+        """Pinned host buffer shaped like ``like``, reused per (slot, shape, dtype)."""
+        key = (slot, tuple(like.shape), like.dtype)
+        buf = self._staging.get(key)
+        if buf is None:
+            buf = torch.empty(like.shape, dtype=like.dtype, pin_memory=torch.cuda.is_available())
+            self._staging[key] = buf
+        return buf
+
+    def _host(self, tensor: Tensor, slot: str, copy_in: bool) -> Tensor:
+        if not self._needs_staging(tensor):
+            return tensor
+        host = self.host_buffer(tensor, slot)
+        if copy_in:
+            host.copy_(tensor)
+        return host
+
+    @staticmethod
+    def _back(host: Tensor, tensor: Tensor) -> None:
+        if host is not tensor:
+            tensor.copy_(host)
+
+    def _sync_device(self, *tensors: Tensor) -> None:
+        # MPI reads device memory outside torch's stream order: finish pending kernels first.
+        if any(t.is_cuda for t in tensors) and mpi_is_cuda_aware():
+            torch.cuda.current_stream().synchronize()
+
+    # -- collectives ---------------------------------------------------------------------------
+    def allreduce_(self, tensor: Tensor, op: str = "sum") -> Tensor:
+        """In-place allreduce with ``op`` in {"sum", "max", "min", "prod"}."""
+        mpi_op = {"sum": self.MPI.SUM, "max": self.MPI.MAX, "min": self.MPI.MIN, "prod": self.MPI.PROD}[op]
+        if tensor.dtype in _AS_WORDS:
+            raise TypeError(f"allreduce_ cannot sum {tensor.dtype} words; upcast to float32 first")
+        self._sync_device(tensor)
+        host = self._host(tensor, "allreduce", copy_in=True)
+        self.comm.Allreduce(self.MPI.IN_PLACE, host, op=mpi_op)
+        self._back(host, tensor)
+        return tensor
+
+    def alltoall(self, send: Tensor, recv: Tensor) -> Tensor:
+        """Row ``j`` of ``send`` (``[size, k]``) goes to rank ``j``; row ``i`` of ``recv`` came from rank ``i``."""
+        self._sync_device(send, recv)
+        hs = self._host(send, "alltoall_send", copy_in=True)
+        hr = self._host(recv, "alltoall_recv", copy_in=False)
+        self.comm.Alltoall(_mpi_view(hs), _mpi_view(hr))
+        self._back(hr, recv)
+        return recv
+
+    def allgather(self, send: Tensor, recv: Tensor) -> Tensor:
+        """Every rank's ``send`` (``[k]`` or ``[1, k]``) lands in row ``rank`` of ``recv`` (``[size, k]``)."""
+        self._sync_device(send, recv)
+        hs = self._host(send, "allgather_send", copy_in=True)
+        hr = self._host(recv, "allgather_recv", copy_in=False)
+        self.comm.Allgather(_mpi_view(hs), _mpi_view(hr))
+        self._back(hr, recv)
+        return recv
+
+    def broadcast_(self, tensor: Tensor, root: int = 0) -> Tensor:
+        """In-place broadcast of ``tensor`` from ``root``."""
+        self._sync_device(tensor)
+        host = self._host(tensor, "bcast", copy_in=True)
+        self.comm.Bcast(_mpi_view(host), root=root)
+        self._back(host, tensor)
+        return tensor
+
+    def barrier(self) -> None:
+        self.comm.Barrier()

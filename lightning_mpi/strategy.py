@@ -1,0 +1,370 @@
+"""Lightning meets a rule here, and only here.
+
+:class:`MPIStrategy` is a Lightning :class:`~pytorch_lightning.strategies.ParallelStrategy` whose
+ranks, nodes and local ranks come from MPI and whose collectives (``reduce``, ``all_gather``,
+``broadcast``, ``barrier``) go over MPI, so no ``torch.distributed`` process group is created. The
+"when and what" of the exchange is a :class:`~lightning_mpi.rules.base.Rule`; this class calls its
+hooks at the right points of Lightning's lifecycle:
+
+- ``setup``: broadcast rank 0's parameters and buffers, bind the rule to the trainable parameters.
+- ``optimizer_step``: backward runs inside Lightning's closure, so the closure is wrapped: after
+  backward the rule exchanges (``before_step``); a rejected exchange skips the step on every rank.
+  Lightning calls ``optimizer_step`` only on steps that update, so gradient accumulation
+  exchanges once per update. Then ``after_step``.
+- ``on_train_end``: the rule leaves its consensus weights in the module.
+"""
+from __future__ import annotations
+
+import logging
+import warnings
+from collections.abc import Callable
+from typing import Any, Literal, Optional, Union
+
+import pytorch_lightning as pl
+import torch
+from lightning_fabric.utilities.rank_zero import rank_zero_only as fabric_rank_zero_only
+from pytorch_lightning.plugins import CheckpointIO, Precision
+from pytorch_lightning.strategies import ParallelStrategy
+from pytorch_lightning.trainer.states import TrainerFn
+from pytorch_lightning.utilities.rank_zero import rank_zero_only
+from torch import Tensor
+from torch.optim import Optimizer
+
+from lightning_mpi.comm.transport import Transport
+from lightning_mpi.environment import MPIClusterEnvironment
+from lightning_mpi.rules.base import BoundRule, Rule
+from lightning_mpi.rules.sync import SyncRule
+
+log = logging.getLogger(__name__)
+
+
+class _SkipStep(Exception):
+    """Raised from inside the optimizer closure to abandon a step before the update runs."""
+
+
+def _reduce_op_name(reduce_op: Any) -> str:
+    """Map Lightning/torch reduce ops ("mean", "avg", "sum", ReduceOp.SUM, ...) to a short name."""
+    name = str(getattr(reduce_op, "name", reduce_op) if reduce_op is not None else "mean").lower()
+    name = name.rsplit(".", 1)[-1]
+    aliases = {"avg": "mean", "mean": "mean", "sum": "sum", "max": "max", "min": "min", "product": "prod", "prod": "prod"}
+    if name not in aliases:
+        raise ValueError(f"reduce_op={reduce_op!r} is not supported: use one of 'mean', 'sum', 'max', 'min', 'prod'")
+    return aliases[name]
+
+
+class MPIStrategy(ParallelStrategy):
+    """Data-parallel training over MPI with an exchange rule.
+
+    Args:
+        rule: what to exchange and when; defaults to :class:`~lightning_mpi.rules.sync.SyncRule`
+            (average gradients with one Allreduce every step).
+        log_stats: log the rule's per-step numbers (exchange time, bytes, skips) to the trainer's
+            loggers under ``mpi/``.
+        accelerator, checkpoint_io, precision_plugin: as for any Lightning strategy; normally
+            left to the ``Trainer``.
+
+    Ranks come from ``MPI.COMM_WORLD``: launch with ``mpiexec -n N python train.py`` (or the
+    ``lightning-mpi`` launcher); plain ``python train.py`` is world size 1. Devices need no
+    bookkeeping: rank ``r`` uses accelerator device ``local_rank % devices_on_this_host``.
+    """
+
+    strategy_name = "mpi"
+
+    def __init__(
+        self,
+        rule: Optional[Rule] = None,
+        log_stats: bool = True,
+        accelerator: Optional["pl.accelerators.Accelerator"] = None,
+        checkpoint_io: Optional[CheckpointIO] = None,
+        precision_plugin: Optional[Precision] = None,
+    ) -> None:
+        if rule is not None and not isinstance(rule, Rule):
+            raise ValueError(f"rule={rule!r} must be a lightning_mpi Rule instance (e.g. SyncRule())")
+        environment = MPIClusterEnvironment()
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=None,
+            cluster_environment=environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+        )
+        self.rule: Rule = rule if rule is not None else SyncRule()
+        self.log_stats = log_stats
+        self.transport = Transport(environment.comm)
+        self._bound: Optional[BoundRule] = None
+        self._pending_rule_state: Optional[dict[str, Any]] = None
+        self.set_world_ranks()
+
+    # -- where this rank lives -------------------------------------------------------------------
+    @property
+    def cluster_environment_mpi(self) -> MPIClusterEnvironment:
+        assert isinstance(self.cluster_environment, MPIClusterEnvironment)
+        return self.cluster_environment
+
+    @property
+    def num_nodes(self) -> int:
+        return self.cluster_environment_mpi.num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, value: int) -> None:
+        # The Trainer assigns its num_nodes flag; MPI knows better, so the flag is ignored.
+        pass
+
+    def set_world_ranks(self) -> None:
+        # Lightning decides "rank zero only" output (progress bar, model summary, warnings) from these.
+        rank_zero_only.rank = fabric_rank_zero_only.rank = self.global_rank
+
+    @property
+    def root_device(self) -> torch.device:
+        devices = self.parallel_devices
+        if not devices:
+            return torch.device("cpu")
+        return devices[self.local_rank % len(devices)]
+
+    @property
+    def is_distributed(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": self.world_size, "rank": self.global_rank}
+
+    # -- setup -------------------------------------------------------------------------------------
+    def setup(self, trainer: "pl.Trainer") -> None:
+        assert self.accelerator is not None and self.model is not None
+        self.accelerator.setup(trainer)
+        self.model = self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        self.broadcast_module_state()
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        if fitting:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if fitting:
+            from lightning_fabric.utilities.optimizer import _optimizers_to_device
+
+            _optimizers_to_device(self.optimizers, self.root_device)
+            self._bind_rule()
+        self._connect_metrics()
+
+    def model_to_device(self) -> None:
+        assert self.model is not None
+        self.model.to(self.root_device)
+
+    def broadcast_module_state(self) -> None:
+        """Make every rank start from rank 0's parameters and buffers (one Bcast per tensor group)."""
+        if self.world_size == 1:
+            return
+        from lightning_mpi.comm.buffers import make_buckets
+
+        assert self.model is not None
+        tensors = [t for t in (*self.model.parameters(), *self.model.buffers()) if t.is_floating_point()]
+        for bucket in make_buckets(tensors, 1, bucket_bytes=None, reverse=False):
+            bucket.pack()
+            self.transport.broadcast_(bucket.flat, root=0)
+            bucket.unpack()
+        for t in (*self.model.parameters(), *self.model.buffers()):
+            if not t.is_floating_point() and t.numel():
+                with torch.no_grad():
+                    self.transport.broadcast_(t.data if t.is_contiguous() else t.data.contiguous(), root=0)
+
+    def _bind_rule(self) -> None:
+        assert self.model is not None
+        if self._bound is not None:
+            self._bound.close()
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        self._bound = self.rule.bind(self.transport, params)
+        if self._pending_rule_state is not None:
+            self._bound.load_state_dict(self._pending_rule_state)
+            self._pending_rule_state = None
+
+    def _connect_metrics(self) -> None:
+        """Point every torchmetrics Metric in the module at MPI, so ``compute()`` syncs over it."""
+        try:
+            from torchmetrics import Metric
+        except ImportError:  # torchmetrics is a dependency, but keep the strategy usable without it
+            return
+        assert self.model is not None
+        for module in self.model.modules():
+            if isinstance(module, Metric):
+                module.dist_sync_fn = self._gather_for_metrics
+                module.distributed_available_fn = lambda: self.world_size > 1
+
+    def _gather_for_metrics(self, tensor: Tensor, group: Any = None) -> list[Tensor]:
+        """torchmetrics' ``dist_sync_fn``: every rank's tensor, shapes may differ between ranks."""
+        gathered = self.transport.comm.allgather(tensor.detach().cpu())
+        return [t.to(tensor.device) for t in gathered]
+
+    # -- training ----------------------------------------------------------------------------------
+    @property
+    def bound_rule(self) -> Optional[BoundRule]:
+        """The running rule during ``fit`` (None before setup)."""
+        return self._bound
+
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        if self._bound is not None:
+            self._bound.on_train_start()
+
+    def optimizer_step(
+        self,
+        optimizer: Optimizer,
+        closure: Callable[[], Any],
+        model: Optional[Union["pl.LightningModule", torch.nn.Module]] = None,
+        **kwargs: Any,
+    ) -> Any:
+        bound = self._bound
+        if bound is None:
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
+        # A GradScaler (16-mixed) already skips steps with inf gradients and lowers its scale; it
+        # must see them, so with a scaler the step is not abandoned here.
+        scaler_handles_inf = getattr(self.precision_plugin, "scaler", None) is not None
+
+        def closure_then_exchange() -> Any:
+            result = closure()
+            if not bound.before_step(optimizer) and not scaler_handles_inf:
+                raise _SkipStep
+            return result
+
+        try:
+            output = super().optimizer_step(optimizer, closure_then_exchange, model, **kwargs)
+        except _SkipStep:
+            output = None
+        else:
+            bound.after_step(optimizer)
+        self._log_rule_stats(bound)
+        return output
+
+    def _log_rule_stats(self, bound: BoundRule) -> None:
+        if not self.log_stats or self.world_size == 1:
+            return
+        trainer = getattr(self.lightning_module, "_trainer", None)
+        if trainer is None or not trainer.loggers:
+            return
+        if (trainer.global_step + 1) % max(1, trainer.log_every_n_steps) != 0:
+            return
+        metrics = {f"mpi/{self.rule.name}/{k}": v for k, v in bound.stats().items()}
+        if metrics and self.is_global_zero:
+            for logger in trainer.loggers:
+                logger.log_metrics(metrics, step=trainer.global_step)
+
+    def on_train_end(self) -> None:
+        if self._bound is not None:
+            self._bound.on_train_end()
+        super().on_train_end()
+
+    def teardown(self) -> None:
+        if self._bound is not None:
+            self._bound.close()
+        super().teardown()
+
+    # -- collectives for Lightning ------------------------------------------------------------------
+    def reduce(self, tensor: Any, group: Optional[Any] = None, reduce_op: Optional[Any] = "mean") -> Any:
+        """Reduce a tensor over all ranks (``mean`` by default); non-tensors pass through unchanged."""
+        if not isinstance(tensor, Tensor):
+            return tensor
+        op = _reduce_op_name(reduce_op)
+        if self.world_size == 1:
+            return tensor
+        original_dtype = tensor.dtype
+        if tensor.is_floating_point() or op == "mean":
+            work = tensor.detach().to(torch.float64, copy=True)
+        elif tensor.dtype == torch.bool:
+            work = tensor.detach().to(torch.int64)
+        else:
+            work = tensor.detach().clone()
+        work = work.contiguous()
+        self.transport.allreduce_(work, "sum" if op == "mean" else op)
+        if op == "mean":
+            work /= self.world_size
+            return work.to(original_dtype if original_dtype.is_floating_point else torch.float32)
+        return work.to(original_dtype)
+
+    def all_gather(self, tensor: Tensor, group: Optional[Any] = None, sync_grads: bool = False) -> Tensor:
+        """Stack every rank's tensor (same shape on every rank) into ``[world_size, *shape]``.
+
+        ``sync_grads=True`` is not supported: gradients do not flow back through MPI.
+        """
+        if sync_grads:
+            raise ValueError("sync_grads=True is not supported by MPIStrategy.all_gather: gradients do not flow through MPI")
+        if self.world_size == 1:
+            return tensor.unsqueeze(0)
+        src = tensor.detach().contiguous()
+        out = torch.empty((self.world_size, *src.shape), dtype=src.dtype, device=src.device)
+        self.transport.allgather(src.reshape(1, -1), out.view(self.world_size, -1))
+        return out
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        """Send a picklable object from rank ``src`` to every rank."""
+        if self.world_size == 1:
+            return obj
+        return self.transport.comm.bcast(obj, root=src)
+
+    def barrier(self, name: Optional[str] = None) -> None:
+        if self.world_size > 1:
+            self.transport.barrier()
+
+    # -- checkpoints ---------------------------------------------------------------------------------
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+        """Rank 0 writes; the rule's state (center, clocks, ...) is added to the checkpoint first.
+
+        Called on every rank, so a rule with sharded state may gather it here.
+        """
+        if self._bound is not None:
+            checkpoint["lightning_mpi"] = {"rule": type(self.rule).__name__, "state": self._bound.state_dict(), "world_size": self.world_size}
+        super().save_checkpoint(checkpoint, filepath, storage_options)
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        """Every rank reads the checkpoint; the rule's state is restored when the rule is bound."""
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=False if weights_only is None else weights_only)
+        saved = checkpoint.get("lightning_mpi")
+        if saved is not None:
+            if saved.get("world_size") != self.world_size:
+                warnings.warn(
+                    f"lightning_mpi: checkpoint was written at world size {saved.get('world_size')}, "
+                    f"resuming at {self.world_size}; sharded rule state is re-sharded.",
+                    RuntimeWarning,
+                )
+            if self._bound is not None:
+                self._bound.load_state_dict(saved["state"])
+            else:
+                self._pending_rule_state = saved["state"]
+        return checkpoint
+
+
+class SyncStrategy(MPIStrategy):
+    """Synchronous data parallelism: every step, average gradients (or weights) over all ranks.
+
+    Registered as ``mpi_allreduce``, ``mpi_asa``, ``mpi_asa16`` and ``mpi_asa_bf16``.
+
+    Args:
+        exchange: ``"allreduce"``: one ``MPI_Allreduce`` per bucket. ``"asa"``: Theano-MPI's
+            Alltoall → local fp32 sum → Allgather.
+        wire: ``"fp32"``, ``"fp16"`` or ``"bf16"`` on the wire (16-bit needs ``exchange="asa"``):
+            half the bytes, fp32 accumulation, one rounding of the sum.
+        average: ``"gradients"`` (W ranks × batch B = one process × batch W·B), ``"weights"``
+            (Theano-MPI's AWAGD: local step, then average weights) or ``"weights+momentum"``
+            (also average the optimizer's momentum/moment buffers).
+        bucket_mb: exchange bucket size in MiB (> 0).
+        log_stats: log exchange time, bytes and skipped steps under ``mpi/sync/``.
+    """
+
+    def __init__(
+        self,
+        exchange: Literal["allreduce", "asa"] = "allreduce",
+        wire: Literal["fp32", "fp16", "bf16"] = "fp32",
+        average: Literal["gradients", "weights", "weights+momentum"] = "gradients",
+        bucket_mb: float = 25.0,
+        log_stats: bool = True,
+        accelerator: Optional["pl.accelerators.Accelerator"] = None,
+        checkpoint_io: Optional[CheckpointIO] = None,
+        precision_plugin: Optional[Precision] = None,
+    ) -> None:
+        rule = SyncRule(exchange=exchange, wire=wire, average=average, bucket_mb=bucket_mb)
+        super().__init__(
+            rule=rule,
+            log_stats=log_stats,
+            accelerator=accelerator,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+        )

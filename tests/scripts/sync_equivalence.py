@@ -1,0 +1,129 @@
+"""Run on W ranks: train with each strategy and compare with one process at batch W·B.
+
+Writes JSON to argv[1] (rank 0). Every rank starts from a different random initialisation, so
+the test also proves that setup broadcasts rank 0's weights. A callback checks after every step
+that all ranks hold bitwise-identical weights.
+"""
+import hashlib
+import json
+import sys
+import warnings
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+warnings.filterwarnings("ignore")
+import pytorch_lightning as pl  # noqa: E402
+from mpi4py import MPI  # noqa: E402
+
+import lightning_mpi  # noqa: E402,F401
+
+COMM = MPI.COMM_WORLD
+RANK, W = COMM.Get_rank(), COMM.Get_size()
+B, STEPS, LR = 4, 6, 0.2
+
+
+def dataset(n):
+    g = torch.Generator().manual_seed(1234)
+    x = torch.randn(n, 10, generator=g)
+    y = (x[:, :3].sum(1) > 0).long() + (x[:, 3] > 1).long()
+    return TensorDataset(x, y)
+
+
+def make_net():
+    return nn.Sequential(nn.Linear(10, 16), nn.Tanh(), nn.Linear(16, 3))
+
+
+class Module(pl.LightningModule):
+    def __init__(self, momentum=0.0):
+        super().__init__()
+        self.net = make_net()
+        self.momentum = momentum
+
+    def training_step(self, batch, _):
+        x, y = batch
+        return nn.functional.cross_entropy(self.net(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=LR, momentum=self.momentum)
+
+
+class ReplicaCheck(pl.Callback):
+    """After every step: are the weights bitwise identical on all ranks?"""
+
+    def __init__(self):
+        self.mismatches = 0
+
+    def on_train_batch_end(self, trainer, pl_module, *args):
+        blob = b"".join(p.detach().numpy().tobytes() for p in pl_module.parameters())
+        if len(set(COMM.allgather(hashlib.sha1(blob).hexdigest()))) != 1:
+            self.mismatches += 1
+
+
+def reference(initial, accumulate, momentum):
+    """One process, batch W·B·accumulate, same samples in the same order."""
+    net = make_net()
+    net.load_state_dict(initial)
+    opt = torch.optim.SGD(net.parameters(), lr=LR, momentum=momentum)
+    ds = dataset(W * B * STEPS * accumulate)
+    # Lightning gives training loaders a DistributedSampler(shuffle=True, seed=0): rank r reads
+    # perm[r::W], so step k of all ranks together covers perm[k·W·B : (k+1)·W·B].
+    perm = torch.randperm(len(ds), generator=torch.Generator().manual_seed(0)) if W > 1 else torch.arange(len(ds))
+    loader = DataLoader(torch.utils.data.Subset(ds, perm.tolist()), batch_size=W * B * accumulate, shuffle=False)
+    for x, y in loader:
+        opt.zero_grad()
+        nn.functional.cross_entropy(net(x), y).backward()
+        opt.step()
+    return net.state_dict()
+
+
+def run(strategy_name, kwargs=None, accumulate=1, momentum=0.0):
+    torch.manual_seed(100 + RANK)  # a different initialisation on every rank
+    model = Module(momentum)
+    check = ReplicaCheck()
+    if kwargs:
+        strategy = lightning_mpi.SyncStrategy(**kwargs)
+    else:
+        strategy = strategy_name
+    trainer = pl.Trainer(
+        strategy=strategy,
+        max_epochs=1,
+        accumulate_grad_batches=accumulate,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[check],
+    )
+    initial = {}
+
+    class Capture(pl.Callback):
+        def on_train_start(self, trainer, pl_module):
+            initial.update({k: v.clone() for k, v in pl_module.net.state_dict().items()})
+
+    trainer.callbacks.append(Capture())
+    loader = DataLoader(dataset(W * B * STEPS * accumulate), batch_size=B, shuffle=False)
+    trainer.fit(model, loader)
+    ref = reference(initial, accumulate, momentum)
+    diff = max((model.net.state_dict()[k] - ref[k]).abs().max().item() for k in ref)
+    bound = trainer.strategy.bound_rule
+    return {
+        "diff": diff,
+        "mismatches": check.mismatches,
+        "global_step": trainer.global_step,
+        "exchanges": getattr(bound, "exchange_count", None),
+        "world_size": trainer.world_size,
+        "sampler_len": len(trainer.train_dataloader.sampler) if hasattr(trainer.train_dataloader, "sampler") else None,
+    }
+
+
+results = {}
+for name in ("mpi_allreduce", "mpi_asa", "mpi_asa16", "mpi_asa_bf16"):
+    results[name] = run(name)
+results["weights"] = run(None, {"exchange": "asa", "average": "weights"})
+results["weights+momentum"] = run(None, {"exchange": "allreduce", "average": "weights+momentum"}, momentum=0.9)
+results["accumulate2"] = run("mpi_allreduce", accumulate=2)
+if RANK == 0:
+    with open(sys.argv[1], "w") as f:
+        json.dump(results, f)

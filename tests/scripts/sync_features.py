@@ -1,0 +1,85 @@
+"""Run on W ranks: sync_dist logging, a torchmetrics Accuracy, all_gather/broadcast/barrier,
+and a non-finite exchange that must skip the step on every rank. JSON to argv[1] from rank 0."""
+import json
+import sys
+import warnings
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+warnings.filterwarnings("ignore")
+import pytorch_lightning as pl  # noqa: E402
+import torchmetrics  # noqa: E402
+from mpi4py import MPI  # noqa: E402
+
+import lightning_mpi  # noqa: E402,F401
+
+COMM = MPI.COMM_WORLD
+RANK, W = COMM.Get_rank(), COMM.Get_size()
+
+
+class Module(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Linear(4, 2)
+        self.acc = torchmetrics.classification.MulticlassAccuracy(num_classes=2, average="micro")
+        self.gathered = None
+
+    def training_step(self, batch, i):
+        x, y = batch
+        loss = nn.functional.cross_entropy(self.net(x), y)
+        if i == 0 and self.current_epoch == 0 and RANK == W - 1 and self.trainer.strategy.world_size > 1:
+            loss = loss * float("inf")  # only the last rank overflows: every rank must skip
+        return loss
+
+    def validation_step(self, batch, i):
+        # Rank r logs r: the synced mean is (W-1)/2. Predictions: rank r is right on r+1 of 4 samples.
+        self.log("rank_mean", float(self.global_rank), sync_dist=True)
+        self.log("rank_sum", float(self.global_rank), sync_dist=True, reduce_fx="sum")
+        preds = torch.zeros(4, dtype=torch.long)
+        target = torch.tensor([0] * (self.global_rank + 1) + [1] * (3 - self.global_rank))[:4]
+        self.acc.update(preds, target)
+        self.log("acc", self.acc, on_epoch=True)
+        self.gathered = self.all_gather(torch.tensor([float(self.global_rank)]))
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+torch.manual_seed(0)
+ds = TensorDataset(torch.randn(8 * W, 4), torch.randint(0, 2, (8 * W,)))
+model = Module()
+trainer = pl.Trainer(
+    strategy="mpi_asa16",
+    max_epochs=1,
+    limit_val_batches=1,
+    num_sanity_val_steps=0,
+    logger=False,
+    enable_checkpointing=False,
+    enable_progress_bar=False,
+    enable_model_summary=False,
+)
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    trainer.fit(model, DataLoader(ds, batch_size=4), DataLoader(ds, batch_size=4))
+skip_warnings = [str(w.message) for w in caught if "non-finite" in str(w.message)]
+strategy = trainer.strategy
+result = {
+    "rank_mean": float(trainer.callback_metrics["rank_mean"]),
+    "rank_sum": float(trainer.callback_metrics["rank_sum"]),
+    "acc": float(trainer.callback_metrics["acc"]),
+    "gathered": model.gathered.flatten().tolist(),
+    "broadcast": strategy.broadcast({"from": RANK}, src=W - 1),
+    "reduce_max": float(strategy.reduce(torch.tensor(float(RANK)), reduce_op="max")),
+    "decision_any": strategy.reduce_boolean_decision(RANK == 0, all=False),
+    "decision_all": strategy.reduce_boolean_decision(RANK == 0, all=True),
+    "skipped": strategy.bound_rule.skipped_steps,
+    "skip_warnings": len(skip_warnings),
+    "weights_finite": bool(torch.isfinite(model.net.weight).all()),
+    "global_step": trainer.global_step,
+}
+strategy.barrier()
+all_results = COMM.gather(result)
+if RANK == 0:
+    json.dump(all_results, open(sys.argv[1], "w"))

@@ -1,0 +1,111 @@
+"""Transport layer: buckets, codecs (in process) and every collective against numpy (mpiexec)."""
+import json
+
+import pytest
+import torch
+
+from lightning_mpi.comm.buffers import make_buckets, padded_numel
+from lightning_mpi.comm.codecs import BF16, FP16, FP32, get_codec
+from tests.mpi_utils import REPO, run_mpi
+
+SCRIPT = str(REPO / "tests" / "scripts" / "comm_check.py")
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 7])
+def test_buckets_pad_to_world_size_for_any_shapes(world):
+    shapes = [(3, 5), (7,), (1,), (2, 3, 4), ()]
+    tensors = [torch.randn(s) for s in shapes]
+    buckets = make_buckets(tensors, world, bucket_bytes=64)
+    assert sorted(id(t) for b in buckets for t in b.tensors) == sorted(id(t) for t in tensors)
+    for bucket in buckets:
+        assert bucket.flat.numel() % world == 0
+        assert bucket.flat.numel() - bucket.numel < world
+        bucket.pack()
+        assert torch.all(bucket.flat[bucket.numel :] == 0)  # padding is zero
+        for t, v in zip(bucket.tensors, bucket.views()):
+            assert torch.equal(t, v)
+        bucket.flat.mul_(2)
+        bucket.unpack()
+    assert all(torch.equal(t, t0 * 2) for t, t0 in zip(tensors, [t.clone() / 2 for t in tensors]))
+
+
+def test_bucket_grads_missing_grad_packs_zeros_and_unpacks_a_new_grad():
+    a, b = torch.randn(4, requires_grad=True), torch.randn(3, requires_grad=True)
+    a.grad = torch.ones(4)
+    (bucket,) = make_buckets([a, b], 2)
+    bucket.pack_grads()
+    assert bucket.flat.tolist()[:7].count(0.0) == 3
+    bucket.flat.fill_(5)
+    bucket.unpack_grads()
+    assert torch.equal(a.grad, torch.full((4,), 5.0)) and torch.equal(b.grad, torch.full((3,), 5.0))
+
+
+def test_buckets_are_reused_not_reallocated():
+    p = torch.randn(10)
+    (bucket,) = make_buckets([p], 3)
+    ptr = bucket.flat.data_ptr()
+    for _ in range(3):
+        bucket.pack()
+        bucket.unpack()
+    assert bucket.flat.data_ptr() == ptr
+
+
+def test_padded_numel():
+    assert [padded_numel(n, 3) for n in (0, 1, 3, 4)] == [0, 3, 3, 6]
+    with pytest.raises(ValueError, match="multiple"):
+        padded_numel(3, 0)
+
+
+@pytest.mark.parametrize("codec,tol", [(FP32, 0.0), (FP16, 2**-11), (BF16, 2**-8)])
+@pytest.mark.parametrize("n", [1, 5, 17, 1001])
+def test_codec_round_trip_odd_sizes(codec, tol, n):
+    rows = torch.randn(3, n) * torch.tensor([[1e-7], [1.0], [3e4]])  # tiny, normal, near fp16's limit
+    wire = torch.empty(3, codec.wire_numel(n), dtype=codec.wire_dtype)
+    codec.encode(rows, wire)
+    back = torch.empty_like(rows)
+    codec.decode(wire, back)
+    rel = ((back - rows).abs().amax(1) / rows.abs().amax(1)).max().item()
+    assert rel <= tol
+    assert torch.isfinite(back).all()
+
+
+def test_fp16_scaling_prevents_overflow_and_underflow():
+    rows = torch.tensor([[1e6, -2e6, 3.0], [1e-9, -3e-9, 2e-9]])
+    wire, ctx = FP16.compress(rows[0])
+    assert torch.isfinite(FP16.decompress(wire, ctx)).all()  # plain .half() would give inf
+    wire, ctx = FP16.compress(rows[1])
+    assert (FP16.decompress(wire, ctx) != 0).all()  # plain .half() would flush to zero
+
+
+def test_codec_passes_non_finite_through():
+    wire, ctx = FP16.compress(torch.tensor([1.0, float("inf"), 2.0]))
+    assert not torch.isfinite(FP16.decompress(wire, ctx)).all()
+
+
+def test_unknown_codec_names_the_argument():
+    with pytest.raises(ValueError, match=r"wire='fp8'.*choose one of"):
+        get_codec("fp8")
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_collectives_match_numpy(world, tmp_path):
+    out = tmp_path / "result.json"
+    run_mpi(world, [SCRIPT, str(out)], timeout=150)
+    result = json.loads(out.read_text())
+    assert result["world_size"] == world
+    assert result["not_identical"] == []
+    errors = result["errors"]
+    assert len(errors) > 100
+    for case, err in errors.items():
+        if case.startswith("asa_fp16"):
+            assert err <= 2e-3, case
+        elif case.startswith("asa_bf16"):
+            assert err <= 1.6e-2, case
+        elif "mean" in case or case.startswith("asa_fp32"):
+            assert err <= 1e-6, case
+        elif case.startswith("allreduce_sum/torch.float"):
+            assert err <= 1e-5, case  # MPI may add in another order than numpy
+        else:
+            assert err == 0.0, case
