@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import logging
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Generator
+from contextlib import contextmanager
 from typing import Any, Literal, Optional, Union
 
 import pytorch_lightning as pl
@@ -201,6 +202,20 @@ class MPIStrategy(ParallelStrategy):
         """The running rule during ``fit`` (None before setup)."""
         return self._bound
 
+    @contextmanager
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """Lightning wraps backward in this while it accumulates gradients: the gradient hooks
+        must not start exchanges then, only on the backward of the step that updates."""
+        bound = self._bound
+        if bound is None or not hasattr(bound, "sync_enabled"):
+            yield
+            return
+        previous, bound.sync_enabled = bound.sync_enabled, False
+        try:
+            yield
+        finally:
+            bound.sync_enabled = previous
+
     def on_train_start(self) -> None:
         super().on_train_start()
         if self._bound is not None:
@@ -346,6 +361,12 @@ class SyncStrategy(MPIStrategy):
             (Theano-MPI's AWAGD: local step, then average weights) or ``"weights+momentum"``
             (also average the optimizer's momentum/moment buffers).
         bucket_mb: exchange bucket size in MiB (> 0).
+        overlap: start each bucket's exchange from the gradient hooks as soon as its gradients
+            are ready, so it runs behind the rest of backward.
+        segment_mb: ASA pipelines each bucket in segments of this size (MiB): the cast and sum of
+            one segment overlap the transfer of the next.
+        topology_aware: reduce within each node over shared memory, exchange only among node
+            leaders across the network, then broadcast within the node.
         log_stats: log exchange time, bytes and skipped steps under ``mpi/sync/``.
     """
 
@@ -355,12 +376,23 @@ class SyncStrategy(MPIStrategy):
         wire: Literal["fp32", "fp16", "bf16"] = "fp32",
         average: Literal["gradients", "weights", "weights+momentum"] = "gradients",
         bucket_mb: float = 25.0,
+        overlap: bool = True,
+        segment_mb: float = 4.0,
+        topology_aware: bool = False,
         log_stats: bool = True,
         accelerator: Optional["pl.accelerators.Accelerator"] = None,
         checkpoint_io: Optional[CheckpointIO] = None,
         precision_plugin: Optional[Precision] = None,
     ) -> None:
-        rule = SyncRule(exchange=exchange, wire=wire, average=average, bucket_mb=bucket_mb)
+        rule = SyncRule(
+            exchange=exchange,
+            wire=wire,
+            average=average,
+            bucket_mb=bucket_mb,
+            overlap=overlap,
+            segment_mb=segment_mb,
+            topology_aware=topology_aware,
+        )
         super().__init__(
             rule=rule,
             log_stats=log_stats,

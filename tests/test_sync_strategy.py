@@ -119,3 +119,28 @@ def test_bad_arguments_raise_clear_errors(kwargs, match):
         SyncRule(**kwargs)
     with pytest.raises(ValueError, match=match):
         lightning_mpi.SyncStrategy(**kwargs)  # validated before MPI is touched
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(300)
+def test_overlap_launches_buckets_from_gradient_hooks(equivalence):
+    world, results = equivalence
+    if world == 1:
+        assert results["mpi_asa"]["hook_launches"] == 0  # nothing to exchange
+        return
+    assert results["mpi_asa"]["hook_launches"] == 6  # one bucket per step, launched in backward
+    assert results["no_overlap"]["hook_launches"] == 0
+    assert results["no_overlap"]["diff"] <= 1e-5
+    piped = results["asa16_pipelined"]
+    assert piped["buckets"] >= 2 and piped["hook_launches"] == 6 * piped["buckets"]
+    assert piped["diff"] <= 5e-3 and piped["mismatches"] == 0
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("case,tol", [("topology_asa16", 5e-3), ("topology_allreduce", 1e-5)])
+def test_topology_aware_exchange_matches_one_process(equivalence, case, tol):
+    # LIGHTNING_MPI_RANKS_PER_NODE=2 makes pretend nodes {0,1},{2}: in-node reduce, leaders exchange, in-node bcast.
+    world, results = equivalence
+    assert results[case]["diff"] <= tol
+    assert results[case]["mismatches"] == 0

@@ -7,6 +7,7 @@ once per shape and reused. 16-bit tensors travel as ``int16`` words: MPI only mo
 """
 from __future__ import annotations
 
+from collections.abc import Generator
 from typing import Any
 
 import torch
@@ -45,8 +46,11 @@ class Transport:
         return tensor.is_cuda and not mpi_is_cuda_aware()
 
     def host_buffer(self, like: Tensor, slot: str) -> Tensor:
-        """Pinned host buffer shaped like ``like``, reused per (slot, shape, dtype)."""
-        key = (slot, tuple(like.shape), like.dtype)
+        """Pinned host buffer shaped like ``like``, reused per (slot, device buffer, shape, dtype).
+
+        Device buffers are long-lived bucket buffers, so keying by their address keeps concurrent
+        non-blocking exchanges apart while the cache stays bounded."""
+        key = (slot, like.data_ptr(), tuple(like.shape), like.dtype)
         buf = self._staging.get(key)
         if buf is None:
             buf = torch.empty(like.shape, dtype=like.dtype, pin_memory=torch.cuda.is_available())
@@ -111,3 +115,73 @@ class Transport:
 
     def barrier(self) -> None:
         self.comm.Barrier()
+
+    def dup(self) -> "Transport":
+        """A transport over a duplicate communicator (collective over this one).
+
+        Non-blocking collectives on one communicator must be started in the same order on every
+        rank. Exchanges that progress independently (buckets launched from gradient hooks,
+        pipelined segments) therefore each get their own communicator."""
+        return Transport(self.comm.Dup())
+
+    def node_split(self) -> tuple["Transport", "Transport | None"]:
+        """Transports for this node's ranks and for the node leaders (``None`` unless local rank 0).
+
+        Nodes are MPI's shared-memory domains (``COMM_TYPE_SHARED``). For tests on one machine,
+        ``LIGHTNING_MPI_RANKS_PER_NODE=k`` groups consecutive ranks into pretend nodes of ``k``.
+        """
+        import os
+
+        per_node = os.environ.get("LIGHTNING_MPI_RANKS_PER_NODE")
+        if per_node:
+            local = self.comm.Split(color=self.rank // int(per_node), key=self.rank)
+        else:
+            local = self.comm.Split_type(self.MPI.COMM_TYPE_SHARED, key=self.rank)
+        is_leader = local.Get_rank() == 0
+        leaders = self.comm.Split(color=0 if is_leader else self.MPI.UNDEFINED, key=self.rank)
+        return Transport(local), (Transport(leaders) if is_leader else None)
+
+    # -- non-blocking: generators that yield one MPI request and finish after it completes ----------
+    # Staging copies happen before the start and after completion, inside the generator, so a
+    # caller just ``yield from``s them (see lightning_mpi.comm.engine).
+    def iallreduce_(self, tensor: Tensor) -> Generator[Any, None, Tensor]:
+        """Non-blocking in-place sum."""
+        self._sync_device(tensor)
+        host = self._host(tensor, "iallreduce", copy_in=True)
+        yield self.comm.Iallreduce(self.MPI.IN_PLACE, host, op=self.MPI.SUM)
+        self._back(host, tensor)
+        return tensor
+
+    def ialltoall(self, send: Tensor, recv: Tensor) -> Generator[Any, None, Tensor]:
+        self._sync_device(send, recv)
+        hs = self._host(send, "ialltoall_send", copy_in=True)
+        hr = self._host(recv, "ialltoall_recv", copy_in=False)
+        yield self.comm.Ialltoall(_mpi_view(hs), _mpi_view(hr))
+        self._back(hr, recv)
+        return recv
+
+    def iallgather(self, send: Tensor, recv: Tensor) -> Generator[Any, None, Tensor]:
+        self._sync_device(send, recv)
+        hs = self._host(send, "iallgather_send", copy_in=True)
+        hr = self._host(recv, "iallgather_recv", copy_in=False)
+        yield self.comm.Iallgather(_mpi_view(hs), _mpi_view(hr))
+        self._back(hr, recv)
+        return recv
+
+    def ireduce_(self, tensor: Tensor, root: int = 0) -> Generator[Any, None, Tensor]:
+        """Non-blocking in-place sum onto ``root`` (other ranks' ``tensor`` is left as it was)."""
+        self._sync_device(tensor)
+        host = self._host(tensor, "ireduce", copy_in=True)
+        if self.rank == root:
+            yield self.comm.Ireduce(self.MPI.IN_PLACE, host, op=self.MPI.SUM, root=root)
+            self._back(host, tensor)
+        else:
+            yield self.comm.Ireduce(host, None, op=self.MPI.SUM, root=root)
+        return tensor
+
+    def ibroadcast_(self, tensor: Tensor, root: int = 0) -> Generator[Any, None, Tensor]:
+        self._sync_device(tensor)
+        host = self._host(tensor, "ibcast", copy_in=True)
+        yield self.comm.Ibcast(_mpi_view(host), root=root)
+        self._back(host, tensor)
+        return tensor

@@ -13,6 +13,7 @@ every rank (they all see the same values), counted in ``skipped_steps`` and warn
 """
 from __future__ import annotations
 
+import math
 import time
 import warnings
 from collections.abc import Sequence
@@ -24,7 +25,15 @@ from torch.optim import Optimizer
 
 from lightning_mpi.comm.buffers import Bucket, make_buckets
 from lightning_mpi.comm.codecs import get_codec
-from lightning_mpi.comm.collectives import ASAWorkspace, allreduce_mean_, asa_mean_
+from lightning_mpi.comm.collectives import ASAWorkspace
+from lightning_mpi.comm.engine import (
+    Exchange,
+    Progress,
+    allreduce_mean_steps,
+    asa_mean_steps,
+    hierarchical_mean_steps,
+    segments,
+)
 from lightning_mpi.comm.transport import Transport
 from lightning_mpi.rules.base import BoundRule, Rule, check_choice, check_range
 
@@ -41,7 +50,14 @@ class SyncRule(Rule):
         wire: ``"fp32"``, ``"fp16"`` or ``"bf16"``: the format on the wire. 16-bit formats need
             ``exchange="asa"``, which sums in fp32 after the wire.
         average: ``"gradients"``, ``"weights"`` or ``"weights+momentum"`` (see module docstring).
-        bucket_mb: size of one exchange bucket in MiB, > 0.
+        bucket_mb: size of one exchange bucket in MiB, > 0. Smaller buckets start exchanging
+            earlier in backward; larger ones pay less per-message latency.
+        overlap: start a bucket's exchange from the gradient hooks as soon as all its gradients
+            are ready, so it runs behind the rest of backward (``average="gradients"`` only).
+        segment_mb: ASA pipelines each bucket in segments of this many MiB: segment k+1 is cast
+            and sent while segment k is on the wire and being summed.
+        topology_aware: reduce within a node over shared memory, exchange among node leaders
+            only, then broadcast within the node (PowerAI DDL's scheme).
     """
 
     name = "sync"
@@ -52,11 +68,15 @@ class SyncRule(Rule):
         wire: str = "fp32",
         average: str = "gradients",
         bucket_mb: float = 25.0,
+        overlap: bool = True,
+        segment_mb: float = 4.0,
+        topology_aware: bool = False,
     ) -> None:
         check_choice("exchange", exchange, EXCHANGES)
         check_choice("wire", wire, WIRES)
         check_choice("average", average, AVERAGES)
         check_range("bucket_mb", bucket_mb, 0, float("inf"), low_open=True, high_open=True)
+        check_range("segment_mb", segment_mb, 0, float("inf"), low_open=True, high_open=True)
         if wire != "fp32" and exchange != "asa":
             raise ValueError(
                 f"wire={wire!r} needs exchange='asa' (ASA sums 16-bit chunks in fp32); got exchange={exchange!r}"
@@ -65,48 +85,126 @@ class SyncRule(Rule):
         self.wire = wire
         self.average = average
         self.bucket_mb = float(bucket_mb)
+        self.overlap = bool(overlap)
+        self.segment_mb = float(segment_mb)
+        self.topology_aware = bool(topology_aware)
 
     def bind(self, transport: Transport, params: Sequence[Tensor]) -> "BoundSyncRule":
         return BoundSyncRule(self, transport, params)
 
 
 class BucketExchanger:
-    """Averages padded buckets over ranks with the rule's exchange and codec, reusing scratch."""
+    """Averages padded buckets over ranks, non-blocking, with scratch that is allocated once.
 
-    def __init__(self, transport: Transport, exchange: str, wire: str) -> None:
+    ``start(bucket)`` launches a bucket's exchange (segmented for ASA) on the :class:`Progress`
+    engine; ``poll()`` advances everything in flight; ``finish()`` waits for all of it.
+    """
+
+    def __init__(self, transport: Transport, rule: SyncRule) -> None:
         self.transport = transport
-        self.exchange = exchange
-        self.codec = get_codec(wire)
-        self._workspaces: dict[int, ASAWorkspace] = {}
+        self.exchange = rule.exchange
+        self.codec = get_codec(rule.wire)
+        self.segment_numel = max(1, int(rule.segment_mb * 2**20) // 4)
+        self.progress = Progress()
+        self._workspaces: dict[tuple[int, int], ASAWorkspace] = {}
+        self._slots: dict[int, tuple[Transport | None, list[Tensor], list[Transport]]] = {}  # by id(bucket)
+        self.local: Transport | None = None
+        self.leaders: Transport | None = None
+        #: buckets are padded to a multiple of this: every team that cuts them into chunks must
+        #: find whole chunks (all ranks; with topology, also the node leaders).
+        self.pad_multiple = transport.size
+        if rule.topology_aware and transport.size > 1:
+            self.local, self.leaders = transport.node_split()
+            num_leaders = transport.comm.allreduce(1 if self.leaders is not None else 0)
+            self.pad_multiple = math.lcm(transport.size, num_leaders)
         self.seconds = 0.0
         self.wire_bytes = 0
 
+    def _team(self) -> Transport | None:
+        """Who takes part in the across-the-link exchange (None: this rank only shares in-node)."""
+        return self.transport if self.local is None else self.leaders
+
+    def prepare(self, buckets: Sequence[Bucket]) -> None:
+        """Give every bucket, and every pipelined segment of it, its own communicator.
+
+        Must run on every rank with the same buckets in the same order (communicator creation is
+        collective); after that, exchanges may start and finish in any order on each rank."""
+        for bucket in buckets:
+            local = self.local.dup() if self.local is not None else None
+            team = self._team()
+            team = team.dup() if team is not None else None
+            if self.exchange == "asa":
+                parts = segments(bucket.flat, self.pad_multiple, self.segment_numel)
+            else:
+                parts = [bucket.flat]
+            teams = [team] + [team.dup() for _ in parts[1:]] if team is not None else []
+            self._slots[id(bucket)] = (local, parts, teams)
+
     def wire_bytes_for(self, bucket: Bucket) -> int:
-        """Bytes this rank sends for one exchange of ``bucket`` (bandwidth-optimal algorithms)."""
-        world = self.transport.size
+        """Bytes this rank sends across ranks for one exchange of ``bucket`` (bandwidth-optimal algorithms)."""
+        team = self._team()
+        world = team.size if team is not None else 1
         if world == 1:
             return 0
         elem = bucket.flat.element_size()
         if self.exchange == "allreduce":
             return int(2 * (world - 1) / world * bucket.flat.numel() * elem)
         chunk = bucket.flat.numel() // world
-        words = self.codec.wire_numel(chunk) * (torch.empty((), dtype=self.codec.wire_dtype).element_size())
+        words = self.codec.wire_numel(chunk) * torch.empty((), dtype=self.codec.wire_dtype).element_size()
         return 2 * (world - 1) * words  # Alltoall out + Allgather out
 
-    def __call__(self, bucket: Bucket) -> None:
+    def _segment_steps(self, team: Transport, segment: Tensor) -> Exchange:
+        if self.exchange == "allreduce":
+            return allreduce_mean_steps(team, segment)
+        key = (segment.data_ptr(), segment.numel())
+        work = self._workspaces.get(key)
+        if work is None:
+            work = ASAWorkspace.for_buffer(segment, team.size, self.codec)
+            self._workspaces[key] = work
+        return asa_mean_steps(team, segment, self.codec, work)
+
+    def _team_steps(self, key: int) -> Exchange:
+        _, parts, teams = self._slots[key]
+        # Later segments run as exchanges of their own, on their own communicators, so that
+        # segment k+1 is cast and sent while segment k is on the wire or being summed.
+        for team, segment in zip(teams[1:], parts[1:]):
+            self.progress.start(self._segment_steps(team, segment))
+        yield from self._segment_steps(teams[0], parts[0])
+
+    def _steps(self, bucket: Bucket) -> Exchange:
+        local, _, teams = self._slots[id(bucket)]
+        if local is not None:
+            leaders = teams[0] if teams else None
+
+            def leader_exchange(_team: Transport, _flat: Tensor) -> Exchange:
+                return self._team_steps(id(bucket))
+
+            yield from hierarchical_mean_steps(local, leaders, bucket.flat, self.transport.size, leader_exchange)
+        else:
+            yield from self._team_steps(id(bucket))
+
+    def start(self, bucket: Bucket) -> None:
         if self.transport.size == 1:
             return
-        start = time.perf_counter()
-        if self.exchange == "allreduce":
-            allreduce_mean_(self.transport, bucket.flat)
-        else:
-            work = self._workspaces.get(id(bucket.flat))
-            if work is None:
-                work = ASAWorkspace.for_buffer(bucket.flat, self.transport.size, self.codec)
-                self._workspaces[id(bucket.flat)] = work
-            asa_mean_(self.transport, bucket.flat, self.codec, work)
-        self.seconds += time.perf_counter() - start
+        begin = time.perf_counter()
+        self.progress.start(self._steps(bucket))
         self.wire_bytes += self.wire_bytes_for(bucket)
+        self.seconds += time.perf_counter() - begin
+
+    def poll(self) -> None:
+        begin = time.perf_counter()
+        self.progress.poll()
+        self.seconds += time.perf_counter() - begin
+
+    def finish(self) -> None:
+        begin = time.perf_counter()
+        self.progress.wait_all()
+        self.seconds += time.perf_counter() - begin
+
+    def __call__(self, bucket: Bucket) -> None:
+        """Blocking exchange of one bucket."""
+        self.start(bucket)
+        self.finish()
 
 
 def all_finite(buffers: Sequence[Tensor]) -> bool:
@@ -120,26 +218,79 @@ class BoundSyncRule(BoundRule):
         super().__init__(transport, params)
         self.rule = rule
         bucket_bytes = int(rule.bucket_mb * 2**20)
-        self.buckets = make_buckets(self.params, transport.size, bucket_bytes)
-        self.exchanger = BucketExchanger(transport, rule.exchange, rule.wire)
+        self.exchanger = BucketExchanger(transport, rule)
+        self.buckets = make_buckets(self.params, self.exchanger.pad_multiple, bucket_bytes)
+        if transport.size > 1:
+            self.exchanger.prepare(self.buckets)
         self.skipped_steps = 0
         self.exchange_count = 0  # updating steps that exchanged gradients
+        self._last: dict[str, float] = {}
+        self.hook_launches = 0  # buckets whose exchange started during backward
         self._state_buckets: list[Bucket] = []
         self._state_key: tuple = ()
-        self._last: dict[str, float] = {}
+        # Overlap state: how many members of each bucket reported a gradient in this backward.
+        self.sync_enabled = True  # False while Lightning accumulates (block_backward_sync)
+        self._ready = [0] * len(self.buckets)
+        self._launched = [False] * len(self.buckets)
+        self._replayed = False  # a gradient arrived after its bucket left: redo blocking
+        self._hooks = []
+        if rule.overlap and rule.average == "gradients" and transport.size > 1:
+            self._attach_hooks()
+
+    def _attach_hooks(self) -> None:
+        for index, bucket in enumerate(self.buckets):
+            for tensor in bucket.tensors:
+                self._hooks.append(tensor.register_post_accumulate_grad_hook(self._make_hook(index)))
+
+    def _make_hook(self, index: int):
+        def on_grad_ready(_param: Tensor) -> None:
+            if not self.sync_enabled:
+                return
+            self._ready[index] += 1
+            bucket = self.buckets[index]
+            if self._ready[index] == len(bucket.tensors):
+                bucket.pack_grads()
+                self._launched[index] = True
+                self.hook_launches += 1
+                self.exchanger.start(bucket)
+            elif self._ready[index] > len(bucket.tensors):
+                self._replayed = True  # a second backward before the step
+            self.exchanger.poll()  # MPICH moves data only inside MPI calls
+
+        return on_grad_ready
+
+    def _reset_overlap(self) -> None:
+        self._ready = [0] * len(self.buckets)
+        self._launched = [False] * len(self.buckets)
+        self._replayed = False
 
     # -- gradients -----------------------------------------------------------------------------
-    def before_step(self, optimizer: Optimizer) -> bool:
+    def _snapshot_stats(self) -> None:
+        """Keep this step's numbers for ``stats()`` and start counting the next step."""
+        self._last = {
+            "exchange_seconds": self.exchanger.seconds,
+            "wire_bytes": float(self.exchanger.wire_bytes),
+            "skipped_steps": float(self.skipped_steps),
+        }
         self.exchanger.seconds, self.exchanger.wire_bytes = 0.0, 0
+
+    def before_step(self, optimizer: Optimizer) -> bool:
         if self.transport.size == 1:
             return True
         if self.rule.average == "gradients":
             members = {id(p) for g in optimizer.param_groups for p in g["params"]}
             buckets = [b for b in self.buckets if any(id(t) in members for t in b.tensors)]
             self.exchange_count += 1
+            if self._replayed:
+                self.exchanger.finish()  # drop what left early: gradients changed since
+                self._launched = [False] * len(self.buckets)
             for bucket in buckets:
-                bucket.pack_grads()
-                self.exchanger(bucket)
+                # Buckets the hooks did not launch: overlap off, or a member got no gradient.
+                if not self._launched[bucket.index]:
+                    bucket.pack_grads()
+                    self.exchanger.start(bucket)
+            self.exchanger.finish()
+            self._reset_overlap()
             finite = all_finite([b.flat for b in buckets])
             if finite:
                 for bucket in buckets:
@@ -158,6 +309,8 @@ class BoundSyncRule(BoundRule):
                 RuntimeWarning,
                 stacklevel=2,
             )
+        if self.rule.average == "gradients":
+            self._snapshot_stats()
         return finite
 
     # -- weights ---------------------------------------------------------------------------------
@@ -173,6 +326,7 @@ class BoundSyncRule(BoundRule):
                 bucket.pack()
                 self.exchanger(bucket)
                 bucket.unpack()
+        self._snapshot_stats()
 
     def _momentum_buckets(self, optimizer: Optimizer) -> list[Bucket]:
         """Buckets over the optimizer's per-parameter float state (momentum, Adam moments).
@@ -189,11 +343,18 @@ class BoundSyncRule(BoundRule):
                     tensors.append(value)
         key = tuple(id(t) for t in tensors)
         if key != self._state_key:
-            self._state_buckets = make_buckets(tensors, self.transport.size, int(self.rule.bucket_mb * 2**20))
+            self._state_buckets = make_buckets(tensors, self.exchanger.pad_multiple, int(self.rule.bucket_mb * 2**20))
             self._state_key = key
+            self.exchanger.prepare(self._state_buckets)  # every rank is here at the same step
         return self._state_buckets
 
     # -- bookkeeping -----------------------------------------------------------------------------
+    def close(self) -> None:
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+        self.exchanger.finish()
+
     def state_dict(self) -> dict[str, Any]:
         return {"skipped_steps": self.skipped_steps}
 
@@ -201,8 +362,4 @@ class BoundSyncRule(BoundRule):
         self.skipped_steps = int(state.get("skipped_steps", 0))
 
     def stats(self) -> dict[str, float]:
-        return {
-            "exchange_seconds": self.exchanger.seconds,
-            "wire_bytes": float(self.exchanger.wire_bytes),
-            "skipped_steps": float(self.skipped_steps),
-        }
+        return dict(self._last)

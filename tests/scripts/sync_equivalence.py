@@ -6,6 +6,7 @@ that all ranks hold bitwise-identical weights.
 """
 import hashlib
 import json
+import os
 import sys
 import warnings
 
@@ -113,6 +114,8 @@ def run(strategy_name, kwargs=None, accumulate=1, momentum=0.0):
         "mismatches": check.mismatches,
         "global_step": trainer.global_step,
         "exchanges": getattr(bound, "exchange_count", None),
+        "hook_launches": getattr(bound, "hook_launches", None),
+        "buckets": len(getattr(bound, "buckets", [])),
         "world_size": trainer.world_size,
         "sampler_len": len(trainer.train_dataloader.sampler) if hasattr(trainer.train_dataloader, "sampler") else None,
     }
@@ -124,6 +127,12 @@ for name in ("mpi_allreduce", "mpi_asa", "mpi_asa16", "mpi_asa_bf16"):
 results["weights"] = run(None, {"exchange": "asa", "average": "weights"})
 results["weights+momentum"] = run(None, {"exchange": "allreduce", "average": "weights+momentum"}, momentum=0.9)
 results["accumulate2"] = run("mpi_allreduce", accumulate=2)
+results["no_overlap"] = run(None, {"exchange": "asa", "overlap": False})
+# Tiny buckets and segments: several buckets launched from hooks, several pipelined segments each.
+results["asa16_pipelined"] = run(None, {"exchange": "asa", "wire": "fp16", "bucket_mb": 0.0004, "segment_mb": 0.0001})
+os.environ["LIGHTNING_MPI_RANKS_PER_NODE"] = "2"  # pretend nodes of 2 ranks on this one machine
+results["topology_asa16"] = run(None, {"exchange": "asa", "wire": "fp16", "topology_aware": True, "bucket_mb": 0.0004})
+results["topology_allreduce"] = run(None, {"exchange": "allreduce", "topology_aware": True})
 if RANK == 0:
     with open(sys.argv[1], "w") as f:
         json.dump(results, f)

@@ -1,0 +1,262 @@
+"""One-sided MPI helpers: a sharded center variable, a clock, a decision board, a progress thread.
+
+Why one-sided, and why this exact recipe (measured, see DESIGN.md "Facts measured"): a rank that
+computes in Python makes no MPI calls, and MPICH advances passive-target RMA aimed at a rank only
+while that rank is inside MPI. With memory from ``MPI.Win.Allocate`` plus a light thread per rank
+that calls ``Iprobe`` every ``interval`` seconds, a 16 MB ``Lock(SHARED)/Accumulate/Unlock``
+against a busy rank took 27 ms instead of about 2,000 ms (``Win.Create`` memory did not benefit
+over shared memory). So every window here is ``Win.Allocate``d, and every rank that hosts part of
+one runs a :class:`ProgressThread` for as long as the window lives.
+
+Every access goes through atomic RMA operations (``Accumulate``, ``Get_accumulate`` with
+``SUM`` or ``NO_OP``, ``Fetch_and_op``), never plain ``Put``/``Get``: MPI guarantees element-wise
+atomicity only between accumulate-family operations, so concurrent commits are never lost and a
+pull never reads a half-written element.
+
+No Lightning here; torch tensors are moved through numpy views of the window memory.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+_NP = {torch.float32: np.float32, torch.float64: np.float64}
+
+
+def require_thread_multiple() -> None:
+    """Raise ``RuntimeError`` unless MPI runs with ``MPI_THREAD_MULTIPLE`` (a progress thread needs it)."""
+    from mpi4py import MPI
+
+    level = MPI.Query_thread()
+    if level < MPI.THREAD_MULTIPLE:
+        names = {MPI.THREAD_SINGLE: "THREAD_SINGLE", MPI.THREAD_FUNNELED: "THREAD_FUNNELED", MPI.THREAD_SERIALIZED: "THREAD_SERIALIZED"}
+        raise RuntimeError(
+            f"lightning_mpi: the asynchronous rules need MPI_THREAD_MULTIPLE (a progress thread calls MPI "
+            f"while training runs), but MPI was initialised with {names.get(level, level)}. Do not set "
+            f"mpi4py.rc.thread_level (its default is 'multiple'), and use an MPI library built with thread support."
+        )
+
+
+class ProgressThread:
+    """A daemon thread that calls ``Iprobe`` on its own communicator every ``interval`` seconds.
+
+    Each call enters MPICH's progress engine, which services incoming one-sided operations aimed at
+    this rank while the main thread computes (torch releases the GIL in its kernels; ``sleep``
+    releases it between probes). ``stop()`` joins the thread; it is safe to call twice.
+    """
+
+    def __init__(self, comm: Any, interval: float = 5e-4) -> None:
+        require_thread_multiple()
+        self.comm = comm.Dup()
+        self.interval = interval
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="lightning_mpi-progress", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        from mpi4py import MPI
+
+        while not self._stop.is_set():
+            self.comm.Iprobe(source=MPI.ANY_SOURCE, tag=MPI.ANY_TAG)
+            time.sleep(self.interval)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def stop(self) -> None:
+        if self._thread.is_alive():
+            self._stop.set()
+            self._thread.join()
+        if self.comm is not None:
+            self.comm.Free()
+            self.comm = None
+
+
+def shard_bounds(numel: int, world: int, rank: int) -> tuple[int, int]:
+    """``[start, stop)`` of ``rank``'s shard of a ``numel``-vector; ``numel`` must divide by ``world``."""
+    if numel % world:
+        raise ValueError(f"numel={numel} must be a multiple of the world size {world} (pad the buffer)")
+    size = numel // world
+    return rank * size, (rank + 1) * size
+
+
+class ShardedVector:
+    """A flat vector split over all ranks of ``comm``: rank r hosts elements ``[r·n/W, (r+1)·n/W)``.
+
+    Collective: construction (``Win.Allocate``) and :meth:`free`. Everything else is one-sided and
+    may be called by any rank at any time. Traffic per full read or commit is ``n`` elements spread
+    evenly over the W hosts, so no rank is a bottleneck and none sits idle as a server.
+
+    Args:
+        comm: the communicator (it is duplicated).
+        numel: total length, a multiple of ``comm.size``.
+        dtype: ``torch.float32`` or ``torch.float64``.
+    """
+
+    def __init__(self, comm: Any, numel: int, dtype: torch.dtype = torch.float32) -> None:
+        from mpi4py import MPI
+
+        self.MPI = MPI
+        self.comm = comm.Dup()
+        self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
+        self.numel = numel
+        self.dtype = dtype
+        self.np_dtype = _NP[dtype]
+        self.shard = numel // self.size
+        shard_bounds(numel, self.size, self.rank)
+        itemsize = np.dtype(self.np_dtype).itemsize
+        self.win = MPI.Win.Allocate(self.shard * itemsize, itemsize, comm=self.comm)
+        self.local = np.frombuffer(self.win.tomemory(), dtype=self.np_dtype, count=self.shard)
+        self.bytes_sent = 0
+        self.wait_seconds = 0.0
+
+    def _np(self, tensor: Tensor) -> np.ndarray:
+        if tensor.dtype != self.dtype or not tensor.is_contiguous() or tensor.device.type != "cpu":
+            raise ValueError(f"expected a contiguous CPU {self.dtype} tensor, got {tensor.dtype} on {tensor.device}")
+        return tensor.numpy()
+
+    def _each_shard(self, op, *tensors: Tensor) -> None:
+        arrays = [self._np(t) for t in tensors]
+        start = time.perf_counter()
+        # Start with this rank's own shard's successor so that W ranks committing at once do not
+        # all queue on rank 0 first.
+        for k in range(self.size):
+            target = (self.rank + 1 + k) % self.size
+            lo, hi = target * self.shard, (target + 1) * self.shard
+            self.win.Lock(target, self.MPI.LOCK_SHARED)
+            op(target, *[a[lo:hi] for a in arrays])
+            self.win.Unlock(target)
+        self.wait_seconds += time.perf_counter() - start
+
+    def init_local(self, full: Tensor) -> None:
+        """Set this rank's shard from ``full`` (local store under an exclusive lock). Follow with a barrier."""
+        lo, hi = self.rank * self.shard, (self.rank + 1) * self.shard
+        self.win.Lock(self.rank, self.MPI.LOCK_EXCLUSIVE)
+        self.local[:] = self._np(full)[lo:hi]
+        self.win.Unlock(self.rank)
+
+    def read(self, out: Tensor) -> Tensor:
+        """Atomically read the whole vector into ``out`` (``Get_accumulate`` with ``NO_OP``)."""
+        mpi_type = self.MPI.FLOAT if self.np_dtype is np.float32 else self.MPI.DOUBLE
+
+        def get(target: int, o: np.ndarray) -> None:
+            # NO_OP ignores the origin, but the target extent must be spelled out.
+            self.win.Get_accumulate(o, o, target, target=[0, o.size, mpi_type], op=self.MPI.NO_OP)
+
+        self._each_shard(get, out)
+        return out
+
+    def add(self, delta: Tensor, old: Tensor | None = None) -> None:
+        """Atomically add ``delta`` into the vector; with ``old``, also fetch the values just before the add."""
+        self.bytes_sent += delta.numel() * delta.element_size()
+        if old is None:
+            self._each_shard(lambda target, d: self.win.Accumulate(d, target, op=self.MPI.SUM), delta)
+        else:
+            self._each_shard(lambda target, d, o: self.win.Get_accumulate(d, o, target, op=self.MPI.SUM), delta, old)
+
+    def barrier(self) -> None:
+        self.comm.Barrier()
+
+    def free(self) -> None:
+        """Collective: release the window and the communicator. Safe to call twice."""
+        if self.win is not None:
+            self.local = None
+            self.win.Free()
+            self.win = None
+            self.comm.Free()
+
+
+class Counters:
+    """``length`` int64 counters hosted on rank ``root``, updated with ``Fetch_and_op`` / ``Accumulate``.
+
+    Used for the server clock (one counter: commits so far) and for the decision board (sticky
+    flags raised with ``MAX``). Collective: construction and :meth:`free`.
+    """
+
+    def __init__(self, comm: Any, length: int, root: int = 0) -> None:
+        from mpi4py import MPI
+
+        self.MPI = MPI
+        self.comm = comm.Dup()
+        self.root = root
+        self.length = length
+        hosted = length if self.comm.Get_rank() == root else 0
+        self.win = MPI.Win.Allocate(hosted * 8, 8, comm=self.comm)
+        if hosted:
+            self.win.Lock(root, MPI.LOCK_EXCLUSIVE)
+            np.frombuffer(self.win.tomemory(), dtype=np.int64, count=length)[:] = 0
+            self.win.Unlock(root)
+        self.comm.Barrier()
+
+    def fetch_add(self, index: int, value: int) -> int:
+        """Atomically add ``value`` to counter ``index``; return its value before."""
+        one = np.array([value], dtype=np.int64)
+        old = np.zeros(1, dtype=np.int64)
+        self.win.Lock(self.root, self.MPI.LOCK_SHARED)
+        self.win.Fetch_and_op([one, 1, self.MPI.INT64_T], [old, 1, self.MPI.INT64_T], self.root, index, self.MPI.SUM)
+        self.win.Unlock(self.root)
+        return int(old[0])
+
+    def raise_to(self, index: int, value: int) -> None:
+        """Atomically set counter ``index`` to ``max(current, value)`` (a sticky flag)."""
+        v = np.array([value], dtype=np.int64)
+        self.win.Lock(self.root, self.MPI.LOCK_SHARED)
+        self.win.Accumulate([v, 1, self.MPI.INT64_T], self.root, target=[index, 1, self.MPI.INT64_T], op=self.MPI.MAX)
+        self.win.Unlock(self.root)
+
+    def set_all(self, values: np.ndarray) -> None:
+        """Overwrite every counter (atomically per element, ``REPLACE``)."""
+        v = np.ascontiguousarray(values, dtype=np.int64)
+        self.win.Lock(self.root, self.MPI.LOCK_SHARED)
+        self.win.Accumulate([v, v.size, self.MPI.INT64_T], self.root, target=[0, v.size, self.MPI.INT64_T], op=self.MPI.REPLACE)
+        self.win.Unlock(self.root)
+
+    def read(self) -> np.ndarray:
+        out = np.zeros(self.length, dtype=np.int64)
+        self.win.Lock(self.root, self.MPI.LOCK_SHARED)
+        self.win.Get_accumulate([out, self.length, self.MPI.INT64_T], [out, self.length, self.MPI.INT64_T], self.root, target=[0, self.length, self.MPI.INT64_T], op=self.MPI.NO_OP)
+        self.win.Unlock(self.root)
+        return out
+
+    def free(self) -> None:
+        if self.win is not None:
+            self.win.Free()
+            self.win = None
+            self.comm.Free()
+
+
+class DecisionBoard:
+    """Stop decisions published one-sidedly, so Lightning's per-step ``broadcast`` of a bool and
+    ``reduce_boolean_decision`` do not become per-step barriers.
+
+    Slot 0 holds ``broadcast`` values published by rank 0; slot ``1 + r`` holds rank r's own
+    decision. Flags are sticky (raised with ``MAX``): once a rank has decided to stop, the decision
+    stays visible, so every rank sees it the next time it asks, whatever step it is on. Readers never
+    wait for the publisher, and nobody waits for a reader: nothing can hang.
+    """
+
+    def __init__(self, comm: Any) -> None:
+        self.rank, self.size = comm.Get_rank(), comm.Get_size()
+        self.counters = Counters(comm, 1 + self.size, root=0)
+
+    def broadcast_flag(self, value: bool, src: int = 0) -> bool:
+        """Rank ``src`` publishes ``value`` (if True); every rank returns the published flag."""
+        if self.rank == src and value:
+            self.counters.raise_to(0, 1)
+        return bool(self.counters.read()[0])
+
+    def reduce_flag(self, value: bool, all: bool = True) -> bool:
+        """Publish this rank's decision; ``all=False``: any rank decided; ``all=True``: all did."""
+        if value:
+            self.counters.raise_to(1 + self.rank, 1)
+        flags = self.counters.read()[1:]
+        return bool(flags.all()) if all else bool(flags.any())
+
+    def free(self) -> None:
+        self.counters.free()

@@ -1,0 +1,163 @@
+"""Elastic averaging (Zhang, Choromanska & LeCun, "Deep learning with Elastic Averaging SGD",
+NIPS 2015, arXiv:1412.6651): the math as pure functions, and synchronous EASGD as a rule.
+
+Each worker i keeps its own weights θᵢ and is pulled towards a center θ̃ by an elastic force
+of strength α = ηρ. Every ``period`` (τ) local steps:
+
+    θᵢ ← θᵢ − α (θᵢ − θ̃)                 (worker, elastic step)
+    θ̃  ← θ̃ + α Σᵢ (θᵢ − θ̃)              (center, synchronous: one allreduce of θᵢ − θ̃)
+
+Both use the *old* θᵢ − θ̃, so worker and center move symmetrically (Zhang et al., Eq. 5–6).
+The asynchronous variants (AEASGD, EAMSGD) use :func:`elastic_difference` against a parameter
+server (see :mod:`lightning_mpi.rules.server`); EAMSGD adds Nesterov momentum δ on the worker
+(:func:`nesterov_gradient_`, Zhang et al. Algorithm 2).
+
+Defaults, cited: Zhang et al. §5 set β = pα = 0.9, i.e. α = 0.9 / W (``alpha=None`` means
+that), and run τ ∈ {1, 4, 16, 64}; we take τ = 4, the shortest that still cuts traffic 4×.
+Their EAMSGD runs use momentum δ = 0.99; dist-keras (Hermans) defaults to 0.9, which we take
+because it is stable with the plain-SGD learning rates users already have.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any, Optional
+
+import torch
+from torch import Tensor
+
+from lightning_mpi.comm.buffers import make_buckets
+from lightning_mpi.comm.transport import Transport
+from lightning_mpi.rules.base import BoundRule, Rule, check_range
+
+
+# -- pure math ------------------------------------------------------------------------------------
+def elastic_difference(theta: Tensor, center: Tensor, alpha: float) -> Tensor:
+    """``α (θ − θ̃)``: what the worker subtracts from θ and what the center gains from it."""
+    return alpha * (theta - center)
+
+
+def easgd_sync_update(theta: Tensor, center: Tensor, sum_diff: Tensor, alpha: float) -> tuple[Tensor, Tensor]:
+    """One synchronous EASGD exchange for worker ``theta``.
+
+    ``sum_diff`` is Σᵢ(θᵢ − θ̃) over all workers (the allreduce). Returns ``(θ − α(θ − θ̃),
+    θ̃ + α·sum_diff)``.
+    """
+    return theta - alpha * (theta - center), center + alpha * sum_diff
+
+
+def nesterov_gradient_(grad: Tensor, buf: Tensor, delta: float) -> Tensor:
+    """Nesterov momentum in gradient form, in place: ``buf ← δ·buf + g``; ``g ← g + δ·buf``.
+
+    Followed by plain SGD ``θ ← θ − η g`` this is ``v ← δv − ηg; θ ← θ + δv − ηg``, the
+    look-ahead update of EAMSGD (Zhang et al. Alg. 2, Sutskever et al. 2013 form). Returns ``grad``.
+    """
+    buf.mul_(delta).add_(grad)
+    grad.add_(buf, alpha=delta)
+    return grad
+
+
+def default_alpha(alpha: Optional[float], world_size: int) -> float:
+    """``alpha`` if given, else Zhang et al.'s β/p with β = 0.9."""
+    return float(alpha) if alpha is not None else 0.9 / max(1, world_size)
+
+
+def check_period_alpha(period: int, alpha: Optional[float]) -> None:
+    if isinstance(period, bool) or not isinstance(period, int):
+        raise ValueError(f"period={period!r} must be an int >= 1")
+    check_range("period", period, 1, float("inf"), high_open=True)
+    if alpha is not None:
+        check_range("alpha", alpha, 0.0, 1.0, low_open=True)
+
+
+class FlatParams:
+    """All trainable parameters as one padded flat buffer (one dtype, one device)."""
+
+    def __init__(self, params: Sequence[Tensor], world_size: int) -> None:
+        buckets = make_buckets(params, world_size, bucket_bytes=None, reverse=False)
+        if len(buckets) != 1:
+            raise ValueError(
+                "lightning_mpi: elastic, parameter-server and gossip rules need every trainable parameter "
+                f"in one dtype on one device; got {len(buckets)} groups"
+            )
+        self.bucket = buckets[0]
+        self.flat = self.bucket.flat
+
+    def pull(self) -> Tensor:
+        """Copy the parameters into :attr:`flat` and return it."""
+        self.bucket.pack()
+        return self.flat
+
+    def push(self, values: Optional[Tensor] = None) -> None:
+        """Copy ``values`` (default :attr:`flat`) into the parameters."""
+        if values is not None and values is not self.flat:
+            self.flat.copy_(values)
+        self.bucket.unpack()
+
+
+# -- synchronous EASGD ------------------------------------------------------------------------------
+class EASGDRule(Rule):
+    """Synchronous EASGD: elastic step and center update every ``period`` steps, one allreduce.
+
+    Args:
+        period: τ, local steps between exchanges (≥ 1). Default 4 (Zhang et al. use 1–64).
+        alpha: α = ηρ in (0, 1]; ``None`` means 0.9 / W (Zhang et al.: β = Wα = 0.9).
+    """
+
+    name = "easgd"
+
+    def __init__(self, period: int = 4, alpha: Optional[float] = None) -> None:
+        check_period_alpha(period, alpha)
+        self.period = period
+        self.alpha = alpha
+
+    def bind(self, transport: Transport, params: Sequence[Tensor]) -> "BoundEASGD":
+        return BoundEASGD(self, transport, params)
+
+
+class BoundEASGD(BoundRule):
+    def __init__(self, rule: EASGDRule, transport: Transport, params: Sequence[Tensor]) -> None:
+        super().__init__(transport, params)
+        self.rule = rule
+        self.alpha = default_alpha(rule.alpha, transport.size)
+        self.flat = FlatParams(self.params, transport.size)
+        self.center = self.flat.pull().clone()  # replicated: identical on every rank
+        self.steps = 0
+        self._loaded = False
+        self._seconds = 0.0
+        self._bytes = 0
+
+    def on_train_start(self) -> None:
+        if not self._loaded:
+            self.center.copy_(self.flat.pull())
+
+    def after_step(self, optimizer: Any) -> None:
+        self.steps += 1
+        self._seconds, self._bytes = 0.0, 0
+        if self.steps % self.rule.period or self.transport.size == 1:
+            return
+        start = time.perf_counter()
+        theta = self.flat.pull()
+        diff = theta - self.center
+        total = diff.clone()
+        self.transport.allreduce_(total, "sum")
+        new_theta, new_center = easgd_sync_update(theta, self.center, total, self.alpha)
+        self.center.copy_(new_center)
+        self.flat.push(new_theta)
+        self._seconds = time.perf_counter() - start
+        self._bytes = int(2 * (self.transport.size - 1) / self.transport.size * total.numel() * total.element_size())
+
+    def on_train_end(self) -> None:
+        if self.transport.size > 1:
+            self.flat.push(self.center)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"center": self.center.clone(), "steps": self.steps}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.center.copy_(state["center"])
+        self.steps = int(state["steps"])
+        self._loaded = True
+
+    def stats(self) -> dict[str, float]:
+        return {"exchange_seconds": self._seconds, "wire_bytes": float(self._bytes)}

@@ -1,0 +1,209 @@
+"""GoSGD: gossip stochastic gradient descent (Blot, Picard, Cord & Thome, "Gossip training for
+deep learning", NIPS 2016 OPT workshop, arXiv:1611.09726).
+
+Each worker i holds weights θᵢ and a mixing weight wᵢ (all start at 1/W, so Σ wᵢ = 1). After
+every local step, with probability p, worker i picks a peer j uniformly among the others and
+
+    wᵢ ← wᵢ / 2;  send (θᵢ, wᵢ) to j                            (push, non-blocking ``Isend``)
+
+and a worker j that finds a message (``Iprobe``) merges it:
+
+    θⱼ ← (wⱼ θⱼ + wᵢ θᵢ) / (wⱼ + wᵢ);  wⱼ ← wⱼ + wᵢ              (:func:`gossip_merge`)
+
+There is no global synchronisation while training: nobody waits for anybody. Σ w stays 1
+over workers plus messages in flight, so the weighted mean Σ wᵢθᵢ is the consensus the ranks
+drift towards. At the end of ``fit`` every rank drains the messages addressed to it (counts are
+known from one allreduce) and all take the weighted consensus Σ wᵢθᵢ / Σ wᵢ (one allreduce).
+
+Default, cited: Blot et al. study exchange probabilities between 0.01 and 0.4 and find that
+rare exchanges already keep workers in consensus; we take p = 0.1.
+"""
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Sequence
+from typing import Any, Optional
+
+import torch
+from torch import Tensor
+
+from lightning_mpi.comm.transport import Transport
+from lightning_mpi.rules.base import BoundRule, Rule, check_range
+from lightning_mpi.rules.easgd import FlatParams
+
+TAG = 7301
+
+
+def gossip_merge(theta: Tensor, weight: float, theta_in: Tensor, weight_in: float) -> tuple[Tensor, float]:
+    """Weighted merge of a received model: ``((w θ + w' θ') / (w + w'), w + w')``."""
+    total = weight + weight_in
+    return (theta * weight + theta_in * weight_in) / total, total
+
+
+def gossip_push_weight(weight: float) -> float:
+    """The weight a pushing worker keeps, and also the weight it sends: ``w / 2``."""
+    return weight / 2.0
+
+
+def weighted_consensus(thetas: Sequence[Tensor], weights: Sequence[float]) -> Tensor:
+    """``Σ wᵢ θᵢ / Σ wᵢ``."""
+    total = sum(weights)
+    return sum(w * t for w, t in zip(weights, thetas)) / total
+
+
+class GoSGDRule(Rule):
+    """Gossip: push to a random peer with probability ``p`` per step, weighted merge.
+
+    Args:
+        p: probability of a push after each local step, in (0, 1]. Default 0.1.
+        seed: seed of the per-rank random generator (rank is added), for reproducible gossip.
+    """
+
+    name = "gosgd"
+
+    def __init__(self, p: float = 0.1, seed: int = 0) -> None:
+        check_range("p", p, 0.0, 1.0, low_open=True)
+        self.p = float(p)
+        self.seed = int(seed)
+
+    def bind(self, transport: Transport, params: Sequence[Tensor]) -> "BoundGoSGD":
+        return BoundGoSGD(self, transport, params)
+
+
+class BoundGoSGD(BoundRule):
+    def __init__(self, rule: GoSGDRule, transport: Transport, params: Sequence[Tensor]) -> None:
+        super().__init__(transport, params)
+        self.rule = rule
+        self.flat = FlatParams(self.params, transport.size)
+        n = self.flat.flat.numel()
+        self.n = n + (n % 2)  # even, so the float64 weight that follows is 8-byte aligned
+        self.weight = 1.0 / transport.size
+        self.rng = random.Random(rule.seed * 100003 + transport.rank)
+        self.sent_to = [0] * transport.size
+        self.received = 0
+        self.pushes = 0
+        self.comm = None
+        self.board = None
+        self.training = False
+        self._pending: list[tuple[Any, Tensor]] = []  # (request, buffer) until the send completes
+        self._inbox = torch.empty(self.n + 2, dtype=torch.float32)
+        self._reset_stats()
+
+    def on_train_start(self) -> None:
+        from lightning_mpi.comm.window import DecisionBoard
+
+        self.comm = self.transport.comm.Dup()
+        self.board = DecisionBoard(self.transport.comm)
+        self.training = True
+
+    def after_step(self, optimizer: Any) -> None:
+        if self.comm is None or self.transport.size == 1:
+            return
+        start = time.perf_counter()
+        self._receive()
+        if self.rng.random() < self.rule.p:
+            self._push()
+        self._reap()
+        self._wait += time.perf_counter() - start
+
+    def _message(self) -> Tensor:
+        msg = torch.empty(self.n + 2, dtype=torch.float32)
+        msg[: self.flat.flat.numel()].copy_(self.flat.pull())
+        msg[self.n :].view(torch.float64)[0] = self.weight
+        return msg
+
+    def _push(self) -> None:
+        peers = [r for r in range(self.transport.size) if r != self.transport.rank]
+        peer = self.rng.choice(peers)
+        self.weight = gossip_push_weight(self.weight)
+        msg = self._message()
+        req = self.comm.Isend(msg.numpy(), dest=peer, tag=TAG)
+        self._pending.append((req, msg))
+        self.sent_to[peer] += 1
+        self.pushes += 1
+        self._bytes += msg.numel() * 4
+
+    def _reap(self) -> None:
+        self._pending = [(r, m) for r, m in self._pending if not r.Test()]
+
+    def _receive_one(self, source: int) -> None:
+        self.comm.Recv(self._inbox.numpy(), source=source, tag=TAG)
+        w_in = float(self._inbox[self.n :].view(torch.float64)[0])
+        theta = self.flat.pull()
+        merged, self.weight = gossip_merge(theta, self.weight, self._inbox[: theta.numel()], w_in)
+        self.flat.push(merged)
+        self.received += 1
+
+    def _receive(self) -> None:
+        from mpi4py import MPI
+
+        status = MPI.Status()
+        while self.comm.Iprobe(source=MPI.ANY_SOURCE, tag=TAG, status=status):
+            self._receive_one(status.Get_source())
+
+    def on_train_end(self) -> None:
+        """Drain every message in flight, then all ranks take the weighted consensus."""
+        if self.comm is None or self.transport.size == 1:
+            self.training = False
+            return
+        self.training = False
+        counts = torch.tensor(self.sent_to, dtype=torch.int64)
+        self.transport.allreduce_(counts, "sum")
+        expected = int(counts[self.transport.rank])
+        from mpi4py import MPI
+
+        while self.received < expected:
+            status = MPI.Status()
+            self.comm.Probe(source=MPI.ANY_SOURCE, tag=TAG, status=status)
+            self._receive_one(status.Get_source())
+        for req, _ in self._pending:
+            req.Wait()
+        self._pending = []
+        theta = self.flat.pull()
+        acc = torch.cat([theta.double() * self.weight, torch.tensor([self.weight], dtype=torch.float64)])
+        self.transport.allreduce_(acc, "sum")
+        consensus = (acc[:-1] / acc[-1]).to(theta.dtype)
+        self.flat.push(consensus)
+        self.weight = 1.0 / self.transport.size
+
+    def close(self) -> None:
+        if self.training:  # aborted fit: the board's collective free could hang, skip it
+            self.board = None
+        self.training = False
+        for req, _ in self._pending:  # only after an aborted fit: do not leave requests behind
+            req.Cancel()
+            req.Wait()
+        self._pending = []
+        if self.board is not None:
+            self.board.free()
+            self.board = None
+        if self.comm is not None:
+            self.comm.Free()
+            self.comm = None
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"weight": self.weight, "pushes": self.pushes, "received": self.received, "rng": self.rng.getstate()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.weight = float(state["weight"])
+        self.pushes = int(state.get("pushes", 0))
+        if "rng" in state:
+            self.rng.setstate(state["rng"])
+
+    def _reset_stats(self) -> None:
+        self._bytes = 0
+        self._wait = 0.0
+        self._pushes_at = self.pushes
+        self._t0 = time.perf_counter()
+
+    def stats(self) -> dict[str, float]:
+        elapsed = max(time.perf_counter() - self._t0, 1e-9)
+        out = {
+            "weight": self.weight,
+            "pushes_per_s": (self.pushes - self._pushes_at) / elapsed,
+            "bytes_sent": float(self._bytes),
+            "wait_seconds": self._wait,
+        }
+        self._reset_stats()
+        return out
