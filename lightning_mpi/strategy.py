@@ -15,7 +15,11 @@ hooks at the right points of Lightning's lifecycle:
 """
 from __future__ import annotations
 
+import hashlib
 import logging
+import os
+import sys
+import traceback
 import warnings
 from collections.abc import Callable, Generator
 from contextlib import contextmanager
@@ -31,6 +35,7 @@ from pytorch_lightning.utilities.rank_zero import rank_zero_only
 from torch import Tensor
 from torch.optim import Optimizer
 
+from lightning_mpi.checkpoint_io import AtomicCheckpointIO
 from lightning_mpi.comm.transport import Transport
 from lightning_mpi.environment import MPIClusterEnvironment
 from lightning_mpi.rules.base import BoundRule, Rule
@@ -61,6 +66,13 @@ class MPIStrategy(ParallelStrategy):
             (average gradients with one Allreduce every step).
         log_stats: log the rule's per-step numbers (exchange time, bytes, skips) to the trainer's
             loggers under ``mpi/``.
+        abort_on_exception: when an exception escapes ``fit``/``validate``/``test`` on one rank,
+            print its traceback and call ``MPI_Abort`` so that every rank exits non-zero at once
+            instead of waiting forever in a collective (world size > 1 only).
+        collective_timeout: seconds any collective may wait for the other ranks before it raises
+            ``CollectiveTimeout`` (which, with ``abort_on_exception``, ends the job with a clear
+            message); ``None`` waits forever. A rank that died or hung, or ranks that run
+            different numbers of steps, are caught this way.
         accelerator, checkpoint_io, precision_plugin: as for any Lightning strategy; normally
             left to the ``Trainer``.
 
@@ -75,23 +87,30 @@ class MPIStrategy(ParallelStrategy):
         self,
         rule: Optional[Rule] = None,
         log_stats: bool = True,
+        abort_on_exception: bool = True,
+        collective_timeout: Optional[float] = 1800.0,
         accelerator: Optional["pl.accelerators.Accelerator"] = None,
         checkpoint_io: Optional[CheckpointIO] = None,
         precision_plugin: Optional[Precision] = None,
     ) -> None:
         if rule is not None and not isinstance(rule, Rule):
             raise ValueError(f"rule={rule!r} must be a lightning_mpi Rule instance (e.g. SyncRule())")
+        if collective_timeout is not None and not collective_timeout > 0:
+            raise ValueError(
+                f"collective_timeout={collective_timeout!r} is out of range: it must be > 0 seconds, or None to wait forever"
+            )
         environment = MPIClusterEnvironment()
         super().__init__(
             accelerator=accelerator,
             parallel_devices=None,
             cluster_environment=environment,
-            checkpoint_io=checkpoint_io,
+            checkpoint_io=checkpoint_io if checkpoint_io is not None else AtomicCheckpointIO(),
             precision_plugin=precision_plugin,
         )
         self.rule: Rule = rule if rule is not None else SyncRule()
         self.log_stats = log_stats
-        self.transport = Transport(environment.comm)
+        self.abort_on_exception = abort_on_exception
+        self.transport = Transport(environment.comm, timeout=collective_timeout)
         self._bound: Optional[BoundRule] = None
         self._pending_rule_state: Optional[dict[str, Any]] = None
         self.set_world_ranks()
@@ -136,6 +155,7 @@ class MPIStrategy(ParallelStrategy):
         self.accelerator.setup(trainer)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
+        self.check_same_model()
         self.broadcast_module_state()
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting:
@@ -151,6 +171,34 @@ class MPIStrategy(ParallelStrategy):
     def model_to_device(self) -> None:
         assert self.model is not None
         self.model.to(self.root_device)
+
+    def check_same_model(self) -> None:
+        """Every rank must build the same model: compare parameter names, shapes and dtypes.
+
+        A mismatch would make the exchange mix unrelated tensors (or hang on unequal buffer
+        sizes), so it is an error on every rank, naming the first difference.
+        """
+        if self.world_size == 1:
+            return
+        assert self.model is not None
+        signature = [(name, tuple(t.shape), str(t.dtype)) for name, t in self.model.state_dict(keep_vars=True).items()]
+        digest = hashlib.sha256(repr(signature).encode()).hexdigest()
+        digests = self.transport.comm.allgather(digest)
+        if len(set(digests)) == 1:
+            return
+        signatures = self.transport.comm.allgather(signature)
+        for rank, theirs in enumerate(signatures):
+            if theirs == signatures[0]:
+                continue
+            for index in range(max(len(theirs), len(signatures[0]))):
+                mine = signatures[0][index] if index < len(signatures[0]) else None
+                other = theirs[index] if index < len(theirs) else None
+                if mine != other:
+                    raise ValueError(
+                        f"lightning_mpi: ranks built different models. First difference at tensor #{index}: "
+                        f"rank 0 has {mine}, rank {rank} has {other}. Build the model the same way on every "
+                        "rank (same code, same hyperparameters); random initial values are fine, rank 0's are broadcast."
+                    )
 
     def broadcast_module_state(self) -> None:
         """Make every rank start from rank 0's parameters and buffers (one Bcast per tensor group)."""
@@ -268,6 +316,33 @@ class MPIStrategy(ParallelStrategy):
             self._bound.on_train_end()
         super().on_train_end()
 
+    def on_exception(self, exception: BaseException) -> None:
+        """One rank failed: bring the whole job down now, with this rank's traceback visible.
+
+        The other ranks are (or soon will be) waiting in a collective that this rank will never
+        join, so re-raising alone would hang the job until its allocation runs out. Callbacks'
+        ``on_exception`` hooks (cleanup) have already run; loggers are finalised here.
+        """
+        super().on_exception(exception)
+        if self.world_size == 1 or not self.abort_on_exception or isinstance(exception, KeyboardInterrupt):
+            return
+        trainer = getattr(self.lightning_module, "_trainer", None) if self._lightning_module is not None else None
+        for logger in getattr(trainer, "loggers", []) or []:
+            try:
+                logger.finalize("failed")
+            except Exception:  # the job is going down; a logger error must not hide the real one
+                pass
+        text = "".join(traceback.format_exception(type(exception), exception, exception.__traceback__))
+        sys.stderr.write(
+            f"lightning_mpi: rank {self.global_rank} of {self.world_size} failed; aborting every rank.\n{text}"
+        )
+        sys.stderr.flush()
+        sys.stdout.flush()
+        from mpi4py import MPI
+
+        MPI.COMM_WORLD.Abort(1)
+        os._exit(1)  # not reached: Abort does not return
+
     def teardown(self) -> None:
         if self._bound is not None:
             self._bound.close()
@@ -313,7 +388,7 @@ class MPIStrategy(ParallelStrategy):
         """Send a picklable object from rank ``src`` to every rank."""
         if self.world_size == 1:
             return obj
-        return self.transport.comm.bcast(obj, root=src)
+        return self.transport.broadcast_object(obj, root=src)
 
     def barrier(self, name: Optional[str] = None) -> None:
         if self.world_size > 1:
@@ -368,6 +443,7 @@ class SyncStrategy(MPIStrategy):
         topology_aware: reduce within each node over shared memory, exchange only among node
             leaders across the network, then broadcast within the node.
         log_stats: log exchange time, bytes and skipped steps under ``mpi/sync/``.
+        abort_on_exception, collective_timeout: see :class:`MPIStrategy`.
     """
 
     def __init__(
@@ -380,6 +456,8 @@ class SyncStrategy(MPIStrategy):
         segment_mb: float = 4.0,
         topology_aware: bool = False,
         log_stats: bool = True,
+        abort_on_exception: bool = True,
+        collective_timeout: Optional[float] = 1800.0,
         accelerator: Optional["pl.accelerators.Accelerator"] = None,
         checkpoint_io: Optional[CheckpointIO] = None,
         precision_plugin: Optional[Precision] = None,
@@ -396,6 +474,8 @@ class SyncStrategy(MPIStrategy):
         super().__init__(
             rule=rule,
             log_stats=log_stats,
+            abort_on_exception=abort_on_exception,
+            collective_timeout=collective_timeout,
             accelerator=accelerator,
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,

@@ -21,7 +21,7 @@ from torch import Tensor
 
 from lightning_mpi.comm.codecs import FP32, Codec
 from lightning_mpi.comm.collectives import ASAWorkspace
-from lightning_mpi.comm.transport import Transport
+from lightning_mpi.comm.transport import Transport, wait_request
 
 Exchange = Generator[Any, None, Any]
 
@@ -29,8 +29,10 @@ Exchange = Generator[Any, None, Any]
 class Progress:
     """Drives exchanges: each is a generator yielding MPI requests; finished ones are dropped."""
 
-    def __init__(self) -> None:
+    def __init__(self, timeout: float | None = None, rank: int = 0, size: int = 1) -> None:
         self._active: list[tuple[Exchange, Any]] = []
+        self.timeout = timeout  # seconds one request may take before CollectiveTimeout
+        self._where = (rank, size)
 
     def start(self, exchange: Exchange) -> None:
         """Run ``exchange`` up to its first wait and keep it in flight."""
@@ -56,7 +58,7 @@ class Progress:
         """Block until every exchange has finished, oldest first (waiting progresses all of them)."""
         while self._active:
             exchange, request = self._active.pop(0)
-            request.Wait()
+            wait_request(request, self.timeout, "gradient exchange", *self._where)
             self._advance(exchange)
             self.poll()
 

@@ -7,6 +7,8 @@ once per shape and reused. 16-bit tensors travel as ``int16`` words: MPI only mo
 """
 from __future__ import annotations
 
+import pickle
+import time
 from collections.abc import Generator
 from typing import Any
 
@@ -24,18 +26,49 @@ def _mpi_view(tensor: Tensor) -> Tensor:
     return tensor.view(words) if words is not None else tensor
 
 
+class CollectiveTimeout(RuntimeError):
+    """A collective did not complete in time: some rank never joined it."""
+
+
+def wait_request(request: Any, timeout: float | None, what: str, rank: int, size: int) -> None:
+    """Wait for ``request``; raise :class:`CollectiveTimeout` after ``timeout`` seconds.
+
+    Polls with ``Test`` (which also drives MPICH's progress) and, after a short spin, sleeps
+    0.5 ms between polls so that oversubscribed ranks leave the core to the ranks they wait for.
+    """
+    if timeout is None:
+        request.Wait()
+        return
+    deadline = time.monotonic() + timeout
+    spins = 0
+    while not request.Test():
+        spins += 1
+        if spins > 2000:
+            time.sleep(0.0005)
+        if time.monotonic() > deadline:
+            raise CollectiveTimeout(
+                f"lightning_mpi: {what} on rank {rank} waited more than {timeout:g} s for the other "
+                f"{size - 1} rank(s). A rank may have died or hung, or ranks ran different numbers of "
+                "steps (uneven data shards). If a step can legitimately take that long, raise the "
+                "limit: MPIStrategy(collective_timeout=...)."
+            )
+
+
 class Transport:
     """Blocking and non-blocking collectives on contiguous torch tensors over one communicator.
 
     Args:
         comm: an mpi4py intracommunicator. Every rank of it must call the same collectives in the
             same order (the usual MPI contract).
+        timeout: seconds a blocking collective may wait for the other ranks before raising
+            :class:`CollectiveTimeout`; ``None`` waits forever.
     """
 
-    def __init__(self, comm: Any) -> None:
+    def __init__(self, comm: Any, timeout: float | None = None) -> None:
         from mpi4py import MPI
 
         self.MPI = MPI
+        self.timeout = timeout
         self.comm = comm
         self.rank: int = comm.Get_rank()
         self.size: int = comm.Get_size()
@@ -83,7 +116,7 @@ class Transport:
             raise TypeError(f"allreduce_ cannot sum {tensor.dtype} words; upcast to float32 first")
         self._sync_device(tensor)
         host = self._host(tensor, "allreduce", copy_in=True)
-        self.comm.Allreduce(self.MPI.IN_PLACE, host, op=mpi_op)
+        self._wait(self.comm.Iallreduce(self.MPI.IN_PLACE, host, op=mpi_op), "allreduce")
         self._back(host, tensor)
         return tensor
 
@@ -92,7 +125,7 @@ class Transport:
         self._sync_device(send, recv)
         hs = self._host(send, "alltoall_send", copy_in=True)
         hr = self._host(recv, "alltoall_recv", copy_in=False)
-        self.comm.Alltoall(_mpi_view(hs), _mpi_view(hr))
+        self._wait(self.comm.Ialltoall(_mpi_view(hs), _mpi_view(hr)), "alltoall")
         self._back(hr, recv)
         return recv
 
@@ -101,7 +134,7 @@ class Transport:
         self._sync_device(send, recv)
         hs = self._host(send, "allgather_send", copy_in=True)
         hr = self._host(recv, "allgather_recv", copy_in=False)
-        self.comm.Allgather(_mpi_view(hs), _mpi_view(hr))
+        self._wait(self.comm.Iallgather(_mpi_view(hs), _mpi_view(hr)), "allgather")
         self._back(hr, recv)
         return recv
 
@@ -109,12 +142,26 @@ class Transport:
         """In-place broadcast of ``tensor`` from ``root``."""
         self._sync_device(tensor)
         host = self._host(tensor, "bcast", copy_in=True)
-        self.comm.Bcast(_mpi_view(host), root=root)
+        self._wait(self.comm.Ibcast(_mpi_view(host), root=root), "broadcast")
         self._back(host, tensor)
         return tensor
 
     def barrier(self) -> None:
-        self.comm.Barrier()
+        self._wait(self.comm.Ibarrier(), "barrier")
+
+    def broadcast_object(self, obj: Any, root: int = 0) -> Any:
+        """Broadcast a picklable object (two ``Ibcast``s: length, then bytes), with the timeout."""
+        import numpy as np
+
+        payload = np.frombuffer(pickle.dumps(obj), dtype=np.uint8) if self.rank == root else None
+        length = np.array([payload.size if payload is not None else 0], dtype=np.int64)
+        self._wait(self.comm.Ibcast(length, root=root), "broadcast")
+        buffer = payload.copy() if payload is not None else np.empty(int(length[0]), dtype=np.uint8)
+        self._wait(self.comm.Ibcast(buffer, root=root), "broadcast")
+        return obj if self.rank == root else pickle.loads(buffer.tobytes())
+
+    def _wait(self, request: Any, what: str) -> None:
+        wait_request(request, self.timeout, what, self.rank, self.size)
 
     def dup(self) -> "Transport":
         """A transport over a duplicate communicator (collective over this one).
@@ -122,7 +169,7 @@ class Transport:
         Non-blocking collectives on one communicator must be started in the same order on every
         rank. Exchanges that progress independently (buckets launched from gradient hooks,
         pipelined segments) therefore each get their own communicator."""
-        return Transport(self.comm.Dup())
+        return Transport(self.comm.Dup(), self.timeout)
 
     def node_split(self) -> tuple["Transport", "Transport | None"]:
         """Transports for this node's ranks and for the node leaders (``None`` unless local rank 0).
@@ -139,7 +186,7 @@ class Transport:
             local = self.comm.Split_type(self.MPI.COMM_TYPE_SHARED, key=self.rank)
         is_leader = local.Get_rank() == 0
         leaders = self.comm.Split(color=0 if is_leader else self.MPI.UNDEFINED, key=self.rank)
-        return Transport(local), (Transport(leaders) if is_leader else None)
+        return Transport(local, self.timeout), (Transport(leaders, self.timeout) if is_leader else None)
 
     # -- non-blocking: generators that yield one MPI request and finish after it completes ----------
     # Staging copies happen before the start and after completion, inside the generator, so a

@@ -105,7 +105,7 @@ class BucketExchanger:
         self.exchange = rule.exchange
         self.codec = get_codec(rule.wire)
         self.segment_numel = max(1, int(rule.segment_mb * 2**20) // 4)
-        self.progress = Progress()
+        self.progress = Progress(transport.timeout, transport.rank, transport.size)
         self._workspaces: dict[tuple[int, int], ASAWorkspace] = {}
         self._slots: dict[int, tuple[Transport | None, list[Tensor], list[Transport]]] = {}  # by id(bucket)
         self.local: Transport | None = None
@@ -218,7 +218,7 @@ class BoundSyncRule(BoundRule):
         super().__init__(transport, params)
         self.rule = rule
         bucket_bytes = int(rule.bucket_mb * 2**20)
-        self.exchanger = BucketExchanger(transport, rule)
+        self.exchanger = self.make_exchanger(transport, rule)
         self.buckets = make_buckets(self.params, self.exchanger.pad_multiple, bucket_bytes)
         if transport.size > 1:
             self.exchanger.prepare(self.buckets)
@@ -236,6 +236,10 @@ class BoundSyncRule(BoundRule):
         self._hooks = []
         if rule.overlap and rule.average == "gradients" and transport.size > 1:
             self._attach_hooks()
+
+    def make_exchanger(self, transport: Transport, rule: SyncRule) -> BucketExchanger:
+        """The exchanger for this rule's buckets; subclasses return their own (compressed rules)."""
+        return BucketExchanger(transport, rule)
 
     def _attach_hooks(self) -> None:
         for index, bucket in enumerate(self.buckets):

@@ -1,0 +1,45 @@
+"""Checkpoint files that are either complete or absent.
+
+A job killed while writing (a node failure, a time limit, SIGKILL) must not leave a truncated
+checkpoint where the last good one was. :class:`AtomicCheckpointIO` writes to a temporary file in
+the same directory, flushes it to disk, then renames it over the target: ``os.replace`` is atomic
+on POSIX file systems, so readers see the old file or the new one, never half of one.
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from lightning_fabric.utilities.cloud_io import get_filesystem
+from pytorch_lightning.plugins.io import TorchCheckpointIO
+
+
+class AtomicCheckpointIO(TorchCheckpointIO):
+    """``TorchCheckpointIO`` with write-to-temporary-then-rename for local paths."""
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Optional[Any] = None) -> None:
+        if storage_options is not None:
+            raise TypeError(
+                f"storage_options={storage_options!r} is not supported by AtomicCheckpointIO; "
+                "pass a custom CheckpointIO plugin to use it"
+            )
+        fs = get_filesystem(path)
+        if fs.protocol not in ("file", ("file", "local")) and "file" not in fs.protocol:
+            super().save_checkpoint(checkpoint, path, storage_options)  # remote stores: no rename
+            return
+        target = Path(path)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+        try:
+            with os.fdopen(fd, "wb") as handle:
+                torch.save(checkpoint, handle)
+                handle.flush()
+                os.fsync(handle.fileno())
+            os.replace(tmp, target)
+        except BaseException:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+            raise
