@@ -5,16 +5,20 @@
     python examples/digits.py fit --print_config          # every option, YAML
 
 The strategy is a command-line choice (any registered ``mpi_*`` name, or a class with arguments:
-``--trainer.strategy=lightning_mpi.SyncStrategy --trainer.strategy.wire=bf16 --trainer.strategy.exchange=asa``).
+``--trainer.strategy=lightning_mpi.SyncStrategy --trainer.strategy.wire=bf16 --trainer.strategy.exchange=asa``),
+or comes from a YAML file (``--config examples/configs/digits_easgd.yaml``). An unknown name exits
+with status 2 and the list of available names on every rank, before any rank touches MPI.
 """
 from __future__ import annotations
 
+import sys
 import warnings
 
 import pytorch_lightning as pl
 import torch
 import torchmetrics
 from pytorch_lightning.cli import LightningCLI
+from pytorch_lightning.strategies import StrategyRegistry
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -79,16 +83,55 @@ class DigitsCNN(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=self.hparams.lr, momentum=self.hparams.momentum)
 
 
+def check_strategy_name(strategy: object) -> None:
+    """Exit with status 2 and the available names when ``strategy`` is an unknown name.
+
+    Lightning's own error lists only "auto, ddp, ddp_spawn, deepspeed, ...". Every rank parses the
+    same command line, so every rank exits here, symmetrically, before any collective call.
+    """
+    if not isinstance(strategy, str) or strategy.lower() == "auto" or strategy.lower() in StrategyRegistry:
+        return
+    mpi_names = sorted(name for name in StrategyRegistry if name.startswith("mpi_"))
+    print(
+        f"error: unknown strategy {strategy!r}. Available names: {', '.join(mpi_names)}\n"
+        "  (Lightning's own registered names work too: python -c 'import lightning_mpi, pytorch_lightning as pl; "
+        "print(pl.strategies.StrategyRegistry.available_strategies())'),\n"
+        "  or a class with arguments: --trainer.strategy=lightning_mpi.EASGDStrategy --trainer.strategy.alpha=0.5",
+        file=sys.stderr,
+        flush=True,
+    )
+    sys.exit(2)
+
+
+class DigitsCLI(LightningCLI):
+    """LightningCLI that rejects an unknown strategy name with the list of valid ones."""
+
+    def before_instantiate_classes(self) -> None:
+        config = self.config[self.subcommand] if self.subcommand else self.config
+        check_strategy_name(config.get("trainer.strategy"))
+
+
+def describe_strategy(strategy: object) -> str:
+    """``EASGDStrategy rule=easgd period=4 alpha=0.5``: the strategy class and its rule's hyperparameters."""
+    rule = getattr(strategy, "rule", None)
+    if rule is None:
+        return type(strategy).__name__
+    hparams = " ".join(f"{k}={v!r}" for k, v in vars(rule).items() if not k.startswith("_"))
+    return f"{type(strategy).__name__} rule={rule.name} {hparams}".rstrip()
+
+
 def main() -> None:
-    cli = LightningCLI(
+    cli = DigitsCLI(
         DigitsCNN,
         DigitsData,
         trainer_defaults={"strategy": "mpi_allreduce", "max_epochs": 10, "log_every_n_steps": 10},
         save_config_kwargs={"overwrite": True},
     )
     metrics = getattr(cli.trainer, "callback_metrics", {})
-    if cli.trainer.is_global_zero and "val_acc" in metrics:
-        print(f"final val_acc={float(metrics['val_acc']):.4f} world_size={cli.trainer.world_size}")
+    if cli.trainer.is_global_zero:
+        print(f"strategy={describe_strategy(cli.trainer.strategy)}")
+        if "val_acc" in metrics:
+            print(f"final val_acc={float(metrics['val_acc']):.4f} world_size={cli.trainer.world_size}")
 
 
 if __name__ == "__main__":

@@ -19,3 +19,41 @@ def test_digits_example_trains_on_two_ranks(tmp_path):
     match = re.search(r"final val_acc=([0-9.]+) world_size=2", result.stdout)
     assert match, result.stdout[-2000:]
     assert float(match.group(1)) > 0.85
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(240)
+def test_straggler_example_async_rule_keeps_fast_rank_busy(tmp_path):
+    result = run_mpi(
+        2,
+        [str(REPO / "examples" / "straggler.py"), "--strategies", "mpi_adag,mpi_asa", "--seconds", "6"],
+        timeout=220,
+        cwd=tmp_path,
+    )
+    rows = {}
+    for m in re.finditer(r"^(mpi_\w+)\s+budget=6s samples per rank=\[(\d+), (\d+)\] total=\d+ val_acc=([0-9.]+)$",
+                         result.stdout, re.M):
+        rows[m.group(1)] = (int(m.group(2)), int(m.group(3)), float(m.group(4)))
+    assert set(rows) == {"mpi_adag", "mpi_asa"}, result.stdout[-2000:]
+    fast, slow, acc = rows["mpi_adag"]
+    assert fast > 1.3 * slow, f"async: the fast rank should not wait for the straggler: {rows}"
+    assert acc > 0.5, rows
+    fast, slow, acc = rows["mpi_asa"]
+    assert fast == slow, f"sync: every step is a barrier, so both ranks process the same samples: {rows}"
+    assert acc > 0.5, rows
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(240)
+def test_config_file_example_trains_on_two_ranks(tmp_path):
+    result = run_mpi(
+        2,
+        [str(REPO / "examples" / "digits.py"), "fit", "--config", str(REPO / "examples" / "configs" / "digits_easgd.yaml"),
+         "--trainer.max_epochs=3", f"--trainer.default_root_dir={tmp_path}"],
+        timeout=200,
+        cwd=tmp_path,
+    )
+    assert "strategy=EASGDStrategy rule=easgd period=2 alpha=0.4" in result.stdout, result.stdout[-2000:]
+    match = re.search(r"final val_acc=([0-9.]+) world_size=2", result.stdout)
+    assert match, result.stdout[-2000:]
+    assert float(match.group(1)) > 0.5
