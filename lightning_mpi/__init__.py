@@ -15,10 +15,12 @@ from lightning_mpi.async_strategies import (
     GoSGDStrategy,
     ModelAveragingStrategy,
 )
+from lightning_mpi.compressed_strategies import CompressedSyncStrategy
 from lightning_mpi.data import PrefetchDataModule
 from lightning_mpi.registry import STRATEGIES, register_strategies
 from lightning_mpi.rules.averaging import ModelAveragingRule
 from lightning_mpi.rules.base import BoundRule, Rule
+from lightning_mpi.rules.compressed import CompressedSyncRule
 from lightning_mpi.rules.easgd import EASGDRule
 from lightning_mpi.rules.gossip import GoSGDRule
 from lightning_mpi.rules.server import ADAGRule, AEASGDRule, AGNRule, DownpourRule, DynSGDRule, EAMSGDRule
@@ -32,6 +34,8 @@ register_strategies()
 __all__ = [
     "MPIStrategy",
     "SyncStrategy",
+    "CompressedSyncStrategy",
+    "CompressedSyncRule",
     "AsyncMPIStrategy",
     "EASGDStrategy",
     "ModelAveragingStrategy",

@@ -16,6 +16,7 @@ from lightning_mpi.async_strategies import (
     GoSGDStrategy,
     ModelAveragingStrategy,
 )
+from lightning_mpi.compressed_strategies import CompressedSyncStrategy
 from lightning_mpi.strategy import SyncStrategy
 
 #: name -> (strategy class, init params, description)
@@ -24,6 +25,9 @@ STRATEGIES: dict[str, tuple[type, dict[str, Any], str]] = {
     "mpi_asa": (SyncStrategy, {"exchange": "asa"}, "Synchronous: Alltoall, fp32 sum, Allgather (Theano-MPI ASA)"),
     "mpi_asa16": (SyncStrategy, {"exchange": "asa", "wire": "fp16"}, "Synchronous ASA with fp16 on the wire, fp32 sums"),
     "mpi_asa_bf16": (SyncStrategy, {"exchange": "asa", "wire": "bf16"}, "Synchronous ASA with bf16 on the wire, fp32 sums"),
+    "mpi_asa_int8": (CompressedSyncStrategy, {"codec": "int8"}, "Synchronous ASA with int8 min-max quantization, fp32 sums, error feedback"),
+    "mpi_topk": (CompressedSyncStrategy, {"codec": "topk"}, "Synchronous top-k sparsified exchange of (index, value) pairs, error feedback"),
+    "mpi_onebit": (CompressedSyncStrategy, {"codec": "onebit"}, "Synchronous ASA with 1-bit signs and per-chunk scales, error feedback"),
     "mpi_easgd": (EASGDStrategy, {}, "Synchronous elastic averaging (Zhang et al. 2015), center kept by allreduce"),
     "mpi_model_avg": (ModelAveragingStrategy, {}, "Periodic model averaging (local SGD)"),
     "mpi_aeasgd": (AEASGDStrategy, {}, "Asynchronous EASGD against a center sharded over all ranks"),

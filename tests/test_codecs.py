@@ -1,0 +1,130 @@
+"""Wire formats in one process: round trips on odd sizes, error bounds, error-feedback bookkeeping."""
+import math
+
+import pytest
+import torch
+
+from lightning_mpi.comm.codecs import BF16, CODECS, FP16, FP32, INT8, ONEBIT, get_codec
+from lightning_mpi.comm.feedback import encode_with_feedback_
+from lightning_mpi.comm.sparse import TopKCodec, check_ratio, topk_count
+
+ODD = [(1, 1), (1, 3), (3, 7), (2, 13), (5, 1001)]
+ROW_CODECS = [FP32, FP16, BF16, INT8, ONEBIT]
+
+
+def round_trip(codec, x):
+    wire = torch.empty(x.shape[0], codec.wire_numel(x.shape[1]), dtype=codec.wire_dtype)
+    codec.encode(x, wire)
+    out = torch.empty_like(x)
+    codec.decode(wire, out)
+    return out, wire
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("shape", ODD, ids=str)
+@pytest.mark.parametrize("codec", ROW_CODECS, ids=lambda c: c.name)
+def test_row_codecs_round_trip_odd_sizes(codec, shape):
+    torch.manual_seed(0)
+    x = torch.randn(shape) * 3
+    out, _ = round_trip(codec, x)
+    if codec is FP32:
+        assert torch.equal(out, x)
+    elif codec in (FP16, BF16):
+        assert torch.allclose(out, x, rtol=1e-2, atol=0)
+    elif codec is INT8:
+        # Power-of-two step of at most 2 * range / 254, half a step of error at most.
+        step = 2 * (x.amax(dim=1) - x.amin(dim=1)).clamp(min=1e-30) / 254
+        assert ((out - x).abs() <= step.unsqueeze(1) / 2 + 1e-7).all()
+    else:  # one bit: signs kept; each row decodes to two values, the means of each sign (8 bits)
+        assert torch.equal(out >= 0, x >= 0)
+        for row, dec in zip(x, out):
+            pos = row[row >= 0]
+            if pos.numel():
+                assert math.isclose(float(dec[row >= 0][0]), float(pos.mean()), rel_tol=2**-8)
+            assert dec.unique().numel() <= 2
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("codec", [INT8, ONEBIT], ids=lambda c: c.name)
+def test_compression_factor_and_compress_api(codec):
+    x = torch.randn(4097)
+    wire, ctx = codec.compress(x)
+    bytes_fp32 = x.numel() * 4
+    factor = bytes_fp32 / (wire.numel() * wire.element_size())
+    assert factor >= (3.9 if codec is INT8 else 30)
+    assert codec.decompress(wire, ctx).shape == x.shape
+
+
+@pytest.mark.timeout(60)
+def test_int8_is_exact_on_representable_values():
+    x = torch.randint(-100, 100, (3, 11)).float() * 0.25
+    out, _ = round_trip(INT8, x)
+    assert torch.equal(out, x)
+    const = torch.full((2, 5), 3.1415926)  # zero range: the value itself must come back
+    assert torch.equal(round_trip(INT8, const)[0], const)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("codec", [FP16, INT8, ONEBIT], ids=lambda c: c.name)
+def test_non_finite_rows_stay_non_finite(codec):
+    x = torch.tensor([[1.0, float("inf"), 2.0], [1.0, 2.0, 3.0]])
+    out, _ = round_trip(codec, x)
+    assert not torch.isfinite(out[0]).all()
+    assert torch.isfinite(out[1]).all()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("numel", [1, 7, 1001])
+@pytest.mark.parametrize("ratio", [1.0, 0.3, 0.01])
+def test_topk_round_trip_odd_sizes(numel, ratio):
+    torch.manual_seed(1)
+    x = torch.randn(numel)
+    codec = TopKCodec(ratio)
+    wire, ctx = codec.compress(x)
+    k = topk_count(numel, ratio)
+    assert wire.numel() == 2 * k == codec.wire_numel(numel)
+    out = codec.decompress(wire, ctx)
+    kept = out != 0
+    assert int(kept.sum()) == k
+    assert torch.equal(out[kept], x[kept])
+    if k < numel:  # what was kept is the largest in magnitude
+        assert x[kept].abs().min() >= x[~kept].abs().max()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("bad", [0, 0.0, -0.1, 1.5, float("nan"), float("inf"), "0.1", True])
+def test_bad_ratio_raises_naming_it(bad):
+    with pytest.raises(ValueError, match="ratio"):
+        check_ratio(bad)
+    with pytest.raises(ValueError, match="ratio"):
+        TopKCodec(bad)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("codec", [INT8, ONEBIT, FP16], ids=lambda c: c.name)
+def test_error_feedback_conserves_mass_exactly(codec):
+    # Gradients on a dyadic grid: sums stay exact, so any difference is lost mass, not rounding.
+    gen = torch.Generator().manual_seed(2)
+    rows, cols = 3, 37
+    residual = torch.zeros(rows, cols)
+    scratch = torch.empty(rows, cols)
+    wire = torch.empty(rows, codec.wire_numel(cols), dtype=codec.wire_dtype)
+    sent = torch.zeros(rows, cols, dtype=torch.float64)
+    given = torch.zeros(rows, cols, dtype=torch.float64)
+    decoded = torch.empty(rows, cols)
+    for _ in range(200):
+        g = torch.randint(-1024, 1025, (rows, cols), generator=gen).float() / 1024
+        given += g.double()
+        encode_with_feedback_(codec, g, wire, residual, scratch)
+        codec.decode(wire, decoded)
+        sent += decoded.double()
+    assert torch.equal(sent + residual.double(), given)
+    assert residual.abs().max() < 4  # feedback keeps the residual bounded
+
+
+@pytest.mark.timeout(60)
+def test_codec_table():
+    assert {"fp32", "fp16", "bf16", "int8", "onebit"} <= set(CODECS)
+    assert get_codec("int8") is INT8
+    with pytest.raises(ValueError, match="wire"):
+        get_codec("int4")
