@@ -1,0 +1,183 @@
+#!/usr/bin/env python3
+"""Samples/s through ``Trainer.fit`` for each synchronous strategy against Lightning's ``ddp`` (gloo).
+
+The model is an MLP of about 17.8M parameters (71 MB of fp32 gradients) with a small per-rank
+batch, so that the exchange matters. For each setting and strategy it reports samples/s, the
+speed-up over ``ddp``, the step time, the part of it spent waiting on the exchange, and the
+overlap check: step time against compute alone (measured at world size 1) plus exchange alone
+(measured with ``overlap=False``).
+
+    python benchmarks/throughput.py                                     # hosts:2:1gbit
+    python benchmarks/throughput.py --settings shm:1 shm:2 shm:4 hosts:2:1gbit hosts:4:1gbit
+
+Tables print to stdout and go to ``benchmarks/results/throughput.md``; a PNG plot of samples/s
+per setting is saved beside it.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+STRATEGIES = ["ddp", "mpi_allreduce", "mpi_asa", "mpi_asa16", "mpi_asa_bf16"]
+
+
+def worker(strategy: str, steps: int, batch: int, out: str) -> None:
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    import pytorch_lightning as pl
+    import torch
+    from mpi4py import MPI
+    from torch import nn
+    from torch.utils.data import DataLoader, TensorDataset
+
+    import lightning_mpi
+
+    torch.set_num_threads(1)
+    world = MPI.COMM_WORLD.Get_size()
+
+    class Net(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            w = 2048
+            self.net = nn.Sequential(nn.Linear(512, w), nn.ReLU(), *[m for _ in range(4) for m in (nn.Linear(w, w), nn.ReLU())], nn.Linear(w, 10))
+
+        def training_step(self, b, i):
+            return nn.functional.cross_entropy(self.net(b[0]), b[1])
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=1e-3)
+
+    class Clock(pl.Callback):
+        def __init__(self) -> None:
+            self.times: list[float] = []
+            self.exchange: list[float] = []
+
+        def on_train_batch_start(self, *a) -> None:
+            self.t = time.perf_counter()
+
+        def on_train_batch_end(self, trainer, *a) -> None:
+            self.times.append(time.perf_counter() - self.t)
+            bound = getattr(trainer.strategy, "bound_rule", None)
+            if bound is not None:
+                self.exchange.append(bound.stats().get("exchange_seconds", 0.0))
+
+    if strategy == "ddp":
+        # Lightning's ddp under mpiexec needs the layout by hand: ranks per host and hosts.
+        import socket
+
+        hosts = MPI.COMM_WORLD.allgather(socket.gethostname())
+        per_host = hosts.count(socket.gethostname())
+        kwargs = {"strategy": "ddp", "devices": per_host, "num_nodes": world // per_host}
+    elif strategy.endswith(":nooverlap"):
+        name = strategy.split(":")[0]
+        exchange = "allreduce" if name == "mpi_allreduce" else "asa"
+        wire = {"mpi_asa16": "fp16", "mpi_asa_bf16": "bf16"}.get(name, "fp32")
+        kwargs = {"strategy": lightning_mpi.SyncStrategy(exchange=exchange, wire=wire, overlap=False)}
+    else:
+        kwargs = {"strategy": strategy}
+    n = batch * world * steps
+    data = TensorDataset(torch.randn(n, 512), torch.randint(0, 10, (n,)))
+    clock = Clock()
+    trainer = pl.Trainer(accelerator="cpu", max_epochs=1, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, callbacks=[clock], **kwargs)
+    trainer.fit(Net(), DataLoader(data, batch_size=batch))
+    warm = max(2, steps // 5)
+    step = statistics.median(clock.times[warm:])
+    exch = statistics.median(clock.exchange[warm:]) if clock.exchange else 0.0
+    if MPI.COMM_WORLD.Get_rank() == 0:
+        params = sum(p.numel() for p in trainer.lightning_module.parameters())
+        Path(out).write_text(json.dumps({"step": step, "exchange": exch, "world": world, "batch": batch, "params": params}))
+
+
+def run(setting: str, strategy: str, steps: int, batch: int, timeout: float) -> dict:
+    out = RESULTS / f"throughput_{setting.replace(':', '_')}_{strategy.replace(':', '_')}.json"
+    args = [sys.executable, __file__, "--worker", strategy, "--out", str(out), "--steps", str(steps), "--batch", str(batch)]
+    kind, *rest = setting.split(":")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), PYTHONWARNINGS="ignore")
+    if kind == "shm":
+        env["GLOO_SOCKET_IFNAME"] = "lo"
+        mpiexec = str(Path(sys.executable).parent / "mpiexec")
+        subprocess.run([mpiexec, "-n", rest[0], *args], env=env, check=True, timeout=timeout, capture_output=True)
+    else:
+        sys.path.insert(0, str(ROOT))
+        from benchmarks.cluster import SimCluster
+
+        with SimCluster(int(rest[0]), rate=rest[1]) as cluster:
+            res = cluster.run_mpi(args, env={"GLOO_SOCKET_IFNAME": cluster.iface, "PYTHONPATH": str(ROOT)}, timeout=timeout)
+            if res.returncode:
+                raise SystemExit(f"{setting} {strategy} failed:\n{res.stderr[-3000:]}")
+    return json.loads(out.read_text())
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--out", default="")
+    parser.add_argument("--settings", nargs="+", default=["hosts:2:1gbit"])
+    parser.add_argument("--strategies", nargs="+", default=STRATEGIES)
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--batch", type=int, default=8, help="per-rank batch")
+    parser.add_argument("--timeout", type=float, default=600)
+    args = parser.parse_args()
+    if args.worker:
+        worker(args.worker, args.steps, args.batch, args.out)
+        return 0
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    compute = run("shm:1", "mpi_allreduce", args.steps, args.batch, args.timeout)["step"]  # no exchange at W=1
+    lines = [f"# throughput benchmark ({time.strftime('%Y-%m-%d %H:%M')}): MLP, per-rank batch {args.batch}, compute alone {1000 * compute:.0f} ms/step"]
+    plot_data = {}
+    for setting in args.settings:
+        rows, base = [], None
+        for strategy in args.strategies:
+            r = run(setting, strategy, args.steps, args.batch, args.timeout)
+            sps = r["world"] * r["batch"] / r["step"]
+            base = sps if strategy == "ddp" else base
+            alone = None
+            if strategy != "ddp" and r["world"] > 1:
+                alone = run(setting, f"{strategy}:nooverlap", args.steps, args.batch, args.timeout)["exchange"]
+            rows.append((strategy, r, sps, alone))
+        lines.append(f"\n{setting} ({rows[0][1]['world']} ranks, {rows[0][1]['params']:,} params)")
+        lines.append("| strategy | samples/s | vs ddp | step (ms) | waiting on exchange (ms, % of step) | exchange alone (ms) | compute + exchange (ms) | overlap |")
+        lines.append("|---|---|---|---|---|---|---|---|")
+        for strategy, r, sps, alone in rows:
+            step_ms, wait_ms = 1000 * r["step"], 1000 * r["exchange"]
+            wait = f"{wait_ms:.0f} ({100 * wait_ms / step_ms:.0f}%)" if strategy != "ddp" else "-"
+            serial = f"{1000 * (compute + alone):.0f}" if alone is not None else "-"
+            overlap = ("yes" if r["step"] < compute + alone else "no") if alone is not None else "-"
+            ratio = f"{sps / base:.2f}x" if base else "-"
+            lines.append(f"| {strategy} | {sps:.1f} | {ratio} | {step_ms:.0f} | {wait} | {1000 * alone:.0f} | {serial} | {overlap} |" if alone is not None
+                         else f"| {strategy} | {sps:.1f} | {ratio} | {step_ms:.0f} | {wait} | - | - | - |")
+        plot_data[setting] = {s: sps for s, _, sps, _ in rows}
+    print("\n".join(lines))
+    (RESULTS / "throughput.md").write_text("\n".join(lines) + "\n")
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(7, 4))
+        width = 0.8 / max(1, len(plot_data))
+        for k, (setting, values) in enumerate(plot_data.items()):
+            ax.bar([i + k * width for i in range(len(values))], list(values.values()), width, label=setting)
+        ax.set_xticks([i + width * (len(plot_data) - 1) / 2 for i in range(len(args.strategies))], args.strategies, rotation=20)
+        ax.set_ylabel("samples/s")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(RESULTS / "throughput.png", dpi=120)
+    except ImportError:
+        pass
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
