@@ -15,6 +15,7 @@ hangs; ranks may stop a few steps apart, and ``on_train_end`` then brings them t
 """
 from __future__ import annotations
 
+import sys
 from typing import Any, Optional
 
 import pytorch_lightning as pl
@@ -42,14 +43,29 @@ class AsyncMPIStrategy(_RuleStrategy):
             return getattr(bound, "board", None)
         return None
 
+    def _board_for(self, caller: Any) -> Any:
+        """The board for stop decisions, or ``None`` for a collective answer.
+
+        ``ModelCheckpoint`` also asks bool questions while training ("does this file exist on any
+        rank?", "skip this time-based save?", "is this the best score?"). They are not stop votes:
+        a sticky flag would answer every later question (and every later stop vote) with its
+        first True. Checkpoints are collective anyway (every rank saves at the same step, and
+        ``Trainer.save_checkpoint`` ends with a barrier), so those calls stay collective.
+        """
+        from pytorch_lightning.callbacks import ModelCheckpoint
+
+        if isinstance(caller, ModelCheckpoint):
+            return None
+        return self._board()
+
     def broadcast(self, obj: Any, src: int = 0) -> Any:
-        board = self._board()
-        if board is not None and isinstance(obj, bool):
+        board = self._board_for(sys._getframe(1).f_locals.get("self")) if isinstance(obj, bool) else None
+        if board is not None:
             return board.broadcast_flag(obj, src)
         return super().broadcast(obj, src)
 
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
-        board = self._board()
+        board = self._board_for(sys._getframe(1).f_locals.get("self"))
         if board is not None:
             return board.reduce_flag(bool(decision), all)
         return super().reduce_boolean_decision(decision, all)
@@ -104,12 +120,12 @@ class AGNStrategy(AsyncMPIStrategy):
     """Accumulated gradient normalization (Hermans 2017): commit delta / period. ``mpi_agn``.
 
     Args:
-        period: local steps between commits (≥ 1); default 5.
+        period: local steps between commits (≥ 1); default 3 (AGN divides the delta by it).
         progress_interval: seconds between the progress thread's ``Iprobe`` calls.
         log_stats: log staleness, commits/s, bytes and RMA wait under ``mpi/agn/``.
     """
 
-    def __init__(self, period: int = 5, progress_interval: float = 5e-4, log_stats: bool = True,
+    def __init__(self, period: int = 3, progress_interval: float = 5e-4, log_stats: bool = True,
                  accelerator: Optional["pl.accelerators.Accelerator"] = None, checkpoint_io: Optional[CheckpointIO] = None,
                  precision_plugin: Optional[Precision] = None) -> None:
         super().__init__(AGNRule(period=period, progress_interval=progress_interval), log_stats, accelerator, checkpoint_io, precision_plugin)
@@ -120,12 +136,12 @@ class ADAGStrategy(AsyncMPIStrategy):
 
     Args:
         period: local steps between commits (≥ 1); default 5 (dist-keras).
-        eta: η > 0; default 1.0.
+        eta: η > 0; default 0.1 (a commit is halved once the center moved by ‖·‖² = η since the pull).
         progress_interval: seconds between the progress thread's ``Iprobe`` calls.
         log_stats: log staleness, commits/s, bytes and RMA wait under ``mpi/adag/``.
     """
 
-    def __init__(self, period: int = 5, eta: float = 1.0, progress_interval: float = 5e-4, log_stats: bool = True,
+    def __init__(self, period: int = 5, eta: float = 0.1, progress_interval: float = 5e-4, log_stats: bool = True,
                  accelerator: Optional["pl.accelerators.Accelerator"] = None, checkpoint_io: Optional[CheckpointIO] = None,
                  precision_plugin: Optional[Precision] = None) -> None:
         super().__init__(ADAGRule(period=period, eta=eta, progress_interval=progress_interval), log_stats, accelerator, checkpoint_io, precision_plugin)

@@ -3,10 +3,15 @@
 - No lost update: W ranks commit K known deltas to the sharded center at once; the center must
   end exactly at initial + Σ deltas and the server clock at W·K.
 - Every rule trains a small MLP on scikit-learn digits at W = 2 and 3 to near single-process
-  accuracy (same epochs), and leaves identical weights (the center / consensus) on every rank,
-  with no thread left behind.
+  accuracy in the same epochs (lr scaled linearly with W, with warm-up: see rules_train.py), and
+  leaves identical weights (the center / consensus) on every rank, with no thread left behind.
 - Lifecycle: ranks that run different numbers of steps still end on the same weights; a stop
   decided by one rank (Timer-like broadcast, EarlyStopping-like reduce) stops every rank.
+- Checkpoints: a checkpoint written mid-training at W = 2 resumes at W = 3 (new mpiexec run) with
+  the center, clock, momentum and gossip weights restored, not re-initialised.
+
+Each mpiexec launch costs 10-20 s of imports on a loaded 2-core machine, so the W = 3 launch runs
+the accuracy, uneven-steps and stop scenarios together.
 """
 import json
 import subprocess
@@ -21,20 +26,23 @@ TRAIN = str(SCRIPTS / "rules_train.py")
 SYNC_RULES = ["mpi_easgd", "mpi_model_avg"]
 ASYNC_RULES = ["mpi_aeasgd", "mpi_eamsgd", "mpi_downpour", "mpi_agn", "mpi_adag", "mpi_dynsgd", "mpi_gosgd"]
 RULES = SYNC_RULES + ASYNC_RULES
-#: Floor on test accuracy after 8 epochs (chance is 0.10; one process reaches about 0.91).
-#: In this 8-epoch, lr 0.1 setting W ranks take W× fewer steps than one process, so even the
-#: synchronous mpi_asa trails it at W = 3; the gap to one process is measured in
-#: benchmarks, not asserted here. A broken rule (lost commits, no pull) stays near chance.
-FLOOR = 0.5
+UNEVEN = ["uneven/mpi_downpour", "uneven/mpi_aeasgd", "uneven/mpi_gosgd"]
+STOP = ["stop/mpi_dynsgd", "stop/mpi_gosgd"]
+RESUMED = ["mpi_downpour", "mpi_eamsgd", "mpi_gosgd"]
+#: Allowed gap to one process (same 8 epochs). The target (benchmarks/convergence.py) is 2 points;
+#: the synchronous rules are deterministic here, the asynchronous ones depend on thread timing
+#: under load, so the test leaves them more room. A broken rule (lost commits, no pull) stays
+#: far below.
+GAP = {**{n: 0.04 for n in SYNC_RULES}, **{n: 0.08 for n in ASYNC_RULES}}
 
 
-def _train(world, names, tmp_path, scenario="accuracy", timeout=280):
+def _train(world, names, tmp_path, scenario="accuracy", timeout=280, env=None):
     out = tmp_path / f"{scenario}{world}.json"
     args = [TRAIN, str(out), ",".join(names), scenario]
     if world == 1:
-        subprocess.run([sys.executable, *args], env=mpi_env(), check=True, timeout=timeout, capture_output=True)
+        subprocess.run([sys.executable, *args], env=mpi_env(env), check=True, timeout=timeout, capture_output=True)
     else:
-        run_mpi(world, args, timeout=timeout)
+        run_mpi(world, args, timeout=timeout, env=env)
     return json.loads(out.read_text())["results"]
 
 
@@ -55,17 +63,36 @@ def test_no_lost_update_on_sharded_center(tmp_path):
     assert r["thread_alive"] is False
 
 
+@pytest.fixture(scope="module")
+def ckpt_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("ckpt")
+
+
+@pytest.fixture(scope="module")
+def world2(tmp_path_factory, ckpt_dir):
+    """W = 2: every rule for accuracy, and checkpoints written mid-training for RESUMED."""
+    names = RULES + [f"save/{n}" for n in RESUMED]
+    return _train(2, names, tmp_path_factory.mktemp("w2"), timeout=560, env={"RULES_CKPT_DIR": str(ckpt_dir)})
+
+
+@pytest.fixture(scope="module")
+def world3(tmp_path_factory, ckpt_dir, world2):
+    """W = 3: every rule, uneven steps, stop votes, and the W = 2 checkpoints resumed at W = 3."""
+    names = RULES + UNEVEN + STOP + [f"resume/{n}" for n in RESUMED]
+    return _train(3, names, tmp_path_factory.mktemp("w3"), timeout=560, env={"RULES_CKPT_DIR": str(ckpt_dir)})
+
+
 @pytest.mark.mpi
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("world", [2, 3])
-def test_every_rule_trains_digits(world, single, tmp_path):
-    results = _train(world, RULES, tmp_path, timeout=560)
+def test_every_rule_trains_digits(world, single, world2, world3):
+    results = world3 if world == 3 else world2
     failures = []
     for name in RULES:
         r = results[name]
         assert r["max_rank_diff"] == 0.0, f"{name}: ranks hold different weights after fit"
         assert r["leaked_threads"] == 0, f"{name}: a background thread outlived fit"
-        if r["acc"] < FLOOR or r["acc"] < 0.5 * single["acc"]:
+        if r["acc"] < single["acc"] - GAP[name]:
             failures.append(f"{name}: {r['acc']:.3f} vs single {single['acc']:.3f}")
     assert not failures, failures
     for name in ASYNC_RULES[:-1]:
@@ -76,26 +103,55 @@ def test_every_rule_trains_digits(world, single, tmp_path):
 
 
 @pytest.mark.mpi
-@pytest.mark.timeout(300)
-def test_uneven_steps_end_on_the_center(tmp_path):
-    results = _train(3, ["mpi_downpour", "mpi_aeasgd", "mpi_gosgd"], tmp_path, scenario="uneven")
-    for name, r in results.items():
+@pytest.mark.timeout(600)
+def test_uneven_steps_end_on_the_center(world3):
+    for name in UNEVEN:
+        r = world3[name]
         assert len(set(r["steps_per_rank"])) == 3, f"{name}: the scenario must give ranks different step counts"
         assert r["max_rank_diff"] == 0.0, f"{name}: ranks do not share the center/consensus after fit"
         assert r["leaked_threads"] == 0
 
 
 @pytest.mark.mpi
-@pytest.mark.timeout(300)
-def test_one_rank_stop_decision_stops_every_rank(tmp_path):
-    results = _train(3, ["mpi_dynsgd", "mpi_gosgd"], tmp_path, scenario="stop")
-    for name, r in results.items():
+@pytest.mark.timeout(600)
+def test_one_rank_stop_decision_stops_every_rank(world3):
+    for name in STOP:
+        r = world3[name]
         # max_epochs=50 would be ~750 steps per rank; rank 0 stops after 4, the last rank after 6
         assert max(r["steps_per_rank"]) < 60, f"{name}: a rank did not see the stop decision {r['steps_per_rank']}"
         assert r["max_rank_diff"] == 0.0
         assert r["leaked_threads"] == 0
-    assert {"center", "clock", "steps", "commits", "momentum"} <= set(results["mpi_dynsgd"]["rule_state_keys"])
-    assert {"weight", "pushes"} <= set(results["mpi_gosgd"]["rule_state_keys"])
+    assert {"center", "clock", "steps", "commits", "momentum", "ranks"} <= set(world3["stop/mpi_dynsgd"]["rule_state_keys"])
+    assert {"weight", "pushes", "ranks"} <= set(world3["stop/mpi_gosgd"]["rule_state_keys"])
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(600)
+def test_checkpoint_resumes_rule_state_at_another_world_size(ckpt_dir, world3):
+    import torch
+
+    for name in RESUMED:
+        saved = torch.load(ckpt_dir / name / "k12.ckpt", weights_only=False)["lightning_mpi"]
+        state, r = saved["state"], world3[f"resume/{name}"]
+        assert saved["world_size"] == 2 and len(state["ranks"]) == 2
+        assert any("world size 2, resuming at 3" in w for w in r["warnings"]), r["warnings"]
+        assert r["global_step"] == 24, f"{name}: training did not continue to max_steps"
+        assert r["max_rank_diff"] == 0.0 and r["leaked_threads"] == 0
+        for rank, seen in enumerate(r["seen"]):
+            assert seen["global_step_at_start"] == 12 and seen["restored"], (name, rank)
+            if name == "mpi_gosgd":
+                # another world size: every rank starts from the saved weighted consensus, weight 1/W
+                thetas = [x["theta"].double() for x in state["ranks"]]
+                ws = [x["weight"] for x in state["ranks"]]
+                consensus = sum(w * t for w, t in zip(ws, thetas)) / sum(ws)
+                assert seen["weight"] == pytest.approx(1 / 3)
+                assert torch.allclose(torch.tensor(seen["theta"], dtype=torch.float64), consensus, atol=1e-6)
+            else:
+                # the center, re-sharded over 3 ranks, holds exactly the saved values; so does the clock
+                assert torch.equal(torch.tensor(seen["center"]), state["center"]), (name, rank)
+                assert seen["clock"] == state["clock"] > 0 and seen["steps"] == 12
+        if name == "mpi_eamsgd":
+            assert all(seen["momentum_norm"] > 0 for seen in r["seen"]), "momentum was re-initialised"
 
 
 def test_async_names_are_registered():

@@ -8,6 +8,21 @@ against a busy rank took 27 ms instead of about 2,000 ms (``Win.Create`` memory 
 over shared memory). So every window here is ``Win.Allocate``d, and every rank that hosts part of
 one runs a :class:`ProgressThread` for as long as the window lives.
 
+One-sided serving vs a service thread (the issue's choice; ``benchmarks/ps_serving.py``, 2 ranks,
+4 MiB commits while the host computes, on a 2-core machine shared with other jobs, load ~10):
+
+| design | host busy in pure Python (holds the GIL) | host busy in torch (releases it) |
+|---|---|---|
+| one-sided: ``Win.Allocate`` + ``Iprobe`` thread | median 34 ms, p90 43 ms | 12 ms, p90 15 ms |
+| service thread: ``Recv`` on a dup'd comm + numpy add | median 12 ms, p90 59 ms | 24 ms, p90 30 ms |
+
+Neither wins outright at this load; we keep one-sided because (1) the sum is applied inside MPI
+(``Accumulate``), so no commit waits for the host's GIL to run an add, which is what makes the
+service thread's tail long while the host runs Python; (2) MPI's accumulate atomicity gives "no
+lost update" and torn-free pulls by construction, where a service thread needs its own lock and
+request protocol (pull = request + reply, two messages); (3) every rank serves its shard with the
+same code path and no rank dedicates a thread to serving, only a cheap ``Iprobe`` loop.
+
 Every access goes through atomic RMA operations (``Accumulate``, ``Get_accumulate`` with
 ``SUM`` or ``NO_OP``, ``Fetch_and_op``), never plain ``Put``/``Get``: MPI guarantees element-wise
 atomicity only between accumulate-family operations, so concurrent commits are never lost and a
@@ -241,21 +256,37 @@ class DecisionBoard:
     wait for the publisher, and nobody waits for a reader: nothing can hang.
     """
 
-    def __init__(self, comm: Any) -> None:
+    def __init__(self, comm: Any, poll_interval: float = 0.02) -> None:
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
         self.counters = Counters(comm, 1 + self.size, root=0)
+        # Lightning asks every batch (Timer); a remote read needs rank 0's progress thread to be
+        # scheduled, which costs milliseconds on a loaded host. Flags are sticky, so a read at most
+        # every ``poll_interval`` seconds only delays seeing a stop by that much.
+        self.poll_interval = poll_interval
+        self._flags = np.zeros(1 + self.size, dtype=np.int64)
+        self._read_at = -float("inf")
+
+    def _read(self, force: bool = False) -> np.ndarray:
+        now = time.perf_counter()
+        if force or now - self._read_at >= self.poll_interval:
+            self._flags = self.counters.read()
+            self._read_at = now
+        return self._flags
 
     def broadcast_flag(self, value: bool, src: int = 0) -> bool:
         """Rank ``src`` publishes ``value`` (if True); every rank returns the published flag."""
         if self.rank == src and value:
             self.counters.raise_to(0, 1)
-        return bool(self.counters.read()[0])
+            return True
+        return bool(self._read()[0])
 
     def reduce_flag(self, value: bool, all: bool = True) -> bool:
         """Publish this rank's decision; ``all=False``: any rank decided; ``all=True``: all did."""
         if value:
             self.counters.raise_to(1 + self.rank, 1)
-        flags = self.counters.read()[1:]
+        flags = self._read(force=bool(value)).copy()[1:]
+        if value:
+            flags[self.rank] = 1
         return bool(flags.all()) if all else bool(flags.any())
 
     def free(self) -> None:

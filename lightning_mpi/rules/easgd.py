@@ -152,10 +152,14 @@ class BoundEASGD(BoundRule):
             self.flat.push(self.center)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"center": self.center.clone(), "steps": self.steps}
+        """The (replicated) center, unpadded so that any world size can load it, and the step count."""
+        n = self.flat.bucket.numel
+        return {"center": self.center[:n].clone(), "steps": self.steps, "world_size": self.transport.size}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.center.copy_(state["center"])
+        n = self.flat.bucket.numel
+        self.center.zero_()
+        self.center[:n].copy_(state["center"].reshape(-1)[:n])
         self.steps = int(state["steps"])
         self._loaded = True
 

@@ -86,6 +86,8 @@ class BoundGoSGD(BoundRule):
         self.comm = None
         self.board = None
         self.training = False
+        self.restored = False  # True once a checkpoint's θᵢ and wᵢ were applied
+        self._restore: Optional[dict[str, Any]] = None
         self._pending: list[tuple[Any, Tensor]] = []  # (request, buffer) until the send completes
         self._inbox = torch.empty(self.n + 2, dtype=torch.float32)
         self._reset_stats()
@@ -95,6 +97,7 @@ class BoundGoSGD(BoundRule):
 
         self.comm = self.transport.comm.Dup()
         self.board = DecisionBoard(self.transport.comm)
+        self._apply_restore()
         self.training = True
 
     def after_step(self, optimizer: Any) -> None:
@@ -183,13 +186,49 @@ class BoundGoSGD(BoundRule):
             self.comm = None
 
     def state_dict(self) -> dict[str, Any]:
-        return {"weight": self.weight, "pushes": self.pushes, "received": self.received, "rng": self.rng.getstate()}
+        """Collective (the strategy calls it on every rank): every rank's mixing weight, its own
+        weights θᵢ, push count and generator state under ``"ranks"`` (the module state in the
+        checkpoint is rank 0's θ only, and gossip ranks differ); the top-level ``weight``/``pushes``
+        are this rank's. Models in flight at that moment are not in it: on restore the weights are
+        renormalised to sum to 1."""
+        local = {"weight": self.weight, "pushes": self.pushes, "rng": self.rng.getstate(),
+                 "theta": self.flat.pull()[: self.flat.bucket.numel].clone()}
+        ranks = self.transport.comm.allgather(local) if self.transport.size > 1 else [local]
+        return {"weight": self.weight, "pushes": self.pushes, "rng": self.rng.getstate(),
+                "world_size": self.transport.size, "ranks": ranks}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.weight = float(state["weight"])
-        self.pushes = int(state.get("pushes", 0))
-        if "rng" in state:
-            self.rng.setstate(state["rng"])
+        """Applied in ``on_train_start`` (after Lightning has put rank 0's weights in every module):
+        same world size: rank r takes back its own θᵣ and wᵣ / Σw. Another world size: every rank
+        starts from the saved weighted consensus Σwθ / Σw with weight 1/W."""
+        self._restore = dict(state)
+        if self.comm is not None:  # already training: apply now
+            self._apply_restore()
+
+    def _apply_restore(self) -> None:
+        state, self._restore = self._restore, None
+        if state is None:
+            return
+        ranks = state.get("ranks")
+        n = self.flat.bucket.numel
+        theta = self.flat.pull()
+        if not ranks:  # an old checkpoint: only rank 0's weight, no θs
+            self.weight = float(state["weight"]) if self.transport.size == 1 else 1.0 / self.transport.size
+        elif len(ranks) == self.transport.size:
+            mine = ranks[self.transport.rank]
+            total = sum(float(r["weight"]) for r in ranks)
+            self.weight = float(mine["weight"]) / total
+            self.pushes = int(mine.get("pushes", 0))
+            if "rng" in mine:
+                self.rng.setstate(mine["rng"])
+            theta[:n].copy_(mine["theta"].reshape(-1)[:n])
+            self.flat.push(theta)
+        else:
+            consensus = weighted_consensus([r["theta"].double() for r in ranks], [float(r["weight"]) for r in ranks])
+            theta[:n].copy_(consensus.reshape(-1)[:n].to(theta.dtype))
+            self.flat.push(theta)
+            self.weight = 1.0 / self.transport.size
+        self.restored = True
 
     def _reset_stats(self) -> None:
         self._bytes = 0

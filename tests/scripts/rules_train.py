@@ -6,6 +6,13 @@ SCENARIO "accuracy" (default): EPOCHS epochs per strategy; reports test accuracy
 weights, whether all ranks hold identical weights after fit, global steps, logged stats, and
 whether background threads survived teardown. "single" trains with one process (strategy "auto").
 SCENARIO "uneven": rank r runs 6 + 5r batches per epoch (different step counts).
+SCENARIO "save": K = 12 steps with ``ModelCheckpoint(every_n_train_steps=K)`` into
+$RULES_CKPT_DIR/NAME (written mid-training, before ``on_train_end``). SCENARIO "resume": a new
+launch (any world size) fits to 2K steps from that checkpoint and records what the rule holds
+right after its ``on_train_start`` (restored, not re-initialised?) and the warnings.
+A NAME may be written "SCENARIO/NAME" to run it under another scenario in the same launch
+(each launch costs 10-20 s of imports), and "NAME@key=value+key=value" to override the
+strategy's arguments (``lr_mode=fixed|linear`` sets the learning-rate rule).
 SCENARIO "stop": a callback asks ``strategy.broadcast`` (rank 0 decides after its 4th batch, like
 Timer) and ``reduce_boolean_decision`` (the last rank decides, like EarlyStopping) every batch;
 every rank must stop well before max_epochs. Also saves and checks a checkpoint's rule state.
@@ -34,6 +41,11 @@ COMM = MPI.COMM_WORLD
 RANK, W = COMM.Get_rank(), COMM.Get_size()
 EPOCHS, BATCH = int(os.environ.get("RULES_EPOCHS", 8)), 32
 LR = float(os.environ.get("RULES_LR", 0.1))
+#: "linear" (default): Goyal et al.'s linear scaling rule with gradual warm-up: lr = LR·W, reached
+#: linearly from LR over the first WARMUP_EPOCHS epochs (W ranks × batch B take W× fewer steps per
+#: epoch than one process; a W× larger step keeps the distance travelled per epoch). "fixed": LR.
+LR_MODE = os.environ.get("RULES_LR_MODE", "linear")
+WARMUP_EPOCHS = float(os.environ.get("RULES_WARMUP_EPOCHS", 1))
 
 
 def data():
@@ -44,9 +56,46 @@ def data():
     return TensorDataset(t(xtr, torch.float32), t(ytr, torch.long)), (t(xte, torch.float32), t(yte, torch.long))
 
 
+def make_strategy(spec):
+    """``NAME`` or ``NAME@key=value,...`` (``;``-separated in argv): a registered name with overrides."""
+    if spec == "single":
+        return "auto"
+    if "@" not in spec:
+        return spec
+    from lightning_mpi.registry import STRATEGIES
+
+    name, _, rest = spec.partition("@")
+    cls, params, _ = STRATEGIES[name]
+    kwargs = dict(params)
+    for item in filter(None, rest.split("+")):
+        key, _, value = item.partition("=")
+        if key != "lr_mode":
+            kwargs[key] = float(value) if "." in value or "e" in value else int(value)
+    return cls(**kwargs)
+
+
+#: Rules that already take a larger step than plain SGD, so their lr is not scaled with W.
+#: DOWNPOUR sums W workers' whole deltas (the center moves ~W× per epoch: "asynchrony begets
+#: momentum", Mitliagkas et al. 2016); EAMSGD adds its own Nesterov momentum δ = 0.9 (effective
+#: step lr / (1 − δ) = 10·lr). With lr·W both overshoot at W = 3 (DOWNPOUR 0.38, EAMSGD 0.64–0.92).
+UNSCALED_LR = ("mpi_downpour", "mpi_eamsgd")
+CKPT_DIR = os.environ.get("RULES_CKPT_DIR", "")
+K = 12  # steps before the checkpoint in the "save" scenario
+
+
+def lr_mode(spec):
+    """The spec's ``lr_mode=``, else "fixed" for DOWNPOUR (it sums W workers' whole deltas, so it
+    already moves the center ~W× per epoch: with lr·W it diverges at W = 3), else ``LR_MODE``."""
+    for item in spec.partition("@")[2].split("+"):
+        if item.startswith("lr_mode="):
+            return item.split("=", 1)[1]
+    return "fixed" if spec.partition("@")[0] in UNSCALED_LR else LR_MODE
+
+
 class Net(pl.LightningModule):
-    def __init__(self):
+    def __init__(self, mode="fixed"):
         super().__init__()
+        self.mode = mode
         self.net = nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10))
 
     def training_step(self, batch, _):
@@ -56,7 +105,15 @@ class Net(pl.LightningModule):
         return loss
 
     def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=LR)
+        scale = W if self.mode == "linear" else 1
+        opt = torch.optim.SGD(self.parameters(), lr=LR * scale)
+        if scale == 1:
+            return opt
+        steps = self.trainer.estimated_stepping_batches / max(1, self.trainer.max_epochs or 1)
+        warm = max(1, int(WARMUP_EPOCHS * steps))
+        factor = lambda s: (1 + (scale - 1) * min(1.0, s / warm)) / scale  # noqa: E731  LR -> LR·W
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, factor)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
 
 class StopVote(pl.Callback):
@@ -70,6 +127,34 @@ class StopVote(pl.Callback):
         a = trainer.strategy.broadcast(RANK == 0 and self.calls >= 4)
         b = trainer.strategy.reduce_boolean_decision(RANK == W - 1 and self.calls >= 6, all=False)
         trainer.should_stop = trainer.should_stop or a or b
+
+
+class Capture(pl.Callback):
+    """For "resume": what the rule holds right after its ``on_train_start`` (which runs after the
+    callbacks' ``on_train_start``): the whole center, clock, steps, momentum, gossip weight and θ."""
+
+    def __init__(self):
+        self.seen = {}
+
+    def on_train_start(self, trainer, pl_module):
+        bound = trainer.strategy.bound_rule
+        original = bound.on_train_start
+        self.seen["global_step_at_start"] = trainer.global_step
+
+        def wrapped():
+            original()
+            seen = self.seen
+            seen["restored"] = bool(getattr(bound, "restored", False))
+            if getattr(bound, "center", None) is not None and hasattr(bound, "clock"):
+                seen["center"] = bound.center.read(torch.empty_like(bound.ref))[: bound.numel].tolist()
+                seen["clock"] = int(bound.clock.read()[0])
+                seen["steps"] = bound.steps
+                seen["momentum_norm"] = float(sum(b.double().norm() ** 2 for b in bound.momentum_bufs)) ** 0.5
+            if hasattr(bound, "weight"):
+                seen["weight"] = bound.weight
+                seen["theta"] = bound.flat.pull()[: bound.flat.bucket.numel].tolist()
+
+        bound.on_train_start = wrapped
 
 
 class Recorder(pl.loggers.logger.Logger):
@@ -89,7 +174,7 @@ class Recorder(pl.loggers.logger.Logger):
 
 def run(name, scenario, train, test):
     torch.manual_seed(100 + RANK)  # different init per rank: setup must broadcast rank 0's
-    model = Net()
+    model = Net(lr_mode(name))
     rec = Recorder()
     threads_before = threading.active_count()
     kwargs = dict(max_epochs=EPOCHS, logger=[rec], log_every_n_steps=2, enable_checkpointing=False,
@@ -100,11 +185,25 @@ def run(name, scenario, train, test):
     if scenario == "stop":
         kwargs.update(max_epochs=50)
         callbacks.append(StopVote())
-    trainer = pl.Trainer(strategy="auto" if scenario == "single" else name, callbacks=callbacks, **kwargs)
+    ckpt_path, capture = None, Capture()
+    if scenario in ("save", "resume"):
+        from pytorch_lightning.callbacks import ModelCheckpoint
+
+        d = os.path.join(CKPT_DIR, name)
+        kwargs.update(enable_checkpointing=True, max_epochs=-1, max_steps=K if scenario == "save" else 2 * K)
+        callbacks += [ModelCheckpoint(dirpath=d, filename="k{step}", auto_insert_metric_name=False,
+                                      every_n_train_steps=K, save_top_k=-1), capture]
+        ckpt_path = os.path.join(d, f"k{K}.ckpt") if scenario == "resume" else None
+    trainer = pl.Trainer(strategy="auto" if scenario == "single" else make_strategy(name), callbacks=callbacks, **kwargs)
     start = time.perf_counter()
-    trainer.fit(model, DataLoader(train, batch_size=BATCH, shuffle=True))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(model, DataLoader(train, batch_size=BATCH, shuffle=True), ckpt_path=ckpt_path)
     seconds = time.perf_counter() - start
-    out = {"seconds": seconds, "global_step": trainer.global_step, "stat_keys": sorted(rec.keys)}
+    out = {"seconds": seconds, "global_step": trainer.global_step, "stat_keys": sorted(rec.keys),
+           "warnings": [str(w.message) for w in caught if "lightning_mpi" in str(w.message)]}
+    if scenario == "resume":
+        out["seen"] = COMM.allgather(capture.seen)
     if scenario == "stop":
         bound = trainer.strategy.bound_rule
         out["rule_state_keys"] = sorted(bound.state_dict()) if bound is not None else []
@@ -124,7 +223,10 @@ def main():
     out_path, names = sys.argv[1], sys.argv[2].split(",")
     scenario = sys.argv[3] if len(sys.argv) > 3 else "accuracy"
     train, test = data()
-    results = {name: run(name, scenario, train, test) for name in names}
+    results = {}
+    for name in names:  # "SCENARIO/NAME" runs NAME under another scenario in the same launch
+        sc, _, bare = name.rpartition("/")
+        results[name] = run(bare, sc or scenario, train, test)
     if RANK == 0:
         with open(out_path, "w") as f:
             json.dump({"world_size": W, "results": results}, f)
