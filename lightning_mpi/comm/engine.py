@@ -66,6 +66,61 @@ class Progress:
         return len(self._active)
 
 
+class ProgressDriver:
+    """A thread that enters MPI's progress engine while exchanges are in flight.
+
+    MPICH moves a non-blocking collective only inside MPI calls, and backward spends most of its
+    time in torch kernels that make none. While :meth:`running` is active, this thread calls
+    ``Iprobe`` every ``interval`` seconds (torch kernels release the GIL, so it gets to run); when
+    idle it blocks on an event and costs nothing. Needs ``MPI_THREAD_MULTIPLE``.
+    """
+
+    def __init__(self, comm: Any, interval: float = 2e-4) -> None:
+        import threading
+
+        from mpi4py import MPI
+
+        if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
+            raise RuntimeError(
+                "lightning_mpi: overlap_progress_thread needs MPI_THREAD_MULTIPLE; "
+                "initialise MPI with it (mpi4py's default) or pass overlap_progress_thread=False"
+            )
+        self.comm = comm.Dup()
+        self.interval = interval
+        self._active = threading.Event()
+        self._closing = False
+        self._thread = threading.Thread(target=self._run, name="lightning_mpi-exchange-progress", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        import time
+
+        from mpi4py import MPI
+
+        while True:
+            self._active.wait()
+            if self._closing:
+                return
+            self.comm.Iprobe(source=MPI.ANY_SOURCE, tag=MPI.ANY_TAG)
+            time.sleep(self.interval)
+
+    def start(self) -> None:
+        self._active.set()
+
+    def pause(self) -> None:
+        self._active.clear()
+
+    def close(self) -> None:
+        """Stop and join the thread (safe to call twice); frees its communicator."""
+        if self._thread.is_alive():
+            self._closing = True
+            self._active.set()
+            self._thread.join()
+        if self.comm is not None:
+            self.comm.Free()
+            self.comm = None
+
+
 def allreduce_mean_steps(transport: Transport, flat: Tensor) -> Exchange:
     """Mean over ranks by one ``Iallreduce``."""
     yield from transport.iallreduce_(flat)
