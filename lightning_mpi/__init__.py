@@ -17,6 +17,7 @@ from lightning_mpi.async_strategies import (
 )
 from lightning_mpi.compressed_strategies import CompressedSyncStrategy
 from lightning_mpi.data import PrefetchDataModule
+from lightning_mpi.offload import LMSOffload
 from lightning_mpi.registry import STRATEGIES, register_strategies
 from lightning_mpi.rules.averaging import ModelAveragingRule
 from lightning_mpi.rules.base import BoundRule, Rule
@@ -47,6 +48,7 @@ __all__ = [
     "DynSGDStrategy",
     "GoSGDStrategy",
     "PrefetchDataModule",
+    "LMSOffload",
     "Rule",
     "BoundRule",
     "SyncRule",

@@ -57,3 +57,17 @@ def test_config_file_example_trains_on_two_ranks(tmp_path):
     match = re.search(r"final val_acc=([0-9.]+) world_size=2", result.stdout)
     assert match, result.stdout[-2000:]
     assert float(match.group(1)) > 0.5
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(240)
+def test_segmentation3d_example_offloads_under_mpi_asa(tmp_path):
+    result = run_mpi(
+        2,
+        [str(REPO / "examples" / "segmentation3d.py"), "--side", "16", "--epochs", "1", "--train-size", "8"],
+        timeout=200,
+        cwd=tmp_path,
+    )
+    match = re.search(r"world_size=2 strategy=mpi_asa offload=\w+ .*offloaded_per_step=([0-9.]+) MiB", result.stdout)
+    assert match, result.stdout[-2000:]
+    assert float(match.group(1)) > 0  # the callback really moved saved activations out

@@ -1,0 +1,359 @@
+"""Peak memory and step time of activation offload: no offload, ``save_on_cpu`` and ``LMSOffload``.
+
+    OMP_NUM_THREADS=1 python benchmarks/offload.py                 # CUDA if present, else CPU + disk
+    OMP_NUM_THREADS=1 python benchmarks/offload.py --device cpu --side 96 --cap-mb 800
+    python benchmarks/offload.py --device cuda --side 128 --cap-mb 4096
+
+Model: the 3D U-Net of ``examples/segmentation3d.py`` (two levels, BatchNorm, in-place ReLU),
+``--channels`` wide, ``--convs`` convolutions per block, on one ``side^3`` synthetic volume per
+step: its memory is activations, not weights. On CPU the default is 6 convolutions per block, an
+activation-dominated model: with the paper's 2, the working set of forward and backward itself
+(about 75 MiB at 64^3 and 8 channels in a no-grad forward, which no offloading can remove) is as
+large as all saved activations together, and offloading can remove at most about a third of the
+training peak (measured: -28% at 2 convolutions per block, -45% at 4). Training runs under Lightning's ``Trainer`` (SGD with momentum), each configuration in a
+fresh process so that peak memory is that run's alone:
+
+* ``none``: plain training.
+* ``save_on_cpu``: ``torch.autograd.graph.save_on_cpu(pin_memory=True)`` around each training
+  batch (a callback enters it in ``on_train_batch_start``, leaves it in ``on_train_batch_end``).
+  On a CPU-only machine this copies each saved tensor to another CPU tensor: more memory, not
+  less; it is listed for completeness.
+* ``LMSOffload``: ``LMSOffload(target="cpu")`` on CUDA, ``LMSOffload(target="disk")`` on CPU
+  (spill files in ``--directory``), default settings otherwise.
+
+Memory: on CUDA ``torch.cuda.max_memory_allocated`` (total, and above what is allocated when
+training starts: the activation peak). On CPU the kernel's peak RSS of the process
+(``ru_maxrss``; total, and above the RSS when training starts: the training peak; the process
+baseline of Python, torch and Lightning is the same in every run). With ``--repeats``, each mode
+runs that many times in alternating order and the table shows medians.
+
+Allocator (CPU): the three runs share ``GLIBC_TUNABLES=glibc.malloc.mmap_threshold=1048576:
+glibc.malloc.hugetlb=1``, so the comparison isolates offloading. The threshold is what
+``LMSOffload`` sets for itself on CPU (glibc's default keeps freed activations in its heap, and
+peak RSS would not drop); huge pages remove the page-fault cost that the threshold brings (on the
+VM this was written on, about +30% step time without them). Two more rows show what an untuned
+process gets: ``none`` and ``LMSOffload`` under glibc's defaults (the callback still sets its
+threshold, without huge pages). Step time: median over the
+steps after the first (warm-up).
+
+IBM's use case: the largest ``side`` (multiples of ``--side-step``) that trains one step under a memory cap,
+without and with ``LMSOffload``. On CUDA the cap is ``torch.cuda.set_per_process_memory_fraction``
+(a run fits when it does not raise out-of-memory). On CPU a run fits when its peak RSS stays under
+the cap; measured after the fact, exactly (``ru_maxrss`` is the kernel's high-water mark), which is
+what a hard RSS limit would enforce, without needing root for a cgroup.
+
+A table goes to stdout; a PNG and a JSON file to ``benchmarks/results/offload_<device>.*``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+RESULTS = HERE / "results"
+REPO = HERE.parent
+MODES = ("none", "save_on_cpu", "LMSOffload")
+MiB = 2**20
+
+
+# --- one run, in this process -------------------------------------------------------------------
+def run_once(mode: str, device: str, side: int, channels: int, convs: int, steps: int, directory: str | None, cap_mb: float | None) -> dict:
+    """Train ``steps`` steps in this process and measure; returns a JSON-able dict."""
+    import pytorch_lightning as pl
+    import torch
+    from torch import nn
+    from torch.utils.data import DataLoader, Dataset
+
+    sys.path.insert(0, str(REPO / "examples"))
+    sys.path.insert(0, str(REPO))
+    from segmentation3d import UNet3d
+
+    from lightning_mpi.offload import LMSOffload
+
+    torch.manual_seed(0)
+    if device == "cuda" and cap_mb is not None:
+        total = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(cap_mb * MiB / total, 1.0))
+
+    class OneVolume(Dataset):
+        """The same synthetic volume every step (no extra memory for a dataset)."""
+
+        def __init__(self) -> None:
+            self.x = torch.randn(1, side, side, side)
+            self.y = (self.x[0] > 0.5).long()
+
+        def __len__(self) -> int:
+            return steps
+
+        def __getitem__(self, i):
+            return self.x, self.y
+
+    class Module(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = UNet3d(channels, convs=convs)
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return nn.functional.cross_entropy(self.net(x), y)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.01, momentum=0.9)
+
+    class Probe(pl.Callback):
+        def __init__(self) -> None:
+            self.times: list[float] = []
+
+        def on_train_start(self, trainer, pl_module):
+            self.base_rss = _current_rss()
+            if device == "cuda":
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+                self.base_alloc = torch.cuda.memory_allocated()
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if device == "cuda":
+                torch.cuda.synchronize()
+            self.t0 = time.perf_counter()
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if device == "cuda":
+                torch.cuda.synchronize()
+            self.times.append(time.perf_counter() - self.t0)
+
+    class SaveOnCpu(pl.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            self.ctx = torch.autograd.graph.save_on_cpu(pin_memory=True)
+            self.ctx.__enter__()
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            self.ctx.__exit__(None, None, None)
+
+    probe = Probe()
+    callbacks: list = [probe]
+    lms = None
+    if mode == "save_on_cpu":
+        callbacks.insert(0, SaveOnCpu())
+    elif mode == "LMSOffload":
+        lms = LMSOffload(target="cpu") if device == "cuda" else LMSOffload(target="disk", directory=directory)
+        callbacks.insert(0, lms)
+    trainer = pl.Trainer(
+        accelerator=device, devices=1, max_steps=steps, callbacks=callbacks, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        limit_val_batches=0, num_sanity_val_steps=0,
+    )
+    result = {"mode": mode, "device": device, "side": side, "channels": channels, "convs": convs, "ok": True}
+    try:
+        trainer.fit(Module(), DataLoader(OneVolume(), batch_size=1))
+    except torch.OutOfMemoryError as error:  # the GPU cap
+        result.update(ok=False, error=str(error).splitlines()[0])
+        return result
+    result["step_s"] = statistics.median(probe.times[1:] or probe.times)
+    result["peak_rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    result["base_rss"] = probe.base_rss
+    if device == "cuda":
+        result["peak_alloc"] = torch.cuda.max_memory_allocated()
+        result["base_alloc"] = probe.base_alloc
+    if lms is not None and lms.last_stats is not None:
+        s = lms.last_stats
+        result.update(offloaded=s.offloaded_bytes, hidden_ms=s.hidden_ms, exposed_ms=s.exposed_ms)
+    if device == "cpu" and cap_mb is not None:
+        result["ok"] = result["peak_rss"] <= cap_mb * MiB
+    return result
+
+
+def _current_rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+# --- the driver: one fresh process per run ------------------------------------------------------
+def run_in_subprocess(mode: str, args: argparse.Namespace, side: int, steps: int, cap_mb: float | None = None,
+                      glibc_defaults: bool = False) -> dict:
+    cmd = [sys.executable, __file__, "--worker", mode, "--device", args.device, "--side", str(side),
+           "--channels", str(args.channels), "--convs", str(args.convs), "--steps", str(steps)]
+    if args.directory:
+        cmd += ["--directory", args.directory]
+    if cap_mb is not None:
+        cmd += ["--cap-mb", str(cap_mb)]
+    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), PYTHONWARNINGS="ignore")
+    env.pop("MALLOC_MMAP_THRESHOLD_", None)
+    env.pop("GLIBC_TUNABLES", None)
+    if args.device == "cpu" and not glibc_defaults:
+        env["GLIBC_TUNABLES"] = "glibc.malloc.mmap_threshold=1048576:glibc.malloc.hugetlb=1"
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.timeout)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        # CPU allocation failures and the like: the run did not fit
+        return {"mode": mode, "side": side, "ok": False, "error": (proc.stderr.strip().splitlines() or ["?"])[-1]}
+    result = json.loads(lines[-1])
+    if glibc_defaults:
+        result["mode"] += " (glibc defaults)"
+    return result
+
+
+def largest_side(mode: str, args: argparse.Namespace, start: int) -> tuple[int, list[dict]]:
+    """Walk up the sides from ``start`` in steps of ``--side-step`` until a run does not fit."""
+    best, trials, side = 0, [], start
+    while side <= args.max_side:
+        result = run_in_subprocess(mode, args, side, steps=1, cap_mb=args.cap_mb)
+        trials.append(result)
+        print(f"  {mode:<11} side {side:>3}: {'fits' if result['ok'] else 'does not fit'}"
+              + (f" (peak {_peak(result, args.device) / MiB:.0f} MiB)" if "peak_rss" in result else ""), flush=True)
+        if not result["ok"]:
+            break
+        best, side = side, side + args.side_step
+    return best, trials
+
+
+def _median_row(results: list[dict]) -> dict:
+    """One row per mode: the median step time and peak over repeats (all runs kept in "runs")."""
+    ok = [r for r in results if "step_s" in r]
+    if not ok:
+        return results[0]
+    row = dict(ok[0], runs=results)
+    for key in ("step_s", "peak_rss", "peak_alloc", "hidden_ms", "exposed_ms"):
+        if key in row:
+            row[key] = statistics.median(r[key] for r in ok)
+    return row
+
+
+def _peak(r: dict, device: str) -> int:
+    return r["peak_alloc"] if device == "cuda" else r["peak_rss"]
+
+
+def _base(r: dict, device: str) -> int:
+    return r["base_alloc"] if device == "cuda" else r["base_rss"]
+
+
+def table(rows: list[dict], device: str) -> str:
+    what = "max_memory_allocated" if device == "cuda" else "peak RSS"
+    suffix = " (glibc defaults)"
+    refs = {r["mode"]: r for r in rows}
+    lines = [
+        f"| run | {what} (MiB) | training peak above start (MiB) | vs none* | step time (s) | vs none* | offloaded/step (MiB) | copy hidden / exposed (ms) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        if not r.get("ok", True) or "step_s" not in r:
+            lines.append(f"| {r['mode']} | failed: {r.get('error')} | | | | | | |")
+            continue
+        ref = refs.get("none" + suffix if r["mode"].endswith(suffix) else "none", rows[0])  # same allocator
+        act, ref_act = _peak(r, device) - _base(r, device), _peak(ref, device) - _base(ref, device)
+        copy = f"{r['hidden_ms']:.0f} / {r['exposed_ms']:.0f}" if "hidden_ms" in r else ""
+        off = f"{r['offloaded'] / MiB:.0f}" if "offloaded" in r else ""
+        lines.append(
+            f"| {r['mode']} | {_peak(r, device) / MiB:.0f} | {act / MiB:.0f} | {100 * (act / ref_act - 1):+.0f}% "
+            f"| {r['step_s']:.2f} | {r['step_s'] / ref['step_s']:.2f}x | {off} | {copy} |"
+        )
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], search: dict, args: argparse.Namespace, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [r for r in rows if "step_s" in r and "glibc" not in r["mode"]]
+    names = [r["mode"] for r in ok]
+    fig, axes = plt.subplots(1, 3 if search else 2, figsize=(13 if search else 9, 3.8))
+    base = [_base(r, args.device) / MiB for r in ok]
+    above = [(_peak(r, args.device) - _base(r, args.device)) / MiB for r in ok]
+    axes[0].bar(names, base, color="#bbbbbb", label="at training start")
+    axes[0].bar(names, above, bottom=base, color="#4477aa", label="training peak above it")
+    axes[0].set_ylabel("max_memory_allocated (MiB)" if args.device == "cuda" else "peak RSS (MiB)")
+    axes[0].legend(fontsize=8)
+    axes[1].bar(names, [r["step_s"] for r in ok], color="#ee6677")
+    axes[1].set_ylabel("step time (s)")
+    for ax in axes[:2]:
+        ax.set_title(f"{args.device}, 3D U-Net ({args.channels} ch, {args.convs} convs/block), {args.side}^3", fontsize=9)
+        ax.tick_params(axis="x", labelsize=8)
+    if search:
+        sides = [search["none"], search["LMSOffload"]]
+        axes[2].bar(["none", "LMSOffload"], [s**3 / 1e6 for s in sides], color="#228833")
+        for i, s in enumerate(sides):
+            axes[2].text(i, s**3 / 1e6, f"{s}^3", ha="center", va="bottom", fontsize=8)
+        axes[2].set_ylabel("largest volume that trains (Mvoxel)")
+        axes[2].set_title(f"under a {args.cap_mb:.0f} MiB cap", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda when available")
+    parser.add_argument("--side", type=int, default=None, help="volume side (multiple of 4); default 64 on CPU, 160 on CUDA")
+    parser.add_argument("--channels", type=int, default=8)
+    parser.add_argument("--convs", type=int, default=None, help="convolutions per U-Net block (default 6 on CPU, 2 on CUDA)")
+    parser.add_argument("--steps", type=int, default=3, help="steps per run; the first is warm-up")
+    parser.add_argument("--repeats", type=int, default=1, help="runs per mode, in alternating order; medians are reported")
+    parser.add_argument("--directory", default=None, help="spill directory for the disk target (default: a temporary one)")
+    parser.add_argument("--cap-mb", type=float, default=None, help="memory cap for the largest-input search (default: 768 on CPU, 8192 on CUDA)")
+    parser.add_argument("--max-side", type=int, default=None, help="stop the search here (default 128 on CPU, 320 on CUDA)")
+    parser.add_argument("--side-step", type=int, default=None, help="search granularity (default 8 on CPU, 16 on CUDA)")
+    parser.add_argument("--no-search", action="store_true", help="skip the largest-input search")
+    parser.add_argument("--timeout", type=float, default=900, help="seconds per run")
+    parser.add_argument("--worker", choices=MODES, default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.device is None:
+        import torch
+
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    gpu = args.device == "cuda"
+    args.side = args.side or (160 if gpu else 64)
+    args.convs = args.convs or (2 if gpu else 6)
+    args.max_side = args.max_side or (320 if gpu else 128)
+    args.side_step = args.side_step or (16 if gpu else 8)
+
+    if args.worker is not None:
+        print(json.dumps(run_once(args.worker, args.device, args.side, args.channels, args.convs, args.steps, args.directory, args.cap_mb)))
+        return
+
+    args.cap_mb = args.cap_mb or (8192.0 if gpu else 768.0)
+    if args.directory is None and not gpu:
+        args.directory = tempfile.mkdtemp(prefix="lms-bench-")
+    print(f"device={args.device} side={args.side} channels={args.channels} convs={args.convs} steps={args.steps} repeats={args.repeats} "
+          f"directory={args.directory} OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}", flush=True)
+    runs: dict[str, list[dict]] = {mode: [] for mode in MODES}
+    for repeat in range(args.repeats):
+        # Alternate the order so that drift in machine load does not favour one mode.
+        for mode in MODES if repeat % 2 == 0 else tuple(reversed(MODES)):
+            runs[mode].append(run_in_subprocess(mode, args, args.side, args.steps))
+            print(f"  {mode} (run {repeat + 1}/{args.repeats}): done", flush=True)
+    rows = [_median_row(runs[mode]) for mode in MODES]
+    if not gpu:
+        for mode in ("none", "LMSOffload"):
+            rows.append(run_in_subprocess(mode, args, args.side, args.steps, glibc_defaults=True))
+            print(f"  {mode} (glibc defaults): done", flush=True)
+    search = {}
+    if not args.no_search:
+        print(f"largest side under {args.cap_mb:.0f} MiB:", flush=True)
+        search["none"], trials_none = largest_side("none", args, start=32)
+        search["LMSOffload"], trials_lms = largest_side("LMSOffload", args, start=max(search["none"], 32))
+        search["trials"] = trials_none + trials_lms
+
+    print()
+    print(table(rows, args.device))
+    print("* against the none run with the same allocator settings")
+    if search:
+        n, m = search["none"], search["LMSOffload"]
+        ratio = f"{(m / n) ** 3:.2f}x the volume" if n else "n/a"
+        print(f"\nLargest side that trains under {args.cap_mb:.0f} MiB: none {n}^3, LMSOffload {m}^3 ({ratio}).")
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    stem = RESULTS / f"offload_{args.device}"
+    stem.with_suffix(".json").write_text(json.dumps({"args": vars(args), "rows": rows, "search": search}, indent=2))
+    plot(rows, search, args, stem.with_suffix(".png"))
+    print(f"\nwrote {stem.with_suffix('.json')} and {stem.with_suffix('.png')}")
+
+
+if __name__ == "__main__":
+    main()

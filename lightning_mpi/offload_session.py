@@ -1,0 +1,292 @@
+"""The pack/unpack hooks of :class:`lightning_mpi.LMSOffload`, for one training step.
+
+An :class:`OffloadSession` decides *which* saved tensors leave the device and *when* they come
+back; a tier (:mod:`lightning_mpi.offload_tiers`, :mod:`lightning_mpi.offload_disk`) moves the
+bytes. No Lightning here: the session works inside any
+``torch.autograd.graph.saved_tensors_hooks(session.pack, session.unpack)`` block.
+
+Policy, in the order it is applied to each saved tensor:
+
+1. Kept resident: parameters and buffers (their memory stays allocated anyway), casts of
+   parameters (autocast caches them for the whole forward), tensors of a foreign kind (sparse,
+   subclasses, devices the tier does not take), expanded tensors, tensors smaller than
+   ``min_bytes``, and tensors saved while an excluded module runs.
+2. A tensor saved twice (relu output saved by relu and by the next op) is offloaded once.
+3. The last ``keep_last`` candidates of a forward pass stay resident: backward needs them first.
+   They wait in a sliding window; a candidate that leaves the window is swapped out.
+4. Backward unpacks in (roughly) reverse order of saving, so when it starts the session prefetches
+   from the end of the list, keeping ``prefetch`` tensors in flight ahead of use.
+
+A tensor that was modified in place after it was saved cannot be restored; plain autograd raises
+for that ("modified by an inplace operation"), and so does the session, at unpack.
+"""
+from __future__ import annotations
+
+import threading
+import weakref
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from lightning_mpi.offload_tensors import is_expanded, layout_of
+from lightning_mpi.offload_tiers import Ticket
+
+_CAST = "ToCopyBackward0"
+_LEAF = "AccumulateGrad"
+
+
+@dataclass
+class OffloadStats:
+    """What LMSOffload did in one training step."""
+
+    offloaded_tensors: int = 0
+    offloaded_bytes: int = 0  # bytes swapped out of the device (or out of RAM, disk tier on CPU)
+    resident_bytes: int = 0  # bytes of saved tensors kept resident (each counted once per save)
+    peak_saved_bytes: int = 0  # most bytes that were out of the device at one time
+    copy_ms: float = 0.0  # time spent copying, out and back
+    exposed_ms: float = 0.0  # part of it that training waited for
+    file_bytes: int = 0  # size of the step's spill file (disk tier)
+
+    @property
+    def hidden_ms(self) -> float:
+        """Copy time that overlapped compute."""
+        return max(self.copy_ms - self.exposed_ms, 0.0)
+
+
+class _Handle:
+    """What autograd holds for an offloadable saved tensor. Autograd drops it when the saving
+    node has run its backward; then ``__del__`` releases the tier's copy."""
+
+    __slots__ = ("tensor", "ticket", "restored", "source", "version", "session", "__weakref__")
+
+    def __init__(self, tensor: torch.Tensor, source: torch.Tensor, session: "OffloadSession") -> None:
+        self.tensor = tensor  # detached alias while resident (no cycle through grad_fn)
+        self.ticket: Ticket | None = None
+        self.restored: torch.Tensor | None = None
+        self.source = weakref.ref(source)  # to detect in-place changes after saving
+        self.version = source._version
+        self.session = session
+
+    def __del__(self) -> None:
+        ticket, session = self.ticket, self.session
+        if ticket is not None and not ticket.done and session is not None:
+            session._forget(ticket)  # never blocks: __del__ may run on any thread, even the I/O one
+
+
+class OffloadSession:
+    """Pack/unpack hooks for one step. ``start()``, run forward and backward inside
+    ``saved_tensors_hooks(session.pack, session.unpack)``, then ``finish()`` (or ``abort()``)."""
+
+    def __init__(
+        self,
+        tier: Any,
+        accepts: Callable[[torch.Tensor], bool],
+        min_bytes: int,
+        keep_last: int,
+        prefetch: int,
+    ) -> None:
+        self.tier = tier
+        self.accepts = accepts  # device filter of the tier
+        self.min_bytes = max(int(min_bytes), 1)
+        self.keep_last = keep_last
+        self.prefetch = prefetch
+        self.excluded_depth = 0  # > 0 while an excluded module runs (set by module hooks)
+        self._lock = threading.RLock()  # unpack and __del__ may run on autograd's threads
+        self._orphans: deque[Ticket] = deque()  # tickets whose handles died, to discard
+        self._active = False
+
+    # --- step boundaries --------------------------------------------------------------------
+    def start(self, keep_storages: set[int]) -> None:
+        """Begin a step. ``keep_storages``: storage addresses never to offload (parameters and
+        buffers)."""
+        with self._lock:
+            self._keep_storages = keep_storages
+            self._stats = OffloadStats()
+            self._seen: dict[int, tuple[weakref.ref, weakref.ref]] = {}
+            self._window: deque[_Handle] = deque()
+            self._order: list[Ticket] = []  # swapped-out tickets of the current forward pass
+            self._tickets: list[Ticket] = []  # every ticket of the step, for cleanup
+            self._cursor = -1  # next ticket to prefetch, walking down _order
+            self._in_flight = 0  # prefetched, not yet taken
+            self._backward = False
+            self._saved_now = 0
+            self.excluded_depth = 0
+            self._active = True
+
+    def finish(self) -> OffloadStats:
+        """End the step: forget every copy, let the tier free its files, return the stats."""
+        return self._close(self.tier.end_step)
+
+    def abort(self) -> OffloadStats:
+        """End a step that raised; never raises."""
+        return self._close(self.tier.abort)
+
+    # --- the hooks ------------------------------------------------------------------------
+    def pack(self, tensor: torch.Tensor) -> Any:
+        if not self._active or self.excluded_depth or not self._offloadable(tensor):
+            if self._active:
+                self._stats.resident_bytes += tensor.numel() * tensor.element_size()
+            # Detached: returning the tensor itself would make an uncollectable cycle through
+            # its grad_fn for tensors that are outputs of the node saving them.
+            return tensor.detach()
+        with self._lock:
+            self._drain_orphans()
+            seen = self._seen.get(id(tensor))
+            if seen is not None and seen[0]() is tensor:
+                handle = seen[1]()
+                if handle is not None and handle.version == tensor._version:
+                    return handle  # saved again: one copy serves both
+            if self._backward:  # a forward pass after a backward one (or double backward)
+                self._new_forward_pass()
+            handle = _Handle(tensor.detach(), tensor, self)
+            self._seen[id(tensor)] = (weakref.ref(tensor), weakref.ref(handle))
+            self._window.append(handle)
+            while len(self._window) > self.keep_last:
+                self._swap_out(self._window.popleft())
+            return handle
+
+    def unpack(self, packed: Any) -> torch.Tensor:
+        if isinstance(packed, torch.Tensor):
+            return packed
+        handle: _Handle = packed
+        if handle.restored is not None:
+            return handle.restored
+        if handle.tensor is not None:  # stayed resident (the keep_last window)
+            self.begin_backward()
+            self._check_version(handle)
+            return handle.tensor
+        with self._lock:
+            ticket = handle.ticket
+            if not self._active or ticket is None:
+                raise RuntimeError(
+                    "LMSOffload: a saved tensor was unpacked after its training step ended; "
+                    "saved tensors live until on_train_batch_end (no graph may outlive its step)"
+                )
+            self._drain_orphans()
+            self.begin_backward()
+            if ticket.prefetched:
+                ticket.prefetched = False
+                self._in_flight -= 1
+            tensor = self.tier.take(ticket)
+            self._saved_now -= ticket.layout.nbytes
+            self._check_version(handle)  # after take: the copy has finished and reported
+            handle.restored = tensor
+            self._prefetch_more()
+        return tensor
+
+    def begin_backward(self) -> None:
+        """Backward is starting: freeze the window (those tensors stay resident) and start
+        prefetching from the last offloaded tensor. Idempotent; also triggered by the first
+        unpack."""
+        with self._lock:
+            if self._backward or not self._active:
+                return
+            self._backward = True
+            self._window.clear()
+            self._cursor = len(self._order) - 1
+            self._prefetch_more()
+
+    # --- internals ------------------------------------------------------------------------
+    def _offloadable(self, t: torch.Tensor) -> bool:
+        # Exact type: nn.Parameter and tensor subclasses (DTensor, FakeTensor, ...) stay.
+        if type(t) is not torch.Tensor or t.layout != torch.strided or not self.accepts(t):
+            return False
+        if t.numel() * t.element_size() < self.min_bytes or is_expanded(t):
+            return False
+        if t.untyped_storage().data_ptr() in self._keep_storages:
+            return False  # a parameter or buffer, or a view of one
+        root = t._base if t._base is not None else t
+        fn = root.grad_fn
+        if fn is not None and type(fn).__name__ == _CAST:
+            nxt = fn.next_functions
+            if nxt and nxt[0][0] is not None and type(nxt[0][0]).__name__ == _LEAF:
+                return False  # an autocast copy of a parameter: cached, stays allocated anyway
+        return True
+
+    def _swap_out(self, handle: _Handle) -> None:
+        tensor, handle.tensor = handle.tensor, None
+        if handle.version != tensor._version:
+            handle.tensor = tensor  # keep it; unpack reports the in-place change
+            return
+        ticket = self.tier.swap_out(tensor, layout_of(tensor), handle.version)
+        handle.ticket = ticket
+        self._order.append(ticket)
+        self._tickets.append(ticket)
+        nbytes = ticket.layout.nbytes
+        self._stats.offloaded_tensors += 1
+        self._stats.offloaded_bytes += nbytes
+        self._saved_now += nbytes
+        self._stats.peak_saved_bytes = max(self._stats.peak_saved_bytes, self._saved_now)
+
+    def _prefetch_more(self) -> None:
+        while self._in_flight < self.prefetch and self._cursor >= 0:
+            ticket = self._order[self._cursor]
+            self._cursor -= 1
+            if ticket.done or ticket.prefetched:
+                continue
+            self.tier.fetch(ticket)
+            ticket.prefetched = True
+            self._in_flight += 1
+
+    def _forget(self, ticket: Ticket) -> None:
+        """Autograd dropped a saved tensor without unpacking it (an unused branch, a freed
+        graph): release its copy and its prefetch slot. Called from ``_Handle.__del__``, which
+        the garbage collector may run on any thread, including one the lock holder waits for;
+        so it only queues the ticket unless the lock is free right now."""
+        self._orphans.append(ticket)  # deque.append is atomic
+        if self._lock.acquire(blocking=False):
+            try:
+                self._drain_orphans()
+            finally:
+                self._lock.release()
+
+    def _drain_orphans(self) -> None:
+        while self._orphans:
+            ticket = self._orphans.popleft()
+            if ticket.done:
+                continue
+            if ticket.prefetched:
+                ticket.prefetched = False
+                self._in_flight -= 1
+            self.tier.discard(ticket)
+            if self._active:
+                self._saved_now -= ticket.layout.nbytes
+        if self._active and self._backward:
+            self._prefetch_more()
+
+    def _new_forward_pass(self) -> None:
+        self._backward = False
+        self._order = []
+        self._cursor = -1
+
+    def _check_version(self, handle: _Handle) -> None:
+        # handle.tensor (resident) is a detached alias: it shares the version counter.
+        alias = handle.tensor if handle.tensor is not None else handle.source()
+        error = handle.ticket.error if handle.ticket is not None else None
+        if error is None and alias is not None and alias._version != handle.version:
+            error = "modified in place after it was saved"
+        if error is not None:
+            raise RuntimeError(
+                f"LMSOffload: a tensor saved for backward was {error}; autograd needs its saved "
+                "value (without offloading, autograd raises 'modified by an inplace operation')"
+            )
+
+    def _close(self, end: Callable[[], Any]) -> OffloadStats:
+        with self._lock:
+            if not self._active:
+                return OffloadStats()
+            self._drain_orphans()
+            self._active = False
+            for ticket in self._tickets:
+                if not ticket.done:
+                    self.tier.discard(ticket)
+            self._tickets, self._order, self._seen = [], [], {}
+            self._window.clear()
+            stats = self._stats
+        tier_stats = end()
+        stats.copy_ms = tier_stats.copy_s * 1000.0
+        stats.exposed_ms = tier_stats.exposed_s * 1000.0
+        stats.file_bytes = tier_stats.file_bytes
+        return stats
