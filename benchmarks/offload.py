@@ -50,6 +50,7 @@ import argparse
 import json
 import os
 import resource
+import shutil
 import statistics
 import subprocess
 import sys
@@ -319,8 +320,17 @@ def main() -> None:
         return
 
     args.cap_mb = args.cap_mb or (8192.0 if gpu else 768.0)
-    if args.directory is None and not gpu:
+    own_directory = args.directory is None and not gpu
+    if own_directory:
         args.directory = tempfile.mkdtemp(prefix="lms-bench-")
+    try:
+        _benchmark(args, gpu)
+    finally:
+        if own_directory:
+            shutil.rmtree(args.directory, ignore_errors=True)
+
+
+def _benchmark(args: argparse.Namespace, gpu: bool) -> None:
     print(f"device={args.device} side={args.side} channels={args.channels} convs={args.convs} steps={args.steps} repeats={args.repeats} "
           f"directory={args.directory} OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}", flush=True)
     runs: dict[str, list[dict]] = {mode: [] for mode in MODES}

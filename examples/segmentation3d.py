@@ -21,8 +21,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-import lightning_mpi  # noqa: F401  (registers the mpi_* strategy names)
-from lightning_mpi.offload import LMSOffload
+import lightning_mpi  # registers the mpi_* strategy names; lightning_mpi.LMSOffload is the callback
 
 warnings.filterwarnings("ignore", ".*does not have many workers.*")
 
@@ -124,7 +123,7 @@ def make_offload(kind: str, directory: str | None, min_bytes: int) -> list[pl.Ca
         return []
     if kind == "auto":
         kind = "cpu" if torch.cuda.is_available() else "disk"
-    return [LMSOffload(target=kind, directory=directory if kind == "disk" else None, min_bytes=min_bytes)]
+    return [lightning_mpi.LMSOffload(target=kind, directory=directory if kind == "disk" else None, min_bytes=min_bytes)]
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -615,12 +615,16 @@ def test_with_mpi_asa_on_two_ranks(tmp_path):
     plain = run([])
     lms = LMSOffload(target="disk", directory={str(spill)!r}, min_bytes=4096, keep_last=1)
     offloaded = run([lms])
-    print("RESULT " + json.dumps(dict(rank=MPI.COMM_WORLD.Get_rank(), plain=plain, offloaded=offloaded,
-                                      bytes=lms.last_stats.offloaded_bytes, left=os.listdir({str(spill)!r}))), flush=True)
+    rank = MPI.COMM_WORLD.Get_rank()
+    with open(f"result_{{rank}}.json", "w") as f:  # a file per rank: stdout lines of ranks interleave
+        json.dump(dict(rank=rank, plain=plain, offloaded=offloaded, bytes=lms.last_stats.offloaded_bytes,
+                       left=os.listdir({str(spill)!r})), f)
     """
     result = run_mpi_code(2, code, tmp_path, timeout=150)
-    rows = [json.loads(line[len("RESULT "):]) for line in result.stdout.splitlines() if line.startswith("RESULT ")]
-    assert sorted(r["rank"] for r in rows) == [0, 1], result.stdout + result.stderr
+    files = sorted(tmp_path.glob("result_*.json"))
+    assert len(files) == 2, result.stdout[-2000:] + result.stderr[-2000:]
+    rows = [json.loads(f.read_text()) for f in files]
+    assert sorted(r["rank"] for r in rows) == [0, 1]
     assert rows[0]["plain"] == rows[1]["plain"]  # the strategy keeps ranks in step
     assert all(r["offloaded"] == r["plain"] for r in rows)  # and offloading changes nothing
     assert all(r["bytes"] > 0 and r["left"] == [] for r in rows)
