@@ -30,6 +30,10 @@ def mpiexec_path() -> str:
 
 def mpi_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     env = dict(os.environ)
+    # A test that called seed_everything() leaves PL_GLOBAL_SEED in os.environ; ranks must not
+    # inherit it, or their samplers shuffle differently from what the next test expects.
+    for leaked in ("PL_GLOBAL_SEED", "PL_SEED_WORKERS"):
+        env.pop(leaked, None)
     # Oversubscribed ranks on 2 cores: one thread each keeps torch from fighting itself.
     env.setdefault("OMP_NUM_THREADS", "1")
     env.setdefault("MKL_NUM_THREADS", "1")

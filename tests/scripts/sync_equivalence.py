@@ -70,7 +70,8 @@ def reference(initial, accumulate, momentum):
     ds = dataset(W * B * STEPS * accumulate)
     # Lightning gives training loaders a DistributedSampler(shuffle=True, seed=0): rank r reads
     # perm[r::W], so step k of all ranks together covers perm[k·W·B : (k+1)·W·B].
-    perm = torch.randperm(len(ds), generator=torch.Generator().manual_seed(0)) if W > 1 else torch.arange(len(ds))
+    seed = int(os.getenv("PL_GLOBAL_SEED", 0))  # the sampler's seed, as Lightning picks it
+    perm = torch.randperm(len(ds), generator=torch.Generator().manual_seed(seed)) if W > 1 else torch.arange(len(ds))
     loader = DataLoader(torch.utils.data.Subset(ds, perm.tolist()), batch_size=W * B * accumulate, shuffle=False)
     for x, y in loader:
         opt.zero_grad()
