@@ -192,13 +192,11 @@ def cleanup(all_runs: bool = False) -> list[str]:
 
 
 def _mpiexec() -> str:
-    candidate = Path(sys.executable).parent / "mpiexec"
-    if candidate.exists():
-        return str(candidate)
-    found = shutil.which("mpiexec")
-    if found is None:
-        raise RuntimeError("mpiexec not found: pip install mpich")
-    return found
+    """The venv's mpiexec first, then PATH: the launcher's lookup (imported here, not at module load)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from lightning_mpi.launcher import find_mpiexec
+
+    return find_mpiexec()
 
 
 class SimCluster:

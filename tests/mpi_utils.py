@@ -7,7 +7,6 @@ a hang fail fast instead of eating CI.
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -18,14 +17,10 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def mpiexec_path() -> str:
-    """The venv's mpiexec (from the ``mpich`` wheel) first, then PATH."""
-    candidate = Path(sys.executable).parent / "mpiexec"
-    if candidate.exists():
-        return str(candidate)
-    found = shutil.which("mpiexec")
-    if found is None:
-        raise RuntimeError("mpiexec not found: pip install mpich")
-    return found
+    """The venv's mpiexec (from the ``mpich`` wheel) first, then PATH: the launcher's own lookup."""
+    from lightning_mpi.launcher import find_mpiexec
+
+    return find_mpiexec()
 
 
 def mpi_env(extra: dict[str, str] | None = None) -> dict[str, str]:
