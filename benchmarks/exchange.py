@@ -99,9 +99,10 @@ def run_setting(setting: str, sizes: list[int], methods: list[str], iters: int, 
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     kind, *rest = setting.split(":")
     if kind == "shm":
-        mpiexec = str(Path(sys.executable).parent / "mpiexec")
+        from lightning_mpi.launcher import find_mpiexec
+
         env["GLOO_SOCKET_IFNAME"] = "lo"
-        subprocess.run([mpiexec, "-n", rest[0], *args], env=env, check=True, timeout=timeout)
+        subprocess.run([find_mpiexec(), "-n", rest[0], *args], env=env, check=True, timeout=timeout)
     else:
         sys.path.insert(0, str(ROOT))
         from benchmarks.cluster import SimCluster, unavailable_reason

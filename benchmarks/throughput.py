@@ -8,7 +8,9 @@ overlap check: step time against compute alone (measured at world size 1) plus e
 (measured with ``overlap=False``).
 
     python benchmarks/throughput.py                                     # hosts:2:1gbit
-    python benchmarks/throughput.py --settings shm:1 shm:2 shm:4 hosts:2:1gbit hosts:4:1gbit
+    python benchmarks/throughput.py --settings shm:2 shm:4 hosts:2:1gbit hosts:4:1gbit
+
+Several settings add a scaling table: samples/s and the speed-up over one rank.
 
 Tables print to stdout and go to ``benchmarks/results/throughput.md``; a PNG plot of samples/s
 per setting is saved beside it.
@@ -105,8 +107,9 @@ def run(setting: str, strategy: str, steps: int, batch: int, timeout: float) -> 
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), PYTHONWARNINGS="ignore")
     if kind == "shm":
         env["GLOO_SOCKET_IFNAME"] = "lo"
-        mpiexec = str(Path(sys.executable).parent / "mpiexec")
-        subprocess.run([mpiexec, "-n", rest[0], *args], env=env, check=True, timeout=timeout, capture_output=True)
+        from lightning_mpi.launcher import find_mpiexec
+
+        subprocess.run([find_mpiexec(), "-n", rest[0], *args], env=env, check=True, timeout=timeout, capture_output=True)
     else:
         sys.path.insert(0, str(ROOT))
         from benchmarks.cluster import SimCluster
@@ -116,6 +119,21 @@ def run(setting: str, strategy: str, steps: int, batch: int, timeout: float) -> 
             if res.returncode:
                 raise SystemExit(f"{setting} {strategy} failed:\n{res.stderr[-3000:]}")
     return json.loads(out.read_text())
+
+
+def scaling_table(plot_data: dict[str, dict[str, float]], single: float) -> list[str]:
+    """Samples/s per strategy across settings, and the speed-up over one rank (compute alone)."""
+    if len(plot_data) < 2:
+        return []
+    settings = list(plot_data)
+    strategies = list(dict.fromkeys(s for values in plot_data.values() for s in values))
+    lines = [f"\nscaling: samples/s (speed-up over one rank at {single:.1f} samples/s)",
+             "| strategy | " + " | ".join(settings) + " |", "|---|" + "---|" * len(settings)]
+    for strategy in strategies:
+        cells = [f"{plot_data[s][strategy]:.1f} ({plot_data[s][strategy] / single:.2f}x)" if strategy in plot_data[s] else "-"
+                 for s in settings]
+        lines.append(f"| {strategy} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def main() -> int:
@@ -157,6 +175,7 @@ def main() -> int:
             lines.append(f"| {strategy} | {sps:.1f} | {ratio} | {step_ms:.0f} | {wait} | {1000 * alone:.0f} | {serial} | {overlap} |" if alone is not None
                          else f"| {strategy} | {sps:.1f} | {ratio} | {step_ms:.0f} | {wait} | - | - | - |")
         plot_data[setting] = {s: sps for s, _, sps, _ in rows}
+    lines += scaling_table(plot_data, args.batch / compute)
     print("\n".join(lines))
     (RESULTS / "throughput.md").write_text("\n".join(lines) + "\n")
     try:

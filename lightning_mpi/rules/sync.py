@@ -55,8 +55,8 @@ class SyncRule(Rule):
             earlier in backward; larger ones pay less per-message latency.
         overlap: start a bucket's exchange from the gradient hooks as soon as all its gradients
             are ready, so it runs behind the rest of backward (``average="gradients"`` only).
-        segment_mb: ASA pipelines each bucket in segments of this many MiB: segment k+1 is cast
-            and sent while segment k is on the wire and being summed.
+        segment_mb: each bucket is exchanged as a pipeline of segments of this many MiB: segment
+            k+1 is cast and sent while segment k is on the wire and being summed (both exchanges).
         topology_aware: reduce within a node over shared memory, exchange among node leaders
             only, then broadcast within the node (PowerAI DDL's scheme).
         progress_thread: with ``overlap``, a light thread drives MPI progress while backward runs
@@ -141,10 +141,11 @@ class BucketExchanger:
             local = self.local.dup() if self.local is not None else None
             team = self._team()
             team = team.dup() if team is not None else None
-            if self.exchange == "asa":
-                parts = segments(bucket.flat, self.pad_multiple, self.segment_numel)
-            else:
-                parts = [bucket.flat]
+            # Both exchanges pipeline: MPICH moves one large Iallreduce in a few big serial
+            # steps (send, then reduce), while several segment-sized ones keep the link busy and
+            # reduce one segment while the next travels (2 hosts at 1 Gbit/s, 71 MB in 25 MB
+            # buckets: 802 ms from the first start to the last finish instead of 1,039 ms).
+            parts = segments(bucket.flat, self.pad_multiple, self.segment_numel)
             teams = [team] + [team.dup() for _ in parts[1:]] if team is not None else []
             self._slots[id(bucket)] = (local, parts, teams)
 
