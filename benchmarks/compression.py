@@ -3,15 +3,24 @@
 
     python benchmarks/compression.py                 # everything (root needed for the hosts)
     python benchmarks/compression.py --skip-speed    # accuracy and bytes only
+    python benchmarks/compression.py --skip-acc --repeat 5    # speed only, 5 interleaved rounds
 
 1. Accuracy and bytes: sklearn's ``digits`` (real 8x8 handwritten digits, 1,797 images, 25% held
    out), an MLP, 2 ranks on this machine, every codec with and without error feedback, against
    fp32 ``mpi_asa``. Bytes per step come from the rule's ``stats()``.
 2. Samples/s: a 6.3M-parameter MLP on random data, 2 simulated hosts (``SimCluster``) joined by
    1 Gbit/s links, one rank each, against Lightning ``ddp`` (gloo; ``devices=1, num_nodes=2`` and
-   ``MASTER_ADDR``/``NODE_RANK`` from MPI set by hand).
+   ``MASTER_ADDR``/``NODE_RANK`` from MPI set by hand), every codec with and without error
+   feedback, plus a ceiling: the same training with no exchange at all (``mpi_model_avg`` with a
+   period longer than the run). The simulated hosts share this machine's cores, so other load
+   slows the CPU-heavy rows more than ``ddp``, which mostly waits on the link: every row runs
+   ``--repeat`` times, interleaved round by round in one job; the table gives medians, and "vs
+   ddp" is the median over rounds of the ratio to that round's ``ddp``. The load average is
+   printed with the table. "CPU ms/step" is the CPU time of one rank's process (all its threads)
+   per step, averaged over ranks: both ranks share the machine, so it bounds the step from below.
 
-Prints tables; writes ``benchmarks/results/compression.json`` and ``compression.png``. Not a test.
+Prints tables; writes ``benchmarks/results/compression.json`` (sections not re-run are kept from
+the previous file) and ``compression.png``. Not a test.
 """
 from __future__ import annotations
 
@@ -42,8 +51,12 @@ SPEED_ROWS = [
     ("ddp (Lightning, gloo)", "ddp", {}),
     ("mpi_asa (fp32)", "mpi_asa", {}),
     ("int8 + EF", "compressed", {"codec": "int8"}),
+    ("int8, no EF", "compressed", {"codec": "int8", "error_feedback": False}),
     ("topk 1% + EF", "compressed", {"codec": "topk", "ratio": 0.01}),
+    ("topk 1%, no EF", "compressed", {"codec": "topk", "ratio": 0.01, "error_feedback": False}),
     ("onebit + EF", "compressed", {"codec": "onebit"}),
+    ("onebit, no EF", "compressed", {"codec": "onebit", "error_feedback": False}),
+    ("no exchange (ceiling)", "none", {}),
 ]
 
 
@@ -53,10 +66,14 @@ def _strategy(kind: str, params: dict):
         from lightning_mpi.compressed_strategies import CompressedSyncStrategy
 
         return CompressedSyncStrategy(**params)
+    if kind == "none":  # the same training without any exchange: averaging never comes due
+        from lightning_mpi import ModelAveragingStrategy
+
+        return ModelAveragingStrategy(period=10**9)
     return kind
 
 
-def worker(mode: str, rows: list, out: str, epochs: int, steps: int) -> None:
+def worker(mode: str, rows: list, out: str, epochs: int, steps: int, repeat: int = 1) -> None:
     import warnings
 
     warnings.filterwarnings("ignore")
@@ -94,10 +111,11 @@ def worker(mode: str, rows: list, out: str, epochs: int, steps: int) -> None:
 
     class Timer(pl.Callback):
         def __init__(self):
-            self.times = []
+            self.times, self.cpu = [], []
 
         def on_train_batch_end(self, trainer, *args):
             self.times.append(time.perf_counter())
+            self.cpu.append(time.process_time())
 
     class Bytes(pl.Callback):
         def __init__(self):
@@ -118,7 +136,8 @@ def worker(mode: str, rows: list, out: str, epochs: int, steps: int) -> None:
         xtr, xte, ytr, yte = train_test_split(x / 16.0, y, test_size=0.25, random_state=0, stratify=y)
         train = TensorDataset(torch.tensor(xtr, dtype=torch.float32), torch.tensor(ytr))
         xte, yte = torch.tensor(xte, dtype=torch.float32), torch.tensor(yte)
-    for label, kind, params in rows:
+    schedule = [(r, row) for r in range(repeat if mode == "speed" else 1) for row in rows]
+    for round_, (label, kind, params) in schedule:
         torch.manual_seed(0)
         if mode == "acc":
             momentum = 0.0 if params.get("momentum_correction") else 0.9
@@ -136,7 +155,7 @@ def worker(mode: str, rows: list, out: str, epochs: int, steps: int) -> None:
             import socket as _s
 
             host = comm.bcast(_s.gethostbyname(_s.gethostname()) if rank == 0 else None)
-            os.environ.update(MASTER_ADDR=host, MASTER_PORT="29555", WORLD_SIZE=str(world), NODE_RANK=str(rank),
+            os.environ.update(MASTER_ADDR=host, MASTER_PORT=str(29555 + round_), WORLD_SIZE=str(world), NODE_RANK=str(rank),
                               LOCAL_RANK="0", RANK=str(rank))
             extra = dict(devices=1, num_nodes=world, accelerator="cpu")
         timer, nbytes = Timer(), Bytes()
@@ -153,16 +172,32 @@ def worker(mode: str, rows: list, out: str, epochs: int, steps: int) -> None:
         if mode == "acc":
             with torch.no_grad():
                 row["accuracy"] = float((model(xte).argmax(dim=1) == yte).float().mean()) * 100
+            results[label] = row
         else:
-            t = timer.times[3:]  # skip warm-up steps
+            t, c = timer.times[3:], timer.cpu[3:]  # skip warm-up steps
             row["samples_per_s"] = 32 * world * (len(t) - 1) / (t[-1] - t[0])
-        results[label] = row
+            row["step_ms"] = 1e3 * sorted(b - a for a, b in zip(t, t[1:]))[(len(t) - 1) // 2]
+            row["cpu_ms_per_step"] = sum(comm.allgather(1e3 * (c[-1] - c[0]) / (len(c) - 1))) / world
+            results.setdefault(label, {"runs": []})["runs"].append(row)
         if kind == "ddp":
             import torch.distributed as dist
 
             if dist.is_initialized():
                 dist.destroy_process_group()
         comm.Barrier()
+    if mode == "speed":
+        import statistics
+
+        ddp = results.get(rows[0][0], {}).get("runs", [])
+        for label, entry in results.items():
+            runs = entry["runs"]
+            for key in ("samples_per_s", "step_ms", "cpu_ms_per_step", "wire_bytes_per_step", "dense_bytes_per_step"):
+                values = [r[key] for r in runs if key in r]
+                if values:
+                    entry[key] = statistics.median(values)
+            if ddp:
+                entry["vs_ddp_runs"] = [r["samples_per_s"] / d["samples_per_s"] for r, d in zip(runs, ddp)]
+                entry["vs_ddp"] = statistics.median(entry["vs_ddp_runs"])
     if rank == 0:
         Path(out).write_text(json.dumps(results, indent=1))
 
@@ -177,14 +212,15 @@ def run_acc(epochs: int) -> dict:
     return json.loads(out.read_text())
 
 
-def run_speed(steps: int) -> dict:
+def run_speed(steps: int, repeat: int) -> dict:
     sys.path.insert(0, str(HERE.parent))
     from benchmarks.cluster import SimCluster
 
     out = RESULTS / "compression_speed_raw.json"
     with SimCluster(2, rate="1gbit") as cluster:
-        res = cluster.run_mpi([sys.executable, __file__, "--worker", "speed", "--out", str(out), "--steps", str(steps)],
-                              timeout=3000, env={"PYTHONWARNINGS": "ignore"})
+        res = cluster.run_mpi([sys.executable, __file__, "--worker", "speed", "--out", str(out), "--steps", str(steps),
+                               "--repeat", str(repeat)],
+                              timeout=3000 * repeat, env={"PYTHONWARNINGS": "ignore"})
         if res.returncode != 0:
             print(res.stdout[-3000:], res.stderr[-6000:], file=sys.stderr)
             raise SystemExit(f"speed run failed ({res.returncode})")
@@ -197,24 +233,100 @@ def table(headers: list[str], rows: list[list[str]]) -> str:
     return "\n".join([line(headers), "|" + "|".join("-" * (w + 2) for w in widths) + "|", *map(line, rows)])
 
 
+def _speed_table(speed: dict) -> str:
+    rows = []
+    for label, r in speed.items():
+        wire = r.get("wire_bytes_per_step")
+        runs = ", ".join(f"{x:.2f}" for x in r.get("vs_ddp_runs", []))
+        rows.append([label, f"{wire / 1e6:.2f}" if wire is not None else "n/a", f"{r['samples_per_s']:.1f}",
+                     f"{r.get('vs_ddp', float('nan')):.2f}x", runs, f"{r['step_ms']:.0f}", f"{r['cpu_ms_per_step']:.0f}"])
+    return table(["exchange", "MB sent/rank/step", "samples/s", "vs ddp", "vs ddp per round", "step ms", "CPU ms/step/rank"], rows)
+
+
+def _readme_table(report: dict) -> str:
+    """One row per exchange: digits bytes and accuracy (if run), 6.3M-MLP bytes, samples/s, vs ddp."""
+    acc, speed = report.get("accuracy", {}), report.get("speed", {})
+    rows = []
+    for label in dict.fromkeys([*speed, *acc]):
+        a, s = acc.get(label, {}), speed.get(label, {})
+        wire = s.get("wire_bytes_per_step")
+        rows.append([
+            label,
+            f"{a['wire_bytes_per_step'] / 1e3:,.1f}" if "wire_bytes_per_step" in a else "",
+            f"{a['accuracy']:.2f}" if "accuracy" in a else "",
+            f"{wire / 1e6:.2f}" if wire is not None else "",
+            f"{s['samples_per_s']:.0f}" if "samples_per_s" in s else "",
+            f"{s['vs_ddp']:.2f}x" if "vs_ddp" in s else "",
+        ])
+    return table(["exchange", "digits kB/step", "digits acc %", "6.3M MLP MB/step", "samples/s", "vs ddp"], rows)
+
+
+def plot(report: dict) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    acc, speed = report.get("accuracy"), report.get("speed")
+    n = (2 if acc else 0) + (1 if speed else 0)
+    if not n:
+        return
+    fig, axes = plt.subplots(1, n, figsize=(6.5 * n, 4.5), squeeze=False)
+    axes = list(axes[0])
+    if acc:
+        labels = list(acc)[::-1]
+        ax = axes.pop(0)
+        ax.barh(labels, [acc[k]["wire_bytes_per_step"] / 1e3 for k in labels])
+        ax.set_xscale("log")
+        ax.set_title("digits MLP: bytes on the wire")
+        ax.set_xlabel("kB per rank per step (log)")
+        ax = axes.pop(0)
+        ax.barh(labels, [acc[k]["accuracy"] for k in labels])
+        ax.set_xlim(min(acc[k]["accuracy"] for k in labels) - 2, 100)
+        ax.set_title("digits MLP: accuracy")
+        ax.set_xlabel("test accuracy %")
+        ax.set_yticklabels([])
+    if speed:
+        labels = list(speed)[::-1]
+        ax = axes.pop(0)
+        ax.barh(labels, [speed[k]["samples_per_s"] for k in labels],
+                color=["tab:gray" if k.startswith(("ddp", "no exchange")) else "tab:blue" for k in labels])
+        ddp = next((speed[k]["samples_per_s"] for k in speed if k.startswith("ddp")), None)
+        if ddp:
+            for factor in (1.0, 2.5):
+                ax.axvline(ddp * factor, color="tab:red", ls=":" if factor > 1 else "--", lw=1)
+        ax.set_title("6.3M MLP, 2 hosts at 1 Gbit/s: speed")
+        ax.set_xlabel("samples/s (dashed: ddp, dotted: 2.5x ddp)")
+    fig.tight_layout()
+    fig.savefig(RESULTS / "compression.png", dpi=100)
+    plt.close(fig)
+
+
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--worker")
-    ap.add_argument("--out")
-    ap.add_argument("--epochs", type=int, default=15)
-    ap.add_argument("--steps", type=int, default=25)
+    ap = argparse.ArgumentParser(description="Compressed exchange benchmark (see the module docstring).")
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    ap.add_argument("--out", help=argparse.SUPPRESS)
+    ap.add_argument("--epochs", type=int, default=15, help="accuracy part: epochs on digits")
+    ap.add_argument("--steps", type=int, default=25, help="speed part: steps per run (the first 3 are not timed)")
+    ap.add_argument("--repeat", type=int, default=3, help="speed part: interleaved rounds over all rows")
     ap.add_argument("--skip-speed", action="store_true")
     ap.add_argument("--skip-acc", action="store_true")
     args = ap.parse_args()
     if args.worker:
         rows = ACC_ROWS if args.worker == "acc" else SPEED_ROWS
-        worker(args.worker, rows, args.out, args.epochs, args.steps)
+        worker(args.worker, rows, args.out, args.epochs, args.steps, args.repeat)
         return
     RESULTS.mkdir(exist_ok=True)
-    report = {"host": socket.gethostname()}
+    path = RESULTS / "compression.json"
+    try:
+        report = json.loads(path.read_text())  # keep the section this run does not redo
+    except (OSError, ValueError):
+        report = {}
+    report["host"] = socket.gethostname()
     if not args.skip_acc:
         acc = run_acc(args.epochs)
         report["accuracy"] = acc
+        report["accuracy_epochs"] = args.epochs
         base = acc["mpi_asa (fp32)"]
         rows = []
         for label, r in acc.items():
@@ -224,38 +336,22 @@ def main() -> None:
         print(f"\nDigits, MLP 64-512-512-10 (300k params), 2 ranks, batch 16/rank, {args.epochs} epochs")
         print(table(["exchange", "kB sent/rank/step", "fewer bytes than fp32", "test acc %", "Δ vs fp32 (points)"], rows))
     if not args.skip_speed:
-        speed = run_speed(args.steps)
+        load_before = os.getloadavg()
+        speed = run_speed(args.steps, args.repeat)
+        load_after = os.getloadavg()
         report["speed"] = speed
-        ddp = speed["ddp (Lightning, gloo)"]["samples_per_s"]
-        rows = [[label, f"{r['samples_per_s']:.1f}", f"{r['samples_per_s'] / ddp:.2f}x",
-                 f"{r.get('wire_bytes_per_step', float('nan')) / 1e6:.2f}"] for label, r in speed.items()]
-        print("\nSamples/s, MLP 1024-2048-2048-10 (6.3M params), 2 simulated hosts at 1 Gbit/s, batch 32/rank")
-        print(table(["exchange", "samples/s", "vs ddp", "MB sent/rank/step"], rows))
-    (RESULTS / "compression.json").write_text(json.dumps(report, indent=1))
+        report["speed_conditions"] = {"repeat": args.repeat, "steps": args.steps, "loadavg_before": load_before,
+                                      "loadavg_after": load_after, "cpus": os.cpu_count()}
+        print(f"\nSamples/s, MLP 1024-2048-2048-10 (6.3M params), 2 simulated hosts at 1 Gbit/s, batch 32/rank, "
+              f"median of {args.repeat} interleaved rounds; load average {load_before[0]:.1f} before, "
+              f"{load_after[0]:.1f} after, {os.cpu_count()} cores")
+        print(_speed_table(speed))
+    print("\nSummary (README): bytes per rank per step, digits accuracy, samples/s and ratio to ddp")
+    print(_readme_table(report))
+    path.write_text(json.dumps(report, indent=1))
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        panels = [k for k in ("accuracy", "speed") if k in report]
-        fig, axes = plt.subplots(1, 2 * len(panels) - (0 if "accuracy" in report else 0), figsize=(6 * (len(panels) + 1), 4))
-        axes = list(axes) if hasattr(axes, "__len__") else [axes]
-        i = 0
-        if "accuracy" in report:
-            acc = report["accuracy"]
-            labels = list(acc)
-            axes[i].barh(labels, [acc[k]["wire_bytes_per_step"] / 1e3 for k in labels])
-            axes[i].set_xscale("log"); axes[i].set_xlabel("kB on the wire per rank per step (log)")
-            i += 1
-            axes[i].barh(labels, [acc[k]["accuracy"] for k in labels])
-            axes[i].set_xlim(min(acc[k]["accuracy"] for k in labels) - 2, 100); axes[i].set_xlabel("digits test accuracy %")
-            i += 1
-        if "speed" in report and i < len(axes):
-            sp = report["speed"]
-            axes[i].barh(list(sp), [sp[k]["samples_per_s"] for k in sp]); axes[i].set_xlabel("samples/s, 2 hosts, 1 Gbit/s")
-        fig.tight_layout()
-        fig.savefig(RESULTS / "compression.png", dpi=100)
+        plot(report)
+        print(f"\nwrote {path} and {RESULTS / 'compression.png'}")
     except Exception as exc:  # plotting is a nicety
         print(f"(no plot: {exc})")
 

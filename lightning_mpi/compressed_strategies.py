@@ -1,10 +1,7 @@
 """Strategies for compressed synchronous exchange: ``mpi_asa_int8``, ``mpi_topk``, ``mpi_onebit``."""
 from __future__ import annotations
 
-from typing import Literal, Optional
-
-import pytorch_lightning as pl
-from pytorch_lightning.plugins import CheckpointIO, Precision
+from typing import Any, Literal
 
 from lightning_mpi.rules.compressed import CompressedSyncRule
 from lightning_mpi.strategy import MPIStrategy
@@ -20,15 +17,20 @@ class CompressedSyncStrategy(MPIStrategy):
         ratio: fraction of entries sent by ``"topk"``, in (0, 1].
         error_feedback: keep what was not sent and add it to the next step's gradient; the
             residuals are saved in checkpoints.
-        momentum_correction: Deep Gradient Compression's momentum correction (``"topk"`` only);
-            use an optimizer without momentum with it.
+        momentum_correction: Deep Gradient Compression's momentum correction (``"topk"`` only):
+            momentum is applied locally before sparsification; use an optimizer without momentum
+            with it. (Not the asynchronous strategies' ``momentum_correction``, which lowers the
+            optimizer's momentum by the momentum that asynchrony adds.)
         momentum: momentum of ``momentum_correction``, in [0, 1).
         ratio_warmup_steps: steps over which the top-k ratio falls geometrically from 1 to
             ``ratio`` (0 = none).
         bucket_mb: exchange bucket size in MiB (> 0).
         overlap: start each bucket's exchange from the gradient hooks during backward.
-        segment_mb: ASA pipelines each bucket in segments of this size (MiB).
-        log_stats: log exchange time, bytes on the wire, compression factor under ``mpi/compressed/``.
+        segment_mb: each bucket is exchanged as a pipeline of segments of this size (MiB).
+        **kwargs: the options every strategy takes (see :class:`~lightning_mpi.strategy.MPIStrategy`):
+            ``log_stats`` (exchange time, bytes on the wire, compression factor under
+            ``mpi/compressed/``), ``abort_on_exception``, ``collective_timeout``, ``lr_scaling``,
+            ``warmup_steps``.
     """
 
     def __init__(
@@ -42,10 +44,7 @@ class CompressedSyncStrategy(MPIStrategy):
         bucket_mb: float = 25.0,
         overlap: bool = True,
         segment_mb: float = 4.0,
-        log_stats: bool = True,
-        accelerator: Optional["pl.accelerators.Accelerator"] = None,
-        checkpoint_io: Optional[CheckpointIO] = None,
-        precision_plugin: Optional[Precision] = None,
+        **kwargs: Any,
     ) -> None:
         rule = CompressedSyncRule(
             codec=codec,
@@ -58,10 +57,4 @@ class CompressedSyncStrategy(MPIStrategy):
             overlap=overlap,
             segment_mb=segment_mb,
         )
-        super().__init__(
-            rule=rule,
-            log_stats=log_stats,
-            accelerator=accelerator,
-            checkpoint_io=checkpoint_io,
-            precision_plugin=precision_plugin,
-        )
+        super().__init__(rule=rule, **kwargs)

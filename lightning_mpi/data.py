@@ -686,7 +686,9 @@ class PrefetchDataModule(pl.LightningDataModule):
       epoch's order and sit in the affected ranks' last batch (which, like every rank's last
       batch, may be shorter than ``batch_size``). Every sample is loaded exactly once outside the
       padding. With ``return_mask=True`` each batch is ``(batch, valid)``, ``valid`` a bool
-      tensor that is ``False`` at padded positions, so a loss or metric can weight them 0.
+      tensor that is ``False`` at padded positions, so a loss or metric can weight them 0. A
+      dataset smaller than the world size still gives every rank one batch per epoch (one sample
+      on 3 ranks: rank 0 holds it, ranks 1 and 2 a padded repeat of it).
     * ``drop_last=True`` drops: each rank loads ``floor(N / (W * batch_size))`` full batches;
       every sample at most once (with shuffling, a different remainder is dropped each epoch).
       Only the train loader drops; val and test always pad so that every sample is evaluated.
@@ -697,9 +699,12 @@ class PrefetchDataModule(pl.LightningDataModule):
     When the trainer's device is CUDA and ``pin_memory`` is set, each batch is pinned and
     copied to the device on a side stream, and the training step's stream waits on that copy.
 
-    Errors. An exception raised by the dataset, the transform or the collate function is
-    re-raised in the training loop, same object and type, with its traceback from the loader
-    thread and a note naming the batch, epoch, rank and indices.
+    Errors. An empty dataset (``len == 0``), or ``drop_last=True`` with fewer than
+    ``W * batch_size`` train samples, raises ``ValueError`` at construction, the same on every
+    rank and before any MPI communication, so no rank waits for another. An exception raised
+    by the dataset, the transform or the collate function is re-raised in the training loop,
+    same object and type, with its traceback from the loader thread and a note naming the
+    batch, epoch, rank and indices.
 
     Cleanup. Loader threads stop at the end of each epoch, on early stop / ``limit_*_batches``
     (at ``teardown``), on an exception (``on_exception``), and when an abandoned epoch's

@@ -10,7 +10,9 @@ hooks at the right points of Lightning's lifecycle:
 - ``optimizer_step``: backward runs inside Lightning's closure, so the closure is wrapped: after
   backward the rule exchanges (``before_step``); a rejected exchange skips the step on every rank.
   Lightning calls ``optimizer_step`` only on steps that update, so gradient accumulation
-  exchanges once per update. Then ``after_step``.
+  exchanges once per update. Then ``after_step``. The opt-in convergence aids
+  (``lr_scaling``/``warmup_steps``, and ``momentum_correction`` on the asynchronous strategies,
+  see :mod:`lightning_mpi.lr_scaling`) change the param groups for the update only.
 - ``on_train_end``: the rule leaves its consensus weights in the module.
 """
 from __future__ import annotations
@@ -22,7 +24,7 @@ import sys
 import traceback
 import warnings
 from collections.abc import Callable, Generator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any, Literal, Optional, Union
 
 import pytorch_lightning as pl
@@ -31,13 +33,14 @@ from lightning_fabric.utilities.rank_zero import rank_zero_only as fabric_rank_z
 from pytorch_lightning.plugins import CheckpointIO, Precision
 from pytorch_lightning.strategies import ParallelStrategy
 from pytorch_lightning.trainer.states import TrainerFn
-from pytorch_lightning.utilities.rank_zero import rank_zero_only
+from pytorch_lightning.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
 from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_mpi.checkpoint_io import AtomicCheckpointIO
 from lightning_mpi.comm.transport import Transport
 from lightning_mpi.environment import MPIClusterEnvironment
+from lightning_mpi.lr_scaling import StepOverrides, check_lr_scaling, check_warmup_steps, describe_lr_scaling, lr_factor
 from lightning_mpi.rules.base import BoundRule, Rule
 from lightning_mpi.rules.sync import SyncRule
 
@@ -73,8 +76,20 @@ class MPIStrategy(ParallelStrategy):
             ``CollectiveTimeout`` (which, with ``abort_on_exception``, ends the job with a clear
             message); ``None`` waits forever. A rank that died or hung, or ranks that run
             different numbers of steps, are caught this way.
+        lr_scaling: ``"linear"`` multiplies every learning rate by the world size W, ``"sqrt"`` by
+            √W (Goyal et al. 2017); ``None`` (default) leaves them alone. Applied to the update
+            only: ``training_step``, LR schedulers, ``LearningRateMonitor`` and checkpoints see
+            your unscaled values (``on_before_optimizer_step`` sees the scaled ones). Rank 0 prints
+            what it does at train start, and the factor is logged as ``mpi/lr_scale``. Goyal's
+            rule is for averaged gradients; DOWNPOUR and EAMSGD already move the center about W×
+            per epoch (see :mod:`lightning_mpi.rules.server`).
+        warmup_steps: gradual warm-up of that factor: from x1 at optimizer step 0 linearly to the
+            full factor at this step (0 = no warm-up). Counted in optimizer steps (``global_step``),
+            so it resumes where a checkpoint left off.
         accelerator, checkpoint_io, precision_plugin: as for any Lightning strategy; normally
             left to the ``Trainer``.
+
+    Subclasses take these (``log_stats`` onwards) as keyword arguments and pass them on.
 
     Ranks come from ``MPI.COMM_WORLD``: launch with ``mpiexec -n N python train.py`` (or the
     ``lightning-mpi`` launcher); plain ``python train.py`` is world size 1. Devices need no
@@ -89,10 +104,14 @@ class MPIStrategy(ParallelStrategy):
         log_stats: bool = True,
         abort_on_exception: bool = True,
         collective_timeout: Optional[float] = 1800.0,
+        lr_scaling: Optional[Literal["linear", "sqrt"]] = None,
+        warmup_steps: int = 0,
         accelerator: Optional["pl.accelerators.Accelerator"] = None,
         checkpoint_io: Optional[CheckpointIO] = None,
         precision_plugin: Optional[Precision] = None,
     ) -> None:
+        check_lr_scaling(lr_scaling)
+        check_warmup_steps(warmup_steps)
         if rule is not None and not isinstance(rule, Rule):
             raise ValueError(f"rule={rule!r} must be a lightning_mpi Rule instance (e.g. SyncRule())")
         if collective_timeout is not None and not collective_timeout > 0:
@@ -110,10 +129,30 @@ class MPIStrategy(ParallelStrategy):
         self.rule: Rule = rule if rule is not None else SyncRule()
         self.log_stats = log_stats
         self.abort_on_exception = abort_on_exception
+        self.lr_scaling = lr_scaling
+        self.warmup_steps = warmup_steps
         self.transport = Transport(environment.comm, timeout=collective_timeout)
         self._bound: Optional[BoundRule] = None
         self._pending_rule_state: Optional[dict[str, Any]] = None
+        self._steps_seen = 0  # optimizer steps without a trainer to count them
+        self._aid_stats: dict[str, float] = {}
         self.set_world_ranks()
+        if warmup_steps and lr_scaling is None:
+            rank_zero_warn(
+                f"lightning_mpi: warmup_steps={warmup_steps} has no effect with lr_scaling=None (there is no factor "
+                "to warm up to); set lr_scaling='linear' or 'sqrt'. ModelAveragingStrategy's synchronous warm-up is "
+                "sync_warmup_steps.",
+                category=UserWarning,
+            )
+
+    @property
+    def collective_timeout(self) -> Optional[float]:
+        """Seconds a collective may wait for the other ranks (``None``: forever); see the class docstring."""
+        return self.transport.timeout
+
+    @collective_timeout.setter
+    def collective_timeout(self, value: Optional[float]) -> None:
+        self.transport.timeout = value
 
     # -- where this rank lives -------------------------------------------------------------------
     @property
@@ -222,10 +261,14 @@ class MPIStrategy(ParallelStrategy):
         if self._bound is not None:
             self._bound.close()
         params = [p for p in self.model.parameters() if p.requires_grad]
-        self._bound = self.rule.bind(self.transport, params)
+        self._bound = self._rule_to_bind().bind(self.transport, params)
         if self._pending_rule_state is not None:
             self._bound.load_state_dict(self._pending_rule_state)
             self._pending_rule_state = None
+
+    def _rule_to_bind(self) -> Rule:
+        """The rule whose running part trains; ``self.rule`` (the user's hyperparameters) by default."""
+        return self.rule
 
     def _connect_metrics(self) -> None:
         """Point every torchmetrics Metric in the module at MPI, so ``compute()`` syncs over it."""
@@ -268,6 +311,37 @@ class MPIStrategy(ParallelStrategy):
         super().on_train_start()
         if self._bound is not None:
             self._bound.on_train_start()
+        self._announce_convergence_aids()
+
+    # -- convergence aids (opt-in: nothing happens with their defaults) -----------------------------
+    def _announce_convergence_aids(self) -> None:
+        """Rank 0 says, once per fit, what the aids do; they never act silently."""
+        if self.lr_scaling is not None:
+            rank_zero_info(f"lightning_mpi: {describe_lr_scaling(self.lr_scaling, self.world_size, self.warmup_steps)}")
+
+    def _implicit_momentum(self) -> Optional[float]:
+        """Momentum to take off the optimizer's explicit momentum in each update, or None for no
+        correction; the asynchronous strategies' ``momentum_correction`` sets it."""
+        return None
+
+    def _optimizer_step_count(self) -> int:
+        trainer = getattr(self._lightning_module, "_trainer", None) if self._lightning_module is not None else None
+        return int(trainer.global_step) if trainer is not None else self._steps_seen
+
+    def _step_overrides(self, optimizer: Optimizer) -> Optional[StepOverrides]:
+        """What to change in the param groups for this update, or None when nothing is opted in."""
+        implicit = self._implicit_momentum()
+        if self.lr_scaling is None and implicit is None:
+            return None
+        factor = lr_factor(self.lr_scaling, self.world_size, self._optimizer_step_count(), self.warmup_steps)
+        return StepOverrides(optimizer, lr_factor=factor, implicit=implicit or 0.0, correct_momentum=implicit is not None)
+
+    def _record_aid_stats(self, overrides: StepOverrides) -> None:
+        if self.lr_scaling is not None:
+            self._aid_stats["mpi/lr_scale"] = overrides.lr_factor
+        if overrides.correct_momentum and overrides.momentum_used is not None:
+            self._aid_stats["mpi/momentum_explicit"] = overrides.momentum_used[1]
+            self._aid_stats["mpi/momentum_implicit"] = overrides.implicit
 
     def optimizer_step(
         self,
@@ -276,9 +350,34 @@ class MPIStrategy(ParallelStrategy):
         model: Optional[Union["pl.LightningModule", torch.nn.Module]] = None,
         **kwargs: Any,
     ) -> Any:
+        # The aids wrap the whole ``optimizer.step`` (LBFGS reads its lr before it calls the
+        # closure) and are lifted while the closure runs (SGD/Adam call it first, then read the lr),
+        # so only the update sees them; ``with`` puts the user's values back on every exit: a
+        # finished step, a skipped one (``_SkipStep``) or an exception.
+        overrides = self._step_overrides(optimizer)
+        try:
+            with overrides if overrides is not None else nullcontext():
+                output = self._exchange_and_step(optimizer, closure, overrides, model, **kwargs)
+        finally:
+            self._steps_seen += 1
+        if overrides is not None:
+            self._record_aid_stats(overrides)
+        self._log_rule_stats(self._bound)
+        return output
+
+    def _exchange_and_step(
+        self,
+        optimizer: Optimizer,
+        closure: Callable[[], Any],
+        overrides: Optional[StepOverrides],
+        model: Optional[Union["pl.LightningModule", torch.nn.Module]] = None,
+        **kwargs: Any,
+    ) -> Any:
+        """Backward (the closure), the rule's exchange, the update, the rule's ``after_step``."""
+        lift = overrides.wrap_closure if overrides is not None else (lambda f: f)
         bound = self._bound
         if bound is None:
-            return super().optimizer_step(optimizer, closure, model, **kwargs)
+            return super().optimizer_step(optimizer, lift(closure), model, **kwargs)
         # A GradScaler (16-mixed) already skips steps with inf gradients and lowers its scale; it
         # must see them, so with a scaler the step is not abandoned here.
         scaler_handles_inf = getattr(self.precision_plugin, "scaler", None) is not None
@@ -290,23 +389,27 @@ class MPIStrategy(ParallelStrategy):
             return result
 
         try:
-            output = super().optimizer_step(optimizer, closure_then_exchange, model, **kwargs)
+            # backward and the exchange see the user's values; the update sees the aids
+            output = super().optimizer_step(optimizer, lift(closure_then_exchange), model, **kwargs)
         except _SkipStep:
             output = None
         else:
             bound.after_step(optimizer)
-        self._log_rule_stats(bound)
         return output
 
-    def _log_rule_stats(self, bound: BoundRule) -> None:
-        if not self.log_stats or self.world_size == 1:
+    def _log_rule_stats(self, bound: Optional[BoundRule]) -> None:
+        """Rank 0 logs the rule's numbers (world size > 1) and the convergence aids' values."""
+        if not self.log_stats:
             return
         trainer = getattr(self.lightning_module, "_trainer", None)
         if trainer is None or not trainer.loggers:
             return
         if (trainer.global_step + 1) % max(1, trainer.log_every_n_steps) != 0:
             return
-        metrics = {f"mpi/{self.rule.name}/{k}": v for k, v in bound.stats().items()}
+        metrics: dict[str, float] = {}
+        if bound is not None and self.world_size > 1:
+            metrics.update({f"mpi/{self.rule.name}/{k}": v for k, v in bound.stats().items()})
+        metrics.update(self._aid_stats)
         if metrics and self.is_global_zero:
             for logger in trainer.loggers:
                 logger.log_metrics(metrics, step=trainer.global_step)
@@ -438,12 +541,13 @@ class SyncStrategy(MPIStrategy):
         bucket_mb: exchange bucket size in MiB (> 0).
         overlap: start each bucket's exchange from the gradient hooks as soon as its gradients
             are ready, so it runs behind the rest of backward.
-        segment_mb: ASA pipelines each bucket in segments of this size (MiB): the cast and sum of
-            one segment overlap the transfer of the next.
+        segment_mb: each bucket is exchanged as a pipeline of segments of this size (MiB): the
+            cast and sum of one segment overlap the transfer of the next.
         topology_aware: reduce within each node over shared memory, exchange only among node
             leaders across the network, then broadcast within the node.
-        log_stats: log exchange time, bytes and skipped steps under ``mpi/sync/``.
-        abort_on_exception, collective_timeout: see :class:`MPIStrategy`.
+        **kwargs: the options every strategy takes (see :class:`MPIStrategy`): ``log_stats``
+            (exchange time, bytes and skipped steps under ``mpi/sync/``), ``abort_on_exception``,
+            ``collective_timeout``, ``lr_scaling``, ``warmup_steps``.
     """
 
     def __init__(
@@ -455,12 +559,7 @@ class SyncStrategy(MPIStrategy):
         overlap: bool = True,
         segment_mb: float = 4.0,
         topology_aware: bool = False,
-        log_stats: bool = True,
-        abort_on_exception: bool = True,
-        collective_timeout: Optional[float] = 1800.0,
-        accelerator: Optional["pl.accelerators.Accelerator"] = None,
-        checkpoint_io: Optional[CheckpointIO] = None,
-        precision_plugin: Optional[Precision] = None,
+        **kwargs: Any,
     ) -> None:
         rule = SyncRule(
             exchange=exchange,
@@ -471,12 +570,4 @@ class SyncStrategy(MPIStrategy):
             segment_mb=segment_mb,
             topology_aware=topology_aware,
         )
-        super().__init__(
-            rule=rule,
-            log_stats=log_stats,
-            abort_on_exception=abort_on_exception,
-            collective_timeout=collective_timeout,
-            accelerator=accelerator,
-            checkpoint_io=checkpoint_io,
-            precision_plugin=precision_plugin,
-        )
+        super().__init__(rule=rule, **kwargs)

@@ -157,3 +157,34 @@ def test_exchange_stats_in_csv_and_tensorboard(strategy, expected, tmp_path):
     for keys, where in ((csv_keys, "metrics.csv"), (tb_keys, "TensorBoard events")):
         for key in expected:
             assert key in keys, f"{key} missing from {where}: {sorted(keys)}"
+
+
+# -- 4. convergence aids (issue 9) from the command line ----------------------------------------------
+@pytest.mark.timeout(300)
+def test_print_config_shows_convergence_aids_through_kwargs(tmp_path):
+    # The strategies pass the common options on with **kwargs; jsonargparse must still see them.
+    def run(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, DIGITS, "fit", *args, "--print_config"], capture_output=True, text=True,
+                              env=mpi_env(), cwd=tmp_path, timeout=130)
+
+    out = run("--trainer.strategy=lightning_mpi.DownpourStrategy", "--trainer.strategy.momentum_correction=true",
+              "--trainer.strategy.lr_scaling=sqrt", "--trainer.strategy.warmup_steps=7",
+              "--trainer.strategy.collective_timeout=60")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert re.search(r"class_path: lightning_mpi\.DownpourStrategy\n\s+init_args:\n\s+period: 5\n\s+progress_interval: 0\.0005\n"
+                     r"\s+momentum_correction: true\n\s+log_stats: true\n\s+abort_on_exception: true\n"
+                     r"\s+collective_timeout: 60\.0\n\s+lr_scaling: sqrt\n\s+warmup_steps: 7\n", out.stdout), out.stdout[:2000]
+    bad = run("--trainer.strategy=lightning_mpi.SyncStrategy", "--trainer.strategy.lr_scaling=cubic")
+    assert bad.returncode != 0 and "lr_scaling" in bad.stderr and "cubic" in bad.stderr, bad.stderr[-3000:]
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(300)
+def test_convergence_aids_from_the_command_line_are_announced_once(tmp_path):
+    args = [DIGITS, "fit", "--trainer.strategy=lightning_mpi.DownpourStrategy", "--trainer.strategy.momentum_correction=true",
+            "--trainer.strategy.lr_scaling=sqrt", "--trainer.strategy.warmup_steps=3", *_short_run(tmp_path)]
+    result = run_mpi(2, args, timeout=280, cwd=tmp_path)
+    combined = result.stdout + result.stderr
+    assert combined.count("lr_scaling='sqrt': learning rates x1.414 (√W, world size 2), reached after 3 warm-up steps") == 1, combined[-3000:]
+    assert combined.count("implicit momentum of 1 - 1/W = 0.5") == 1, combined[-3000:]
+    assert "SGD momentum 0.9 -> 0.4" in combined

@@ -128,3 +128,151 @@ def test_codec_table():
     assert get_codec("int8") is INT8
     with pytest.raises(ValueError, match="wire"):
         get_codec("int4")
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("ratio", [0.01, 0.2])
+def test_topk_select_threshold_path_is_exact(ratio):
+    # Large enough for the sampled-threshold path: the same magnitudes as torch.topk, k distinct
+    # indices, in ascending order.
+    from lightning_mpi.comm.sparse import topk_select
+
+    x = torch.randn(400_000, generator=torch.Generator().manual_seed(3))
+    k = topk_count(x.numel(), ratio)
+    index = topk_select(x, k)
+    assert index.numel() == k and bool((index[1:] > index[:-1]).all())
+    want = torch.topk(x.abs(), k).values
+    assert torch.equal(torch.sort(x[index].abs()).values, torch.sort(want).values)
+
+
+@pytest.mark.timeout(60)
+def test_topk_select_ties_and_fallback():
+    from lightning_mpi.comm import sparse
+
+    n = 400_000
+    x = torch.zeros(n)
+    x[::7] = 1.0
+    x[::5] = 2.0  # ties at the k-th magnitude: the lowest indices among them are taken
+    k = 100_000  # all 80,000 twos, then the first 20,000 of the ones
+    index = sparse.topk_select(x, k)
+    assert index.numel() == k and index.unique().numel() == k
+    assert int((x[index] == 2.0).sum()) == n // 5
+    assert torch.equal(index[x[index] == 1.0], (x == 1.0).nonzero().view(-1)[:20_000])
+    # A sample that overestimates the threshold (its entries are the only large ones) leaves
+    # fewer candidates than k: the full torch.topk answers instead, still exactly.
+    y = torch.randn(n, generator=torch.Generator().manual_seed(4))
+    y[sparse._sample_index(n, y.device)[:500]] = 100.0
+    k = topk_count(n, 0.01)
+    index = sparse.topk_select(y, k)
+    assert torch.equal(torch.sort(y[index].abs()).values, torch.sort(torch.topk(y.abs(), k).values).values)
+
+
+@pytest.mark.timeout(60)
+def test_int8_constant_and_near_constant_rows():
+    # Constant rows (any sign, any mantissa) come back exactly; rows whose range is tiny next
+    # to their magnitude are quantized on a grid of at most 2**(exponent(max) - 22).
+    const = torch.tensor([[-3.1415926] * 5, [1e-30] * 5, [7.0e20] * 5, [0.0] * 5])
+    assert torch.equal(round_trip(INT8, const)[0], const)
+    gen = torch.Generator().manual_seed(5)
+    near = 1000.0 + torch.randn(3, 101, generator=gen) * 1e-3
+    near[1] = -near[1]
+    out, _ = round_trip(INT8, near)
+    _, e_peak = torch.frexp(near.abs().amax(dim=1, keepdim=True))
+    assert ((out - near).abs() <= torch.exp2(e_peak.float() - 23)).all()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("codec", [INT8, ONEBIT], ids=lambda c: c.name)
+def test_float64_buffers(codec):
+    x = torch.randn(2, 19, dtype=torch.float64, generator=torch.Generator().manual_seed(6))
+    wire = torch.empty(2, codec.wire_numel(19), dtype=codec.wire_dtype)
+    codec.encode(x, wire)
+    out = torch.empty_like(x)
+    codec.decode(wire, out)
+    want = torch.empty(2, 19)
+    codec.decode(wire, want)
+    assert torch.equal(out, want.double())
+    assert torch.equal(out >= 0, x >= 0) if codec is ONEBIT else (out - x).abs().max() < 0.05
+
+
+@pytest.mark.timeout(60)
+def test_onebit_chunks_sharing_a_byte_count():
+    # 15 and 13 values both pack into 2 bytes: scratch shared between them must not leak bits.
+    x15 = torch.ones(1, 15)
+    x13 = -torch.ones(1, 13)
+    round_trip(ONEBIT, x15)
+    out, wire = round_trip(ONEBIT, x13)
+    assert torch.equal(out, x13)
+    assert wire[0, 8:10].tolist() == [0, 0]
+
+
+class _SimRank:
+    """One of ``size`` simulated ranks: its collectives post buffers; :func:`_run_ranks` moves the data."""
+
+    def __init__(self, rank, size, posts):
+        self.rank, self.size, self.posts = rank, size, posts
+
+    def ialltoall(self, send, recv):
+        self.posts[self.rank] = ("alltoall", send, recv)
+        yield "alltoall"
+
+    def iallgather(self, send, recv):
+        self.posts[self.rank] = ("allgather", send, recv)
+        yield "allgather"
+
+
+def _run_ranks(steps, posts):
+    """Drive one exchange generator per rank in lockstep, doing each collective's copies."""
+    for gen in steps:
+        next(gen)
+    world = len(steps)
+    while True:
+        kind = posts[0][0]
+        for j in range(world):
+            for i in range(world):
+                posts[j][2][i].copy_(posts[i][1][j] if kind == "alltoall" else posts[i][1][0])
+        done = 0
+        for gen in steps:
+            try:
+                next(gen)
+            except StopIteration:
+                done += 1
+        if done == world:
+            return
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("world", [3, 4])
+@pytest.mark.parametrize("codec", [INT8, ONEBIT], ids=lambda c: c.name)
+def test_ef_asa_on_simulated_ranks(codec, world):
+    # Every rank ends each step with the same values (its own row, sent exactly, included), and
+    # applied updates + pending residuals = mean of the gradients: exactly when the mean's
+    # division is exact (world 4), to fp32 rounding of that division otherwise (world 3).
+    from lightning_mpi.comm.collectives import ASAWorkspace
+    from lightning_mpi.comm.feedback import ef_asa_mean_steps
+
+    chunk = 37
+    n = world * chunk
+    gen = torch.Generator().manual_seed(world)
+    # Start from pending residuals everywhere, own rows included (as after a restore from another
+    # world size): they must be sent too, not kept or lost.
+    residuals = [torch.randint(-64, 65, (n,), generator=gen).float() / 1024 for _ in range(world)]
+    owners = [torch.randint(-64, 65, (chunk,), generator=gen).float() / 1024 for _ in range(world)]
+    works = [ASAWorkspace.for_buffer(torch.empty(n), world, codec) for _ in range(world)]
+    applied = torch.zeros(n, dtype=torch.float64)
+    given = torch.stack(residuals).double().mean(dim=0) + torch.cat(owners).double()
+    for _ in range(30):
+        grads = [torch.randint(-1024, 1025, (n,), generator=gen).float() / 1024 for _ in range(world)]
+        flats = [g.clone() for g in grads]
+        posts = [None] * world
+        steps = [
+            ef_asa_mean_steps(_SimRank(r, world, posts), flats[r], codec, works[r], residuals[r], owners[r])
+            for r in range(world)
+        ]
+        _run_ranks(steps, posts)
+        assert all(torch.equal(flats[0], f) for f in flats[1:])
+        applied += flats[0].double()
+        given += torch.stack(grads).double().mean(dim=0)
+    pending = torch.stack(residuals).double().mean(dim=0) + torch.cat(owners).double()
+    diff = (applied + pending - given).abs().max().item()
+    assert diff == 0.0 if world == 4 else diff < 1e-5

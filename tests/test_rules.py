@@ -68,7 +68,7 @@ def test_nesterov_gradient_by_hand():
 
 def test_model_average_and_schedule():
     assert model_average([T(1.0, 2.0), T(3.0, 6.0), T(2.0, 1.0)]).tolist() == [2.0, 3.0]
-    schedule = [averages_at(s, period=3, warmup_steps=2) for s in range(1, 9)]
+    schedule = [averages_at(s, period=3, sync_warmup_steps=2) for s in range(1, 9)]
     assert schedule == ["gradients", "gradients", "none", "none", "weights", "none", "none", "weights"]
 
 
@@ -115,7 +115,7 @@ BAD = [
     (EASGDRule, {"alpha": 1.5}, r"alpha=1.5 is out of range"),
     (EASGDRule, {"period": 2.5}, r"period=2.5 must be an int"),
     (ModelAveragingRule, {"period": -1}, r"period=-1 is out of range"),
-    (ModelAveragingRule, {"warmup_steps": -1}, r"warmup_steps=-1 is out of range: it must be in \[0, inf\)"),
+    (ModelAveragingRule, {"sync_warmup_steps": -1}, r"sync_warmup_steps=-1 is out of range: it must be in \[0, inf\)"),
     (DownpourRule, {"period": 0}, r"period=0 is out of range"),
     (AGNRule, {"period": 0}, r"period=0 is out of range"),
     (DynSGDRule, {"period": 0}, r"period=0 is out of range"),
@@ -157,4 +157,4 @@ def test_valid_edges_are_accepted():
     EASGDRule(period=1, alpha=1.0)
     GoSGDRule(p=1.0)
     EAMSGDRule(momentum=0.0)
-    ModelAveragingRule(period=1, warmup_steps=0)
+    ModelAveragingRule(period=1, sync_warmup_steps=0)

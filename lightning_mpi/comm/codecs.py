@@ -19,10 +19,20 @@ padded to a multiple of 4 bytes so the header of every row can be read as ``int3
   ``2**s`` whose grid contains 0 (header: ``m = floor(min / 2**s)`` and ``s``); value
   ``(m + q) * 2**s``. A power-of-two step costs at most one bit against an arbitrary step and
   buys exact arithmetic: encode and decode are exact, and ``x - decode(encode(x))`` is exactly
-  representable, so error feedback conserves mass to the last bit.
+  representable, so error feedback conserves mass to the last bit. It also allows rounding by
+  adding ``2**23`` (see the class), so encoding is three vectorised passes after the min/max.
 - :class:`OneBitCodec`: one sign bit per value and two per-row scales (the mean of the
   non-negative values and the mean magnitude of the negative ones, as in Seide et al.'s 1-bit
-  SGD), rounded to 8 significant bits.
+  SGD), rounded to 8 significant bits. Bits are packed by a 64-bit multiply, unpacked by a table.
+
+Every codec runs as a handful of whole-tensor torch ops on ``[rows, chunk]`` views, with scratch
+buffers allocated once per shape; per-row quantities are ``[rows, 1]`` tensors (no Python loop
+over rows, no ``.item()``). Avoided on purpose, because they measured an order of magnitude slower
+on CPU than the plain ops used instead: ``torch.aminmax`` (``amin`` + ``amax``), ``torch.where``
+with broadcast operands (a lookup table), ``addcmul`` with two broadcast operands (``mul`` then
+``add_``), ``trunc`` and float-to-``uint8`` casts (the ``2**23`` trick), integer reductions (a
+popcount table over packed bytes), and, in :mod:`~lightning_mpi.comm.feedback`, ``torch.sum`` over
+a short leading dimension (row adds). ``benchmarks/codec_speed.py`` times all of it.
 
 Top-k sparsification is not row-wise (it chooses entries across the whole buffer): see
 :mod:`lightning_mpi.comm.sparse`.
@@ -130,13 +140,20 @@ class HalfCodec(Codec):
 _SCRATCH: dict[tuple, Tensor] = {}
 
 
-def _scratch(like: Tensor) -> Tensor:
-    """A float buffer shaped like ``like``, allocated once per shape and reused (hot path)."""
-    key = (tuple(like.shape), like.dtype, like.device)
+def _buffer(tag: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
+    """An uninitialised buffer allocated once per (tag, shape, dtype, device) and reused (hot path).
+
+    Callers of one tag share it, so none may rely on what another left in it."""
+    key = (tag, tuple(shape), dtype, device)
     buf = _SCRATCH.get(key)
     if buf is None:
-        buf = _SCRATCH[key] = torch.empty_like(like)
+        buf = _SCRATCH[key] = torch.empty(shape, dtype=dtype, device=device)
     return buf
+
+
+def _scratch(like: Tensor) -> Tensor:
+    """A float buffer shaped like ``like``, allocated once per shape and reused (hot path)."""
+    return _buffer("float", tuple(like.shape), like.dtype, like.device)
 
 
 def _ceil4(n: int) -> int:
@@ -145,6 +162,8 @@ def _ceil4(n: int) -> int:
 
 #: ``s`` header value of a row that held inf or NaN: it decodes to NaN, so the step is skipped.
 _NONFINITE = 2**30
+#: ``2**23 + q`` for an integer ``0 <= q < 2**22`` is a float32 whose low mantissa bits are ``q``.
+_MAGIC = float(2**23)
 
 
 @dataclass(frozen=True)
@@ -153,8 +172,14 @@ class Int8Codec(Codec):
 
     Wire row: ``int32 m, int32 s, uint8 q[chunk]`` padded to 4 bytes; value ``(m + q) * 2**s``.
     ``s`` is the smallest exponent with ``(max - min) / 2**s < 254`` and at least
-    ``exponent(max|x|) - 24`` (so ``m`` and ``m + q`` stay exact in fp32). A row holding inf or NaN
-    decodes to NaN.
+    ``exponent(max|x|) - 22`` (so ``m``, ``m + q`` and ``2**23 - m`` stay exact in fp32; a row whose
+    values are all equal uses ``exponent(max|x|) - 24`` instead, which holds its value exactly). A
+    row holding inf or NaN decodes to NaN.
+
+    Encoding is three vectorised passes: ``t = x * 2**-s`` (exact), ``t += 2**23 - m`` (rounds to
+    the nearest integer, ties to even: ``t = 2**23 + q``), and the int32 bits of ``t`` cast to
+    ``uint8`` (their low byte is ``q``). No float-to-int conversion, no clamp: ``0 <= q <= 255``
+    holds by the choice of ``s`` and ``m``.
     """
 
     name: str = "int8"
@@ -170,47 +195,80 @@ class Int8Codec(Codec):
     def wire_numel(self, chunk: int) -> int:
         return 8 + _ceil4(chunk)
 
-    def encode(self, src: Tensor, dst: Tensor) -> None:
-        chunk = src.shape[1]
-        header = dst[:, :8].view(torch.int32)
-        lo, hi = src.amin(dim=1), src.amax(dim=1)
+    @staticmethod
+    def _grid(src: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """Per-row header words ``m``, ``s`` and the encoding's ``2**-s`` and ``2**23 - m`` (``[rows, 1]``)."""
+        # amin + amax: two vectorised reductions (torch.aminmax is an order of magnitude slower on CPU).
+        lo, hi = src.amin(dim=1, keepdim=True), src.amax(dim=1, keepdim=True)
         finite = torch.isfinite(lo) & torch.isfinite(hi)
-        lo = torch.where(finite, lo, torch.zeros_like(lo))
-        hi = torch.where(finite, hi, torch.zeros_like(hi))
+        zero = torch.zeros_like(lo)
+        lo = torch.where(finite, lo, zero)
+        hi = torch.where(finite, hi, zero)
         span = hi - lo
         _, e_span = torch.frexp(span / 254.0)  # span / 254 < 2**e_span
         _, e_peak = torch.frexp(torch.maximum(lo.abs(), hi.abs()))
-        e_span = torch.where(span > 0, e_span, torch.full_like(e_span, -1000))
-        s = torch.maximum(e_span, e_peak - 24).clamp_(-126, 127)
-        inv = torch.exp2(-s.to(torch.float32)).unsqueeze(1)
-        m = torch.floor(lo.unsqueeze(1) * inv)
-        q = torch.round(src * inv).sub_(m).clamp_(0, 255)
-        q = torch.where(finite.unsqueeze(1), q, torch.zeros_like(q))
-        dst[:, 8 : 8 + chunk].copy_(q)
-        dst[:, 8 + chunk :].zero_()
-        header[:, 0].copy_(m.squeeze(1))
-        header[:, 1].copy_(torch.where(finite, s, torch.full_like(s, _NONFINITE)))
+        varying = span > 0
+        s = torch.where(varying, torch.maximum(e_span, e_peak - 22), e_peak - 24).clamp_(-126, 127)
+        inv = torch.exp2(s.neg().to(torch.float32))
+        m = torch.floor(lo * inv)
+        # Constant rows send q = 0 (x * 0 + 2**23); their value is m * 2**s exactly.
+        inv = torch.where(varying, inv, zero)
+        offset = torch.where(varying, m, zero).neg_().add_(_MAGIC)
+        return m, torch.where(finite, s, torch.full_like(s, _NONFINITE)), inv, offset
+
+    def encode(self, src: Tensor, dst: Tensor) -> None:
+        rows, chunk = src.shape
+        if src.dtype != torch.float32:  # float64 buckets: quantize their float32 rounding
+            src = src.to(torch.float32)
+        header = dst[:, :8].view(torch.int32)
+        m, s, inv, offset = self._grid(src)
+        t = _scratch(src)
+        torch.mul(src, inv, out=t)
+        t.add_(offset)  # 2**23 + round(x * 2**-s - m): one rounding, ties to even
+        # Non-finite rows give NaN bits here: harmless, their header decodes the row to NaN.
+        dst[:, 8 : 8 + chunk].copy_(t.view(torch.int32))  # int32 -> uint8 keeps the low byte: q
+        if dst.shape[1] > 8 + chunk:
+            dst[:, 8 + chunk :].zero_()
+        header[:, 0:1].copy_(m)
+        header[:, 1:2].copy_(s)
 
     def decode(self, src: Tensor, dst: Tensor) -> None:
         chunk = dst.shape[1]
         header = src[:, :8].view(torch.int32)
-        m = header[:, 0].to(torch.float32).unsqueeze(1)
-        s = header[:, 1]
+        m = header[:, 0:1].to(torch.float32)
+        s = header[:, 1:2]
         scale = torch.exp2(s.clamp(-126, 127).to(torch.float32))
-        scale = torch.where(s == _NONFINITE, torch.full_like(scale, float("nan")), scale).unsqueeze(1)
-        torch.add(src[:, 8 : 8 + chunk].to(torch.float32), m, out=dst)
-        dst.mul_(scale)
+        scale = torch.where(s == _NONFINITE, torch.full_like(scale, float("nan")), scale)
+        dst.copy_(src[:, 8 : 8 + chunk])  # uint8 -> float: one vectorised pass
+        dst.add_(m).mul_(scale)  # q + m is exact (|m| < 2**24), the power-of-two scale too
 
 
-_BIT_WEIGHTS = torch.tensor([128, 64, 32, 16, 8, 4, 2, 1], dtype=torch.uint8)
+#: MSB-first bit packing of 8 bytes that are each 0 or 1: ``(v * _PACK) >> 56`` puts byte i
+#: (little-endian order) at bit 7 - i of the top byte; the partial products never carry into it.
+_PACK = 0x8040201008040201 - 2**64
+_TABLES: dict[torch.device, tuple[Tensor, Tensor]] = {}
+
+
+def _bit_tables(device: torch.device) -> tuple[Tensor, Tensor]:
+    """``[256, 8]`` bool: the bits of each byte, MSB first; ``[256]`` float: their popcounts."""
+    tables = _TABLES.get(device)
+    if tables is None:
+        weights = torch.tensor([128, 64, 32, 16, 8, 4, 2, 1], dtype=torch.int64)
+        bits = (torch.arange(256).unsqueeze(1) & weights).ne(0)
+        tables = _TABLES[device] = (bits.to(device), bits.sum(dim=1).to(torch.float32).to(device))
+    return tables
 
 
 @dataclass(frozen=True)
 class OneBitCodec(Codec):
     """Signs as bits with two per-row scales (see module docstring).
 
-    Wire row: ``float32 pos, float32 neg, uint8 bits[ceil(chunk / 8)]`` padded to 4 bytes; a set
-    bit (value >= 0) decodes to ``pos``, a clear one to ``-neg``. Non-finite rows decode to NaN.
+    Wire row: ``float32 pos, float32 neg, uint8 bits[ceil(chunk / 8)]`` padded to 4 bytes, MSB
+    first; a set bit (value >= 0) decodes to ``pos``, a clear one to ``-neg``. Non-finite rows
+    decode to NaN.
+
+    Bits are packed eight at a time with one 64-bit multiply, and unpacked by a table lookup that
+    maps each byte straight to its eight decoded floats (a ``[rows * 256, 8]`` table built per call).
     """
 
     name: str = "onebit"
@@ -235,29 +293,54 @@ class OneBitCodec(Codec):
         rows, chunk = src.shape
         nbytes = -(-chunk // 8)
         header = dst[:, :8].view(torch.float32)
-        positive = src >= 0
-        npos = positive.sum(dim=1)
-        pos_sum = torch.where(positive, src, torch.zeros_like(src)).sum(dim=1)
-        neg_sum = torch.where(positive, torch.zeros_like(src), src).sum(dim=1)
+        # Sums of the non-negative and of the negative values: max(x, 0), then x - max(x, 0).
+        t = _scratch(src)
+        torch.clamp(src, min=0, out=t)
+        pos_sum = t.sum(dim=1)
+        torch.sub(src, t, out=t)
+        neg_sum = t.sum(dim=1)
+        # One byte per value (1: x >= 0), zero-padded to whole bytes, packed 8 to a 64-bit word.
+        flags = _buffer("onebit.flags", (rows, nbytes * 8), torch.bool, src.device)
+        torch.ge(src, 0, out=flags[:, :chunk])
+        if chunk % 8:  # shared with other chunk sizes of the same byte count: clear the padding
+            flags[:, chunk:].zero_()
+        words = _buffer("onebit.words", (rows, nbytes), torch.int64, src.device)
+        torch.mul(flags.view(torch.uint8).view(torch.int64), _PACK, out=words)
+        words.bitwise_right_shift_(56).bitwise_and_(0xFF)
+        dst[:, 8 : 8 + nbytes].copy_(words)
+        # Count the set bits with a 256-entry popcount table over the packed bytes.
+        _, popcount = _bit_tables(src.device)
+        index = _buffer("onebit.index", (rows, nbytes), torch.int32, src.device)
+        index.copy_(words)
+        counts = _buffer("onebit.counts", (rows * nbytes,), torch.float32, src.device)
+        torch.index_select(popcount, 0, index.view(-1), out=counts)
+        npos = counts.view(rows, nbytes).sum(dim=1)
         pos = pos_sum / npos.clamp(min=1)
         neg = -neg_sum / (chunk - npos).clamp(min=1)
-        bad = ~torch.isfinite(src.sum(dim=1))  # NaN compares False and would vanish into `neg`
+        bad = ~(torch.isfinite(pos_sum) & torch.isfinite(neg_sum))  # inf or NaN anywhere in the row
         nan = torch.full_like(pos, float("nan"))
         header[:, 0].copy_(torch.where(bad, nan, self._round8(pos)))
         header[:, 1].copy_(torch.where(bad, nan, self._round8(neg)))
-        bits = torch.zeros(rows, nbytes * 8, dtype=torch.uint8, device=src.device)
-        bits[:, :chunk] = positive
-        packed = (bits.view(rows, nbytes, 8) * _BIT_WEIGHTS.to(src.device)).sum(dim=2, dtype=torch.uint8)
-        dst[:, 8 : 8 + nbytes].copy_(packed)
-        dst[:, 8 + nbytes :].zero_()
+        if dst.shape[1] > 8 + nbytes:
+            dst[:, 8 + nbytes :].zero_()
 
     def decode(self, src: Tensor, dst: Tensor) -> None:
         rows, chunk = dst.shape
         nbytes = -(-chunk // 8)
         header = src[:, :8].view(torch.float32)
-        packed = src[:, 8 : 8 + nbytes]
-        bits = packed.unsqueeze(2).bitwise_and(_BIT_WEIGHTS.to(src.device)).ne(0).view(rows, nbytes * 8)[:, :chunk]
-        torch.where(bits, header[:, 0:1], -header[:, 1:2], out=dst)
+        bits, _ = _bit_tables(src.device)
+        # table[r * 256 + b] holds the 8 values that byte b decodes to in row r.
+        table = torch.where(bits, header[:, 0:1, None], header[:, 1:2, None].neg()).to(dst.dtype).view(rows * 256, 8)
+        index = _buffer("onebit.index", (rows, nbytes), torch.int32, src.device)
+        index.copy_(src[:, 8 : 8 + nbytes])
+        if rows > 1:
+            index.add_(torch.arange(0, rows * 256, 256, dtype=torch.int32, device=src.device).unsqueeze(1))
+        if chunk % 8 == 0 and dst.is_contiguous():
+            torch.index_select(table, 0, index.view(-1), out=dst.view(rows * nbytes, 8))
+        else:
+            out = _buffer("onebit.decoded", (rows, nbytes * 8), dst.dtype, src.device)
+            torch.index_select(table, 0, index.view(-1), out=out.view(rows * nbytes, 8))
+            dst.copy_(out[:, :chunk])
 
 
 FP32 = Codec()

@@ -1,7 +1,7 @@
 """Periodic model averaging ("local SGD", post-local SGD of Lin et al., "Don't use large
 mini-batches, use local SGD", ICLR 2020; torch's ``PeriodicModelAverager``).
 
-For the first ``warmup_steps`` steps the ranks average gradients every step (synchronous SGD),
+For the first ``sync_warmup_steps`` steps the ranks average gradients every step (synchronous SGD),
 so the early, sharp part of training follows one trajectory. After that each rank steps on its
 own gradients and every ``period`` (H) steps the weights are replaced by their mean:
 
@@ -9,7 +9,8 @@ own gradients and every ``period`` (H) steps the weights are replaced by their m
 
 Defaults, cited: Lin et al. use H = 16 for CIFAR and report H ∈ {2..16}; torch's
 ``PeriodicModelAverager`` examples use ``period=4``. We take ``period=4`` (small models on few
-steps drift quickly) and ``warmup_steps=0``.
+steps drift quickly) and ``sync_warmup_steps=0``. (The name says "sync" because every strategy's
+``warmup_steps`` is the learning-rate warm-up of ``lr_scaling``.)
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from torch import Tensor
 
 from lightning_mpi.comm.collectives import allreduce_mean_
 from lightning_mpi.comm.transport import Transport
-from lightning_mpi.rules.base import BoundRule, Rule, check_range
+from lightning_mpi.rules.base import BoundRule, LocalStepGuard, Rule, check_range
 from lightning_mpi.rules.easgd import FlatParams
 
 
@@ -31,11 +32,11 @@ def model_average(replicas: Sequence[Tensor]) -> Tensor:
     return torch.stack(list(replicas)).mean(0)
 
 
-def averages_at(step: int, period: int, warmup_steps: int) -> str:
+def averages_at(step: int, period: int, sync_warmup_steps: int) -> str:
     """What happens after update ``step`` (1-based): ``"gradients"`` (warm-up), ``"weights"`` or ``"none"``."""
-    if step <= warmup_steps:
+    if step <= sync_warmup_steps:
         return "gradients"
-    return "weights" if (step - warmup_steps) % period == 0 else "none"
+    return "weights" if (step - sync_warmup_steps) % period == 0 else "none"
 
 
 class ModelAveragingRule(Rule):
@@ -43,18 +44,18 @@ class ModelAveragingRule(Rule):
 
     Args:
         period: H, local steps between averages (≥ 1). Default 4.
-        warmup_steps: steps of synchronous gradient averaging first (≥ 0). Default 0.
+        sync_warmup_steps: steps of synchronous gradient averaging first (≥ 0). Default 0.
     """
 
     name = "model_avg"
 
-    def __init__(self, period: int = 4, warmup_steps: int = 0) -> None:
-        for name, value, low in (("period", period, 1), ("warmup_steps", warmup_steps, 0)):
+    def __init__(self, period: int = 4, sync_warmup_steps: int = 0) -> None:
+        for name, value, low in (("period", period, 1), ("sync_warmup_steps", sync_warmup_steps, 0)):
             if isinstance(value, bool) or not isinstance(value, int):
                 raise ValueError(f"{name}={value!r} must be an int >= {low}")
             check_range(name, value, low, float("inf"), high_open=True)
         self.period = period
-        self.warmup_steps = warmup_steps
+        self.sync_warmup_steps = sync_warmup_steps
 
     def bind(self, transport: Transport, params: Sequence[Tensor]) -> "BoundModelAveraging":
         return BoundModelAveraging(self, transport, params)
@@ -67,6 +68,7 @@ class BoundModelAveraging(BoundRule):
         self.flat = FlatParams(self.params, transport.size)
         self.steps = 0
         self.averages = 0
+        self.guard = LocalStepGuard(rule.name)
         self._seconds = 0.0
 
     def _mean_(self, flat: Tensor) -> None:
@@ -75,23 +77,34 @@ class BoundModelAveraging(BoundRule):
         self._seconds += time.perf_counter() - start
 
     def before_step(self, optimizer: Any) -> bool:
+        """Warm-up: average gradients (collective). Then reject the step if the gradients this rank
+        is about to apply are non-finite: during warm-up they are the same on every rank, so every
+        rank rejects together; after it, only the rank with the bad gradient skips its update."""
         self._seconds = 0.0
-        if self.transport.size > 1 and averages_at(self.steps + 1, self.rule.period, self.rule.warmup_steps) == "gradients":
+        if self.transport.size > 1 and averages_at(self.steps + 1, self.rule.period, self.rule.sync_warmup_steps) == "gradients":
             self.flat.bucket.pack_grads()
             self._mean_(self.flat.flat)
             self.flat.bucket.unpack_grads()
-        return True
+        if self.guard.accept(self.params):
+            return True
+        self._advance()
+        return False
 
     def after_step(self, optimizer: Any) -> None:
+        if not self.guard.already_counted():
+            self._advance()
+
+    def _advance(self) -> None:
+        """Count one step; every ``period`` steps after warm-up, average the weights (collective)."""
         self.steps += 1
-        if self.transport.size > 1 and averages_at(self.steps, self.rule.period, self.rule.warmup_steps) == "weights":
+        if self.transport.size > 1 and averages_at(self.steps, self.rule.period, self.rule.sync_warmup_steps) == "weights":
             self._mean_(self.flat.pull())
             self.flat.push()
             self.averages += 1
 
     def on_train_end(self) -> None:
         # Leave the consensus: one last average unless the last step just did one.
-        if self.transport.size > 1 and averages_at(self.steps, self.rule.period, self.rule.warmup_steps) == "none":
+        if self.transport.size > 1 and averages_at(self.steps, self.rule.period, self.rule.sync_warmup_steps) == "none":
             self._mean_(self.flat.pull())
             self.flat.push()
 
@@ -103,4 +116,5 @@ class BoundModelAveraging(BoundRule):
         self.averages = int(state.get("averages", 0))
 
     def stats(self) -> dict[str, float]:
-        return {"exchange_seconds": self._seconds, "averages": float(self.averages)}
+        return {"exchange_seconds": self._seconds, "averages": float(self.averages),
+                "skipped_steps": float(self.guard.skipped_steps)}

@@ -13,9 +13,16 @@ hooks, in this order, on every rank:
 
 ``state_dict()`` / ``load_state_dict()`` carry what a resumed run needs beyond the module and
 optimizer states; ``stats()`` returns numbers worth logging for the last step.
+
+Every bound rule checks at bind time that its parameters sit on one device
+(:func:`check_single_device`). Rules whose ranks step on their own gradients (elastic, model
+averaging, parameter server, gossip) reject a step whose local gradients hold inf or NaN with a
+:class:`LocalStepGuard`, so that a NaN loss on one rank never reaches the weights, the center or
+the other ranks.
 """
 from __future__ import annotations
 
+import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import Any
@@ -54,12 +61,114 @@ def trainable_parameters(optimizer: Optimizer) -> list[torch.Tensor]:
     return params
 
 
+def check_single_device(params: Sequence[torch.Tensor]) -> None:
+    """Raise ``ValueError`` unless every parameter sits on one device.
+
+    Every rule refuses a model spread over several devices inside one rank (model parallelism):
+    the elastic, server and gossip rules keep all parameters in one flat buffer on one device,
+    and although the synchronous rules bucket per device, the strategy places the whole model on
+    one device per rank (``root_device``), so a second device can only come from parameters that
+    were never placed (e.g. left on ``meta``): a mistake to report early, not a layout to serve.
+    """
+    devices = sorted({str(p.device) for p in params})
+    if len(devices) <= 1:
+        return
+    hint = ""
+    if "meta" in devices:
+        hint = (
+            " Parameters on 'meta' hold no data yet: materialise them first (e.g. module.to_empty(device=...) "
+            "and initialise them) before training."
+        )
+    raise ValueError(
+        f"lightning_mpi: the trainable parameters sit on {len(devices)} devices ({', '.join(devices)}), but an "
+        "exchange rule needs every one of them on one device per rank. Keep the model on one device "
+        "(e.g. model.to(device); MPIStrategy puts rank r on device local_rank % devices_per_host) and "
+        f"run one rank per device instead of spreading one model over several.{hint}"
+    )
+
+
+def grads_finite(params: Sequence[torch.Tensor]) -> bool:
+    """True when no parameter's gradient holds inf or NaN (a missing gradient counts as finite).
+
+    One sum per gradient (inf or NaN anywhere makes it non-finite), then a single check of all
+    of them, so that a GPU synchronises once per step, not once per parameter.
+    """
+    # 16-bit gradients are summed in float32: a finite fp16 gradient can sum past 65504
+    sums = [p.grad.sum(dtype=torch.float64 if p.grad.dtype == torch.float64 else torch.float32)
+            for p in params if p.grad is not None]
+    if not sums:
+        return True
+    return bool(torch.isfinite(torch.stack([s.double() for s in sums])).all())
+
+
+class LocalStepGuard:
+    """Rejects a rank's own step when its local gradients hold inf or NaN.
+
+    For rules whose ranks step on their own gradients (elastic and model averaging, parameter
+    server, gossip): no exchange sees the gradients before the optimizer does, so without this a
+    NaN loss on one rank would make that rank's weights NaN, and the next exchange would carry
+    them into the center, the average or a peer. A rejected step skips the optimizer update on
+    this rank only (no collective: asynchronous rules must not wait) and is counted in
+    :attr:`skipped_steps`, with one warning per run.
+
+    The rejected step still counts as a step of the rule: collective exchanges (EASGD, model
+    averaging) happen every ``period`` steps on every rank, so a rank that stopped counting would
+    call them at other steps than the rest and mix up or hang the job. Protocol::
+
+        def before_step(self, optimizer):
+            if not self.guard.accept(self.params):
+                self._advance()          # count the step (and exchange, if one is due) now
+                return False
+            return True
+
+        def after_step(self, optimizer):
+            if self.guard.already_counted():
+                return                   # a GradScaler makes the strategy call after_step anyway
+            self._advance()
+
+    Advancing from ``before_step`` keeps the exchange at the same point relative to any other
+    collective of the step (nothing else runs between ``before_step`` and ``after_step``).
+    """
+
+    def __init__(self, rule_name: str) -> None:
+        self.rule_name = rule_name
+        self.skipped_steps = 0
+        self._counted = False
+
+    def accept(self, params: Sequence[torch.Tensor]) -> bool:
+        """True when this rank's gradients are finite; else count, warn once and return False."""
+        self._counted = False
+        if grads_finite(params):
+            return True
+        self.skipped_steps += 1
+        self._counted = True
+        if self.skipped_steps == 1:
+            warnings.warn(
+                f"lightning_mpi: non-finite local gradients (inf/NaN loss?) on this rank; rule {self.rule_name!r} "
+                "skips this rank's update and keeps counting the step. Further skips are counted in "
+                "stats()['skipped_steps'] without a warning.",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        return False
+
+    def already_counted(self) -> bool:
+        """True (once) when ``before_step`` rejected and counted this step itself."""
+        counted, self._counted = self._counted, False
+        return counted
+
+
 class BoundRule:
-    """The running part of a rule. The default hooks do nothing, so a rule overrides only what it uses."""
+    """The running part of a rule. The default hooks do nothing, so a rule overrides only what it uses.
+
+    Raises:
+        ValueError: the parameters sit on more than one device (see :func:`check_single_device`).
+    """
 
     def __init__(self, transport: Transport, params: Sequence[torch.Tensor]) -> None:
         self.transport = transport
         self.params = list(params)
+        check_single_device(self.params)
 
     def on_train_start(self) -> None:
         """Called once when training starts, with identical weights on every rank."""

@@ -178,8 +178,9 @@ class CompressedExchanger(BucketExchanger):
         if self.topk:
             k = topk_count(state.numel, self.current_ratio())
             work = self._topk_work.get(key)
-            if work is None or work.k != k:
-                work = self._topk_work[key] = TopKWorkspace(k, team.size, segment.device)
+            if work is None:
+                work = self._topk_work[key] = TopKWorkspace(k, team.size, segment.device, segment.numel(), segment.dtype)
+            work.resize(k)  # new wire buffers only while the warm-up changes k
             return topk_mean_steps(team, segment, k, work, state.residual, state.momentum, self.rule.momentum)
         work = self._workspaces.get(key)
         if work is None:

@@ -28,7 +28,7 @@ from torch import Tensor
 
 from lightning_mpi.comm.buffers import make_buckets
 from lightning_mpi.comm.transport import Transport
-from lightning_mpi.rules.base import BoundRule, Rule, check_range
+from lightning_mpi.rules.base import BoundRule, LocalStepGuard, Rule, check_range
 
 
 # -- pure math ------------------------------------------------------------------------------------
@@ -75,6 +75,11 @@ class FlatParams:
 
     def __init__(self, params: Sequence[Tensor], world_size: int) -> None:
         buckets = make_buckets(params, world_size, bucket_bytes=None, reverse=False)
+        if not buckets:
+            raise ValueError(
+                "lightning_mpi: no trainable parameters to exchange (every parameter has requires_grad=False); "
+                "unfreeze at least one, or train without an MPI strategy"
+            )
         if len(buckets) != 1:
             raise ValueError(
                 "lightning_mpi: elastic, parameter-server and gossip rules need every trainable parameter "
@@ -123,6 +128,7 @@ class BoundEASGD(BoundRule):
         self.flat = FlatParams(self.params, transport.size)
         self.center = self.flat.pull().clone()  # replicated: identical on every rank
         self.steps = 0
+        self.guard = LocalStepGuard(rule.name)
         self._loaded = False
         self._seconds = 0.0
         self._bytes = 0
@@ -131,7 +137,19 @@ class BoundEASGD(BoundRule):
         if not self._loaded:
             self.center.copy_(self.flat.pull())
 
+    def before_step(self, optimizer: Any) -> bool:
+        """Reject this rank's step when its own gradients are non-finite (see :class:`LocalStepGuard`)."""
+        if self.guard.accept(self.params):
+            return True
+        self._advance()
+        return False
+
     def after_step(self, optimizer: Any) -> None:
+        if not self.guard.already_counted():
+            self._advance()
+
+    def _advance(self) -> None:
+        """Count one local step; every ``period`` steps, the elastic exchange (collective)."""
         self.steps += 1
         self._seconds, self._bytes = 0.0, 0
         if self.steps % self.rule.period or self.transport.size == 1:
@@ -164,4 +182,5 @@ class BoundEASGD(BoundRule):
         self._loaded = True
 
     def stats(self) -> dict[str, float]:
-        return {"exchange_seconds": self._seconds, "wire_bytes": float(self._bytes)}
+        return {"exchange_seconds": self._seconds, "wire_bytes": float(self._bytes),
+                "skipped_steps": float(self.guard.skipped_steps)}

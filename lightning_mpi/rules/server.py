@@ -30,6 +30,26 @@ and Δ = θ − θ_ref does (pure functions below):
 - AEASGD (Zhang et al. 2015, Alg. 1): pull θ̃; E = α(θ − θ̃); θ ← θ − E; θ̃ ← θ̃ + E.
 - EAMSGD (Zhang et al. 2015, Alg. 2): AEASGD plus Nesterov momentum δ on the worker's local steps.
 
+Non-finite values never reach the center. A rank whose local gradients hold inf/NaN (a NaN loss)
+skips its own update (:class:`~lightning_mpi.rules.base.LocalStepGuard`, counted in
+``skipped_steps``); and if a worker's weights or its commit are non-finite anyway (an optimizer
+that overflowed), the commit is dropped, counted in ``skipped_commits`` with one warning, and the
+worker restarts from the current center (EAMSGD: with zero momentum).
+
+What a dying worker can and cannot do to the center. A commit is W one-sided operations, one per
+shard, each atomic per element (``Accumulate``); the worker's main thread makes them between two
+training steps. An exception from the training code (``training_step``, the data, a callback) is
+raised inside a step, never between the shard operations of a commit, so the center only ever
+holds whole commits. A worker stopped in the middle of a commit (SIGKILL, a segfault, or a
+``KeyboardInterrupt`` that Python delivers between two shard operations) leaves the shards it
+reached updated and the others not: every element is still the old value or the old value plus
+the delta (never a torn float), the center stays finite, but that one commit is partially
+applied. Either way the
+job ends (``abort_on_exception``, or the launcher after a lost rank), the center lives only in the
+ranks' memory, and a run resumes from the last checkpoint: checkpoints are written atomically and
+their center is read after a barrier, i.e. with every rank's commits so far applied whole and no
+commit in flight.
+
 Checkpoints: :meth:`BoundServerRule.state_dict` is collective (the strategy calls it on every
 rank when Lightning saves): the whole center (read one-sidedly, unpadded), the server clock, and
 every rank's steps, commits and EAMSGD momentum. A resume re-shards the center over the new world
@@ -54,6 +74,7 @@ W deltas at lr 0.1·W overshoots.
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Sequence
 from typing import Any, Optional
 
@@ -61,7 +82,7 @@ import torch
 from torch import Tensor
 
 from lightning_mpi.comm.transport import Transport
-from lightning_mpi.rules.base import BoundRule, Rule, check_range
+from lightning_mpi.rules.base import BoundRule, LocalStepGuard, Rule, check_range
 from lightning_mpi.rules.easgd import FlatParams, check_period_alpha, default_alpha, elastic_difference, nesterov_gradient_
 
 KINDS = ("downpour", "agn", "adag", "dynsgd", "aeasgd", "eamsgd")
@@ -107,6 +128,11 @@ def server_commit(kind: str, delta: Tensor, period: int, stale: int = 0, center_
         assert center_now is not None and center_pulled is not None
         return delta * adag_scale(center_now, center_pulled, eta)
     raise ValueError(f"kind={kind!r} is not a delta-committing rule")
+
+
+def _finite(values: Tensor) -> bool:
+    """True when ``values`` hold no inf or NaN (one sum: either makes it non-finite)."""
+    return bool(torch.isfinite(values.sum()))
 
 
 # -- rules -------------------------------------------------------------------------------------------
@@ -223,6 +249,8 @@ class BoundServerRule(BoundRule):
         self.momentum_bufs = [torch.zeros_like(p) for p in self.params] if self.kind == "eamsgd" else []
         self.steps = 0
         self.commits = 0
+        self.skipped_commits = 0  # commits dropped because their delta held inf/NaN
+        self.guard = LocalStepGuard(rule.kind)
         self.clock_at_pull = 0
         self.center = self.clock = self.board = self.progress = None
         self.training = False
@@ -251,7 +279,7 @@ class BoundServerRule(BoundRule):
         self.center.init_local(initial)
         if self.transport.rank == 0 and clock0:
             self.clock.set_all(torch.tensor([clock0]).numpy())
-        self.center.barrier()
+        self.transport.barrier()  # every shard is set before anyone reads or commits (with the timeout)
         if self.kind in ("aeasgd", "eamsgd"):
             self.ref.copy_(initial)
         else:  # start every worker from the center
@@ -262,6 +290,11 @@ class BoundServerRule(BoundRule):
         self._t0 = time.perf_counter()
 
     def before_step(self, optimizer: Any) -> bool:
+        """Reject this rank's step if its gradients are non-finite (they never reach the momentum
+        or the weights; the step still counts towards the next commit); EAMSGD: Nesterov momentum."""
+        if not self.guard.accept(self.params):
+            self._advance()
+            return False
         if self.kind == "eamsgd":
             for p, buf in zip(self.params, self.momentum_bufs):
                 if p.grad is not None:
@@ -269,19 +302,30 @@ class BoundServerRule(BoundRule):
         return True
 
     def after_step(self, optimizer: Any) -> None:
+        if not self.guard.already_counted():
+            self._advance()
+
+    def _advance(self) -> None:
+        """Count one local step; every ``period`` steps, commit."""
         self.steps += 1
         if self.center is not None and self.steps % self.rule.period == 0:
             self.commit()
 
     def commit(self) -> None:
-        """One exchange with the server (see module docstring)."""
+        """One exchange with the server (see module docstring); a non-finite commit is dropped."""
         assert self.center is not None and self.clock is not None
         theta = self.flat.pull()
+        if not _finite(theta):  # checked before the clock ticks: a dropped commit is no commit
+            self._drop_commit()
+            return
         tick = self.clock.fetch_add(0, 1)
         stale = staleness(tick, self.clock_at_pull)
         if self.kind in ("aeasgd", "eamsgd"):
             center_now = self.center.read(self.scratch)
             e = elastic_difference(theta, center_now, self.alpha)
+            if not _finite(e):  # finite θ and θ̃ can still overflow their difference
+                self._drop_commit()
+                return
             self.center.add(e)
             self.flat.push(theta - e)
             self.ref.copy_(center_now).add_(e)
@@ -290,27 +334,56 @@ class BoundServerRule(BoundRule):
             if self.kind == "adag":
                 center_now = self.center.read(self.scratch)
                 update = server_commit("adag", delta, self.rule.period, center_now=center_now, center_pulled=self.ref, eta=self.rule.eta)  # type: ignore[attr-defined]
+                if not _finite(update):
+                    self._drop_commit()
+                    return
                 self.center.add(update)
                 new = center_now + update
             else:
                 update = server_commit(self.kind, delta, self.rule.period, stale=stale)
+                if not _finite(update):
+                    self._drop_commit()
+                    return
                 self.center.add(update, old=self.scratch)  # fetch-and-add: the center just before ours
                 new = self.scratch + update
             self.ref.copy_(new)
             self.flat.push(new)
         self.clock_at_pull = tick + 1
         self.commits += 1
-        self._staleness.append(stale)
-        self._commits_window += 1
+        self._record_staleness(stale)
+
+    def _drop_commit(self) -> None:
+        """Skip a commit whose values hold inf/NaN: count it, warn once, and restart this worker
+        from the current center (its own weights are beyond use; EAMSGD momentum is zeroed)."""
+        assert self.center is not None and self.clock is not None
+        self.skipped_commits += 1
+        if self.skipped_commits == 1:
+            warnings.warn(
+                f"lightning_mpi: rank {self.transport.rank}'s {self.kind} commit holds inf/NaN; it was not "
+                "committed (the center is untouched) and this worker restarts from the center. Further "
+                "drops are counted in stats()['skipped_commits'] without a warning.",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        center_now = self.center.read(self.scratch)
+        self.flat.push(center_now)
+        self.ref.copy_(center_now)
+        self.clock_at_pull = int(self.clock.read()[0])
+        for buf in self.momentum_bufs:
+            buf.zero_()
 
     def on_train_end(self) -> None:
-        """Commit what is left, wait for every rank's last commit, then take the center."""
+        """Commit what is left, wait for every rank's last commit, then take the center.
+
+        Every rule, the elastic ones included, commits the steps since its last exchange: the
+        center is what every rank ends on, so work that never reached it would be lost (at world
+        size 1 a run shorter than ``period`` would end on its initial weights)."""
         if self.center is None:
             return
         self.training = False
-        if self.kind not in ("aeasgd", "eamsgd") and self.steps % self.rule.period:
+        if self.steps % self.rule.period:
             self.commit()
-        self.center.barrier()
+        self.transport.barrier()  # every rank's last commit has landed (with the collective timeout)
         self.center.read(self.scratch)
         self.flat.push(self.scratch)
         self.ref.copy_(self.scratch)
@@ -356,9 +429,13 @@ class BoundServerRule(BoundRule):
         """Collective (the strategy calls it on every rank): the whole center (read one-sidedly,
         unpadded, so any world size can re-shard it), the server clock, and every rank's own steps,
         commits and EAMSGD momentum under ``"ranks"``; the top-level ``steps``/``commits``/``momentum``
-        are this rank's."""
+        are this rank's.
+
+        The center is read after a barrier: every rank is inside this call, so no commit is in
+        flight and every commit so far is in the snapshot whole (the same snapshot on every rank)."""
         if self.center is not None:
-            center = self.center.read(torch.empty_like(self.ref))  # one-sided: no collective
+            self.transport.barrier()
+            center = self.center.read(torch.empty_like(self.ref))
             clock = int(self.clock.read()[0])  # type: ignore[union-attr]
         elif self._pending is not None:
             center, clock = self._padded(self._pending["center"]), int(self._pending["clock"])
@@ -387,24 +464,35 @@ class BoundServerRule(BoundRule):
 
     # -- stats -------------------------------------------------------------------------------------
     def _reset_window_stats(self) -> None:
-        self._staleness: list[int] = []
+        # running aggregates, not a list: stats() may never be called (no logger), and a list
+        # would then grow by one entry per commit for the whole run
+        self._stale_sum = 0
+        self._stale_max = 0
         self._commits_window = 0
         self._t0 = time.perf_counter()
         if getattr(self, "center", None) is not None:
             self.center.bytes_sent = 0
             self.center.wait_seconds = 0.0
 
+    def _record_staleness(self, stale: int) -> None:
+        self._stale_sum += stale
+        self._stale_max = max(self._stale_max, stale)
+        self._commits_window += 1
+
     def stats(self) -> dict[str, float]:
-        """Since the previous call: staleness mean/max, commits/s, bytes sent, seconds in RMA."""
+        """Since the previous call: staleness mean/max, commits/s, bytes sent, seconds in RMA; and
+        the run's totals of commits, skipped (non-finite) local steps and dropped commits."""
         elapsed = max(time.perf_counter() - self._t0, 1e-9)
-        s = self._staleness
+        n = self._commits_window
         out = {
-            "staleness_mean": float(sum(s) / len(s)) if s else 0.0,
-            "staleness_max": float(max(s)) if s else 0.0,
-            "commits_per_s": self._commits_window / elapsed,
+            "staleness_mean": float(self._stale_sum / n) if n else 0.0,
+            "staleness_max": float(self._stale_max),
+            "commits_per_s": n / elapsed,
             "bytes_sent": float(self.center.bytes_sent) if self.center is not None else 0.0,
             "wait_seconds": float(self.center.wait_seconds) if self.center is not None else 0.0,
             "commits": float(self.commits),
+            "skipped_steps": float(self.guard.skipped_steps),
+            "skipped_commits": float(self.skipped_commits),
         }
         self._reset_window_stats()
         return out

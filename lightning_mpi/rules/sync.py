@@ -214,11 +214,32 @@ class BucketExchanger:
             self.driver.pause()
         self.seconds += time.perf_counter() - begin
 
+    def release(self, buckets: Sequence[Bucket]) -> None:
+        """Free the communicators :meth:`prepare` made for ``buckets`` (collective, like prepare)."""
+        for bucket in buckets:
+            slot = self._slots.pop(id(bucket), None)
+            if slot is None:
+                continue
+            local, _, teams = slot
+            for team in ([local] if local is not None else []) + teams:
+                team.free()
+        self._workspaces.clear()  # rebuilt on demand; keyed by segment addresses that may be reused
+
     def close(self) -> None:
+        """Finish what is in flight, stop the progress thread, free every communicator made here."""
         self.finish()
         if self.driver is not None:
             self.driver.close()
             self.driver = None
+        for local, _, teams in self._slots.values():
+            for team in ([local] if local is not None else []) + teams:
+                team.free()
+        self._slots.clear()
+        self._workspaces.clear()
+        for team in (self.local, self.leaders):
+            if team is not None:
+                team.free()
+        self.local = self.leaders = None
 
     def __call__(self, bucket: Bucket) -> None:
         """Blocking exchange of one bucket."""
@@ -331,7 +352,7 @@ class BoundSyncRule(BoundRule):
         if not finite:
             self.skipped_steps += 1
             warnings.warn(
-                f"lightning_mpi: non-finite gradients after the exchange (wire={self.rule.wire}); "
+                f"lightning_mpi: non-finite gradients after the exchange (wire={getattr(self.rule, 'codec', self.rule.wire)}); "
                 f"skipping this optimizer step on every rank ({self.skipped_steps} skipped so far).",
                 RuntimeWarning,
                 stacklevel=2,
@@ -370,6 +391,7 @@ class BoundSyncRule(BoundRule):
                     tensors.append(value)
         key = tuple(id(t) for t in tensors)
         if key != self._state_key:
+            self.exchanger.release(self._state_buckets)  # every rank is here at the same step
             self._state_buckets = make_buckets(tensors, self.exchanger.pad_multiple, int(self.rule.bucket_mb * 2**20))
             self._state_key = key
             self.exchanger.prepare(self._state_buckets)  # every rank is here at the same step
