@@ -145,7 +145,13 @@ class BucketExchanger:
             # steps (send, then reduce), while several segment-sized ones keep the link busy and
             # reduce one segment while the next travels (2 hosts at 1 Gbit/s, 71 MB in 25 MB
             # buckets: 802 ms from the first start to the last finish instead of 1,039 ms).
-            parts = segments(bucket.flat, self.pad_multiple, self.segment_numel)
+            # Topology-aware buckets go in one piece: the leaders' result is scaled and broadcast
+            # within the node as soon as their exchange returns, which must be the whole bucket,
+            # not its first segment while later ones are still on the wire.
+            if self.local is None:
+                parts = segments(bucket.flat, self.pad_multiple, self.segment_numel)
+            else:
+                parts = [bucket.flat]
             teams = [team] + [team.dup() for _ in parts[1:]] if team is not None else []
             self._slots[id(bucket)] = (local, parts, teams)
 
@@ -340,9 +346,11 @@ class BoundSyncRule(BoundRule):
             self.exchanger.finish()
             self._reset_overlap()
             finite = all_finite([b.flat for b in buckets])
-            if finite:
-                for bucket in buckets:
-                    bucket.unpack_grads()
+            # Unpacked even when non-finite: a GradScaler (16-mixed) decides from .grad whether to
+            # skip the step, and it must see the averaged values, which are the same on every
+            # rank; this rank's own finite gradients would let it step while the others skip.
+            for bucket in buckets:
+                bucket.unpack_grads()
         else:
             # Local steps: skip together if any rank's own gradient is non-finite, so that the
             # weights averaged afterwards never carry inf/NaN from one rank into all.

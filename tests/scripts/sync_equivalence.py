@@ -132,8 +132,8 @@ results["no_overlap"] = run(None, {"exchange": "asa", "overlap": False})
 # Tiny buckets and segments: several buckets launched from hooks, several pipelined segments each.
 results["asa16_pipelined"] = run(None, {"exchange": "asa", "wire": "fp16", "bucket_mb": 0.0004, "segment_mb": 0.0001})
 os.environ["LIGHTNING_MPI_RANKS_PER_NODE"] = "2"  # pretend nodes of 2 ranks on this one machine
-results["topology_asa16"] = run(None, {"exchange": "asa", "wire": "fp16", "topology_aware": True, "bucket_mb": 0.0004})
-results["topology_allreduce"] = run(None, {"exchange": "allreduce", "topology_aware": True})
+results["topology_asa16"] = run(None, {"exchange": "asa", "wire": "fp16", "topology_aware": True, "bucket_mb": 0.0004, "segment_mb": 0.0001})
+results["topology_allreduce"] = run(None, {"exchange": "allreduce", "topology_aware": True, "segment_mb": 0.0001})
 if RANK == 0:
     with open(sys.argv[1], "w") as f:
         json.dump(results, f)
