@@ -13,7 +13,7 @@ MPICH advances a non-blocking collective only while the process is inside an MPI
 """
 from __future__ import annotations
 
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from typing import Any
 
 import torch
@@ -54,13 +54,19 @@ class Progress:
             else:
                 self._active.append((exchange, request))
 
-    def wait_all(self) -> None:
-        """Block until every exchange has finished, oldest first (waiting progresses all of them)."""
+    def wait_all(self, between: Callable[[], None] | None = None) -> None:
+        """Block until every exchange has finished, oldest first (waiting progresses all of them).
+
+        ``between()``, when given, runs after each completed wait: work on results that are
+        already in (unpacking a finished bucket) then overlaps the transfers still in flight.
+        """
         while self._active:
             exchange, request = self._active.pop(0)
             wait_request(request, self.timeout, "gradient exchange", *self._where)
             self._advance(exchange)
             self.poll()
+            if between is not None:
+                between()
 
     def __len__(self) -> int:
         return len(self._active)

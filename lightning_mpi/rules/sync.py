@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -178,33 +178,45 @@ class BucketExchanger:
             self._workspaces[key] = work
         return asa_mean_steps(team, segment, self.codec, work)
 
-    def _team_steps(self, key: int) -> Exchange:
+    def _team_steps(self, key: int, on_done: Callable[[], None] | None = None) -> Exchange:
         _, parts, teams = self._slots[key]
         # Later segments run as exchanges of their own, on their own communicators, so that
-        # segment k+1 is cast and sent while segment k is on the wire or being summed.
-        for team, segment in zip(teams[1:], parts[1:]):
-            self.progress.start(self._segment_steps(team, segment))
-        yield from self._segment_steps(teams[0], parts[0])
+        # segment k+1 is cast and sent while segment k is on the wire or being summed. Whichever
+        # segment finishes last calls ``on_done``.
+        pending = [len(parts)]
 
-    def _steps(self, bucket: Bucket) -> Exchange:
+        def counted(steps: Exchange) -> Exchange:
+            yield from steps
+            pending[0] -= 1
+            if pending[0] == 0 and on_done is not None:
+                on_done()
+
+        for team, segment in zip(teams[1:], parts[1:]):
+            self.progress.start(counted(self._segment_steps(team, segment)))
+        yield from counted(self._segment_steps(teams[0], parts[0]))
+
+    def _steps(self, bucket: Bucket, on_done: Callable[[Bucket], None] | None) -> Exchange:
         local, _, teams = self._slots[id(bucket)]
         if local is not None:
             leaders = teams[0] if teams else None
 
             def leader_exchange(_team: Transport, _flat: Tensor) -> Exchange:
-                return self._team_steps(id(bucket))
+                return self._team_steps(id(bucket))  # one part: see prepare
 
             yield from hierarchical_mean_steps(local, leaders, bucket.flat, self.transport.size, leader_exchange)
+            if on_done is not None:
+                on_done(bucket)
         else:
-            yield from self._team_steps(id(bucket))
+            yield from self._team_steps(id(bucket), (lambda: on_done(bucket)) if on_done is not None else None)
 
-    def start(self, bucket: Bucket) -> None:
+    def start(self, bucket: Bucket, on_done: Callable[[Bucket], None] | None = None) -> None:
+        """Launch ``bucket``'s exchange; ``on_done(bucket)`` runs once all of it has arrived."""
         if self.transport.size == 1:
             return
         begin = time.perf_counter()
         if self.driver is not None:
             self.driver.start()
-        self.progress.start(self._steps(bucket))
+        self.progress.start(self._steps(bucket, on_done))
         self.wire_bytes += self.wire_bytes_for(bucket)
         self.seconds += time.perf_counter() - begin
 
@@ -213,9 +225,10 @@ class BucketExchanger:
         self.progress.poll()
         self.seconds += time.perf_counter() - begin
 
-    def finish(self) -> None:
+    def finish(self, between: Callable[[], None] | None = None) -> None:
+        """Wait for everything in flight; ``between()`` runs after each completed wait."""
         begin = time.perf_counter()
-        self.progress.wait_all()
+        self.progress.wait_all(between)
         if self.driver is not None:
             self.driver.pause()
         self.seconds += time.perf_counter() - begin
@@ -283,6 +296,7 @@ class BoundSyncRule(BoundRule):
         self._ready = [0] * len(self.buckets)
         self._launched = [False] * len(self.buckets)
         self._replayed = False  # a gradient arrived after its bucket left: redo blocking
+        self._arrived: list[Bucket] = []  # exchanged buckets not yet unpacked, in arrival order
         self._hooks = []
         if rule.overlap and rule.average == "gradients" and transport.size > 1:
             self._attach_hooks()
@@ -306,7 +320,7 @@ class BoundSyncRule(BoundRule):
                 bucket.pack_grads()
                 self._launched[index] = True
                 self.hook_launches += 1
-                self.exchanger.start(bucket)
+                self.exchanger.start(bucket, self._arrived.append)
             elif self._ready[index] > len(bucket.tensors):
                 self._replayed = True  # a second backward before the step
             self.exchanger.poll()  # MPICH moves data only inside MPI calls
@@ -317,6 +331,7 @@ class BoundSyncRule(BoundRule):
         self._ready = [0] * len(self.buckets)
         self._launched = [False] * len(self.buckets)
         self._replayed = False
+        self._arrived.clear()
 
     # -- gradients -----------------------------------------------------------------------------
     def _snapshot_stats(self) -> None:
@@ -338,19 +353,32 @@ class BoundSyncRule(BoundRule):
             if self._replayed:
                 self.exchanger.finish()  # drop what left early: gradients changed since
                 self._launched = [False] * len(self.buckets)
+                self._arrived.clear()
             for bucket in buckets:
                 # Buckets the hooks did not launch: overlap off, or a member got no gradient.
                 if not self._launched[bucket.index]:
                     bucket.pack_grads()
-                    self.exchanger.start(bucket)
-            self.exchanger.finish()
-            self._reset_overlap()
-            finite = all_finite([b.flat for b in buckets])
+                    self.exchanger.start(bucket, self._arrived.append)
+            # Buckets are unpacked (and checked) as they arrive, while later ones are still on
+            # the wire. Not earlier: during backward a second backward could still add to .grad.
             # Unpacked even when non-finite: a GradScaler (16-mixed) decides from .grad whether to
             # skip the step, and it must see the averaged values, which are the same on every
             # rank; this rank's own finite gradients would let it step while the others skip.
-            for bucket in buckets:
-                bucket.unpack_grads()
+            wanted = {bucket.index for bucket in buckets}
+            finite_by_bucket: dict[int, bool] = {}
+
+            def unpack_arrived() -> None:
+                while self._arrived:
+                    bucket = self._arrived.pop(0)
+                    if bucket.index in wanted:
+                        bucket.unpack_grads()
+                        finite_by_bucket[bucket.index] = all_finite([bucket.flat])
+
+            unpack_arrived()
+            self.exchanger.finish(unpack_arrived)
+            unpack_arrived()
+            self._reset_overlap()
+            finite = all(finite_by_bucket.get(index, False) for index in wanted)
         else:
             # Local steps: skip together if any rank's own gradient is non-finite, so that the
             # weights averaged afterwards never carry inf/NaN from one rank into all.
