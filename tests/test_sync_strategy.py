@@ -92,6 +92,10 @@ def test_logging_metrics_collectives_and_overflow_skip(world, tmp_path):
         assert r["skipped"] == 1
         assert r["weights_finite"] is True
     assert per_rank[0]["skip_warnings"] == 1
+    for r in per_rank:  # one rank's inf reaches every rank's .grad (what a GradScaler inspects)
+        assert r["inf_on_rank0"]["accepted"] is False
+        assert r["inf_on_rank0"]["grad_finite"] is False
+        assert r["inf_on_rank0"]["grad0"] == pytest.approx((world + 1) / 2)
 
 
 def test_registered_names_map_to_sync_strategy():

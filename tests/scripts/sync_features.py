@@ -79,6 +79,25 @@ result = {
     "weights_finite": bool(torch.isfinite(model.net.weight).all()),
     "global_step": trainer.global_step,
 }
+
+# Rule level: rank 0 alone has an inf gradient. Every rank must reject the step and see the
+# averaged (non-finite) values in .grad, as a GradScaler would inspect them.
+from lightning_mpi.comm.transport import Transport  # noqa: E402
+from lightning_mpi.rules.sync import SyncRule  # noqa: E402
+
+param = nn.Parameter(torch.zeros(10))
+bound = SyncRule(exchange="asa", overlap=False).bind(Transport(COMM.Dup()), [param])
+param.grad = torch.full((10,), float(RANK + 1))
+if RANK == 0:
+    param.grad[3] = float("inf")
+accepted = bound.before_step(torch.optim.SGD([param], lr=0.1))
+result["inf_on_rank0"] = {
+    "accepted": accepted,
+    "grad_finite": bool(torch.isfinite(param.grad).all()),
+    "grad0": float(param.grad[0]),
+}
+bound.close()
+
 strategy.barrier()
 all_results = COMM.gather(result)
 if RANK == 0:
