@@ -235,14 +235,19 @@ class BucketExchanger:
 
     def release(self, buckets: Sequence[Bucket]) -> None:
         """Free the communicators :meth:`prepare` made for ``buckets`` (collective, like prepare)."""
-        for bucket in buckets:
-            slot = self._slots.pop(id(bucket), None)
+        self._free_slots([id(bucket) for bucket in buckets])
+
+    def _free_slots(self, keys: Sequence[int]) -> None:
+        """Free the slots' communicators and drop their segments' workspaces."""
+        for key in keys:
+            slot = self._slots.pop(key, None)
             if slot is None:
                 continue
-            local, _, teams = slot
+            local, parts, teams = slot
             for team in ([local] if local is not None else []) + teams:
                 team.free()
-        self._workspaces.clear()  # rebuilt on demand; keyed by segment addresses that may be reused
+            for part in parts:  # keyed by address, which a later bucket may reuse
+                self._workspaces.pop((part.data_ptr(), part.numel()), None)
 
     def close(self) -> None:
         """Finish what is in flight, stop the progress thread, free every communicator made here."""
@@ -250,11 +255,7 @@ class BucketExchanger:
         if self.driver is not None:
             self.driver.close()
             self.driver = None
-        for local, _, teams in self._slots.values():
-            for team in ([local] if local is not None else []) + teams:
-                team.free()
-        self._slots.clear()
-        self._workspaces.clear()
+        self._free_slots(list(self._slots))
         for team in (self.local, self.leaders):
             if team is not None:
                 team.free()
