@@ -21,6 +21,7 @@ import hashlib
 import logging
 import os
 import sys
+import time
 import traceback
 import warnings
 from collections.abc import Callable, Generator
@@ -45,6 +46,9 @@ from lightning_mpi.rules.base import BoundRule, Rule
 from lightning_mpi.rules.sync import SyncRule
 
 log = logging.getLogger(__name__)
+
+#: Pause between printing a failing rank's traceback and ``MPI_Abort`` (see ``on_exception``).
+ABORT_FLUSH_SECONDS = 0.5
 
 
 class _SkipStep(Exception):
@@ -441,6 +445,10 @@ class MPIStrategy(ParallelStrategy):
         )
         sys.stderr.flush()
         sys.stdout.flush()
+        # mpiexec forwards each rank's output through its proxies asynchronously; Abort makes it
+        # kill every proxy at once, which can drop lines still in flight (a CI run lost this very
+        # traceback). A short pause on a path that is ending the job anyway lets them through.
+        time.sleep(ABORT_FLUSH_SECONDS)
         from mpi4py import MPI
 
         MPI.COMM_WORLD.Abort(1)

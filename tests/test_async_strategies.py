@@ -33,7 +33,10 @@ RESUMED = ["mpi_downpour", "mpi_eamsgd", "mpi_gosgd"]
 #: the synchronous rules are deterministic here, the asynchronous ones depend on thread timing
 #: under load, so the test leaves them more room. A broken rule (lost commits, no pull) stays
 #: far below.
-GAP = {**{n: 0.04 for n in SYNC_RULES}, **{n: 0.08 for n in ASYNC_RULES}}
+#: GoSGD gets the most: with p = 0.1 each rank pushes ~12 times in these 120 steps, so which peers
+#: mix when is chance; five W = 3 runs on a quiet machine gave 0.862-0.916 and a CI run 0.824
+#: (single 0.913). Its pushes and merges are checked by count below, not through accuracy.
+GAP = {**{n: 0.04 for n in SYNC_RULES}, **{n: 0.08 for n in ASYNC_RULES}, "mpi_gosgd": 0.12}
 
 
 def _train(world, names, tmp_path, scenario="accuracy", timeout=280, env=None):
@@ -100,6 +103,10 @@ def test_every_rule_trains_digits(world, single, world2, world3):
         rule = name.removeprefix("mpi_")
         for stat in ("staleness_mean", "staleness_max", "commits_per_s", "bytes_sent", "wait_seconds"):
             assert f"mpi/{rule}/{stat}" in keys, (name, stat)
+    gossip = results["mpi_gosgd"]["gossip"]
+    # ~0.1 x 120 steps x W pushes expected; every one of them merged by its receiver before fit ends
+    assert sum(gossip["pushes"]) >= 3 * world, gossip
+    assert sum(gossip["pushes"]) == sum(gossip["received"]), gossip
 
 
 @pytest.mark.mpi

@@ -204,8 +204,10 @@ def run(name, scenario, train, test):
            "warnings": [str(w.message) for w in caught if "lightning_mpi" in str(w.message)]}
     if scenario == "resume":
         out["seen"] = COMM.allgather(capture.seen)
+    bound = getattr(trainer.strategy, "bound_rule", None)
+    if hasattr(bound, "received"):  # gossip: every push sent must have been merged by its peer
+        out["gossip"] = {"pushes": COMM.allgather(bound.pushes), "received": COMM.allgather(bound.received)}
     if scenario == "stop":
-        bound = trainer.strategy.bound_rule
         out["rule_state_keys"] = sorted(bound.state_dict()) if bound is not None else []
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     with torch.no_grad():
