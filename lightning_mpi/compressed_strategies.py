@@ -25,6 +25,7 @@ class CompressedSyncStrategy(MPIStrategy):
         ratio_warmup_steps: steps over which the top-k ratio falls geometrically from 1 to
             ``ratio`` (0 = none).
         bucket_mb: exchange bucket size in MiB (> 0).
+        first_bucket_mb: size of the first bucket in MiB (> 0).
         overlap: start each bucket's exchange from the gradient hooks during backward.
         segment_mb: each bucket is exchanged as a pipeline of segments of this size (MiB).
         **kwargs: the options every strategy takes (see :class:`~lightning_mpi.strategy.MPIStrategy`):
@@ -44,6 +45,7 @@ class CompressedSyncStrategy(MPIStrategy):
         bucket_mb: float = 25.0,
         overlap: bool = True,
         segment_mb: float = 4.0,
+        first_bucket_mb: float = 1.0,
         **kwargs: Any,
     ) -> None:
         rule = CompressedSyncRule(
@@ -56,5 +58,6 @@ class CompressedSyncStrategy(MPIStrategy):
             bucket_mb=bucket_mb,
             overlap=overlap,
             segment_mb=segment_mb,
+            first_bucket_mb=first_bucket_mb,
         )
         super().__init__(rule=rule, **kwargs)

@@ -547,6 +547,8 @@ class SyncStrategy(MPIStrategy):
             (Theano-MPI's AWAGD: local step, then average weights) or ``"weights+momentum"``
             (also average the optimizer's momentum/moment buffers).
         bucket_mb: exchange bucket size in MiB (> 0).
+        first_bucket_mb: size of the first bucket in MiB (> 0): small, so that the exchange
+            starts after the last layer or two of backward.
         overlap: start each bucket's exchange from the gradient hooks as soon as its gradients
             are ready, so it runs behind the rest of backward.
         segment_mb: each bucket is exchanged as a pipeline of segments of this size (MiB): the
@@ -567,6 +569,7 @@ class SyncStrategy(MPIStrategy):
         overlap: bool = True,
         segment_mb: float = 4.0,
         topology_aware: bool = False,
+        first_bucket_mb: float = 1.0,
         **kwargs: Any,
     ) -> None:
         rule = SyncRule(
@@ -577,5 +580,6 @@ class SyncStrategy(MPIStrategy):
             overlap=overlap,
             segment_mb=segment_mb,
             topology_aware=topology_aware,
+            first_bucket_mb=first_bucket_mb,
         )
         super().__init__(rule=rule, **kwargs)

@@ -29,6 +29,22 @@ def test_buckets_pad_to_world_size_for_any_shapes(world):
     assert all(torch.equal(t, t0 * 2) for t, t0 in zip(tensors, [t.clone() / 2 for t in tensors]))
 
 
+def test_buckets_end_on_whole_layers_and_the_first_is_small():
+    # Three Linear-like layers registered weight, bias: backward makes each layer's two gradients
+    # at once, last layer first. A bucket must never end on the next layer's bias (it would wait
+    # for that layer's backward), and the first bucket holds the last layer only.
+    layers = [(torch.zeros(1000), torch.zeros(10)) for _ in range(3)]  # 4,000 B + 40 B each
+    tensors = [t for layer in layers for t in layer]
+    buckets = make_buckets(tensors, 2, bucket_bytes=6000, first_bucket_bytes=100)
+    names = {id(t): f"{kind}{i}" for i, layer in enumerate(layers) for kind, t in zip("wb", layer)}
+    assert [[names[id(t)] for t in b.tensors] for b in buckets] == [["b2", "w2"], ["b1", "w1", "b0", "w0"]]
+    # without a first-bucket size every bucket uses bucket_bytes, still closing on whole layers
+    buckets = make_buckets(tensors, 2, bucket_bytes=4040)
+    assert [[names[id(t)] for t in b.tensors] for b in buckets] == [["b2", "w2"], ["b1", "w1"], ["b0", "w0"]]
+    with pytest.raises(ValueError, match=r"first_bucket_bytes=0 must be >= 1 or None"):
+        make_buckets(tensors, 2, bucket_bytes=10, first_bucket_bytes=0)
+
+
 def test_bucket_grads_missing_grad_packs_zeros_and_unpacks_a_new_grad():
     a, b = torch.randn(4, requires_grad=True), torch.randn(3, requires_grad=True)
     a.grad = torch.ones(4)

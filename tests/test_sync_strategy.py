@@ -115,6 +115,7 @@ def test_registered_names_map_to_sync_strategy():
         ({"average": "params"}, r"average='params' is not allowed"),
         ({"bucket_mb": 0}, r"bucket_mb=0 is out of range: it must be in \(0, inf\)"),
         ({"bucket_mb": -1.5}, r"bucket_mb=-1.5 is out of range"),
+        ({"first_bucket_mb": 0}, r"first_bucket_mb=0 is out of range: it must be in \(0, inf\)"),
         ({"exchange": "allreduce", "wire": "fp16"}, r"wire='fp16' needs exchange='asa'"),
     ],
 )

@@ -81,8 +81,18 @@ def make_buckets(
     world_size: int,
     bucket_bytes: int | None = None,
     reverse: bool = True,
+    first_bucket_bytes: int | None = None,
 ) -> list[Bucket]:
-    """Group ``tensors`` into padded buckets of at most ``bucket_bytes`` (one tensor may exceed it).
+    """Group ``tensors`` into padded buckets of about ``bucket_bytes`` each.
+
+    A bucket is closed as soon as it holds ``bucket_bytes`` or more (the first one of each group:
+    ``first_bucket_bytes``, when given), so it may exceed the cap by its last tensor. That is
+    DDP's rule, and it matters for overlap: in reverse registration order a layer's bias comes
+    right before its weight and both gradients are ready at the same moment. Closing a bucket
+    *before* a tensor that would overflow it leaves the next layer's bias at its end, and the
+    bucket then waits for that layer's backward; closing it once full ends it on a whole layer.
+    A small first bucket starts the exchange after the last layer or two instead of a third of
+    the way through backward.
 
     Tensors are grouped by device and exchange dtype, so a model spread over mixed devices gets
     one bucket list per device. ``reverse=True`` fills buckets from the last tensor to the first:
@@ -91,22 +101,25 @@ def make_buckets(
     """
     if world_size < 1:
         raise ValueError(f"world_size={world_size!r} must be >= 1")
-    if bucket_bytes is not None and bucket_bytes < 1:
-        raise ValueError(f"bucket_bytes={bucket_bytes!r} must be >= 1 or None")
+    for name, value in (("bucket_bytes", bucket_bytes), ("first_bucket_bytes", first_bucket_bytes)):
+        if value is not None and value < 1:
+            raise ValueError(f"{name}={value!r} must be >= 1 or None")
     ordered = list(tensors)
     if reverse:
         ordered.reverse()
     groups: dict[tuple[torch.device, torch.dtype], list[list[Tensor]]] = {}
+    open_bytes: dict[tuple[torch.device, torch.dtype], int] = {}  # bytes in the group's open bucket
     for tensor in ordered:
         key = (tensor.device, buffer_dtype(tensor.dtype))
-        runs = groups.setdefault(key, [[]])
-        current = runs[-1]
-        element_size = torch.empty((), dtype=key[1]).element_size()
-        current_bytes = sum(t.numel() for t in current) * element_size
-        if current and bucket_bytes is not None and current_bytes + tensor.numel() * element_size > bucket_bytes:
-            runs.append([tensor])
-        else:
-            current.append(tensor)
+        runs = groups.setdefault(key, [])
+        if key not in open_bytes:  # the last bucket is full (or there is none yet): open one
+            runs.append([])
+            open_bytes[key] = 0
+        runs[-1].append(tensor)
+        open_bytes[key] += tensor.numel() * torch.empty((), dtype=key[1]).element_size()
+        cap = first_bucket_bytes if len(runs) == 1 and first_bucket_bytes is not None else bucket_bytes
+        if cap is not None and open_bytes[key] >= cap:
+            del open_bytes[key]
     buckets: list[Bucket] = []
     for (device, dtype), runs in groups.items():
         for members in runs:

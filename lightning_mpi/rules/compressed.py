@@ -54,7 +54,7 @@ class CompressedSyncRule(SyncRule):
         momentum: the momentum used by ``momentum_correction``, in [0, 1).
         ratio_warmup_steps: steps over which the top-k ratio falls geometrically from 1 to
             ``ratio`` (0: no warm-up), >= 0.
-        bucket_mb, overlap, segment_mb: as for :class:`~lightning_mpi.rules.sync.SyncRule`.
+        bucket_mb, overlap, segment_mb, first_bucket_mb: as for :class:`~lightning_mpi.rules.sync.SyncRule`.
     """
 
     name = "compressed"
@@ -70,6 +70,7 @@ class CompressedSyncRule(SyncRule):
         bucket_mb: float = 25.0,
         overlap: bool = True,
         segment_mb: float = 4.0,
+        first_bucket_mb: float = 1.0,
     ) -> None:
         check_choice("codec", codec, CODEC_NAMES)
         ratio = check_ratio(ratio, "ratio")
@@ -80,7 +81,8 @@ class CompressedSyncRule(SyncRule):
             raise ValueError(
                 f"momentum_correction=True needs codec='topk' (DGC corrects momentum for sparsified exchange); got codec={codec!r}"
             )
-        super().__init__(exchange="asa", wire="fp32", average="gradients", bucket_mb=bucket_mb, overlap=overlap, segment_mb=segment_mb)
+        super().__init__(exchange="asa", wire="fp32", average="gradients", bucket_mb=bucket_mb, overlap=overlap, segment_mb=segment_mb,
+                         first_bucket_mb=first_bucket_mb)
         self.codec = codec
         self.ratio = ratio
         self.error_feedback = bool(error_feedback)

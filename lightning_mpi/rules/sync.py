@@ -51,8 +51,12 @@ class SyncRule(Rule):
         wire: ``"fp32"``, ``"fp16"`` or ``"bf16"``: the format on the wire. 16-bit formats need
             ``exchange="asa"``, which sums in fp32 after the wire.
         average: ``"gradients"``, ``"weights"`` or ``"weights+momentum"`` (see module docstring).
-        bucket_mb: size of one exchange bucket in MiB, > 0. Smaller buckets start exchanging
+        bucket_mb: size of one exchange bucket in MiB, > 0 (a bucket is closed once it holds
+            this much, so it may exceed it by one tensor). Smaller buckets start exchanging
             earlier in backward; larger ones pay less per-message latency.
+        first_bucket_mb: size of the first bucket (the last layers' gradients), > 0; at most
+            ``bucket_mb`` is used. Small, as in DDP, so that the link gets busy after the last
+            layer or two of backward.
         overlap: start a bucket's exchange from the gradient hooks as soon as all its gradients
             are ready, so it runs behind the rest of backward (``average="gradients"`` only).
         segment_mb: each bucket is exchanged as a pipeline of segments of this many MiB: segment
@@ -75,12 +79,14 @@ class SyncRule(Rule):
         segment_mb: float = 4.0,
         topology_aware: bool = False,
         progress_thread: bool = True,
+        first_bucket_mb: float = 1.0,
     ) -> None:
         check_choice("exchange", exchange, EXCHANGES)
         check_choice("wire", wire, WIRES)
         check_choice("average", average, AVERAGES)
         check_range("bucket_mb", bucket_mb, 0, float("inf"), low_open=True, high_open=True)
         check_range("segment_mb", segment_mb, 0, float("inf"), low_open=True, high_open=True)
+        check_range("first_bucket_mb", first_bucket_mb, 0, float("inf"), low_open=True, high_open=True)
         if wire != "fp32" and exchange != "asa":
             raise ValueError(
                 f"wire={wire!r} needs exchange='asa' (ASA sums 16-bit chunks in fp32); got exchange={exchange!r}"
@@ -89,6 +95,7 @@ class SyncRule(Rule):
         self.wire = wire
         self.average = average
         self.bucket_mb = float(bucket_mb)
+        self.first_bucket_mb = float(first_bucket_mb)
         self.overlap = bool(overlap)
         self.segment_mb = float(segment_mb)
         self.topology_aware = bool(topology_aware)
@@ -281,9 +288,13 @@ class BoundSyncRule(BoundRule):
     def __init__(self, rule: SyncRule, transport: Transport, params: Sequence[Tensor]) -> None:
         super().__init__(transport, params)
         self.rule = rule
-        bucket_bytes = int(rule.bucket_mb * 2**20)
         self.exchanger = self.make_exchanger(transport, rule)
-        self.buckets = make_buckets(self.params, self.exchanger.pad_multiple, bucket_bytes)
+        self.buckets = make_buckets(
+            self.params,
+            self.exchanger.pad_multiple,
+            bucket_bytes=max(1, int(rule.bucket_mb * 2**20)),
+            first_bucket_bytes=max(1, int(min(rule.first_bucket_mb, rule.bucket_mb) * 2**20)),
+        )
         if transport.size > 1:
             self.exchanger.prepare(self.buckets)
         self.skipped_steps = 0

@@ -130,7 +130,7 @@ results["weights+momentum"] = run(None, {"exchange": "allreduce", "average": "we
 results["accumulate2"] = run("mpi_allreduce", accumulate=2)
 results["no_overlap"] = run(None, {"exchange": "asa", "overlap": False})
 # Tiny buckets and segments: several buckets launched from hooks, several pipelined segments each.
-results["asa16_pipelined"] = run(None, {"exchange": "asa", "wire": "fp16", "bucket_mb": 0.0004, "segment_mb": 0.0001})
+results["asa16_pipelined"] = run(None, {"exchange": "asa", "wire": "fp16", "bucket_mb": 0.00015, "segment_mb": 0.0001})
 os.environ["LIGHTNING_MPI_RANKS_PER_NODE"] = "2"  # pretend nodes of 2 ranks on this one machine
 results["topology_asa16"] = run(None, {"exchange": "asa", "wire": "fp16", "topology_aware": True, "bucket_mb": 0.0004, "segment_mb": 0.0001})
 results["topology_allreduce"] = run(None, {"exchange": "allreduce", "topology_aware": True, "segment_mb": 0.0001})
