@@ -34,20 +34,11 @@ RESULTS = ROOT / "benchmarks" / "results"
 STRATEGIES = ["ddp", "mpi_allreduce", "mpi_asa", "mpi_asa16", "mpi_asa_bf16"]
 
 
-def worker(strategy: str, steps: int, batch: int, out: str) -> None:
-    import warnings
-
-    warnings.filterwarnings("ignore")
+def build_net():
+    """The benchmark model: an MLP of 17,856,522 parameters, SGD (lr 1e-3)."""
     import pytorch_lightning as pl
     import torch
-    from mpi4py import MPI
     from torch import nn
-    from torch.utils.data import DataLoader, TensorDataset
-
-    import lightning_mpi
-
-    torch.set_num_threads(1)
-    world = MPI.COMM_WORLD.Get_size()
 
     class Net(pl.LightningModule):
         def __init__(self) -> None:
@@ -60,6 +51,34 @@ def worker(strategy: str, steps: int, batch: int, out: str) -> None:
 
         def configure_optimizers(self):
             return torch.optim.SGD(self.parameters(), lr=1e-3)
+
+    return Net()
+
+
+def ddp_kwargs() -> dict:
+    """Trainer arguments for Lightning's ddp under mpiexec: it needs the layout by hand."""
+    import socket
+
+    from mpi4py import MPI
+
+    hosts = MPI.COMM_WORLD.allgather(socket.gethostname())
+    per_host = hosts.count(socket.gethostname())
+    return {"strategy": "ddp", "devices": per_host, "num_nodes": len(hosts) // per_host}
+
+
+def worker(strategy: str, steps: int, batch: int, out: str) -> None:
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    import pytorch_lightning as pl
+    import torch
+    from mpi4py import MPI
+    from torch.utils.data import DataLoader, TensorDataset
+
+    import lightning_mpi
+
+    torch.set_num_threads(1)
+    world = MPI.COMM_WORLD.Get_size()
 
     class Clock(pl.Callback):
         def __init__(self) -> None:
@@ -76,12 +95,7 @@ def worker(strategy: str, steps: int, batch: int, out: str) -> None:
                 self.exchange.append(bound.stats().get("exchange_seconds", 0.0))
 
     if strategy == "ddp":
-        # Lightning's ddp under mpiexec needs the layout by hand: ranks per host and hosts.
-        import socket
-
-        hosts = MPI.COMM_WORLD.allgather(socket.gethostname())
-        per_host = hosts.count(socket.gethostname())
-        kwargs = {"strategy": "ddp", "devices": per_host, "num_nodes": world // per_host}
+        kwargs = ddp_kwargs()
     elif strategy == "compute":
         from lightning_mpi.rules.base import BoundRule, Rule
 
@@ -104,7 +118,7 @@ def worker(strategy: str, steps: int, batch: int, out: str) -> None:
     clock = Clock()
     trainer = pl.Trainer(accelerator="cpu", max_epochs=1, logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False, callbacks=[clock], **kwargs)
-    trainer.fit(Net(), DataLoader(data, batch_size=batch))
+    trainer.fit(build_net(), DataLoader(data, batch_size=batch))
     warm = max(2, steps // 5)
     step = statistics.median(clock.times[warm:])
     exch = statistics.median(clock.exchange[warm:]) if clock.exchange else 0.0
@@ -113,9 +127,10 @@ def worker(strategy: str, steps: int, batch: int, out: str) -> None:
         Path(out).write_text(json.dumps({"step": step, "exchange": exch, "world": world, "batch": batch, "params": params}))
 
 
-def run(setting: str, strategy: str, steps: int, batch: int, timeout: float) -> dict:
-    out = RESULTS / f"throughput_b{batch}_{setting.replace(':', '_')}_{strategy.replace(':', '_')}.json"
-    args = [sys.executable, __file__, "--worker", strategy, "--out", str(out), "--steps", str(steps), "--batch", str(batch)]
+def run(setting: str, strategy: str, steps: int, batch: int, timeout: float, script: str = __file__) -> dict:
+    """Run ``script --worker strategy`` in ``setting`` (``shm:N`` or ``hosts:N:RATE``); its JSON result."""
+    out = RESULTS / f"{Path(script).stem}_b{batch}_{setting.replace(':', '_')}_{strategy.replace(':', '_')}.json"
+    args = [sys.executable, script, "--worker", strategy, "--out", str(out), "--steps", str(steps), "--batch", str(batch)]
     kind, *rest = setting.split(":")
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), PYTHONWARNINGS="ignore")
     if kind == "shm":
