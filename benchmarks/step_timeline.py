@@ -19,7 +19,6 @@ bucket spans.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
@@ -29,7 +28,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.throughput import RESULTS, build_net, ddp_kwargs, run  # noqa: E402
+from benchmarks.throughput import RESULTS, build_net, ddp_kwargs, parse_args, run  # noqa: E402
 
 STEP_EVENTS = ["backward_start", "first_launch", "backward_end", "last_arrival", "optimizer_start", "step_end"]
 
@@ -171,15 +170,7 @@ def plot(setting: str, results: dict[str, dict[str, float]]) -> None:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--out", default="", help=argparse.SUPPRESS)
-    parser.add_argument("--settings", nargs="+", default=["hosts:2:1gbit"])
-    parser.add_argument("--strategies", nargs="+", default=["ddp", "mpi_allreduce", "mpi_asa16"])
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--batch", type=int, default=8, help="per-rank batch")
-    parser.add_argument("--timeout", type=float, default=600)
-    args = parser.parse_args()
+    args = parse_args(__doc__, ["ddp", "mpi_allreduce", "mpi_asa16"], steps=30)
     if args.worker:
         worker(args.worker, args.steps, args.batch, args.out)
         return 0

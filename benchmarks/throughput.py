@@ -164,16 +164,22 @@ def scaling_table(plot_data: dict[str, dict[str, float]], single: float) -> list
     return lines
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def parse_args(doc: str, strategies: list[str], steps: int) -> argparse.Namespace:
+    """Arguments shared by the Trainer benchmarks (this one and step_timeline.py); ``--worker``
+    and ``--out`` are how the launcher tells a rank what to run and where to write."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--out", default="")
-    parser.add_argument("--settings", nargs="+", default=["hosts:2:1gbit"])
-    parser.add_argument("--strategies", nargs="+", default=STRATEGIES)
-    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--out", default="", help=argparse.SUPPRESS)
+    parser.add_argument("--settings", nargs="+", default=["hosts:2:1gbit"], help="shm:N or hosts:N:RATE")
+    parser.add_argument("--strategies", nargs="+", default=strategies)
+    parser.add_argument("--steps", type=int, default=steps)
     parser.add_argument("--batch", type=int, default=8, help="per-rank batch")
     parser.add_argument("--timeout", type=float, default=600)
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def main() -> int:
+    args = parse_args(__doc__, STRATEGIES, steps=12)
     if args.worker:
         worker(args.worker, args.steps, args.batch, args.out)
         return 0
