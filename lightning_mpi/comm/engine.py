@@ -13,6 +13,7 @@ MPICH advances a non-blocking collective only while the process is inside an MPI
 """
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Generator
 from typing import Any
 
@@ -27,16 +28,32 @@ Exchange = Generator[Any, None, Any]
 
 
 class Progress:
-    """Drives exchanges: each is a generator yielding MPI requests; finished ones are dropped."""
+    """Drives exchanges: each is a generator yielding MPI requests; finished ones are dropped.
+
+    Thread-safe: the training thread starts, polls and waits, and a :class:`ProgressDriver`
+    thread may poll too (:meth:`try_poll`), so that an exchange moves to its next phase (the sum
+    and Allgather after ASA's Alltoall) while backward keeps the training thread busy. A
+    re-entrant lock serialises the generators' steps (an exchange may start another).
+    """
 
     def __init__(self, timeout: float | None = None, rank: int = 0, size: int = 1) -> None:
         self._active: list[tuple[Exchange, Any]] = []
         self.timeout = timeout  # seconds one request may take before CollectiveTimeout
         self._where = (rank, size)
+        self._lock = threading.RLock()
+        self._error: BaseException | None = None  # raised in the driver thread, re-raised here
 
     def start(self, exchange: Exchange) -> None:
         """Run ``exchange`` up to its first wait and keep it in flight."""
-        self._advance(exchange)
+        with self._lock:
+            self._raise_driver_error()
+            self._advance(exchange)
+
+    def _raise_driver_error(self) -> None:
+        """An exchange step failed in the driver thread: fail here, in the training thread."""
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
 
     def _advance(self, exchange: Exchange) -> None:
         try:
@@ -47,12 +64,35 @@ class Progress:
 
     def poll(self) -> None:
         """Test every request once (this is what moves MPICH's progress engine); advance finished ones."""
+        with self._lock:
+            self._raise_driver_error()
+            self._poll()
+
+    def try_poll(self) -> None:
+        """For the driver thread: :meth:`poll` unless another thread holds the engine right now.
+
+        Never raises: an error is kept and raised in the training thread's next call."""
+        if not self._lock.acquire(blocking=False):
+            return
+        try:
+            if self._error is None:
+                self._poll()
+        except BaseException as error:  # noqa: BLE001  handed over, not swallowed
+            self._error = error
+        finally:
+            self._lock.release()
+
+    def _poll(self) -> None:
         active, self._active = self._active, []
-        for exchange, request in active:
-            if request.Test():
-                self._advance(exchange)
-            else:
-                self._active.append((exchange, request))
+        for i, (exchange, request) in enumerate(active):
+            try:
+                if request.Test():
+                    self._advance(exchange)
+                else:
+                    self._active.append((exchange, request))
+            except BaseException:
+                self._active.extend(active[i + 1 :])  # the others stay in flight
+                raise
 
     def wait_all(self, between: Callable[[], None] | None = None) -> None:
         """Block until every exchange has finished, oldest first (waiting progresses all of them).
@@ -60,30 +100,37 @@ class Progress:
         ``between()``, when given, runs after each completed wait: work on results that are
         already in (unpacking a finished bucket) then overlaps the transfers still in flight.
         """
-        while self._active:
-            exchange, request = self._active.pop(0)
+        while True:
+            with self._lock:
+                self._raise_driver_error()
+                if not self._active:
+                    return
+                exchange, request = self._active.pop(0)
+            # Waited on outside the lock: the driver thread keeps advancing the others meanwhile.
             wait_request(request, self.timeout, "gradient exchange", *self._where)
-            self._advance(exchange)
-            self.poll()
+            with self._lock:
+                self._advance(exchange)
+                self._poll()
             if between is not None:
                 between()
 
     def __len__(self) -> int:
-        return len(self._active)
+        with self._lock:
+            return len(self._active)
 
 
 class ProgressDriver:
     """A thread that enters MPI's progress engine while exchanges are in flight.
 
     MPICH moves a non-blocking collective only inside MPI calls, and backward spends most of its
-    time in torch kernels that make none. While :meth:`running` is active, this thread calls
-    ``Iprobe`` every ``interval`` seconds (torch kernels release the GIL, so it gets to run); when
-    idle it blocks on an event and costs nothing. Needs ``MPI_THREAD_MULTIPLE``.
+    time in torch kernels that make none. While started, this thread polls every ``interval``
+    seconds (torch kernels release the GIL, so it gets to run): ``progress.try_poll()`` when given
+    a :class:`Progress`, which also advances exchanges whose request completed (ASA's sum and
+    Allgather start without waiting for the training thread's next hook), else ``Iprobe``. When
+    paused it blocks on an event and costs nothing. Needs ``MPI_THREAD_MULTIPLE``.
     """
 
-    def __init__(self, comm: Any, interval: float = 2e-4) -> None:
-        import threading
-
+    def __init__(self, comm: Any, interval: float = 2e-4, progress: Progress | None = None) -> None:
         from mpi4py import MPI
 
         if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
@@ -93,6 +140,7 @@ class ProgressDriver:
             )
         self.comm = comm.Dup()
         self.interval = interval
+        self.progress = progress
         self._active = threading.Event()
         self._closing = False
         self._thread = threading.Thread(target=self._run, name="lightning_mpi-exchange-progress", daemon=True)
@@ -107,7 +155,10 @@ class ProgressDriver:
             self._active.wait()
             if self._closing:
                 return
-            self.comm.Iprobe(source=MPI.ANY_SOURCE, tag=MPI.ANY_TAG)
+            if self.progress is not None:
+                self.progress.try_poll()
+            else:
+                self.comm.Iprobe(source=MPI.ANY_SOURCE, tag=MPI.ANY_TAG)
             time.sleep(self.interval)
 
     def start(self) -> None:

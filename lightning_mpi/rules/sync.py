@@ -64,7 +64,8 @@ class SyncRule(Rule):
         topology_aware: reduce within a node over shared memory, exchange among node leaders
             only, then broadcast within the node (PowerAI DDL's scheme).
         progress_thread: with ``overlap``, a light thread drives MPI progress while backward runs
-            in torch kernels (MPICH only moves data inside MPI calls).
+            in torch kernels (MPICH only moves data inside MPI calls), and moves exchanges to
+            their next phase (ASA's sum and Allgather) as soon as the previous one completes.
     """
 
     name = "sync"
@@ -120,7 +121,7 @@ class BucketExchanger:
         self.progress = Progress(transport.timeout, transport.rank, transport.size)
         self.driver: ProgressDriver | None = None
         if rule.overlap and rule.progress_thread and transport.size > 1:
-            self.driver = ProgressDriver(transport.comm)
+            self.driver = ProgressDriver(transport.comm, progress=self.progress)
         self._workspaces: dict[tuple[int, int], ASAWorkspace] = {}
         self._slots: dict[int, tuple[Transport | None, list[Tensor], list[Transport]]] = {}  # by id(bucket)
         self.local: Transport | None = None

@@ -1,0 +1,77 @@
+"""The exchange scheduler (comm/engine.Progress) in one process, with stand-in requests: the
+progress thread may advance exchanges, and what fails there fails in the training thread."""
+import threading
+import time
+
+import pytest
+
+from lightning_mpi.comm.engine import Progress
+
+
+class Request:
+    """Stands in for an MPI request: completes when the test says so."""
+
+    def __init__(self) -> None:
+        self.done = False
+
+    def Test(self) -> bool:  # noqa: N802  (mpi4py's name)
+        return self.done
+
+
+def two_phase(log: list, first: Request, second: Request, fail_after_first: bool = False):
+    log.append("sent")
+    yield first
+    if fail_after_first:
+        raise RuntimeError("decode failed")
+    log.append("summed")  # ASA: sum, then the Allgather
+    yield second
+    log.append("done")
+
+
+def test_another_thread_advances_an_exchange_to_its_next_phase():
+    progress, log, first, second = Progress(timeout=5), [], Request(), Request()
+    progress.start(two_phase(log, first, second))
+    assert log == ["sent"] and len(progress) == 1
+    first.done = True
+    driver = threading.Thread(target=progress.try_poll)
+    driver.start()
+    driver.join()
+    assert log == ["sent", "summed"], "the second phase must start without the training thread"
+    second.done = True
+    progress.wait_all()
+    assert log == ["sent", "summed", "done"] and len(progress) == 0
+
+
+def test_an_error_in_the_progress_thread_is_raised_in_the_training_thread():
+    progress, log_a, log_b = Progress(timeout=5), [], []
+    a1, b1, b2 = Request(), Request(), Request()
+    progress.start(two_phase(log_a, a1, Request(), fail_after_first=True))
+    progress.start(two_phase(log_b, b1, b2))
+    a1.done = True
+    driver = threading.Thread(target=progress.try_poll)  # must not raise in its own thread
+    driver.start()
+    driver.join()
+    with pytest.raises(RuntimeError, match="decode failed"):
+        progress.poll()
+    assert len(progress) == 1, "the other exchange stays in flight"
+    b1.done = b2.done = True
+    progress.wait_all()
+    assert log_b == ["sent", "summed", "done"]
+
+
+def test_try_poll_never_waits_for_the_training_thread():
+    progress = Progress(timeout=5)
+    request, second = Request(), Request()
+    second.done = True
+    progress.start(two_phase([], request, second))
+    waiting = threading.Thread(target=progress.wait_all)
+    waiting.start()  # holds nothing while it waits, but take the lock to be sure try_poll skips
+    with progress._lock:
+        begin = time.perf_counter()
+        other = threading.Thread(target=progress.try_poll)
+        other.start()
+        other.join(timeout=2)
+        assert not other.is_alive() and time.perf_counter() - begin < 1
+    request.done = True
+    waiting.join(timeout=5)
+    assert not waiting.is_alive()
