@@ -233,9 +233,11 @@ def ranks3(tmp_path_factory):
 
 
 def _check_applied(applied, expected_lr):
-    lr, spread = applied
+    lr, spread, rounding = applied
     assert lr == pytest.approx(expected_lr, rel=1e-4), (lr, expected_lr)
-    assert spread <= 1e-5 * max(1.0, lr) + 1e-6  # the same factor on every element
+    # the same factor on every element, up to fp32 rounding of the update (a CI run saw a spread
+    # of 1.45e-5 from an element with a small gradient, so a fixed 1e-5 was not enough)
+    assert spread <= rounding + 1e-6, (spread, rounding)
 
 
 @pytest.mark.mpi

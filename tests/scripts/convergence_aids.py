@@ -69,6 +69,7 @@ class Recorder(pl.Callback):
 class Tiny(pl.LightningModule):
     def __init__(self, optimizer="sgd", lr=0.1, momentum=0.0, step_lr=False, nan_at=None):
         super().__init__()
+        torch.manual_seed(0)  # the same start every run (rank 0's weights are broadcast anyway)
         self.net = nn.Linear(4, 1)
         self.optimizer, self.lr, self.momentum, self.step_lr, self.nan_at = optimizer, lr, momentum, step_lr, nan_at
 
@@ -107,13 +108,20 @@ def fit(strategy, module, steps, name, **recorder_kwargs):
 
 
 def applied_lr(rec):
-    """The lr the SGD update really used: Δθ / (−g), the same for every element (no momentum);
+    """The lr the SGD update really used: Δθ / (−g), the same for every element (no momentum):
+    (mean, max - min, and how far apart fp32 rounding alone can put two elements' ratios: θ - lr·g
+    is rounded to θ's precision, so an element's ratio is off by up to eps·|θ| / |g|).
     ``None`` for a skipped step (the closure raised before the update's hooks ran)."""
     if "grad" not in rec:
         return None
-    ratios = [((b - a) / g)[g.abs() > 1e-6] for b, a, g in zip(rec["before"], rec["after"], rec["grad"])]
-    r = torch.cat(ratios)
-    return float(r.mean()), float(r.max() - r.min())
+    ratios, bounds = [], []
+    eps = torch.finfo(torch.float32).eps
+    for b, a, g in zip(rec["before"], rec["after"], rec["grad"]):
+        keep = g.abs() > 1e-6
+        ratios.append(((b - a) / g)[keep])
+        bounds.append((eps * torch.maximum(b.abs(), a.abs()) / g.abs())[keep])
+    r, bound = torch.cat(ratios), torch.cat(bounds)
+    return float(r.mean()), float(r.max() - r.min()), float(2 * bound.max())
 
 
 def csv_column(name, key):
@@ -154,7 +162,7 @@ results["sqrt"] = {"applied_lr": [applied_lr(s) for s in steps], "after_lr": [s[
 _, steps, _ = fit(lightning_mpi.SyncStrategy(lr_scaling="sqrt"), Tiny(optimizer="lbfgs", lr=0.1), 1, "lbfgs")
 s = steps[0]
 g1 = sum(float(g.abs().sum()) for g in s["grad"])
-lr_used, spread = applied_lr(s)
+lr_used, spread, _ = applied_lr(s)
 results["lbfgs"] = {"applied_lr": lr_used / min(1.0, 1.0 / g1), "spread": spread, "after_lr": s["after_lr"]}
 
 # 4. momentum correction on DOWNPOUR with SGD momentum 0.9 (no commit during the 4 steps)
