@@ -28,7 +28,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.throughput import RESULTS, build_net, ddp_kwargs, parse_args, run  # noqa: E402
+from benchmarks.throughput import RESULTS, ddp_kwargs, fit_net, parse_args, run  # noqa: E402
 
 STEP_EVENTS = ["backward_start", "first_launch", "backward_end", "last_arrival", "optimizer_start", "step_end"]
 
@@ -40,7 +40,6 @@ def worker(strategy: str, steps: int, batch: int, out: str) -> None:
     import pytorch_lightning as pl
     import torch
     from mpi4py import MPI
-    from torch.utils.data import DataLoader, TensorDataset
 
     from lightning_mpi.rules import sync
 
@@ -115,13 +114,9 @@ def worker(strategy: str, steps: int, batch: int, out: str) -> None:
             mark("step_end")
             self.steps.append({k: v for k, v in events.items() if k != "t0"})
 
-    world = MPI.COMM_WORLD.Get_size()
-    n = batch * world * steps
-    data = TensorDataset(torch.randn(n, 512), torch.randint(0, 10, (n,)))
     timeline = Timeline()
-    trainer = pl.Trainer(accelerator="cpu", max_epochs=1, logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, callbacks=[timeline], **kwargs)
-    trainer.fit(build_net(), DataLoader(data, batch_size=batch))
+    fit_net(kwargs, timeline, steps, batch)
+    world = MPI.COMM_WORLD.Get_size()
     if MPI.COMM_WORLD.Get_rank() == 0:
         kept = timeline.steps[max(2, steps // 5):]
         keys = {k for step in kept for k in step}

@@ -55,6 +55,22 @@ def build_net():
     return Net()
 
 
+def fit_net(trainer_kwargs: dict, callback, steps: int, batch: int):
+    """``Trainer.fit`` of :func:`build_net` on ``steps`` random batches of ``batch`` per rank, with
+    ``callback`` timing it; returns the trainer."""
+    import pytorch_lightning as pl
+    import torch
+    from mpi4py import MPI
+    from torch.utils.data import DataLoader, TensorDataset
+
+    n = batch * MPI.COMM_WORLD.Get_size() * steps
+    data = TensorDataset(torch.randn(n, 512), torch.randint(0, 10, (n,)))
+    trainer = pl.Trainer(accelerator="cpu", max_epochs=1, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, callbacks=[callback], **trainer_kwargs)
+    trainer.fit(build_net(), DataLoader(data, batch_size=batch))
+    return trainer
+
+
 def ddp_kwargs() -> dict:
     """Trainer arguments for Lightning's ddp under mpiexec: it needs the layout by hand."""
     import socket
@@ -73,7 +89,6 @@ def worker(strategy: str, steps: int, batch: int, out: str) -> None:
     import pytorch_lightning as pl
     import torch
     from mpi4py import MPI
-    from torch.utils.data import DataLoader, TensorDataset
 
     import lightning_mpi
 
@@ -113,12 +128,8 @@ def worker(strategy: str, steps: int, batch: int, out: str) -> None:
         kwargs = {"strategy": lightning_mpi.SyncStrategy(exchange=exchange, wire=wire, overlap=False)}
     else:
         kwargs = {"strategy": strategy}
-    n = batch * world * steps
-    data = TensorDataset(torch.randn(n, 512), torch.randint(0, 10, (n,)))
     clock = Clock()
-    trainer = pl.Trainer(accelerator="cpu", max_epochs=1, logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, callbacks=[clock], **kwargs)
-    trainer.fit(build_net(), DataLoader(data, batch_size=batch))
+    trainer = fit_net(kwargs, clock, steps, batch)
     warm = max(2, steps // 5)
     step = statistics.median(clock.times[warm:])
     exch = statistics.median(clock.exchange[warm:]) if clock.exchange else 0.0
