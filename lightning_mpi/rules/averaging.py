@@ -23,7 +23,7 @@ from torch import Tensor
 
 from lightning_mpi.comm.collectives import allreduce_mean_
 from lightning_mpi.comm.transport import Transport
-from lightning_mpi.rules.base import BoundRule, LocalStepGuard, Rule, check_range
+from lightning_mpi.rules.base import BoundLocalStepRule, Rule, check_range
 from lightning_mpi.rules.easgd import FlatParams
 
 
@@ -61,14 +61,13 @@ class ModelAveragingRule(Rule):
         return BoundModelAveraging(self, transport, params)
 
 
-class BoundModelAveraging(BoundRule):
+class BoundModelAveraging(BoundLocalStepRule):
     def __init__(self, rule: ModelAveragingRule, transport: Transport, params: Sequence[Tensor]) -> None:
-        super().__init__(transport, params)
+        super().__init__(transport, params, rule.name)
         self.rule = rule
         self.flat = FlatParams(self.params, transport.size)
         self.steps = 0
         self.averages = 0
-        self.guard = LocalStepGuard(rule.name)
         self._seconds = 0.0
 
     def _mean_(self, flat: Tensor) -> None:
@@ -85,14 +84,7 @@ class BoundModelAveraging(BoundRule):
             self.flat.bucket.pack_grads()
             self._mean_(self.flat.flat)
             self.flat.bucket.unpack_grads()
-        if self.guard.accept(self.params):
-            return True
-        self._advance()
-        return False
-
-    def after_step(self, optimizer: Any) -> None:
-        if not self.guard.already_counted():
-            self._advance()
+        return super().before_step(optimizer)
 
     def _advance(self) -> None:
         """Count one step; every ``period`` steps after warm-up, average the weights (collective)."""

@@ -101,6 +101,16 @@ def grads_finite(params: Sequence[torch.Tensor]) -> bool:
     return bool(torch.isfinite(torch.stack([s.double() for s in sums])).all())
 
 
+def all_finite(buffers: Sequence[torch.Tensor]) -> bool:
+    """True when no buffer holds inf or NaN.
+
+    One vectorised float32 sum per buffer: inf or NaN anywhere makes the sum non-finite. (A
+    float64 sum would also rule out overflow of the sum itself, but costs ~30x more; a finite
+    gradient whose sum overflows float32 needs entries near 1e38, which is no usable step either.)
+    """
+    return all(bool(torch.isfinite(b.sum())) for b in buffers)
+
+
 class LocalStepGuard:
     """Rejects a rank's own step when its local gradients hold inf or NaN.
 
@@ -113,21 +123,8 @@ class LocalStepGuard:
 
     The rejected step still counts as a step of the rule: collective exchanges (EASGD, model
     averaging) happen every ``period`` steps on every rank, so a rank that stopped counting would
-    call them at other steps than the rest and mix up or hang the job. Protocol::
-
-        def before_step(self, optimizer):
-            if not self.guard.accept(self.params):
-                self._advance()          # count the step (and exchange, if one is due) now
-                return False
-            return True
-
-        def after_step(self, optimizer):
-            if self.guard.already_counted():
-                return                   # a GradScaler makes the strategy call after_step anyway
-            self._advance()
-
-    Advancing from ``before_step`` keeps the exchange at the same point relative to any other
-    collective of the step (nothing else runs between ``before_step`` and ``after_step``).
+    call them at other steps than the rest and mix up or hang the job.
+    :class:`BoundLocalStepRule` holds the protocol.
     """
 
     def __init__(self, rule_name: str) -> None:
@@ -195,6 +192,37 @@ class BoundRule:
     def stats(self) -> dict[str, float]:
         """Numbers about the last step (seconds, bytes, counts) for the logger."""
         return {}
+
+
+class BoundLocalStepRule(BoundRule):
+    """A running rule whose ranks step on their own gradients, guarded by a :class:`LocalStepGuard`.
+
+    Subclasses implement :meth:`_advance` (count one step, and exchange when one is due). A step
+    whose local gradients are non-finite is rejected in :meth:`before_step` and advanced there;
+    any other step is advanced in :meth:`after_step`. Advancing a rejected step from
+    ``before_step`` keeps the exchange at the same point relative to any other collective of the
+    step (nothing else runs between ``before_step`` and ``after_step``), and ``after_step`` does
+    not count it twice when a GradScaler makes the strategy call it anyway.
+    """
+
+    def __init__(self, transport: Transport, params: Sequence[torch.Tensor], rule_name: str) -> None:
+        super().__init__(transport, params)
+        self.guard = LocalStepGuard(rule_name)
+
+    def before_step(self, optimizer: Optimizer) -> bool:
+        """Reject this rank's step when its own gradients are non-finite (the step still counts)."""
+        if self.guard.accept(self.params):
+            return True
+        self._advance()
+        return False
+
+    def after_step(self, optimizer: Optimizer) -> None:
+        if not self.guard.already_counted():
+            self._advance()
+
+    def _advance(self) -> None:
+        """Count one local step; exchange when one is due."""
+        raise NotImplementedError
 
 
 class Rule(ABC):

@@ -28,7 +28,7 @@ from torch import Tensor
 
 from lightning_mpi.comm.buffers import make_buckets
 from lightning_mpi.comm.transport import Transport
-from lightning_mpi.rules.base import BoundRule, LocalStepGuard, Rule, check_range
+from lightning_mpi.rules.base import BoundLocalStepRule, Rule, check_range
 
 
 # -- pure math ------------------------------------------------------------------------------------
@@ -120,15 +120,14 @@ class EASGDRule(Rule):
         return BoundEASGD(self, transport, params)
 
 
-class BoundEASGD(BoundRule):
+class BoundEASGD(BoundLocalStepRule):
     def __init__(self, rule: EASGDRule, transport: Transport, params: Sequence[Tensor]) -> None:
-        super().__init__(transport, params)
+        super().__init__(transport, params, rule.name)
         self.rule = rule
         self.alpha = default_alpha(rule.alpha, transport.size)
         self.flat = FlatParams(self.params, transport.size)
         self.center = self.flat.pull().clone()  # replicated: identical on every rank
         self.steps = 0
-        self.guard = LocalStepGuard(rule.name)
         self._loaded = False
         self._seconds = 0.0
         self._bytes = 0
@@ -136,17 +135,6 @@ class BoundEASGD(BoundRule):
     def on_train_start(self) -> None:
         if not self._loaded:
             self.center.copy_(self.flat.pull())
-
-    def before_step(self, optimizer: Any) -> bool:
-        """Reject this rank's step when its own gradients are non-finite (see :class:`LocalStepGuard`)."""
-        if self.guard.accept(self.params):
-            return True
-        self._advance()
-        return False
-
-    def after_step(self, optimizer: Any) -> None:
-        if not self.guard.already_counted():
-            self._advance()
 
     def _advance(self) -> None:
         """Count one local step; every ``period`` steps, the elastic exchange (collective)."""

@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from lightning_mpi.comm.transport import Transport
-from lightning_mpi.rules.base import BoundRule, LocalStepGuard, Rule, check_range
+from lightning_mpi.rules.base import BoundLocalStepRule, Rule, check_range
 from lightning_mpi.rules.easgd import FlatParams
 
 TAG = 7301
@@ -71,9 +71,9 @@ class GoSGDRule(Rule):
         return BoundGoSGD(self, transport, params)
 
 
-class BoundGoSGD(BoundRule):
+class BoundGoSGD(BoundLocalStepRule):
     def __init__(self, rule: GoSGDRule, transport: Transport, params: Sequence[Tensor]) -> None:
-        super().__init__(transport, params)
+        super().__init__(transport, params, rule.name)
         self.rule = rule
         self.flat = FlatParams(self.params, transport.size)
         n = self.flat.flat.numel()
@@ -83,7 +83,6 @@ class BoundGoSGD(BoundRule):
         self.sent_to = [0] * transport.size
         self.received = 0
         self.pushes = 0
-        self.guard = LocalStepGuard(rule.name)
         self.comm = None
         self.board = None
         self.training = False
@@ -101,20 +100,9 @@ class BoundGoSGD(BoundRule):
         self._apply_restore()
         self.training = True
 
-    def before_step(self, optimizer: Any) -> bool:
-        """Reject this rank's step if its gradients are non-finite, so that no push ever carries
-        inf/NaN weights to a peer; the step still counts (gossip as usual, with finite weights)."""
-        if self.guard.accept(self.params):
-            return True
-        self._advance()
-        return False
-
-    def after_step(self, optimizer: Any) -> None:
-        if not self.guard.already_counted():
-            self._advance()
-
     def _advance(self) -> None:
-        """After a local step: merge what arrived, push with probability p, reap finished sends."""
+        """After a local step: merge what arrived, push with probability p, reap finished sends.
+        A rejected (non-finite) step advances too, so no push ever carries inf/NaN weights."""
         if self.comm is None or self.transport.size == 1:
             return
         start = time.perf_counter()

@@ -82,7 +82,7 @@ import torch
 from torch import Tensor
 
 from lightning_mpi.comm.transport import Transport
-from lightning_mpi.rules.base import BoundRule, LocalStepGuard, Rule, check_range
+from lightning_mpi.rules.base import BoundLocalStepRule, Rule, all_finite, check_range
 from lightning_mpi.rules.easgd import FlatParams, check_period_alpha, default_alpha, elastic_difference, nesterov_gradient_
 
 KINDS = ("downpour", "agn", "adag", "dynsgd", "aeasgd", "eamsgd")
@@ -128,11 +128,6 @@ def server_commit(kind: str, delta: Tensor, period: int, stale: int = 0, center_
         assert center_now is not None and center_pulled is not None
         return delta * adag_scale(center_now, center_pulled, eta)
     raise ValueError(f"kind={kind!r} is not a delta-committing rule")
-
-
-def _finite(values: Tensor) -> bool:
-    """True when ``values`` hold no inf or NaN (one sum: either makes it non-finite)."""
-    return bool(torch.isfinite(values.sum()))
 
 
 # -- rules -------------------------------------------------------------------------------------------
@@ -232,12 +227,12 @@ class EAMSGDRule(AEASGDRule):
         self.momentum = float(momentum)
 
 
-class BoundServerRule(BoundRule):
+class BoundServerRule(BoundLocalStepRule):
     """The running parameter-server rule. Windows and the progress thread live from
     ``on_train_start`` (collective) to ``close()`` (collective)."""
 
     def __init__(self, rule: ServerRule, transport: Transport, params: Sequence[Tensor]) -> None:
-        super().__init__(transport, params)
+        super().__init__(transport, params, rule.kind)
         self.rule = rule
         self.kind = rule.kind
         self.flat = FlatParams(self.params, transport.size)
@@ -250,7 +245,6 @@ class BoundServerRule(BoundRule):
         self.steps = 0
         self.commits = 0
         self.skipped_commits = 0  # commits dropped because their delta held inf/NaN
-        self.guard = LocalStepGuard(rule.kind)
         self.clock_at_pull = 0
         self.center = self.clock = self.board = self.progress = None
         self.training = False
@@ -292,18 +286,13 @@ class BoundServerRule(BoundRule):
     def before_step(self, optimizer: Any) -> bool:
         """Reject this rank's step if its gradients are non-finite (they never reach the momentum
         or the weights; the step still counts towards the next commit); EAMSGD: Nesterov momentum."""
-        if not self.guard.accept(self.params):
-            self._advance()
+        if not super().before_step(optimizer):
             return False
         if self.kind == "eamsgd":
             for p, buf in zip(self.params, self.momentum_bufs):
                 if p.grad is not None:
                     nesterov_gradient_(p.grad, buf, self.rule.momentum)  # type: ignore[attr-defined]
         return True
-
-    def after_step(self, optimizer: Any) -> None:
-        if not self.guard.already_counted():
-            self._advance()
 
     def _advance(self) -> None:
         """Count one local step; every ``period`` steps, commit."""
@@ -315,7 +304,7 @@ class BoundServerRule(BoundRule):
         """One exchange with the server (see module docstring); a non-finite commit is dropped."""
         assert self.center is not None and self.clock is not None
         theta = self.flat.pull()
-        if not _finite(theta):  # checked before the clock ticks: a dropped commit is no commit
+        if not all_finite([theta]):  # checked before the clock ticks: a dropped commit is no commit
             self._drop_commit()
             return
         tick = self.clock.fetch_add(0, 1)
@@ -323,7 +312,7 @@ class BoundServerRule(BoundRule):
         if self.kind in ("aeasgd", "eamsgd"):
             center_now = self.center.read(self.scratch)
             e = elastic_difference(theta, center_now, self.alpha)
-            if not _finite(e):  # finite θ and θ̃ can still overflow their difference
+            if not all_finite([e]):  # finite θ and θ̃ can still overflow their difference
                 self._drop_commit()
                 return
             self.center.add(e)
@@ -334,14 +323,14 @@ class BoundServerRule(BoundRule):
             if self.kind == "adag":
                 center_now = self.center.read(self.scratch)
                 update = server_commit("adag", delta, self.rule.period, center_now=center_now, center_pulled=self.ref, eta=self.rule.eta)  # type: ignore[attr-defined]
-                if not _finite(update):
+                if not all_finite([update]):
                     self._drop_commit()
                     return
                 self.center.add(update)
                 new = center_now + update
             else:
                 update = server_commit(self.kind, delta, self.rule.period, stale=stale)
-                if not _finite(update):
+                if not all_finite([update]):
                     self._drop_commit()
                     return
                 self.center.add(update, old=self.scratch)  # fetch-and-add: the center just before ours

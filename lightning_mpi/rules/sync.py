@@ -36,7 +36,7 @@ from lightning_mpi.comm.engine import (
     segments,
 )
 from lightning_mpi.comm.transport import Transport
-from lightning_mpi.rules.base import BoundRule, Rule, check_choice, check_range
+from lightning_mpi.rules.base import BoundRule, Rule, all_finite, check_choice, check_range, grads_finite
 
 EXCHANGES = ("allreduce", "asa")
 WIRES = ("fp32", "fp16", "bf16")
@@ -275,16 +275,6 @@ class BucketExchanger:
         self.finish()
 
 
-def all_finite(buffers: Sequence[Tensor]) -> bool:
-    """True when no buffer holds inf or NaN.
-
-    One vectorised float32 sum per buffer: inf or NaN anywhere makes the sum non-finite. (A
-    float64 sum would also rule out overflow of the sum itself, but costs ~30x more; a finite
-    gradient whose sum overflows float32 needs entries near 1e38, which is no usable step either.)
-    """
-    return all(bool(torch.isfinite(b.sum())) for b in buffers)
-
-
 class BoundSyncRule(BoundRule):
     def __init__(self, rule: SyncRule, transport: Transport, params: Sequence[Tensor]) -> None:
         super().__init__(transport, params)
@@ -395,7 +385,7 @@ class BoundSyncRule(BoundRule):
         else:
             # Local steps: skip together if any rank's own gradient is non-finite, so that the
             # weights averaged afterwards never carry inf/NaN from one rank into all.
-            local = all_finite([p.grad for p in self.params if p.grad is not None])
+            local = grads_finite(self.params)
             flag = torch.tensor([1.0 if local else 0.0], dtype=torch.float64)
             finite = bool(self.transport.allreduce_(flag, "min").item() == 1.0)
         if not finite:
