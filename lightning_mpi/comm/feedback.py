@@ -71,13 +71,10 @@ def ef_asa_mean_steps(
     others = _others(world, rank)
     res = None if residual is None else residual.view(world, -1)
     if res is not None:
-        rows.add_(res)
+        rows[rank].add_(res[rank])
         res[rank].zero_()  # sent exactly (non-zero only after a restore from another world size)
     for a, b in others:
-        codec.encode(rows[a:b], work.send_wire[a:b])
-        if res is not None:
-            codec.decode(work.send_wire[a:b], work.decoded[a:b])
-            torch.sub(rows[a:b], work.decoded[a:b], out=res[a:b])
+        encode_with_feedback_(codec, rows[a:b], work.send_wire[a:b], None if res is None else res[a:b], work.decoded[a:b])
     yield from transport.ialltoall(work.send_wire, work.recv_wire)
     for a, b in others:
         codec.decode(work.recv_wire[a:b], work.decoded[a:b])
