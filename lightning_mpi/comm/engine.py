@@ -123,14 +123,14 @@ class ProgressDriver:
     """A thread that enters MPI's progress engine while exchanges are in flight.
 
     MPICH moves a non-blocking collective only inside MPI calls, and backward spends most of its
-    time in torch kernels that make none. While started, this thread polls every ``interval``
-    seconds (torch kernels release the GIL, so it gets to run): ``progress.try_poll()`` when given
-    a :class:`Progress`, which also advances exchanges whose request completed (ASA's sum and
-    Allgather start without waiting for the training thread's next hook), else ``Iprobe``. When
-    paused it blocks on an event and costs nothing. Needs ``MPI_THREAD_MULTIPLE``.
+    time in torch kernels that make none. While started, this thread calls
+    ``progress.try_poll()`` every ``interval`` seconds (torch kernels release the GIL, so it gets
+    to run): that tests every request in flight and advances the exchanges whose request
+    completed (ASA's sum and Allgather start without waiting for the training thread's next
+    hook). When paused it blocks on an event and costs nothing. Needs ``MPI_THREAD_MULTIPLE``.
     """
 
-    def __init__(self, comm: Any, interval: float = 2e-4, progress: Progress | None = None) -> None:
+    def __init__(self, progress: Progress, interval: float = 2e-4) -> None:
         from mpi4py import MPI
 
         if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
@@ -138,7 +138,6 @@ class ProgressDriver:
                 "lightning_mpi: overlap_progress_thread needs MPI_THREAD_MULTIPLE; "
                 "initialise MPI with it (mpi4py's default) or pass overlap_progress_thread=False"
             )
-        self.comm = comm.Dup()
         self.interval = interval
         self.progress = progress
         self._active = threading.Event()
@@ -149,16 +148,11 @@ class ProgressDriver:
     def _run(self) -> None:
         import time
 
-        from mpi4py import MPI
-
         while True:
             self._active.wait()
             if self._closing:
                 return
-            if self.progress is not None:
-                self.progress.try_poll()
-            else:
-                self.comm.Iprobe(source=MPI.ANY_SOURCE, tag=MPI.ANY_TAG)
+            self.progress.try_poll()
             time.sleep(self.interval)
 
     def start(self) -> None:
@@ -168,14 +162,11 @@ class ProgressDriver:
         self._active.clear()
 
     def close(self) -> None:
-        """Stop and join the thread (safe to call twice); frees its communicator."""
+        """Stop and join the thread (safe to call twice)."""
         if self._thread.is_alive():
             self._closing = True
             self._active.set()
             self._thread.join()
-        if self.comm is not None:
-            self.comm.Free()
-            self.comm = None
 
 
 def allreduce_mean_steps(transport: Transport, flat: Tensor) -> Exchange:

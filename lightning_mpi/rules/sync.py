@@ -121,7 +121,7 @@ class BucketExchanger:
         self.progress = Progress(transport.timeout, transport.rank, transport.size)
         self.driver: ProgressDriver | None = None
         if rule.overlap and rule.progress_thread and transport.size > 1:
-            self.driver = ProgressDriver(transport.comm, progress=self.progress)
+            self.driver = ProgressDriver(self.progress)
         self._workspaces: dict[tuple[int, int], ASAWorkspace] = {}
         self._slots: dict[int, tuple[Transport | None, list[Tensor], list[Transport]]] = {}  # by id(bucket)
         self.local: Transport | None = None
