@@ -63,7 +63,7 @@ SPEED_ROWS = [
 # ------------------------------------------------------------------------------------- worker ---
 def _strategy(kind: str, params: dict):
     if kind == "compressed":
-        from lightning_mpi.compressed_strategies import CompressedSyncStrategy
+        from lightning_mpi import CompressedSyncStrategy
 
         return CompressedSyncStrategy(**params)
     if kind == "none":  # the same training without any exchange: averaging never comes due

@@ -1,66 +1,68 @@
-"""lightning_mpi: PyTorch Lightning strategies for data-parallel training over MPI.
+"""lightning_mpi: Lightning strategies for data-parallel training over MPI.
 
-``import lightning_mpi`` registers every ``mpi_*`` strategy name with Lightning, so
-``Trainer(strategy="mpi_asa16")`` works.
+``import lightning_mpi`` registers every ``mpi_*`` strategy name with each Lightning package the
+program uses (``pytorch_lightning``, ``lightning.pytorch``, ``lightning_fabric``,
+``lightning.fabric``), whether it is imported before or after, so ``Trainer(strategy="mpi_asa16")``
+and ``Fabric(strategy="mpi_asa16")`` work. It imports no Lightning package itself.
+
+Classes, by the package they are built on:
+
+- ``pytorch_lightning``: ``lightning_mpi.SyncStrategy``, ``lightning_mpi.LMSOffload``, ... (this module);
+- ``lightning`` / ``lightning.pytorch``: :mod:`lightning_mpi.lightning`;
+- ``lightning.fabric`` (``L.Fabric``): :mod:`lightning_mpi.fabric`;
+- ``lightning_fabric``: :mod:`lightning_mpi.lightning_fabric`.
+
+Names are resolved on first use, so importing this package stays cheap.
 """
-from lightning_mpi.async_strategies import (
-    ADAGStrategy,
-    AEASGDStrategy,
-    AGNStrategy,
-    AsyncMPIStrategy,
-    DownpourStrategy,
-    DynSGDStrategy,
-    EAMSGDStrategy,
-    EASGDStrategy,
-    GoSGDStrategy,
-    ModelAveragingStrategy,
-)
-from lightning_mpi.compressed_strategies import CompressedSyncStrategy
-from lightning_mpi.data import PrefetchDataModule
-from lightning_mpi.offload import LMSOffload
-from lightning_mpi.registry import STRATEGIES, register_strategies
-from lightning_mpi.rules.averaging import ModelAveragingRule
-from lightning_mpi.rules.base import BoundRule, Rule
-from lightning_mpi.rules.compressed import CompressedSyncRule
-from lightning_mpi.rules.easgd import EASGDRule
-from lightning_mpi.rules.gossip import GoSGDRule
-from lightning_mpi.rules.server import ADAGRule, AEASGDRule, AGNRule, DownpourRule, DynSGDRule, EAMSGDRule
-from lightning_mpi.rules.sync import SyncRule
-from lightning_mpi.strategy import MPIStrategy, SyncStrategy
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from lightning_mpi.strategies.registry import STRATEGIES, install_registration_hooks, register_strategies
 
 __version__ = "0.1.0"
 
-register_strategies()
+#: Classes built on ``pytorch_lightning`` (see :mod:`lightning_mpi.strategies.build`).
+_PYTORCH_LIGHTNING_CLASSES = (
+    "MPIStrategy", "SyncStrategy", "CompressedSyncStrategy", "AsyncMPIStrategy", "EASGDStrategy",
+    "ModelAveragingStrategy", "AEASGDStrategy", "EAMSGDStrategy", "DownpourStrategy", "AGNStrategy",
+    "ADAGStrategy", "DynSGDStrategy", "GoSGDStrategy", "MPIClusterEnvironment", "AtomicCheckpointIO",
+    "LMSOffload", "PrefetchDataModule",
+)
 
-__all__ = [
-    "MPIStrategy",
-    "SyncStrategy",
-    "CompressedSyncStrategy",
-    "CompressedSyncRule",
-    "AsyncMPIStrategy",
-    "EASGDStrategy",
-    "ModelAveragingStrategy",
-    "AEASGDStrategy",
-    "EAMSGDStrategy",
-    "DownpourStrategy",
-    "AGNStrategy",
-    "ADAGStrategy",
-    "DynSGDStrategy",
-    "GoSGDStrategy",
-    "PrefetchDataModule",
-    "LMSOffload",
-    "Rule",
-    "BoundRule",
-    "SyncRule",
-    "EASGDRule",
-    "ModelAveragingRule",
-    "GoSGDRule",
-    "DownpourRule",
-    "AGNRule",
-    "ADAGRule",
-    "DynSGDRule",
-    "AEASGDRule",
-    "EAMSGDRule",
-    "STRATEGIES",
-    "register_strategies",
-]
+#: Lightning-free names -> the module that defines them.
+_MODULES = {
+    "Rule": "lightning_mpi.rules.base",
+    "BoundRule": "lightning_mpi.rules.base",
+    "SyncRule": "lightning_mpi.rules.sync",
+    "CompressedSyncRule": "lightning_mpi.rules.compressed",
+    "EASGDRule": "lightning_mpi.rules.easgd",
+    "ModelAveragingRule": "lightning_mpi.rules.averaging",
+    "GoSGDRule": "lightning_mpi.rules.gossip",
+    "DownpourRule": "lightning_mpi.rules.server",
+    "AGNRule": "lightning_mpi.rules.server",
+    "ADAGRule": "lightning_mpi.rules.server",
+    "DynSGDRule": "lightning_mpi.rules.server",
+    "AEASGDRule": "lightning_mpi.rules.server",
+    "EAMSGDRule": "lightning_mpi.rules.server",
+}
+
+__all__ = sorted([*_PYTORCH_LIGHTNING_CLASSES, *_MODULES, "STRATEGIES", "register_strategies"])
+
+
+def __getattr__(name: str) -> Any:
+    if name in _PYTORCH_LIGHTNING_CLASSES:
+        from lightning_mpi.strategies.build import trainer_classes
+
+        return trainer_classes("pytorch_lightning")[name]
+    if name in _MODULES:
+        return getattr(importlib.import_module(_MODULES[name]), name)
+    raise AttributeError(f"module 'lightning_mpi' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
+
+install_registration_hooks()

@@ -1,6 +1,6 @@
 """Convergence aids, as pure functions: learning-rate scaling with warm-up, and momentum correction.
 
-Nothing here knows Lightning; :class:`~lightning_mpi.strategy.MPIStrategy` calls it around each
+Nothing here knows Lightning; :class:`~lightning_mpi.strategies.trainer.TrainerMPIStrategy` calls it around each
 optimizer update. Both aids are opt-in and announced: Horovod's Lightning strategy scaled the
 learning rate silently (Lightning issue #2574), ours never does.
 

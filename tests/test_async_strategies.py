@@ -165,7 +165,7 @@ def test_async_names_are_registered():
     from pytorch_lightning.strategies import StrategyRegistry
 
     import lightning_mpi  # noqa: F401
-    from lightning_mpi.async_strategies import EASGDStrategy, GoSGDStrategy
+    from lightning_mpi import EASGDStrategy, GoSGDStrategy
 
     for name in RULES:
         assert name in StrategyRegistry, name

@@ -5,7 +5,7 @@ import pytest
 import pytorch_lightning as pl
 
 import lightning_mpi  # noqa: F401  (registers the names)
-from lightning_mpi.compressed_strategies import CompressedSyncStrategy
+from lightning_mpi import CompressedSyncStrategy
 from lightning_mpi.rules.compressed import CompressedSyncRule
 from tests.mpi_utils import REPO, run_mpi
 

@@ -24,7 +24,7 @@ from torch import nn
 
 import lightning_mpi
 from lightning_mpi import lr_scaling as L
-from lightning_mpi.async_strategies import AsyncMPIStrategy
+from lightning_mpi import AsyncMPIStrategy
 from tests.mpi_utils import REPO, run_mpi
 
 SCRIPT = str(REPO / "tests" / "scripts" / "convergence_aids.py")
@@ -106,7 +106,8 @@ def test_warmup_without_lr_scaling_warns():
 # -- every strategy exposes the common options ----------------------------------------------------------
 @pytest.mark.parametrize("name", list(lightning_mpi.STRATEGIES))
 def test_every_strategy_takes_the_common_options(name):
-    cls, params, _ = lightning_mpi.STRATEGIES[name]
+    class_name, params, _ = lightning_mpi.STRATEGIES[name]
+    cls = getattr(lightning_mpi, class_name)
     strategy = cls(**params, lr_scaling="sqrt", warmup_steps=3, abort_on_exception=False, collective_timeout=7.5,
                    log_stats=False)
     assert (strategy.lr_scaling, strategy.warmup_steps) == ("sqrt", 3)

@@ -21,8 +21,9 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_mpi.checkpoint_io import AtomicCheckpointIO
-from lightning_mpi.registry import STRATEGIES
+from lightning_mpi import AtomicCheckpointIO
+import lightning_mpi
+from lightning_mpi import STRATEGIES
 from tests.mpi_utils import REPO, run_mpi
 
 FAULTS = str(REPO / "tests" / "scripts" / "faults.py")
@@ -254,7 +255,8 @@ def test_parameters_on_two_devices_are_refused_at_bind(name):
 
     from lightning_mpi.comm.transport import Transport
 
-    cls, init_params, _ = STRATEGIES[name]
+    class_name, init_params, _ = STRATEGIES[name]
+    cls = getattr(lightning_mpi, class_name)
     rule = cls(**init_params).rule
     params = [nn.Parameter(torch.zeros(3)), nn.Parameter(torch.zeros(2, device="meta"))]
     with pytest.raises(ValueError, match=r"2 devices \(cpu, meta\).*one device per rank.*materialise"):

@@ -5,7 +5,7 @@ No MPI here: the functions take tensors and return tensors.
 import pytest
 import torch
 
-from lightning_mpi.async_strategies import (
+from lightning_mpi import (
     ADAGStrategy,
     AEASGDStrategy,
     AGNStrategy,

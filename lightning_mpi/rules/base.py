@@ -25,7 +25,7 @@ from __future__ import annotations
 import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from torch.optim import Optimizer
@@ -47,18 +47,6 @@ def check_choice(name: str, value: Any, choices: Sequence[Any]) -> None:
     """Raise ``ValueError`` naming ``name``, its value and the allowed values unless it is one of them."""
     if value not in choices:
         raise ValueError(f"{name}={value!r} is not allowed: choose one of {list(choices)}")
-
-
-def trainable_parameters(optimizer: Optimizer) -> list[torch.Tensor]:
-    """The optimizer's parameters that need gradients, in param-group order, without duplicates."""
-    seen: set[int] = set()
-    params = []
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            if p.requires_grad and id(p) not in seen:
-                seen.add(id(p))
-                params.append(p)
-    return params
 
 
 def check_single_device(params: Sequence[torch.Tensor]) -> None:
@@ -158,9 +146,23 @@ class LocalStepGuard:
 class BoundRule:
     """The running part of a rule. The default hooks do nothing, so a rule overrides only what it uses.
 
+    Besides the hooks, three attributes are part of the contract that the strategies rely on
+    (a rule that has no use for one keeps the default):
+
+    - ``sync_enabled``: the strategy sets it to ``False`` while gradients accumulate without an
+      update (Lightning's accumulation, Fabric's ``no_backward_sync``); a rule whose gradient
+      hooks start exchanges during backward must not start them then.
+    - ``training``: ``True`` from ``on_train_start`` until ``on_train_end`` (or an aborted fit).
+    - ``board``: a :class:`~lightning_mpi.comm.window.DecisionBoard` on which stop decisions are
+      published one-sidedly while ``training``, or ``None`` when decisions must be collectives.
+
     Raises:
         ValueError: the parameters sit on more than one device (see :func:`check_single_device`).
     """
+
+    sync_enabled: bool = True
+    training: bool = False
+    board: Optional[Any] = None
 
     def __init__(self, transport: Transport, params: Sequence[torch.Tensor]) -> None:
         self.transport = transport

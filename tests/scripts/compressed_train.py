@@ -14,7 +14,7 @@ import pytorch_lightning as pl  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
 import lightning_mpi  # noqa: E402,F401
-from lightning_mpi.compressed_strategies import CompressedSyncStrategy  # noqa: E402
+from lightning_mpi import CompressedSyncStrategy  # noqa: E402
 
 COMM = MPI.COMM_WORLD
 RANK, W = COMM.Get_rank(), COMM.Get_size()

@@ -62,10 +62,12 @@ def make_strategy(spec):
         return "auto"
     if "@" not in spec:
         return spec
-    from lightning_mpi.registry import STRATEGIES
+    import lightning_mpi
+    from lightning_mpi import STRATEGIES
 
     name, _, rest = spec.partition("@")
-    cls, params, _ = STRATEGIES[name]
+    class_name, params, _ = STRATEGIES[name]
+    cls = getattr(lightning_mpi, class_name)
     kwargs = dict(params)
     for item in filter(None, rest.split("+")):
         key, _, value = item.partition("=")

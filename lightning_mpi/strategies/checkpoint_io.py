@@ -1,9 +1,11 @@
 """Checkpoint files that are either complete or absent.
 
 A job killed while writing (a node failure, a time limit, SIGKILL) must not leave a truncated
-checkpoint where the last good one was. :class:`AtomicCheckpointIO` writes to a temporary file in
-the same directory, flushes it to disk, then renames it over the target: ``os.replace`` is atomic
-on POSIX file systems, so readers see the old file or the new one, never half of one.
+checkpoint where the last good one was. :class:`AtomicWriteMixin` writes to a temporary file in the
+same directory, flushes it to disk, then renames it over the target: ``os.replace`` is atomic on
+POSIX file systems, so readers see the old file or the new one, never half of one.
+:mod:`lightning_mpi.strategies.build` puts it on the ``TorchCheckpointIO`` of each Fabric package
+as ``AtomicCheckpointIO``.
 """
 from __future__ import annotations
 
@@ -13,12 +15,15 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
-from lightning_fabric.utilities.cloud_io import get_filesystem
-from pytorch_lightning.plugins.io import TorchCheckpointIO
 
 
-class AtomicCheckpointIO(TorchCheckpointIO):
-    """``TorchCheckpointIO`` with write-to-temporary-then-rename for local paths."""
+class AtomicWriteMixin:
+    """``TorchCheckpointIO`` with write-to-temporary-then-rename for local paths.
+
+    ``get_filesystem`` is the Fabric package's own (a staticmethod set by the class builder).
+    """
+
+    get_filesystem: Any
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Optional[Any] = None) -> None:
         if storage_options is not None:
@@ -26,9 +31,9 @@ class AtomicCheckpointIO(TorchCheckpointIO):
                 f"storage_options={storage_options!r} is not supported by AtomicCheckpointIO; "
                 "pass a custom CheckpointIO plugin to use it"
             )
-        fs = get_filesystem(path)
+        fs = self.get_filesystem(path)
         if fs.protocol not in ("file", ("file", "local")) and "file" not in fs.protocol:
-            super().save_checkpoint(checkpoint, path, storage_options)  # remote stores: no rename
+            super().save_checkpoint(checkpoint, path, storage_options)  # type: ignore[misc]  # remote stores: no rename
             return
         target = Path(path)
         target.parent.mkdir(parents=True, exist_ok=True)
