@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from lightning_mpi import transforms as T
+from lightning_mpi.data import transforms as T
 from lightning_mpi.data import (
     PrefetchDataModule,
     PrefetchLoader,
@@ -499,7 +499,7 @@ import hashlib, json, threading, time
 from mpi4py import MPI
 import torch
 from lightning_mpi.data import PrefetchDataModule
-from lightning_mpi import transforms as T
+from lightning_mpi.data import transforms as T
 
 class DS:
     def __init__(self, n): self.n = n

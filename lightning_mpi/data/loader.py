@@ -47,7 +47,7 @@ import pytorch_lightning as pl
 import torch
 from torch.utils.data import IterableDataset, default_collate
 
-from lightning_mpi.transforms import derive_seed, sample_seed
+from lightning_mpi.data.transforms import derive_seed, sample_seed
 
 __all__ = [
     "LoaderStats",
@@ -726,7 +726,7 @@ class PrefetchDataModule(pl.LightningDataModule):
         prefetch: loaded batches allowed to wait ahead of the training step (``>= 1``).
         transform: callable applied in a loader thread to each train sample's input:
             ``sample[0]`` when the dataset returns a tuple or list (``(input, target)``), the
-            whole sample otherwise. The random transforms in :mod:`lightning_mpi.transforms` are
+            whole sample otherwise. The random transforms in :mod:`lightning_mpi.data.transforms` are
             seeded per ``(seed, epoch, sample index)``, so runs are reproducible.
         eval_transform: the same for val and test samples (e.g. a center crop); ``None``: none.
         num_threads: loader threads per stage (``>= 1``).
