@@ -107,7 +107,7 @@ class Transformed(torch.utils.data.Dataset):
 
 
 def make_transform(mean_image: torch.Tensor):
-    from lightning_mpi import transforms as T
+    from lightning_mpi.data import transforms as T
 
     return T.Compose([T.MeanSubtract(mean_image), T.RandomCrop(CROP), T.RandomMirror()])
 

@@ -1,198 +1,30 @@
-"""Tests for lightning_mpi.data (PrefetchDataModule, sharding) and lightning_mpi.transforms."""
+"""Tests for lightning_mpi.data.module (PrefetchDataModule): arguments, Trainer.fit, real MPI ranks."""
 from __future__ import annotations
 
-import gc
 import hashlib
 import json
 import math
 import threading
-import time
 import traceback
 from collections import Counter
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
-from lightning_mpi import transforms as T
-from lightning_mpi.data import (
-    PrefetchDataModule,
-    PrefetchLoader,
-    epoch_order,
-    num_batches_per_rank,
-    shard_indices,
+from lightning_mpi.data import PrefetchDataModule, PrefetchLoader, num_batches_per_rank, shard_indices
+from lightning_mpi.data import transforms as T
+from tests.data.helpers import (
+    FailingDataset,
+    IndexDataset,
+    child_pids,
+    loader_threads,
+    make_model,
+    make_trainer,
 )
 from tests.mpi_utils import run_mpi_code
 
 pytestmark = pytest.mark.timeout(60)
-
-
-# ------------------------------------------------------------------------------------------
-# helpers
-
-
-class IndexDataset:
-    """Sample i is (a small image whose pixels encode i, i)."""
-
-    def __init__(self, n: int, size: int = 6, delay_s: float = 0.0):
-        self.n, self.size, self.delay_s = n, size, delay_s
-        self.loaded: list[int] = []
-        self._lock = threading.Lock()
-
-    def __len__(self):
-        return self.n
-
-    def __getitem__(self, i):
-        if self.delay_s:
-            time.sleep(self.delay_s)
-        with self._lock:
-            self.loaded.append(i)
-        img = torch.arange(3 * self.size * self.size, dtype=torch.float32).reshape(3, self.size, self.size) + 1000 * i
-        return img, i
-
-
-class FailingDataset(IndexDataset):
-    def __getitem__(self, i):
-        if i == self.bad:
-            raise KeyError(f"corrupt record {i}")  # the line the traceback must show
-        return super().__getitem__(i)
-
-
-def child_pids() -> set[int]:
-    pids: set[int] = set()
-    for task in Path("/proc/self/task").iterdir():
-        try:
-            pids.update(int(p) for p in (task / "children").read_text().split())
-        except OSError:
-            pass
-    return pids
-
-
-def loader_threads() -> list[threading.Thread]:
-    return [t for t in threading.enumerate() if t.name.startswith("lightning_mpi-prefetch")]
-
-
-def digest(batches) -> str:
-    h = hashlib.sha256()
-    for x, y in batches:
-        h.update(x.numpy().tobytes())
-        h.update(y.numpy().tobytes())
-    return h.hexdigest()
-
-
-def make_trainer(**kw):
-    import pytorch_lightning as pl
-
-    defaults = dict(
-        max_epochs=2,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        accelerator="cpu",
-        strategy="auto",
-    )
-    defaults.update(kw)
-    return pl.Trainer(**defaults)
-
-
-def make_model(**behaviour):
-    """A tiny regression model that records the sample ids it trains and validates on."""
-    import pytorch_lightning as pl
-
-    class Recorder(pl.LightningModule):
-        def __init__(self):
-            super().__init__()
-            self.layer = torch.nn.Linear(3 * 4 * 4, 1)
-            self.train_ids: dict[int, list[int]] = {}
-            self.val_ids: list[int] = []
-
-        def training_step(self, batch, batch_idx):
-            x, y = batch
-            self.train_ids.setdefault(self.current_epoch, []).extend(y.tolist())
-            if behaviour.get("raise_at") == batch_idx:
-                raise RuntimeError("boom in training_step")
-            if behaviour.get("stop_at") == batch_idx:
-                self.trainer.should_stop = True
-            return self.layer(x.flatten(1)).pow(2).mean()
-
-        def validation_step(self, batch, batch_idx):
-            x, y = batch
-            if not self.trainer.sanity_checking:
-                self.val_ids.extend(y.tolist())
-
-        def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=0.01)
-
-    return Recorder()
-
-
-# ------------------------------------------------------------------------------------------
-# sharding rule (pure, every rank simulated in-process)
-
-SIZES = [1, 2, 5, 7, 10, 13, 33]
-
-
-@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
-@pytest.mark.parametrize("batch_size", [1, 3, 4])
-@pytest.mark.parametrize("shuffle", [True, False])
-def test_pad_exactly_once_among_valid_positions(world_size, batch_size, shuffle):
-    for n in SIZES:
-        plans = [
-            shard_indices(n, world_size, r, batch_size, shuffle=shuffle, seed=3, epoch=1) for r in range(world_size)
-        ]
-        per_rank = math.ceil(n / world_size)
-        expected_batches = math.ceil(per_rank / batch_size)
-        batch_sizes = set()
-        for p in plans:
-            assert len(p.indices) == per_rank
-            assert p.num_batches == expected_batches == num_batches_per_rank(n, world_size, batch_size)
-            batch_sizes.add(tuple(p.batch_slice(k).stop - p.batch_slice(k).start for k in range(p.num_batches)))
-            # padding can only be the rank's last position
-            assert p.valid[:-1].all()
-        assert len(batch_sizes) == 1, f"batch sizes differ across ranks: {batch_sizes}"
-        assert all(s == batch_size for s in next(iter(batch_sizes))[:-1])
-        valid = np.concatenate([p.indices[p.valid] for p in plans])
-        assert sorted(valid.tolist()) == list(range(n)), "every sample exactly once among valid positions"
-        padded = np.concatenate([p.indices[~p.valid] for p in plans])
-        assert len(padded) == per_rank * world_size - n < world_size
-        assert set(padded.tolist()) <= set(range(n))
-
-
-@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
-@pytest.mark.parametrize("batch_size", [1, 2, 3])
-def test_drop_last_at_most_once_full_equal_batches(world_size, batch_size):
-    for n in SIZES:
-        if n < world_size * batch_size:
-            with pytest.raises(ValueError, match="drop_last=True leaves no batch"):
-                PrefetchLoader(IndexDataset(n), batch_size=batch_size, world_size=world_size, drop_last=True)
-            continue
-        plans = [shard_indices(n, world_size, r, batch_size, epoch=2, drop_last=True) for r in range(world_size)]
-        expected = n // (world_size * batch_size)
-        for p in plans:
-            assert p.valid.all()
-            assert p.num_batches == expected == num_batches_per_rank(n, world_size, batch_size, drop_last=True)
-            assert len(p.indices) == expected * batch_size  # every batch full
-        seen = np.concatenate([p.indices for p in plans]).tolist()
-        assert len(seen) == len(set(seen)) and set(seen) <= set(range(n))
-        assert n - len(seen) < world_size * batch_size  # only the remainder is dropped
-
-
-def test_order_depends_only_on_seed_and_epoch():
-    n, w = 29, 3
-    for epoch in range(3):
-        order = epoch_order(n, shuffle=True, seed=7, epoch=epoch)
-        plans = [shard_indices(n, w, r, 4, seed=7, epoch=epoch) for r in range(w)]
-        # dealing round-robin reassembles the global order: the same permutation on every rank
-        dealt = np.empty(sum(len(p.indices) for p in plans), dtype=np.int64)
-        for r, p in enumerate(plans):
-            dealt[r::w] = p.indices
-        assert dealt[:n].tolist() == order.tolist()
-        assert np.array_equal(order, epoch_order(n, shuffle=True, seed=7, epoch=epoch))
-    orders = {tuple(epoch_order(n, shuffle=True, seed=s, epoch=e)) for s in (7, 8) for e in (0, 1, 2)}
-    assert len(orders) == 6, "each (seed, epoch) gives its own permutation"
-    assert epoch_order(n, shuffle=False, seed=7, epoch=5).tolist() == list(range(n))
 
 
 # ------------------------------------------------------------------------------------------
@@ -233,169 +65,6 @@ def test_datamodule_rejects_bad_datasets():
         PrefetchDataModule(IndexDataset(3), val_dataset=42)
     with pytest.raises(ValueError, match="IterableDataset cannot be sharded"):
         PrefetchDataModule(Stream())
-    with pytest.raises(ValueError, match=r"rank must be in \[0, world_size - 1\] = \[0, 1\], got 2"):
-        shard_indices(10, 2, 2, 3)
-
-
-# ------------------------------------------------------------------------------------------
-# the loader on its own
-
-
-def test_prefetch_is_bounded_and_overlaps():
-    ds = IndexDataset(40, delay_s=0.0)
-    loader = PrefetchLoader(ds, batch_size=4, prefetch=2, num_threads=2, shuffle=False)
-    it = iter(loader)
-    assert ds.loaded == [] and loader_threads() == [], "iter() alone starts nothing"
-    next(it)
-    time.sleep(0.3)
-    # the batch handed out + at most `prefetch` batches waiting
-    assert len(ds.loaded) == (1 + 2) * 4
-    next(it)
-    time.sleep(0.3)
-    assert len(ds.loaded) == (2 + 2) * 4
-    it.close()
-    assert loader_threads() == []
-
-    # a load of ~20 ms per batch behind a ~20 ms step: serial would take ~2 x 20 ms per batch
-    slow = IndexDataset(24, delay_s=0.01)
-    loader = PrefetchLoader(slow, batch_size=2, prefetch=2, shuffle=False)
-    t0 = time.perf_counter()
-    for _ in loader:
-        time.sleep(0.02)
-    elapsed = time.perf_counter() - t0
-    serial = 12 * (0.02 + 0.02)
-    assert elapsed < 0.8 * serial, f"no overlap: {elapsed:.3f}s vs serial {serial:.3f}s"
-    assert loader.stats.batches == 12
-    assert loader.stats.wait_s[0] > 0.01  # the first batch cannot be hidden
-    assert loader_threads() == []
-
-
-def test_deterministic_batches_and_augmentation_across_threads():
-    tf = T.Compose([T.RandomCrop(4), T.RandomMirror(0.5), T.MeanSubtract([1.0, 2.0, 3.0])])
-
-    def epochs(seed, num_threads):
-        loader = PrefetchLoader(IndexDataset(23), batch_size=5, seed=seed, num_threads=num_threads, transform=tf)
-        out = []
-        for e in range(2):
-            loader.set_epoch(e)
-            out.append(digest(list(loader)))
-        return out
-
-    a = epochs(seed=1, num_threads=1)
-    assert a == epochs(seed=1, num_threads=3), "thread count must not change batches or augmentation"
-    assert a[0] != a[1], "a new epoch reshuffles"
-    assert epochs(seed=2, num_threads=1) != a
-
-
-def test_abandoned_iterator_and_new_epoch_stop_threads():
-    loader = PrefetchLoader(IndexDataset(50), batch_size=2, prefetch=3, num_threads=2)
-    it = iter(loader)
-    next(it)
-    assert len(loader.live_threads) == 2
-    it2 = iter(loader)  # a new epoch ends the old one
-    assert loader_threads() == []
-    with pytest.raises(StopIteration):
-        next(it)
-    next(it2)
-    del it2  # dropped mid-epoch: collection stops the threads
-    gc.collect()
-    deadline = time.monotonic() + 5
-    while loader_threads() and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert loader_threads() == []
-
-
-def test_return_mask_marks_exactly_the_padding():
-    ds = IndexDataset(10)
-    seen, padded = [], []
-    for rank in range(4):
-        loader = PrefetchLoader(ds, batch_size=2, rank=rank, world_size=4, return_mask=True, seed=5)
-        batches = list(loader)
-        assert len(batches) == len(loader) == 2
-        for (x, y), valid in batches:
-            assert valid.dtype == torch.bool and valid.shape == y.shape
-            seen += y[valid].tolist()
-            padded += y[~valid].tolist()
-    assert sorted(seen) == list(range(10)) and len(padded) == 2
-
-
-def test_loader_error_keeps_type_traceback_and_context():
-    ds = FailingDataset(12)
-    ds.bad = 7
-    loader = PrefetchLoader(ds, batch_size=4, shuffle=False, num_threads=2)
-    it = iter(loader)
-    assert next(it)[1].tolist() == [0, 1, 2, 3]
-    with pytest.raises(KeyError) as info:
-        next(it)
-    text = "".join(traceback.format_exception(info.value))
-    assert 'raise KeyError(f"corrupt record {i}")' in text and "in __getitem__" in text
-    assert "batch 1 of epoch 0 on rank 0 of 1 (dataset indices [4, 5, 6, 7])" in text
-    assert loader_threads() == []
-
-
-# ------------------------------------------------------------------------------------------
-# transforms
-
-
-def test_transforms_values():
-    img = torch.arange(2 * 5 * 6, dtype=torch.float32).reshape(2, 5, 6)
-    out = T.MeanSubtract([1.0, 2.0])(img)
-    assert torch.equal(out[0], img[0] - 1) and torch.equal(out[1], img[1] - 2)
-    assert torch.equal(T.MeanSubtract(img)(img), torch.zeros_like(img))  # a full mean image
-    assert T.MeanSubtract(0.5)(img.to(torch.uint8)).dtype == torch.float32
-
-    crop = T.RandomCrop((3, 4), seed=0)
-    offsets = set()
-    for _ in range(50):
-        c = crop(img)
-        assert c.shape == (2, 3, 4)
-        top, left = divmod(int(c[0, 0, 0]), 6)
-        assert torch.equal(c, img[:, top : top + 3, left : left + 4])
-        offsets.add((top, left))
-    assert len(offsets) > 3 and all(t <= 2 and l <= 2 for t, l in offsets)
-    assert torch.equal(T.CenterCrop(3)(img), img[:, 1:4, 1:4])
-
-    assert torch.equal(T.RandomMirror(1.0)(img), img.flip(-1))
-    assert torch.equal(T.RandomMirror(0.0)(img), img)
-    flips = sum(torch.equal(T.RandomMirror(0.5, seed=s)(img), img.flip(-1)) for s in range(200))
-    assert 60 < flips < 140
-
-
-def test_transforms_use_the_installed_sample_seed():
-    img = torch.arange(3 * 8 * 8, dtype=torch.float32).reshape(3, 8, 8)
-    tf = T.Compose([T.RandomCrop(5), T.RandomMirror()])
-    with T.sample_seed(T.derive_seed(0, 1, 2)):
-        a = tf(img)
-    with T.sample_seed(T.derive_seed(0, 1, 2)):
-        b = tf(img)
-    assert torch.equal(a, b)
-    outs = set()
-    for idx in range(30):
-        with T.sample_seed(T.derive_seed(0, 1, idx)):
-            outs.add(tf(img).numpy().tobytes())
-    assert len(outs) > 5
-    assert T.current_generator() is None
-    assert T.derive_seed(1, 2) != T.derive_seed(2, 1)
-
-
-@pytest.mark.parametrize(
-    "factory, match",
-    [
-        (lambda: T.RandomCrop(0), r"RandomCrop: size must be >= 1 in both dims, got 0"),
-        (lambda: T.RandomCrop((2, 2, 2)), r"RandomCrop: size must be an int >= 1 or a pair"),
-        (lambda: T.CenterCrop(-3), r"CenterCrop: size must be >= 1"),
-        (lambda: T.RandomMirror(1.5), r"RandomMirror: p must be a float in \[0, 1\], got 1.5"),
-        (lambda: T.RandomMirror(seed=-2), r"RandomMirror: seed must be an int >= 0, got -2"),
-        (lambda: T.MeanSubtract([]), r"MeanSubtract: mean must have at least one element"),
-        (lambda: T.MeanSubtract(1.0, dtype=torch.int32), r"MeanSubtract: dtype must be a floating"),
-        (lambda: T.Compose([T.CenterCrop(2), 3]), r"Compose: transforms\[1\] must be callable"),
-        (lambda: T.RandomCrop(9)(torch.zeros(3, 8, 8)), r"RandomCrop: crop 9x9 is larger than the image 8x8"),
-        (lambda: T.MeanSubtract([1.0, 2.0])(torch.zeros(3, 4, 4)), r"does not broadcast"),
-    ],
-)
-def test_transforms_reject_bad_arguments(factory, match):
-    with pytest.raises(ValueError, match=match):
-        factory()
 
 
 # ------------------------------------------------------------------------------------------
@@ -499,7 +168,7 @@ import hashlib, json, threading, time
 from mpi4py import MPI
 import torch
 from lightning_mpi.data import PrefetchDataModule
-from lightning_mpi import transforms as T
+from lightning_mpi.data import transforms as T
 
 class DS:
     def __init__(self, n): self.n = n
