@@ -1,17 +1,15 @@
-"""``PrefetchDataModule``: :class:`~lightning_mpi.data.hooks.PrefetchDataHooks` as a ``pytorch_lightning`` DataModule.
+"""``PrefetchDataModule`` on ``pytorch_lightning``: :class:`~lightning_mpi.data.hooks.PrefetchDataHooks`
+on its ``LightningDataModule``.
 
-The only module of :mod:`lightning_mpi.data` that imports Lightning. Everything but the base
-class lives in the Lightning-free hooks, so a DataModule for another Lightning frontend is one
-more line like the class below.
+The class is built by :mod:`lightning_mpi.strategies.build`, like every Lightning-facing class of
+lightning_mpi, and is the same object as ``lightning_mpi.PrefetchDataModule``; the unified
+package's is ``lightning_mpi.lightning.PrefetchDataModule``. Importing this module imports
+``pytorch_lightning``.
 """
 from __future__ import annotations
 
-import pytorch_lightning as pl
-
-from lightning_mpi.data.hooks import PrefetchDataHooks
+from lightning_mpi.strategies.build import trainer_classes
 
 __all__ = ["PrefetchDataModule"]
 
-
-class PrefetchDataModule(PrefetchDataHooks, pl.LightningDataModule):
-    __doc__ = PrefetchDataHooks.__doc__  # one contract, whichever frontend's DataModule carries it
+PrefetchDataModule = trainer_classes("pytorch_lightning")["PrefetchDataModule"]

@@ -96,7 +96,17 @@ def trainer_classes(package: str) -> dict[str, type]:
     )
     async_base = _make("AsyncMPIStrategy", (options.AsyncOptions, StopDecisions, base), module,
                        options.AsyncOptions.__doc__)
-    return {**support, **_strategies_on(base, async_base, module)}
+    return {**support, **_strategies_on(base, async_base, module), **_trainer_extras(api, module)}
+
+
+def _trainer_extras(api: Any, module: str) -> dict[str, type]:
+    """The DataModule and the callback, on the Trainer package's bases."""
+    from lightning_mpi.data.hooks import PrefetchDataHooks
+
+    return {
+        "PrefetchDataModule": _make("PrefetchDataModule", (PrefetchDataHooks, api.LightningDataModule), module,
+                                    PrefetchDataHooks.__doc__),
+    }
 
 
 @lru_cache(maxsize=None)
