@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from lightning_mpi import launcher
+from lightning_mpi.launcher import cli as launcher
 from lightning_mpi.launcher import (
     HostEntry,
     LaunchError,
