@@ -194,7 +194,7 @@ def cleanup(all_runs: bool = False) -> list[str]:
 def _mpiexec() -> str:
     """The venv's mpiexec first, then PATH: the launcher's lookup (imported here, not at module load)."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from lightning_mpi.launcher import find_mpiexec
+    from lightning_mpi.launcher.checks import find_mpiexec
 
     return find_mpiexec()
 

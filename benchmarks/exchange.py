@@ -99,7 +99,7 @@ def run_setting(setting: str, sizes: list[int], methods: list[str], iters: int, 
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     kind, *rest = setting.split(":")
     if kind == "shm":
-        from lightning_mpi.launcher import find_mpiexec
+        from lightning_mpi.launcher.checks import find_mpiexec
 
         env["GLOO_SOCKET_IFNAME"] = "lo"
         subprocess.run([find_mpiexec(), "-n", rest[0], *args], env=env, check=True, timeout=timeout)

@@ -146,7 +146,7 @@ def run(setting: str, strategy: str, steps: int, batch: int, timeout: float, scr
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), PYTHONWARNINGS="ignore")
     if kind == "shm":
         env["GLOO_SOCKET_IFNAME"] = "lo"
-        from lightning_mpi.launcher import find_mpiexec
+        from lightning_mpi.launcher.checks import find_mpiexec
 
         subprocess.run([find_mpiexec(), "-n", rest[0], *args], env=env, check=True, timeout=timeout, capture_output=True)
     else:

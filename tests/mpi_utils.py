@@ -18,7 +18,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 def mpiexec_path() -> str:
     """The venv's mpiexec (from the ``mpich`` wheel) first, then PATH: the launcher's own lookup."""
-    from lightning_mpi.launcher import find_mpiexec
+    from lightning_mpi.launcher.checks import find_mpiexec
 
     return find_mpiexec()
 

@@ -1,0 +1,221 @@
+"""``lightning-mpi``: an ``mpiexec`` front end with sanity checks (after PowerAI DDL's ``ddlrun``).
+
+Usage::
+
+    lightning-mpi -n N [--hosts a,b | --hostfile F] [--ppn K] [--mpiexec PATH]
+                  [--env K=V]... [--dry-run] script.py [script args]
+    python -m lightning_mpi ...          # the same
+
+What it does, in order:
+
+1. Checks the arguments and the environment, and stops with exit code 2 and a message that
+   names the problem and the fix when one fails: N >= 1, the script exists, the hostfile parses,
+   every host resolves, a launcher is found, ``mpi4py`` imports and loads its MPI library, and
+   that library belongs to the same MPI as the ``mpiexec`` found (the venv's first, then PATH).
+2. Picks the launcher: ``srun`` inside a Slurm allocation (``SLURM_JOB_ID`` set and ``srun`` on
+   PATH) unless ``--mpiexec`` is given; otherwise ``mpiexec``, whose command-line syntax (MPICH
+   hydra or Open MPI) is read from ``mpiexec --version``.
+3. Builds the command with the pure function :func:`.command.build_command` and prints the planned
+   topology (hosts and ranks per host) on stderr. ``--dry-run`` prints the command on stdout and
+   exits 0 without launching.
+4. Runs the command in its own session and returns its exit code (death by signal S gives
+   128 + S). SIGINT/SIGTERM are forwarded; whatever is still alive after a grace period, ranks
+   included, is killed.
+
+Steps 1 to 3 are :func:`_prepare` (the checks live in :mod:`.hosts` and :mod:`.checks`, the command
+in :mod:`.command`, the topology in :mod:`.topology`); step 4 is :func:`.process.run_command`.
+
+The launcher package imports only the standard library: the launcher must start fast, and it must
+not initialise MPI itself (the mpi4py check runs in a subprocess).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import shutil
+import signal
+import sys
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+from .checks import (
+    check_mpi4py,
+    check_mpi_match,
+    check_script,
+    find_mpiexec,
+    flavor_from_version,
+    mpiexec_version,
+)
+from .command import ENV_KEY, FLAVOR_NAMES, Flavor, LaunchSpec, build_command
+from .errors import PROG, LaunchError
+from .hosts import check_hosts_resolve, parse_host, positive_int, read_hostfile
+from .process import run_command
+from .topology import format_topology, plan_topology
+
+__all__ = ["USAGE", "build_parser", "main"]
+
+USAGE = (
+    "lightning-mpi -n N [--hosts a,b | --hostfile F] [--ppn K] [--mpiexec PATH] "
+    "[--env K=V]... [--dry-run] script.py [script args]"
+)
+
+
+def _arg_positive_int(text: str) -> int:
+    try:
+        return positive_int(text, "value")
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer >= 1") from None
+
+
+def _arg_hosts(text: str) -> tuple[str, ...]:
+    try:
+        return tuple(str(parse_host(h)) for h in text.split(","))
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"{exc}; example: --hosts node1,node2 or node1:4,node2:4") from None
+
+
+def _arg_env(text: str) -> tuple[str, str]:
+    key, eq, value = text.partition("=")
+    if not eq or not ENV_KEY.match(key):
+        raise argparse.ArgumentTypeError(f"{text!r} is not KEY=VALUE with KEY a variable name; example: --env OMP_NUM_THREADS=4")
+    return key, value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``lightning-mpi`` argument parser (everything after the script goes to the script)."""
+    parser = argparse.ArgumentParser(
+        prog=PROG,
+        usage=USAGE,
+        description=(
+            "Launch a Python script on N MPI ranks with mpiexec (MPICH hydra or Open MPI), or srun "
+            "inside a Slurm allocation, after checking that the job can start."
+        ),
+        epilog=(
+            "examples:\n"
+            "  lightning-mpi -n 4 train.py fit --trainer.strategy=mpi_easgd\n"
+            "  lightning-mpi -n 8 --hosts node1,node2 --ppn 4 --env OMP_NUM_THREADS=2 train.py\n"
+            "  lightning-mpi -n 8 --hostfile hosts.txt --dry-run train.py"
+        ),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("-n", "-np", "--np", dest="nprocs", metavar="N", type=_arg_positive_int,
+                        required=True, help="number of ranks (>= 1)")
+    where = parser.add_mutually_exclusive_group()
+    where.add_argument("--hosts", metavar="a,b", type=_arg_hosts,
+                       help="comma-separated hosts, each 'name' or 'name:slots'")
+    where.add_argument("--hostfile", metavar="F",
+                       help="hostfile: 'host', 'host:slots' (MPICH) or 'host slots=K' (Open MPI) lines")
+    parser.add_argument("--ppn", metavar="K", type=_arg_positive_int, help="ranks per node")
+    parser.add_argument("--mpiexec", metavar="PATH",
+                        help="launcher to use (default: the venv's mpiexec, then PATH; srun under Slurm)")
+    parser.add_argument("--env", metavar="K=V", type=_arg_env, action="append", default=[],
+                        help="export K=V to every rank (repeatable)")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="run the checks, print the command, do not launch")
+    parser.add_argument("script", help="Python script every rank runs")
+    parser.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
+    return parser
+
+
+@dataclass(frozen=True)
+class _Plan:
+    spec: LaunchSpec
+    flavor: Flavor
+    command: list[str]
+    topology: list[str]
+    notes: list[str]
+
+
+def _choose_launcher(explicit: str | None, environ: Mapping[str, str]) -> tuple[str, Flavor | None]:
+    """srun inside a Slurm allocation unless --mpiexec is given; else mpiexec and its flavor."""
+    if not explicit and environ.get("SLURM_JOB_ID"):
+        srun = shutil.which("srun", path=environ.get("PATH", os.defpath))
+        if srun:
+            return srun, "srun"
+    launcher = find_mpiexec(explicit, environ)
+    return launcher, flavor_from_version(mpiexec_version(launcher))
+
+
+def _prepare(args: argparse.Namespace, environ: Mapping[str, str]) -> _Plan:
+    """Run every sanity check and build the command; raises :class:`LaunchError`."""
+    notes: list[str] = []
+    check_script(args.script)
+    hostfile = read_hostfile(args.hostfile) if args.hostfile else None
+    entries = list(hostfile.entries) if hostfile else [parse_host(h) for h in (args.hosts or ())]
+    if entries:
+        check_hosts_resolve([e.name for e in entries])
+    launcher, flavor = _choose_launcher(args.mpiexec, environ)
+    library = check_mpi4py(sys.executable)
+    notes += check_mpi_match(library, launcher, flavor)
+    assert flavor is not None  # check_mpi_match raised otherwise
+
+    hosts = tuple(args.hosts or ())
+    hostfile_path = args.hostfile
+    if hostfile is not None and (flavor == "srun" or hostfile.syntax not in ("plain", flavor)):
+        # srun has no hostfile option of this form, and hydra / Open MPI each reject the other's
+        # slot syntax: hand the parsed hosts over on the command line, which both understand.
+        hosts, hostfile_path = tuple(str(e) for e in entries), None
+        notes.append(f"hostfile {args.hostfile!r} passed as a host list for {FLAVOR_NAMES[flavor]}")
+    try:
+        spec = LaunchSpec(
+            nprocs=args.nprocs,
+            script=args.script,
+            script_args=tuple(args.script_args),
+            hosts=hosts,
+            hostfile=hostfile_path,
+            ppn=args.ppn,
+            env=tuple(args.env),
+            launcher=launcher,
+        )
+        command = build_command(spec, flavor)
+    except ValueError as exc:
+        raise LaunchError(f"{exc}") from None
+
+    header = f"{args.nprocs} rank{'s' if args.nprocs != 1 else ''} via {FLAVOR_NAMES[flavor]} ({launcher})"
+    if flavor == "srun" and not (entries and args.ppn):
+        where = ",".join(e.name for e in entries) or environ.get("SLURM_JOB_NODELIST", "the allocation")
+        per_node = f", at most {args.ppn} per node" if args.ppn else ""
+        topology = [header, f"Slurm places them on {where}{per_node}"]
+    else:
+        topology = [header, *format_topology(plan_topology(args.nprocs, entries, args.ppn))]
+    return _Plan(spec, flavor, command, topology, notes)
+
+
+def _error(parser: argparse.ArgumentParser, message: str) -> int:
+    """Report like argparse does (usage line, then 'prog: error: ...') and return 2."""
+    parser.print_usage(sys.stderr)
+    print(f"{PROG}: error: {message}", file=sys.stderr)
+    return 2
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``lightning-mpi`` and ``python -m lightning_mpi``; returns the exit code.
+
+    0/the job's exit code on a launch, 0 for ``--dry-run`` and ``--help``, 2 for a bad argument
+    or a failed sanity check (message on stderr, with the fix), 128 + S when stopped by signal S.
+    """
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # argparse already printed the message
+        return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 2)
+    try:
+        plan = _prepare(args, os.environ)
+    except LaunchError as exc:
+        return _error(parser, str(exc))
+    except KeyboardInterrupt:  # Ctrl-C during the checks: nothing was launched yet
+        return 128 + signal.SIGINT
+    for line in plan.notes:
+        print(f"{PROG}: note: {line}", file=sys.stderr)
+    for line in plan.topology:
+        print(f"{PROG}: {line}", file=sys.stderr)
+    if args.dry_run:
+        print(shlex.join(plan.command))
+        return 0
+    print(f"{PROG}: command: {shlex.join(plan.command)}", file=sys.stderr, flush=True)
+    sigint_as = signal.SIGTERM if plan.flavor == "srun" else signal.SIGINT
+    try:
+        return run_command(plan.command, sigint_as=sigint_as)
+    except OSError as exc:  # the launcher vanished or is not executable after the checks
+        return _error(parser, f"cannot start {plan.command[0]}: {exc}")

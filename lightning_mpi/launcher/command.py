@@ -1,0 +1,134 @@
+"""The launch spec and the pure function that turns it into an MPICH hydra, Open MPI or
+srun command line.
+"""
+from __future__ import annotations
+
+import math
+import re
+import sys
+from dataclasses import dataclass, field
+from typing import Literal
+
+from .hosts import parse_host
+
+__all__ = ["ENV_KEY", "FLAVORS", "FLAVOR_NAMES", "Flavor", "LaunchSpec", "build_command"]
+
+#: Command-line syntax of the launcher: MPICH hydra's ``mpiexec``, Open MPI's ``mpirun``, or ``srun``.
+Flavor = Literal["mpich", "openmpi", "srun"]
+FLAVORS: tuple[str, ...] = ("mpich", "openmpi", "srun")
+FLAVOR_NAMES = {"mpich": "MPICH (hydra)", "openmpi": "Open MPI", "srun": "Slurm srun"}
+
+#: A shell variable name: what ``--env`` and :attr:`LaunchSpec.env` accept as a key.
+ENV_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
+
+
+@dataclass(frozen=True)
+class LaunchSpec:
+    """Everything :func:`build_command` needs, validated at construction.
+
+    - ``nprocs``: number of ranks, >= 1.
+    - ``script`` / ``script_args``: what every rank runs, as ``python script args...``.
+    - ``hosts``: ``"name"`` or ``"name:slots"`` strings; ``hostfile``: a path. At most one of them.
+    - ``ppn``: ranks per node (>= 1), or ``None`` to leave placement to slots / the launcher.
+    - ``env``: ``(KEY, VALUE)`` pairs exported to every rank on top of the inherited environment.
+    - ``launcher``: the ``mpiexec`` / ``mpirun`` / ``srun`` executable that starts the job.
+    - ``python``: the interpreter of the ranks; defaults to ``sys.executable``.
+
+    Invalid values raise ``ValueError`` naming the field and the value.
+    """
+
+    nprocs: int
+    script: str
+    script_args: tuple[str, ...] = ()
+    hosts: tuple[str, ...] = ()
+    hostfile: str | None = None
+    ppn: int | None = None
+    env: tuple[tuple[str, str], ...] = ()
+    launcher: str = "mpiexec"
+    python: str = field(default_factory=lambda: sys.executable)
+
+    def __post_init__(self) -> None:
+        # Accept lists for convenience but store tuples, so the spec stays hashable and frozen.
+        object.__setattr__(self, "script_args", tuple(self.script_args))
+        object.__setattr__(self, "hosts", tuple(self.hosts))
+        object.__setattr__(self, "env", tuple((k, v) for k, v in self.env))
+        if isinstance(self.nprocs, bool) or not isinstance(self.nprocs, int) or self.nprocs < 1:
+            raise ValueError(f"nprocs={self.nprocs!r}: must be an integer >= 1")
+        if self.ppn is not None and (
+            isinstance(self.ppn, bool) or not isinstance(self.ppn, int) or self.ppn < 1
+        ):
+            raise ValueError(f"ppn={self.ppn!r}: must be an integer >= 1 or None")
+        if self.hosts and self.hostfile:
+            raise ValueError("hosts and hostfile: give at most one of them")
+        for host in self.hosts:
+            parse_host(host)  # raises ValueError naming the bad host
+        for key, _ in self.env:
+            if not ENV_KEY.match(key):
+                raise ValueError(f"env key {key!r}: must be a shell variable name like MY_VAR")
+        if not self.script:
+            raise ValueError("script: must not be empty")
+
+
+def build_command(spec: LaunchSpec, flavor: Flavor) -> list[str]:
+    """Return the argv that launches ``spec`` with ``flavor``'s command-line syntax.
+
+    Pure: reads no files and no environment, so every flavor is unit-testable anywhere.
+
+    - ``"mpich"`` (hydra): ``mpiexec -n N [-hosts a,b | -f F] [-ppn K] [-genv K V]... python script args``
+    - ``"openmpi"``: ``mpirun -np N [--host a:S,b:S | --hostfile F] [--map-by ppr:K:node | node]
+      [-x K=V]... python script args``. Hosts without explicit slots get ``S = K`` (with ``ppn``)
+      or ``S = ceil(N / hosts)`` plus ``--map-by node``, so ranks go round-robin over hosts as
+      hydra places them.
+    - ``"srun"``: ``srun --ntasks=N [--nodes=H --nodelist=a,b] [--ntasks-per-node=K]
+      [--export=ALL,K=V,...] --kill-on-bad-exit=1 python script args``. Slurm owns the slots,
+      so a hostfile must be turned into ``hosts`` first (``ValueError`` otherwise); values with
+      commas cannot be expressed in ``--export`` and raise ``ValueError``.
+    """
+    program = [spec.python, spec.script, *spec.script_args]
+    if flavor == "mpich":
+        cmd = [spec.launcher, "-n", str(spec.nprocs)]
+        if spec.hosts:
+            cmd += ["-hosts", ",".join(spec.hosts)]
+        if spec.hostfile:
+            cmd += ["-f", spec.hostfile]
+        if spec.ppn:
+            cmd += ["-ppn", str(spec.ppn)]
+        for key, value in spec.env:
+            cmd += ["-genv", key, value]
+        return cmd + program
+    if flavor == "openmpi":
+        cmd = [spec.launcher, "-np", str(spec.nprocs)]
+        entries = [parse_host(h) for h in spec.hosts]
+        if entries:
+            default_slots = spec.ppn or math.ceil(spec.nprocs / len(entries))
+            cmd += ["--host", ",".join(f"{e.name}:{e.slots or default_slots}" for e in entries)]
+        if spec.hostfile:
+            cmd += ["--hostfile", spec.hostfile]
+        if spec.ppn:
+            cmd += ["--map-by", f"ppr:{spec.ppn}:node"]
+        elif entries and all(e.slots is None for e in entries):
+            cmd += ["--map-by", "node"]
+        for key, value in spec.env:
+            cmd += ["-x", f"{key}={value}"]
+        return cmd + program
+    if flavor == "srun":
+        if spec.hostfile:
+            raise ValueError(
+                "srun takes no hostfile here: parse it (read_hostfile) and pass hosts=... instead"
+            )
+        cmd = [spec.launcher, f"--ntasks={spec.nprocs}"]
+        if spec.hosts:
+            names = [parse_host(h).name for h in spec.hosts]
+            cmd += [f"--nodes={len(names)}", f"--nodelist={','.join(names)}"]
+        if spec.ppn:
+            cmd.append(f"--ntasks-per-node={spec.ppn}")
+        if spec.env:
+            bad = [k for k, v in spec.env if "," in v]
+            if bad:
+                raise ValueError(f"env {bad[0]}: srun --export cannot carry a value with ','")
+            cmd.append("--export=" + ",".join(["ALL", *(f"{k}={v}" for k, v in spec.env)]))
+        # One failing rank ends the step instead of leaving the others waiting in a collective;
+        # hydra and Open MPI behave this way by default.
+        cmd.append("--kill-on-bad-exit=1")
+        return cmd + program
+    raise ValueError(f"flavor={flavor!r}: expected one of {', '.join(FLAVORS)}")

@@ -1,0 +1,153 @@
+"""Running the launch command: in a session of its own, with SIGINT/SIGTERM forwarded once and
+every process of the job, ranks included, killed after a grace period.
+
+:func:`run_command` runs the job once and returns its exit code; whether to run it again is
+its caller's decision.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import threading
+from pathlib import Path
+from typing import Mapping, Sequence
+
+__all__ = ["KILL_GRACE_S", "run_command"]
+
+#: Seconds between forwarding SIGINT/SIGTERM and killing every remaining process with SIGKILL.
+KILL_GRACE_S = 5.0
+
+
+def _start_time(pid: int) -> str | None:
+    """Kernel start time of ``pid`` (guards against killing a recycled pid), or None if gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    # The command name (field 2) may contain spaces; fields after the last ')' are fixed.
+    return stat.rsplit(")", 1)[1].split()[19]
+
+
+def _descendants(root: int) -> list[tuple[int, str]]:
+    """``(pid, start_time)`` of every live descendant of ``root``; empty without /proc."""
+    children: dict[int, list[int]] = {}
+    starts: dict[int, str] = {}
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return []
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        rest = stat.rsplit(")", 1)[1].split()
+        children.setdefault(int(rest[1]), []).append(int(entry))
+        starts[int(entry)] = rest[19]
+    found: list[tuple[int, str]] = []
+    stack = [root]
+    while stack:
+        for child in children.get(stack.pop(), []):
+            found.append((child, starts[child]))
+            stack.append(child)
+    return found
+
+
+class _Stopper:
+    """Forwards the first SIGINT/SIGTERM to the job and kills what is left after a grace period.
+
+    hydra puts each proxy and each rank into a session of its own (measured with MPICH 5), so
+    signalling the launcher's process group does not reach the ranks; mpiexec stops them itself
+    on SIGINT/SIGTERM, unless a rank ignores the signal.
+    If it does not finish within ``grace_s`` (or a second signal arrives), every process of the
+    group and every descendant seen so far is sent SIGKILL, so no rank outlives the job.
+    """
+
+    def __init__(self, proc: subprocess.Popen, grace_s: float, sigint_as: int) -> None:
+        self.proc = proc
+        self.grace_s = grace_s
+        self.sigint_as = sigint_as
+        self.signum: int | None = None
+        self._tracked: dict[int, str] = {}
+        self._timer: threading.Timer | None = None
+        # Re-entrant: a third Ctrl-C can interrupt the main thread inside kill().
+        self._lock = threading.RLock()
+
+    def _track(self) -> None:
+        # Snapshot now: once the launcher dies its ranks are re-parented and can't be found.
+        self._tracked.update(_descendants(self.proc.pid))
+
+    def on_signal(self, signum: int, frame: object) -> None:
+        with self._lock:
+            self._track()
+        if self.signum is not None:
+            self.kill()  # a second Ctrl-C means "now"
+            return
+        self.signum = signum
+        forward = self.sigint_as if signum == signal.SIGINT else signum
+        try:
+            os.killpg(self.proc.pid, forward)
+        except ProcessLookupError:
+            pass
+        self._timer = threading.Timer(self.grace_s, self.kill)
+        self._timer.daemon = True
+        self._timer.start()
+
+    def kill(self) -> None:
+        with self._lock:
+            self._track()
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+            for pid, start in self._tracked.items():
+                if _start_time(pid) == start:
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                    except (ProcessLookupError, PermissionError):
+                        pass
+
+    def finish(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        if self.signum is not None:
+            # The job was asked to stop: sweep anything the launcher left behind.
+            self.kill()
+
+
+def run_command(
+    cmd: Sequence[str],
+    *,
+    grace_s: float = KILL_GRACE_S,
+    sigint_as: int = signal.SIGINT,
+    env: Mapping[str, str] | None = None,
+) -> int:
+    """Run ``cmd`` in a new session and return its exit code (death by signal S -> 128 + S).
+
+    While it runs (and when called from the main thread), SIGINT and SIGTERM are forwarded to
+    the job's process group -- SIGINT as ``sigint_as`` (srun needs SIGTERM: one SIGINT only
+    makes it print status) -- and after ``grace_s`` seconds, or on a second signal, every
+    remaining process of the job, ranks included, is killed. A job stopped this way returns
+    128 + the received signal even if the launcher exited 0.
+    """
+    # A new session keeps a terminal's Ctrl-C from reaching the job directly: we forward it
+    # once, in order, and own the escalation.
+    proc = subprocess.Popen(list(cmd), start_new_session=True, env=None if env is None else dict(env))
+    stopper = _Stopper(proc, grace_s, sigint_as)
+    previous: dict[int, object] = {}
+    if threading.current_thread() is threading.main_thread():
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            previous[signum] = signal.signal(signum, stopper.on_signal)
+    try:
+        returncode = proc.wait()
+    finally:
+        # Handlers first, so that no new forwarding starts while finish() sweeps.
+        for signum, handler in previous.items():
+            signal.signal(signum, signal.SIG_DFL if handler is None else handler)  # type: ignore[arg-type]
+        stopper.finish()
+    if stopper.signum is not None:
+        return 128 + stopper.signum
+    return 128 - returncode if returncode < 0 else returncode

@@ -1,0 +1,60 @@
+"""Where the ranks go: hydra's placement of N ranks over the hosts, and its one-line-per-host
+summary printed before a launch.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+from .hosts import HostEntry
+
+__all__ = ["format_topology", "plan_topology"]
+
+
+def plan_topology(
+    nprocs: int, hosts: Sequence[HostEntry], ppn: int | None = None
+) -> list[tuple[str, list[int]]]:
+    """Where hydra places ``nprocs`` ranks: ``[(host, [ranks...]), ...]`` in host order.
+
+    Hosts are visited round-robin; each visit takes ``ppn`` ranks if given, else the host's slots,
+    else 1, until all ranks are placed (so more ranks than slots wrap around). A host listed
+    twice is reported once. No hosts means one machine: ``[("localhost", [0..N-1])]``. The Open
+    MPI command from :func:`build_command` places ranks the same way when they fit in the slots.
+    """
+    if not hosts:
+        return [("localhost", list(range(nprocs)))]
+    placed: dict[str, list[int]] = {e.name: [] for e in hosts}
+    rank = 0
+    while rank < nprocs:
+        for entry in hosts:
+            take = min(ppn or entry.slots or 1, nprocs - rank)
+            placed[entry.name].extend(range(rank, rank + take))
+            rank += take
+            if rank == nprocs:
+                break
+    return list(placed.items())
+
+
+def _ranges(ranks: Sequence[int]) -> str:
+    """``[0, 1, 2, 5]`` -> ``"0-2,5"``."""
+    parts: list[str] = []
+    start = prev = None
+    for r in ranks:
+        if prev is not None and r == prev + 1:
+            prev = r
+            continue
+        if start is not None:
+            parts.append(f"{start}-{prev}" if prev != start else f"{start}")
+        start = prev = r
+    if start is not None:
+        parts.append(f"{start}-{prev}" if prev != start else f"{start}")
+    return ",".join(parts)
+
+
+def format_topology(placement: Sequence[tuple[str, Sequence[int]]]) -> list[str]:
+    """One line per host: ``"localhost: 2 ranks (0-1)"``."""
+    lines = []
+    for host, ranks in placement:
+        count = len(ranks)
+        noun = "rank" if count == 1 else "ranks"
+        lines.append(f"{host}: {count} {noun}" + (f" ({_ranges(ranks)})" if ranks else ""))
+    return lines

@@ -1,0 +1,1 @@
+"""Tests of :mod:`lightning_mpi.launcher`, one file per module."""

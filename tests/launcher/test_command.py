@@ -1,0 +1,115 @@
+"""Tests of :mod:`lightning_mpi.launcher.command`: the launch spec's validation and the pure
+command builder for MPICH hydra, Open MPI and srun.
+
+Open MPI and srun are only checked as command lines here: neither is installed on these machines.
+"""
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from lightning_mpi.launcher.command import LaunchSpec, build_command
+
+
+def spec(**kw) -> LaunchSpec:
+    base = dict(nprocs=4, script="train.py", script_args=("fit", "--x=1"), python="py")
+    base.update(kw)
+    return LaunchSpec(**base)
+
+
+@pytest.mark.timeout(10)
+class TestBuildCommand:
+    def test_mpich_local(self):
+        assert build_command(spec(nprocs=2), "mpich") == [
+            "mpiexec", "-n", "2", "py", "train.py", "fit", "--x=1",
+        ]
+
+    def test_mpich_hosts_ppn_env(self):
+        cmd = build_command(
+            spec(hosts=("a", "b:3"), ppn=2, env=(("A", "1"), ("B", "x y")), launcher="/m/mpiexec"),
+            "mpich",
+        )
+        assert cmd == [
+            "/m/mpiexec", "-n", "4", "-hosts", "a,b:3", "-ppn", "2",
+            "-genv", "A", "1", "-genv", "B", "x y",
+            "py", "train.py", "fit", "--x=1",
+        ]
+
+    def test_mpich_hostfile(self):
+        assert build_command(spec(hostfile="hf"), "mpich")[:5] == ["mpiexec", "-n", "4", "-f", "hf"]
+
+    def test_openmpi_hosts_ppn_env(self):
+        cmd = build_command(spec(hosts=("a", "b"), ppn=2, env=(("A", "1"),), launcher="mpirun"), "openmpi")
+        assert cmd == [
+            "mpirun", "-np", "4", "--host", "a:2,b:2", "--map-by", "ppr:2:node", "-x", "A=1",
+            "py", "train.py", "fit", "--x=1",
+        ]
+
+    def test_openmpi_hosts_without_slots_go_round_robin(self):
+        # 3 ranks on 2 hosts: enough slots on each (ceil(3/2) = 2) and mapped by node, as hydra does.
+        cmd = build_command(spec(nprocs=3, hosts=("a", "b"), launcher="mpirun"), "openmpi")
+        assert cmd[:7] == ["mpirun", "-np", "3", "--host", "a:2,b:2", "--map-by", "node"]
+
+    def test_openmpi_explicit_slots_fill_by_slot(self):
+        cmd = build_command(spec(nprocs=5, hosts=("a:4", "b"), launcher="mpirun"), "openmpi")
+        assert cmd[:5] == ["mpirun", "-np", "5", "--host", "a:4,b:3"]
+        assert "--map-by" not in cmd
+
+    def test_openmpi_hostfile(self):
+        cmd = build_command(spec(hostfile="hf", ppn=8, launcher="mpirun"), "openmpi")
+        assert cmd[:7] == ["mpirun", "-np", "4", "--hostfile", "hf", "--map-by", "ppr:8:node"]
+
+    def test_srun(self):
+        cmd = build_command(
+            spec(hosts=("n1:4", "n2"), ppn=2, env=(("A", "1"), ("B", "2")), launcher="srun"), "srun"
+        )
+        assert cmd == [
+            "srun", "--ntasks=4", "--nodes=2", "--nodelist=n1,n2", "--ntasks-per-node=2",
+            "--export=ALL,A=1,B=2", "--kill-on-bad-exit=1", "py", "train.py", "fit", "--x=1",
+        ]
+
+    def test_srun_inside_allocation_minimal(self):
+        assert build_command(spec(nprocs=2, script_args=(), launcher="srun"), "srun") == [
+            "srun", "--ntasks=2", "--kill-on-bad-exit=1", "py", "train.py",
+        ]
+
+    def test_srun_rejects_hostfile_and_comma_values(self):
+        with pytest.raises(ValueError, match="hostfile"):
+            build_command(spec(hostfile="hf"), "srun")
+        with pytest.raises(ValueError, match="A"):
+            build_command(spec(env=(("A", "x,y"),)), "srun")
+
+    def test_unknown_flavor(self):
+        with pytest.raises(ValueError, match="flavor='intel'"):
+            build_command(spec(), "intel")  # type: ignore[arg-type]
+
+    def test_default_python_is_sys_executable(self):
+        assert LaunchSpec(nprocs=1, script="s.py").python == sys.executable
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(nprocs=0), "nprocs=0"),
+        (dict(nprocs=True), "nprocs=True"),
+        (dict(ppn=0), "ppn=0"),
+        (dict(hosts=("a",), hostfile="hf"), "at most one"),
+        (dict(hosts=("a:zero",)), "slots of host 'a'"),
+        (dict(env=(("1BAD", "x"),)), "env key '1BAD'"),
+        (dict(script=""), "script"),
+    ],
+)
+def test_spec_validation(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        spec(**kwargs)
+
+
+@pytest.mark.timeout(10)
+def test_spec_is_frozen_and_hashable():
+    s = spec(hosts=["a", "b"], env=[("A", "1")])
+    assert s.hosts == ("a", "b") and s.env == (("A", "1"),)
+    hash(s)
+    with pytest.raises(AttributeError):
+        s.nprocs = 3  # type: ignore[misc]

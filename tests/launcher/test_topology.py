@@ -1,0 +1,34 @@
+"""Tests of :mod:`lightning_mpi.launcher.topology`: hydra's placement of ranks over hosts and
+its summary lines.
+"""
+from __future__ import annotations
+
+import pytest
+
+from lightning_mpi.launcher.hosts import HostEntry
+from lightning_mpi.launcher.topology import format_topology, plan_topology
+
+
+@pytest.mark.timeout(10)
+class TestTopology:
+    def test_single_machine(self):
+        assert plan_topology(3, []) == [("localhost", [0, 1, 2])]
+        assert format_topology(plan_topology(3, [])) == ["localhost: 3 ranks (0-2)"]
+        assert format_topology(plan_topology(1, [])) == ["localhost: 1 rank (0)"]
+
+    def test_round_robin_without_slots(self):
+        assert plan_topology(3, [HostEntry("a"), HostEntry("b")]) == [("a", [0, 2]), ("b", [1])]
+
+    def test_ppn_blocks(self):
+        hosts = [HostEntry("a", 8), HostEntry("b")]
+        assert plan_topology(4, hosts, ppn=2) == [("a", [0, 1]), ("b", [2, 3])]
+
+    def test_slots_fill_then_wrap(self):
+        hosts = [HostEntry("a", 2), HostEntry("b", 1)]
+        assert plan_topology(5, hosts) == [("a", [0, 1, 3, 4]), ("b", [2])]
+        assert format_topology(plan_topology(5, hosts)) == ["a: 4 ranks (0-1,3-4)", "b: 1 rank (2)"]
+
+    def test_duplicate_hosts_and_idle_hosts(self):
+        hosts = [HostEntry("a"), HostEntry("b"), HostEntry("a"), HostEntry("c")]
+        assert plan_topology(3, hosts) == [("a", [0, 2]), ("b", [1]), ("c", [])]
+        assert format_topology(plan_topology(3, hosts))[-1] == "c: 0 ranks"
