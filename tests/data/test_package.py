@@ -62,11 +62,12 @@ def lightning_imports(path: Path) -> list[str]:
     return found
 
 
-def test_only_the_datamodule_module_imports_lightning():
+def test_no_data_module_imports_lightning_itself():
+    # The DataModule class is built on the user's Lightning package by lightning_mpi.strategies.build.
     modules = sorted(DATA_DIR.glob("*.py"))
     assert {p.name for p in modules} >= {"sharding.py", "loader.py", "transforms.py", "hooks.py", "module.py"}
     importers = {p.name: lightning_imports(p) for p in modules if lightning_imports(p)}
-    assert importers == {"module.py": ["pytorch_lightning"]}
+    assert importers == {}
 
 
 def test_lightning_free_modules_import_without_lightning():
