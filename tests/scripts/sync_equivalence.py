@@ -1,10 +1,12 @@
 """Run on W ranks: train with each strategy and compare with one process at batch W·B.
 
-Writes JSON to argv[1] (rank 0). Every rank starts from a different random initialisation, so
+Writes JSON to argv[1] (rank 0). ``LIGHTNING_PACKAGE=lightning.pytorch`` runs the same comparison
+under the unified package's Trainer (the registered names and the synchronous options). Every rank starts from a different random initialisation, so
 the test also proves that setup broadcasts rank 0's weights. A callback checks after every step
 that all ranks hold bitwise-identical weights.
 """
 import hashlib
+import importlib
 import json
 import os
 import sys
@@ -15,10 +17,13 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 warnings.filterwarnings("ignore")
-import pytorch_lightning as pl  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
 import lightning_mpi  # noqa: E402,F401
+
+PACKAGE = os.environ.get("LIGHTNING_PACKAGE", "pytorch_lightning")
+pl = importlib.import_module(PACKAGE)
+STRATEGIES = importlib.import_module({"pytorch_lightning": "lightning_mpi", "lightning.pytorch": "lightning_mpi.lightning"}[PACKAGE])
 
 COMM = MPI.COMM_WORLD
 RANK, W = COMM.Get_rank(), COMM.Get_size()
@@ -85,7 +90,7 @@ def run(strategy_name, kwargs=None, accumulate=1, momentum=0.0):
     model = Module(momentum)
     check = ReplicaCheck()
     if kwargs:
-        strategy = lightning_mpi.SyncStrategy(**kwargs)
+        strategy = STRATEGIES.SyncStrategy(**kwargs)
     else:
         strategy = strategy_name
     trainer = pl.Trainer(
@@ -126,8 +131,14 @@ results = {}
 for name in ("mpi_allreduce", "mpi_asa", "mpi_asa16", "mpi_asa_bf16"):
     results[name] = run(name)
 results["weights"] = run(None, {"exchange": "asa", "average": "weights"})
-results["weights+momentum"] = run(None, {"exchange": "allreduce", "average": "weights+momentum"}, momentum=0.9)
+results["strategy_class"] = f"{type(STRATEGIES.SyncStrategy()).__module__}.SyncStrategy on {PACKAGE}"
 results["accumulate2"] = run("mpi_allreduce", accumulate=2)
+if PACKAGE != "pytorch_lightning":  # the frontend is what is tested here; the options are tested below
+    if RANK == 0:
+        with open(sys.argv[1], "w") as f:
+            json.dump(results, f)
+    sys.exit(0)
+results["weights+momentum"] = run(None, {"exchange": "allreduce", "average": "weights+momentum"}, momentum=0.9)
 results["no_overlap"] = run(None, {"exchange": "asa", "overlap": False})
 # Tiny buckets and segments: several buckets launched from hooks, several pipelined segments each.
 results["asa16_pipelined"] = run(None, {"exchange": "asa", "wire": "fp16", "bucket_mb": 0.00015, "segment_mb": 0.0001})
