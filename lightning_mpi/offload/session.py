@@ -1,7 +1,7 @@
 """The pack/unpack hooks of :class:`lightning_mpi.LMSOffload`, for one training step.
 
 An :class:`OffloadSession` decides *which* saved tensors leave the device and *when* they come
-back; a tier (:mod:`lightning_mpi.offload_tiers`, :mod:`lightning_mpi.offload_disk`) moves the
+back; a tier (:mod:`lightning_mpi.offload.tiers`, :mod:`lightning_mpi.offload.disk`) moves the
 bytes. No Lightning here: the session works inside any
 ``torch.autograd.graph.saved_tensors_hooks(session.pack, session.unpack)`` block.
 
@@ -30,8 +30,8 @@ from typing import Any, Callable
 
 import torch
 
-from lightning_mpi.offload_tensors import is_expanded, layout_of
-from lightning_mpi.offload_tiers import Ticket
+from lightning_mpi.offload.tensors import is_expanded, layout_of
+from lightning_mpi.offload.tiers import Ticket
 
 _CAST = "ToCopyBackward0"
 _LEAF = "AccumulateGrad"

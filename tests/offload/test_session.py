@@ -1,0 +1,96 @@
+"""OffloadSession: which saved tensors leave, in which order they come back, what is released."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.autograd.graph import saved_tensors_hooks
+
+from lightning_mpi.offload.disk import DiskTier
+from lightning_mpi.offload.session import OffloadSession
+
+
+class RecordingTier(DiskTier):
+    """A disk tier that records the order of swap-outs, fetches and takes, and the prefetch
+    depth."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.out, self.fetched, self.taken, self.max_ahead = [], [], [], 0
+
+    def swap_out(self, tensor, layout, version):
+        ticket = super().swap_out(tensor, layout, version)
+        ticket.extra["index"] = len(self.out)
+        self.out.append(ticket)
+        return ticket
+
+    def fetch(self, ticket):
+        if ticket.read is None and not ticket.done:
+            self.fetched.append(ticket.extra["index"])
+        super().fetch(ticket)
+        ahead = sum(1 for t in self.out if t.read is not None and not t.done)
+        self.max_ahead = max(self.max_ahead, ahead)
+
+    def take(self, ticket):
+        self.taken.append(ticket.extra["index"])
+        return super().take(ticket)
+
+
+def _chain_session(tmp_path, n, keep_last, prefetch, tiers, nbytes=16384):
+    """n ops that each save a distinct tensor of nbytes, through a session on a recording tier."""
+    tier = RecordingTier(str(tmp_path), max_inflight=1)
+    tiers.append(tier)
+    session = OffloadSession(tier, lambda t: True, min_bytes=nbytes, keep_last=keep_last, prefetch=prefetch)
+    session.start(set())
+    x = torch.randn(nbytes // 4, requires_grad=True)
+    with saved_tensors_hooks(session.pack, session.unpack):
+        h = x
+        for _ in range(n):
+            h = (h * 0.5).exp()  # exp saves its output: one new tensor per op
+        loss = h.sum()
+    return tier, session, x, loss
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("keep_last, prefetch", [(0, 1), (2, 3), (4, 0)])
+def test_keep_last_window_and_prefetch_in_backward_order(tmp_path, keep_last, prefetch, tiers):
+    n = 10
+    tier, session, x, loss = _chain_session(tmp_path, n, keep_last, prefetch, tiers)
+    assert len(tier.out) == n - keep_last  # the last keep_last saved tensors stayed resident
+    session.begin_backward()
+    assert tier.fetched == list(range(n - keep_last - 1, n - keep_last - 1 - prefetch, -1))  # ahead of use
+    loss.backward()
+    backward_order = list(range(n - keep_last - 1, -1, -1))
+    assert tier.taken == backward_order
+    assert tier.fetched == backward_order  # prefetch 0: each one fetched when backward asks
+    assert tier.max_ahead <= max(prefetch, 1)
+    stats = session.finish()
+    assert stats.offloaded_tensors == n - keep_last
+    assert stats.peak_saved_bytes == (n - keep_last) * 16384
+
+
+@pytest.mark.timeout(30)
+def test_a_graph_dropped_without_backward_releases_its_copies(tmp_path, tiers):
+    tier, session, x, loss = _chain_session(tmp_path, 6, keep_last=0, prefetch=2, tiers=tiers)
+    session.begin_backward()  # two reads are now in flight
+    assert len(tier.out) == 6 and sum(t.read is not None for t in tier.out) == 2
+    del loss  # the graph, and with it every handle, goes away
+    assert all(t.done and t.read is None for t in tier.out)  # copies and prefetches released
+    stats = session.finish()
+    assert stats.offloaded_tensors == 6
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("keep_last", [0, 5])
+def test_in_place_change_after_saving_raises_like_autograd(tmp_path, keep_last, tiers):
+    tier = DiskTier(str(tmp_path), max_inflight=1)
+    tiers.append(tier)
+    session = OffloadSession(tier, lambda t: True, min_bytes=1024, keep_last=keep_last, prefetch=1)
+    session.start(set())
+    x = torch.randn(1024, requires_grad=True)
+    with saved_tensors_hooks(session.pack, session.unpack):
+        y = (x * 1).exp()
+        z = (y * 2).sum()
+        y.add_(1)  # exp needs its output in backward
+    with pytest.raises(RuntimeError, match="modified in place"):
+        z.backward()
+    session.abort()
