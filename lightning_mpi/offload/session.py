@@ -10,7 +10,10 @@ Policy, in the order it is applied to each saved tensor:
 1. Kept resident: parameters and buffers (their memory stays allocated anyway), casts of
    parameters (autocast caches them for the whole forward), tensors of a foreign kind (sparse,
    subclasses, devices the tier does not take), expanded tensors, tensors smaller than
-   ``min_bytes``, and tensors saved while an excluded module runs.
+   ``min_bytes``, tensors saved while an excluded module runs, and tensors saved while backward
+   runs (a reentrant checkpoint recomputing its segment, a graph built for double backward):
+   backward uses those at once, and treating them as a new forward pass would drop the
+   prefetch order of the one backward is walking through.
 2. A tensor saved twice (relu output saved by relu and by the next op) is offloaded once.
 3. The last ``keep_last`` candidates of a forward pass stay resident: backward needs them first.
    They wait in a sliding window; a candidate that leaves the window is swapped out.
@@ -53,6 +56,11 @@ class OffloadStats:
     def hidden_ms(self) -> float:
         """Copy time that overlapped compute."""
         return max(self.copy_ms - self.exposed_ms, 0.0)
+
+
+def _inside_backward() -> bool:
+    """True on a thread that runs autograd's backward (the engine sets a graph task there)."""
+    return torch._C._current_graph_task_id() != -1
 
 
 class _Handle:
@@ -125,7 +133,7 @@ class OffloadSession:
 
     # --- the hooks ------------------------------------------------------------------------
     def pack(self, tensor: torch.Tensor) -> Any:
-        if not self._active or self.excluded_depth or not self._offloadable(tensor):
+        if not self._active or self.excluded_depth or _inside_backward() or not self._offloadable(tensor):
             if self._active:
                 self._stats.resident_bytes += tensor.numel() * tensor.element_size()
             # Detached: returning the tensor itself would make an uncollectable cycle through
@@ -138,7 +146,7 @@ class OffloadSession:
                 handle = seen[1]()
                 if handle is not None and handle.version == tensor._version:
                     return handle  # saved again: one copy serves both
-            if self._backward:  # a forward pass after a backward one (or double backward)
+            if self._backward:  # a forward pass after a backward one (several in one step)
                 self._new_forward_pass()
             handle = _Handle(tensor.detach(), tensor, self)
             self._seen[id(tensor)] = (weakref.ref(tensor), weakref.ref(handle))

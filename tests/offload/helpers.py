@@ -34,7 +34,13 @@ class TinyUNet3d(pl.LightningModule):
     tell which module saved a tensor. In-place ReLU and BatchNorm on purpose: both interact with
     saved tensors."""
 
-    def __init__(self, use_checkpoint: bool = False, manual: bool = False, raise_at: tuple[int, str] | None = None):
+    def __init__(
+        self,
+        use_checkpoint: bool = False,
+        reentrant: bool = False,
+        manual: bool = False,
+        raise_at: tuple[int, str] | None = None,
+    ):
         super().__init__()
         self.enc1 = nn.Sequential(nn.Conv3d(1, 6, 3, padding=1), nn.BatchNorm3d(6), nn.ReLU(inplace=True))
         self.down = nn.Conv3d(6, 8, 2, stride=2)
@@ -42,6 +48,7 @@ class TinyUNet3d(pl.LightningModule):
         self.up = nn.ConvTranspose3d(8, 8, 2, stride=2)
         self.head = nn.Conv3d(14, 2, 1)
         self.use_checkpoint = use_checkpoint
+        self.reentrant = reentrant  # checkpoint flavour: recompute inside backward (True) or by hooks
         self.automatic_optimization = not manual
         self.raise_at = raise_at  # (step, "forward" | "backward")
         self.hook_probe: list[object] = []
@@ -50,7 +57,7 @@ class TinyUNet3d(pl.LightningModule):
         a = self.enc1(x)
         b = self.down(a)
         if self.use_checkpoint:
-            b = checkpoint(self.enc2, b, use_reentrant=False)
+            b = checkpoint(self.enc2, b, use_reentrant=self.reentrant)
         else:
             b = self.enc2(b)
         return self.head(torch.cat([self.up(b), a], dim=1))

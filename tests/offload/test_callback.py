@@ -58,6 +58,7 @@ CPU_CASES = {
     "bf16-mixed": dict(precision="bf16-mixed"),
     "grad-accumulation": dict(accumulate=2),
     "non-reentrant-checkpoint": dict(use_checkpoint=True),
+    "reentrant-checkpoint": dict(use_checkpoint=True, reentrant=True),
     "manual-optimization": dict(manual=True),
 }
 

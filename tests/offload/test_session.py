@@ -4,6 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 from torch.autograd.graph import saved_tensors_hooks
+from torch.utils.checkpoint import checkpoint
 
 from lightning_mpi.offload.disk import DiskTier
 from lightning_mpi.offload.session import OffloadSession
@@ -16,6 +17,7 @@ class RecordingTier(DiskTier):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.out, self.fetched, self.taken, self.max_ahead = [], [], [], 0
+        self.waited = []  # taken without having been fetched ahead
 
     def swap_out(self, tensor, layout, version):
         ticket = super().swap_out(tensor, layout, version)
@@ -32,6 +34,8 @@ class RecordingTier(DiskTier):
 
     def take(self, ticket):
         self.taken.append(ticket.extra["index"])
+        if ticket.read is None:
+            self.waited.append(ticket.extra["index"])
         return super().take(ticket)
 
 
@@ -94,3 +98,33 @@ def test_in_place_change_after_saving_raises_like_autograd(tmp_path, keep_last, 
     with pytest.raises(RuntimeError, match="modified in place"):
         z.backward()
     session.abort()
+
+
+@pytest.mark.timeout(30)
+def test_reentrant_checkpoint_recomputation_keeps_prefetching_the_forward_pass(tmp_path, tiers):
+    """A reentrant checkpoint recomputes its segment inside backward, and that recomputation saves
+    tensors: they are used at once (kept resident), and backward goes on prefetching the tensors
+    of the forward pass instead of starting a new one."""
+    tier = RecordingTier(str(tmp_path), max_inflight=1)
+    tiers.append(tier)
+    session = OffloadSession(tier, lambda t: True, min_bytes=16384, keep_last=0, prefetch=2)
+    session.start(set())
+    x = torch.randn(4096, requires_grad=True)
+
+    def chain(h, n):
+        for _ in range(n):
+            h = (h * 0.5).exp()
+        return h
+
+    with saved_tensors_hooks(session.pack, session.unpack):  # as in a training step: backward too
+        h = chain(x, 4)
+        h = checkpoint(chain, h, 3, use_reentrant=True)  # saves only its input (already saved)
+        loss = chain(h, 4).sum()
+        assert len(tier.out) == 8
+        session.begin_backward()
+        loss.backward()
+    assert len(tier.out) == 8  # nothing recomputed was offloaded
+    assert tier.taken == list(range(7, -1, -1))
+    assert tier.waited == []  # every offloaded tensor was prefetched ahead of use
+    stats = session.finish()
+    assert stats.offloaded_tensors == 8
