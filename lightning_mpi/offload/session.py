@@ -9,11 +9,12 @@ Policy, in the order it is applied to each saved tensor:
 
 1. Kept resident: parameters and buffers (their memory stays allocated anyway), casts of
    parameters (autocast caches them for the whole forward), tensors of a foreign kind (sparse,
-   subclasses, devices the tier does not take), expanded tensors, tensors smaller than
-   ``min_bytes``, tensors saved while an excluded module runs, and tensors saved while backward
-   runs (a reentrant checkpoint recomputing its segment, a graph built for double backward):
-   backward uses those at once, and treating them as a new forward pass would drop the
-   prefetch order of the one backward is walking through.
+   subclasses, devices the tier does not take), views that are not dense (expanded, strided
+   slices: a copy frees nothing while their base lives), tensors smaller than ``min_bytes``,
+   tensors saved while an excluded module runs, and tensors saved while backward runs (a
+   reentrant checkpoint recomputing its segment, a graph built for double backward): backward
+   uses those at once, and treating them as a new forward pass would drop the prefetch order of
+   the one backward is walking through.
 2. A tensor saved twice (relu output saved by relu and by the next op) is offloaded once.
 3. The last ``keep_last`` candidates of a forward pass stay resident: backward needs them first.
    They wait in a sliding window; a candidate that leaves the window is swapped out.
@@ -33,7 +34,7 @@ from typing import Any, Callable
 
 import torch
 
-from lightning_mpi.offload.tensors import is_expanded, layout_of
+from lightning_mpi.offload.tensors import is_dense, layout_of
 from lightning_mpi.offload.tiers import Ticket
 
 _CAST = "ToCopyBackward0"
@@ -201,7 +202,11 @@ class OffloadSession:
         # Exact type: nn.Parameter and tensor subclasses (DTensor, FakeTensor, ...) stay.
         if type(t) is not torch.Tensor or t.layout != torch.strided or not self.accepts(t):
             return False
-        if t.numel() * t.element_size() < self.min_bytes or is_expanded(t):
+        if t.numel() * t.element_size() < self.min_bytes:
+            return False
+        if not is_dense(t):
+            # An expanded or strided view of a larger base: a copy would free nothing while the
+            # base lives, and would come back contiguous, with strides backward did not see.
             return False
         if t.untyped_storage().data_ptr() in self._keep_storages:
             return False  # a parameter or buffer, or a view of one

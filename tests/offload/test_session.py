@@ -128,3 +128,27 @@ def test_reentrant_checkpoint_recomputation_keeps_prefetching_the_forward_pass(t
     assert tier.waited == []  # every offloaded tensor was prefetched ahead of use
     stats = session.finish()
     assert stats.offloaded_tensors == 8
+
+
+@pytest.mark.timeout(30)
+def test_views_that_are_not_dense_stay_resident_with_their_strides(tmp_path, tiers):
+    """A strided slice shares memory with its base: a copy of it would free nothing while the
+    base lives, and would come back contiguous, with other strides than backward saw in forward."""
+    tier = RecordingTier(str(tmp_path), max_inflight=1)
+    tiers.append(tier)
+    session = OffloadSession(tier, lambda t: True, min_bytes=1024, keep_last=0, prefetch=1)
+    session.start(set())
+    x = torch.randn(64, 128, requires_grad=True)
+    h = x * 1
+    view = h[:, ::2]
+    back = session.unpack(session.pack(view))
+    assert back.stride() == view.stride() and torch.equal(back, view)
+    with saved_tensors_hooks(session.pack, session.unpack):
+        loss = (x * 1)[:, ::2].sin().sum()  # sin saves its input: the view
+        loss.backward()
+    assert tier.out == []
+    expected = torch.zeros_like(x)
+    expected[:, ::2] = x.detach()[:, ::2].cos()
+    assert torch.equal(x.grad, expected)
+    stats = session.finish()
+    assert stats.offloaded_tensors == 0 and stats.resident_bytes >= 2 * 64 * 64 * 4
