@@ -19,7 +19,8 @@ Policy, in the order it is applied to each saved tensor:
 3. The last ``keep_last`` candidates of a forward pass stay resident: backward needs them first.
    They wait in a sliding window; a candidate that leaves the window is swapped out.
 4. Backward unpacks in (roughly) reverse order of saving, so when it starts the session prefetches
-   from the end of the list, keeping ``prefetch`` tensors in flight ahead of use.
+   from the end of the list, keeping ``prefetch`` tensors in flight ahead of use. A prefetched
+   tensor that backward goes past without unpacking (an unused branch) leaves the window.
 
 A tensor that was modified in place after it was saved cannot be restored; plain autograd raises
 for that ("modified by an inplace operation"), and so does the session, at unpack.
@@ -118,7 +119,7 @@ class OffloadSession:
             self._order: list[Ticket] = []  # swapped-out tickets of the current forward pass
             self._tickets: list[Ticket] = []  # every ticket of the step, for cleanup
             self._cursor = -1  # next ticket to prefetch, walking down _order
-            self._in_flight = 0  # prefetched, not yet taken
+            self._ahead: list[Ticket] = []  # the prefetch window: fetched ahead of backward
             self._backward = False
             self._saved_now = 0
             self.excluded_depth = 0
@@ -176,12 +177,12 @@ class OffloadSession:
             self._drain_orphans()
             self.begin_backward()
             if ticket.prefetched:
-                ticket.prefetched = False
-                self._in_flight -= 1
+                self._leave_window(ticket)
             tensor = self.tier.take(ticket)
             self._saved_now -= ticket.layout.nbytes
             self._check_version(handle)  # after take: the copy has finished and reported
             handle.restored = tensor
+            self._pass_over(ticket)
             self._prefetch_more()
         return tensor
 
@@ -224,6 +225,7 @@ class OffloadSession:
             handle.tensor = tensor  # keep it; unpack reports the in-place change
             return
         ticket = self.tier.swap_out(tensor, layout_of(tensor), handle.version)
+        ticket.order = len(self._order)
         handle.ticket = ticket
         self._order.append(ticket)
         self._tickets.append(ticket)
@@ -234,14 +236,28 @@ class OffloadSession:
         self._stats.peak_saved_bytes = max(self._stats.peak_saved_bytes, self._saved_now)
 
     def _prefetch_more(self) -> None:
-        while self._in_flight < self.prefetch and self._cursor >= 0:
+        while len(self._ahead) < self.prefetch and self._cursor >= 0:
             ticket = self._order[self._cursor]
             self._cursor -= 1
             if ticket.done or ticket.prefetched:
                 continue
             self.tier.fetch(ticket)
             ticket.prefetched = True
-            self._in_flight += 1
+            self._ahead.append(ticket)
+
+    def _leave_window(self, ticket: Ticket) -> None:
+        ticket.prefetched = False
+        self._ahead.remove(ticket)  # the window is ``prefetch`` tickets long: a short scan
+
+    def _pass_over(self, taken: Ticket) -> None:
+        """Backward has reached ``taken``: prefetched tickets saved after it in the same forward
+        pass were passed over (saved by a branch the loss does not use, whose graph is still
+        alive). They leave the window, which would otherwise stay full of tensors nobody unpacks
+        and stop prefetching; their data stays fetched in case one is unpacked after all."""
+        if not (0 <= taken.order < len(self._order) and self._order[taken.order] is taken):
+            return  # from an earlier forward pass: its order says nothing about this one
+        for ticket in [t for t in self._ahead if t.order > taken.order]:
+            self._leave_window(ticket)
 
     def _forget(self, ticket: Ticket) -> None:
         """Autograd dropped a saved tensor without unpacking it (an unused branch, a freed
@@ -261,8 +277,7 @@ class OffloadSession:
             if ticket.done:
                 continue
             if ticket.prefetched:
-                ticket.prefetched = False
-                self._in_flight -= 1
+                self._leave_window(ticket)
             self.tier.discard(ticket)
             if self._active:
                 self._saved_now -= ticket.layout.nbytes
@@ -270,6 +285,8 @@ class OffloadSession:
             self._prefetch_more()
 
     def _new_forward_pass(self) -> None:
+        for ticket in list(self._ahead):  # the last backward is over: whatever it left is passed
+            self._leave_window(ticket)
         self._backward = False
         self._order = []
         self._cursor = -1
@@ -295,7 +312,7 @@ class OffloadSession:
             for ticket in self._tickets:
                 if not ticket.done:
                     self.tier.discard(ticket)
-            self._tickets, self._order, self._seen = [], [], {}
+            self._tickets, self._order, self._seen, self._ahead = [], [], {}, []
             self._window.clear()
             stats = self._stats
         tier_stats = end()

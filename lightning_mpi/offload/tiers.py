@@ -48,7 +48,8 @@ class Ticket:
     version: int  # the tensor's version counter when it was saved
     error: str | None = None  # set when the copy found the tensor modified in place
     done: bool = False  # taken or discarded: its storage may be reused
-    prefetched: bool = False  # fetched ahead of use and not taken yet (set by the session)
+    prefetched: bool = False  # in the session's prefetch window: fetched, not taken, not passed
+    order: int = -1  # position in its forward pass (set by the session)
     buf: torch.Tensor | None = None  # pinned copy (CUDA host tier)
     offset: int = -1  # position in the spill file (disk tier)
     write: Future | None = None

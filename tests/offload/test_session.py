@@ -152,3 +152,33 @@ def test_views_that_are_not_dense_stay_resident_with_their_strides(tmp_path, tie
     assert torch.equal(x.grad, expected)
     stats = session.finish()
     assert stats.offloaded_tensors == 0 and stats.resident_bytes >= 2 * 64 * 64 * 4
+
+
+@pytest.mark.timeout(30)
+def test_a_saved_tensor_that_is_never_unpacked_does_not_stall_the_prefetch(tmp_path, tiers):
+    """A branch the loss does not use keeps its saved tensors alive, never unpacked, as long as
+    its output lives. Once backward has gone past one, its prefetch slot goes back to the
+    window: it costs at most one tensor fetched on demand, not every one after it."""
+    tier = RecordingTier(str(tmp_path), max_inflight=1)
+    tiers.append(tier)
+    session = OffloadSession(tier, lambda t: True, min_bytes=16384, keep_last=0, prefetch=1)
+    session.start(set())
+    x = torch.randn(4096, requires_grad=True)
+
+    def chain(h, n):
+        for _ in range(n):
+            h = (h * 0.5).exp()
+        return h
+
+    with saved_tensors_hooks(session.pack, session.unpack):
+        h = chain(x, 5)  # saves 0..4
+        unused = (h * 0.3).exp()  # saves 5, an output nobody differentiates
+        loss = chain(h, 4).sum()  # saves 6..9
+        session.begin_backward()
+        loss.backward()
+    assert tier.taken == [9, 8, 7, 6, 4, 3, 2, 1, 0]
+    assert 5 in tier.fetched and len(tier.waited) <= 1, tier.waited
+    assert tier.max_ahead <= 2  # the window, plus the passed-over tensor until its graph goes
+    del unused
+    stats = session.finish()
+    assert stats.offloaded_tensors == 10
