@@ -126,7 +126,7 @@ class LMSOffloadHooks:
         self._hooks_ctx: saved_tensors_hooks | None = None
         self._module_hooks: list = []
         self._owned_dir: str | None = None
-        self._warned = False
+        self._warned: set[str] = set()  # messages already given
 
     # --- Lightning Callback hooks (same names and signatures) --------------------------------------------------------------------
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
@@ -161,6 +161,13 @@ class LMSOffloadHooks:
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         stats = self._end_step(abort=False)
+        if stats is not None and stats.captured_tensors:
+            self._warn_once(
+                trainer,
+                "LMSOffload: tensors were saved for backward while a CUDA graph was being captured "
+                "(torch.cuda.graph, make_graphed_callables); they stay on the device: an offload "
+                "cannot be part of a captured graph, so the callback saves no memory there.",
+            )
         if stats is not None and self.log_stats:
             pl_module.log_dict(
                 {
@@ -262,9 +269,10 @@ class LMSOffloadHooks:
             self._session.excluded_depth -= 1
 
     def _warn_once(self, trainer: Any, message: str) -> None:
-        """Warn once per callback, on global rank 0 only (every rank would say the same)."""
-        if not self._warned:
-            self._warned = True
+        """Give ``message`` once per callback, on global rank 0 only (every rank would say the
+        same)."""
+        if message not in self._warned:
+            self._warned.add(message)
             if trainer.global_rank == 0:
                 warnings.warn(message, UserWarning, stacklevel=3)
 

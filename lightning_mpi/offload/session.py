@@ -14,7 +14,8 @@ Policy, in the order it is applied to each saved tensor:
    tensors saved while an excluded module runs, and tensors saved while backward runs (a
    reentrant checkpoint recomputing its segment, a graph built for double backward): backward
    uses those at once, and treating them as a new forward pass would drop the prefetch order of
-   the one backward is walking through.
+   the one backward is walking through. Also tensors saved while a CUDA graph is being
+   captured: an offload cannot be part of a captured graph (counted in ``captured_tensors``).
 2. A tensor saved twice (relu output saved by relu and by the next op) is offloaded once.
 3. The last ``keep_last`` candidates of a forward pass stay resident: backward needs them first.
    They wait in a sliding window; a candidate that leaves the window is swapped out.
@@ -53,6 +54,7 @@ class OffloadStats:
     copy_ms: float = 0.0  # time spent copying, out and back
     exposed_ms: float = 0.0  # part of it that training waited for
     file_bytes: int = 0  # size of the step's spill file (disk tier)
+    captured_tensors: int = 0  # kept resident: saved while a CUDA graph was being captured
 
     @property
     def hidden_ms(self) -> float:
@@ -63,6 +65,12 @@ class OffloadStats:
 def _inside_backward() -> bool:
     """True on a thread that runs autograd's backward (the engine sets a graph task there)."""
     return torch._C._current_graph_task_id() != -1
+
+
+def _in_cuda_graph_capture(t: torch.Tensor) -> bool:
+    """True when ``t`` is a CUDA tensor and its device's current stream is capturing a graph
+    (``torch.cuda.graph``, ``make_graphed_callables``)."""
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
 class _Handle:
@@ -140,6 +148,12 @@ class OffloadSession:
                 self._stats.resident_bytes += tensor.numel() * tensor.element_size()
             # Detached: returning the tensor itself would make an uncollectable cycle through
             # its grad_fn for tensors that are outputs of the node saving them.
+            return tensor.detach()
+        if _in_cuda_graph_capture(tensor):
+            # A captured graph replays kernels only: the copies, event queries and host waits of
+            # an offload cannot be part of it (and most are not even allowed during capture).
+            self._stats.captured_tensors += 1
+            self._stats.resident_bytes += tensor.numel() * tensor.element_size()
             return tensor.detach()
         with self._lock:
             self._drain_orphans()

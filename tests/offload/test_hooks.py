@@ -101,3 +101,38 @@ def test_hooks_offload_a_step_for_a_trainer_and_module_without_lightning(tmp_pat
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.strip().endswith("ok")
     assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.timeout(60)
+def test_hooks_warn_once_when_saved_tensors_were_captured_in_a_cuda_graph(tmp_path, monkeypatch):
+    import warnings
+
+    import torch
+
+    import lightning_mpi.offload.session as session_module
+    from lightning_mpi.offload import LMSOffloadHooks
+
+    class Module(torch.nn.Module):
+        device = torch.device("cpu")
+
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(256, 256)
+
+    class Trainer:
+        global_rank = 0
+
+    monkeypatch.setattr(session_module, "_in_cuda_graph_capture", lambda t: True)
+    trainer, module = Trainer(), Module()
+    hooks = LMSOffloadHooks(target="disk", directory=tmp_path, min_bytes=1024, keep_last=0, log_stats=False)
+    hooks.setup(trainer, module, "fit")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(2):
+            hooks.on_train_batch_start(trainer, module, None, step)
+            module.lin(torch.randn(64, 256)).tanh().sum().backward()
+            hooks.on_train_batch_end(trainer, module, None, None, step)
+    hooks.teardown(trainer, module, "fit")
+    mine = [w for w in caught if "CUDA graph" in str(w.message)]
+    assert len(mine) == 1, [str(w.message) for w in caught]
+    assert hooks.last_stats.captured_tensors >= 1 and hooks.last_stats.offloaded_tensors == 0

@@ -182,3 +182,24 @@ def test_a_saved_tensor_that_is_never_unpacked_does_not_stall_the_prefetch(tmp_p
     del unused
     stats = session.finish()
     assert stats.offloaded_tensors == 10
+
+
+@pytest.mark.timeout(30)
+def test_tensors_saved_during_cuda_graph_capture_stay_resident(tmp_path, tiers, monkeypatch):
+    """What a CUDA graph captures is replayed without the offload's copies and waits: tensors
+    saved during capture stay where they are, counted so the callback can say so. (Capture needs
+    a GPU; here the capture check is stood in for.)"""
+    import lightning_mpi.offload.session as session_module
+
+    tier = RecordingTier(str(tmp_path), max_inflight=1)
+    tiers.append(tier)
+    session = OffloadSession(tier, lambda t: True, min_bytes=1024, keep_last=0, prefetch=1)
+    session.start(set())
+    x = torch.randn(4096, requires_grad=True)
+    monkeypatch.setattr(session_module, "_in_cuda_graph_capture", lambda t: True)
+    with saved_tensors_hooks(session.pack, session.unpack):
+        loss = (x * 0.5).exp().exp().sum()
+        loss.backward()
+    assert tier.out == []
+    stats = session.finish()
+    assert stats.captured_tensors == 2 and stats.offloaded_tensors == 0
