@@ -3,7 +3,8 @@
 A tensor travels as its raw bytes plus a :class:`Layout`. Tensors that are dense in memory (any
 permutation of a contiguous tensor: channels-last, transposes) keep their strides, so backward
 kernels see exactly the layout they would have seen without offloading; that is what makes the
-weights bitwise identical. Other tensors (slices) travel as a contiguous copy.
+weights bitwise identical. Other tensors (strided slices) travel as a contiguous copy; the
+offload session keeps those resident instead.
 """
 from __future__ import annotations
 

@@ -12,13 +12,12 @@ descriptor, which :meth:`DiskTier.end_step` and :meth:`DiskTier.abort` close; ev
 CUDA tensors pass through pinned staging buffers from a :class:`HostBufferPool` (device -> host on
 a side stream, then the file); CPU tensors are written straight from their memory, which is
 released as soon as the write is done. That release is what lowers peak RSS on a CPU-only
-machine, provided the allocator gives the memory back: see :func:`return_freed_memory_to_os`.
+machine, provided the allocator gives the memory back: see
+:func:`lightning_mpi.offload.allocator.return_freed_memory_to_os`.
 """
 from __future__ import annotations
 
-import ctypes
 import os
-import sys
 import threading
 import time
 from collections import deque
@@ -26,9 +25,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from lightning_mpi.offload_pool import HostBufferPool
-from lightning_mpi.offload_tensors import Layout, as_bytes, from_bytes
-from lightning_mpi.offload_tiers import CopyTimes, SideStreams, Ticket, TierStats
+from lightning_mpi.offload.pool import HostBufferPool
+from lightning_mpi.offload.streams import CopyTimes, SideStreams
+from lightning_mpi.offload.tensors import Layout, as_bytes, from_bytes
+from lightning_mpi.offload.tiers import Ticket, TierStats
 
 _ALIGN = 4096
 
@@ -222,39 +222,6 @@ class _Read:
         self.tier._times.add(start, end)
         self.tier.pool.release(staging, after=end, stream=self.tier._streams.side(layout.device))
         return dev, end
-
-
-_MALLOPT_DONE = False
-_M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number
-
-
-def return_freed_memory_to_os(threshold: int) -> bool:
-    """Make glibc serve allocations of ``threshold`` bytes and more with ``mmap``, so that
-    freeing one returns its memory to the OS at once. Returns whether the setting was applied.
-
-    Why: by default glibc raises its mmap threshold after the first large free, and from then on
-    serves activation-sized tensors from its heap, which keeps freed memory (peak RSS includes
-    every hole). Offloaded activations are freed in the middle of forward; without this their
-    memory stays in the heap and peak RSS does not drop (measured: a 3D U-Net step peaked
-    *higher* with offloading than without, until this was set). Process-wide, once. Left alone
-    where the user chose a threshold (``MALLOC_MMAP_THRESHOLD_`` or ``GLIBC_TUNABLES``) and
-    where the C library is not glibc (jemalloc or tcmalloc return memory on their own).
-    """
-    global _MALLOPT_DONE
-    if _MALLOPT_DONE:
-        return True
-    if not sys.platform.startswith("linux") or "MALLOC_MMAP_THRESHOLD_" in os.environ:
-        return False
-    if "glibc.malloc.mmap_threshold" in os.environ.get("GLIBC_TUNABLES", ""):
-        return False
-    try:
-        libc = ctypes.CDLL(None)
-        libc.gnu_get_libc_version  # noqa: B018  (raises AttributeError where libc is not glibc)
-        applied = bool(libc.mallopt(_M_MMAP_THRESHOLD, ctypes.c_int(threshold)))
-    except (OSError, AttributeError):
-        return False
-    _MALLOPT_DONE = applied
-    return applied
 
 
 def _noop() -> None:

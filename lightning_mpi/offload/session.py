@@ -1,7 +1,7 @@
 """The pack/unpack hooks of :class:`lightning_mpi.LMSOffload`, for one training step.
 
 An :class:`OffloadSession` decides *which* saved tensors leave the device and *when* they come
-back; a tier (:mod:`lightning_mpi.offload_tiers`, :mod:`lightning_mpi.offload_disk`) moves the
+back; a tier (:mod:`lightning_mpi.offload.tiers`, :mod:`lightning_mpi.offload.disk`) moves the
 bytes. No Lightning here: the session works inside any
 ``torch.autograd.graph.saved_tensors_hooks(session.pack, session.unpack)`` block.
 
@@ -9,13 +9,19 @@ Policy, in the order it is applied to each saved tensor:
 
 1. Kept resident: parameters and buffers (their memory stays allocated anyway), casts of
    parameters (autocast caches them for the whole forward), tensors of a foreign kind (sparse,
-   subclasses, devices the tier does not take), expanded tensors, tensors smaller than
-   ``min_bytes``, and tensors saved while an excluded module runs.
+   subclasses, devices the tier does not take), views that are not dense (expanded, strided
+   slices: a copy frees nothing while their base lives), tensors smaller than ``min_bytes``,
+   tensors saved while an excluded module runs, and tensors saved while backward runs (a
+   reentrant checkpoint recomputing its segment, a graph built for double backward): backward
+   uses those at once, and treating them as a new forward pass would drop the prefetch order of
+   the one backward is walking through. Also tensors saved while a CUDA graph is being
+   captured: an offload cannot be part of a captured graph (counted in ``captured_tensors``).
 2. A tensor saved twice (relu output saved by relu and by the next op) is offloaded once.
 3. The last ``keep_last`` candidates of a forward pass stay resident: backward needs them first.
    They wait in a sliding window; a candidate that leaves the window is swapped out.
 4. Backward unpacks in (roughly) reverse order of saving, so when it starts the session prefetches
-   from the end of the list, keeping ``prefetch`` tensors in flight ahead of use.
+   from the end of the list, keeping ``prefetch`` tensors in flight ahead of use. A prefetched
+   tensor that backward goes past without unpacking (an unused branch) leaves the window.
 
 A tensor that was modified in place after it was saved cannot be restored; plain autograd raises
 for that ("modified by an inplace operation"), and so does the session, at unpack.
@@ -30,8 +36,8 @@ from typing import Any, Callable
 
 import torch
 
-from lightning_mpi.offload_tensors import is_expanded, layout_of
-from lightning_mpi.offload_tiers import Ticket
+from lightning_mpi.offload.tensors import is_dense, layout_of
+from lightning_mpi.offload.tiers import Ticket
 
 _CAST = "ToCopyBackward0"
 _LEAF = "AccumulateGrad"
@@ -48,11 +54,23 @@ class OffloadStats:
     copy_ms: float = 0.0  # time spent copying, out and back
     exposed_ms: float = 0.0  # part of it that training waited for
     file_bytes: int = 0  # size of the step's spill file (disk tier)
+    captured_tensors: int = 0  # kept resident: saved while a CUDA graph was being captured
 
     @property
     def hidden_ms(self) -> float:
         """Copy time that overlapped compute."""
         return max(self.copy_ms - self.exposed_ms, 0.0)
+
+
+def _inside_backward() -> bool:
+    """True on a thread that runs autograd's backward (the engine sets a graph task there)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+def _in_cuda_graph_capture(t: torch.Tensor) -> bool:
+    """True when ``t`` is a CUDA tensor and its device's current stream is capturing a graph
+    (``torch.cuda.graph``, ``make_graphed_callables``)."""
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
 class _Handle:
@@ -109,7 +127,7 @@ class OffloadSession:
             self._order: list[Ticket] = []  # swapped-out tickets of the current forward pass
             self._tickets: list[Ticket] = []  # every ticket of the step, for cleanup
             self._cursor = -1  # next ticket to prefetch, walking down _order
-            self._in_flight = 0  # prefetched, not yet taken
+            self._ahead: list[Ticket] = []  # the prefetch window: fetched ahead of backward
             self._backward = False
             self._saved_now = 0
             self.excluded_depth = 0
@@ -125,11 +143,17 @@ class OffloadSession:
 
     # --- the hooks ------------------------------------------------------------------------
     def pack(self, tensor: torch.Tensor) -> Any:
-        if not self._active or self.excluded_depth or not self._offloadable(tensor):
+        if not self._active or self.excluded_depth or _inside_backward() or not self._offloadable(tensor):
             if self._active:
                 self._stats.resident_bytes += tensor.numel() * tensor.element_size()
             # Detached: returning the tensor itself would make an uncollectable cycle through
             # its grad_fn for tensors that are outputs of the node saving them.
+            return tensor.detach()
+        if _in_cuda_graph_capture(tensor):
+            # A captured graph replays kernels only: the copies, event queries and host waits of
+            # an offload cannot be part of it (and most are not even allowed during capture).
+            self._stats.captured_tensors += 1
+            self._stats.resident_bytes += tensor.numel() * tensor.element_size()
             return tensor.detach()
         with self._lock:
             self._drain_orphans()
@@ -138,7 +162,7 @@ class OffloadSession:
                 handle = seen[1]()
                 if handle is not None and handle.version == tensor._version:
                     return handle  # saved again: one copy serves both
-            if self._backward:  # a forward pass after a backward one (or double backward)
+            if self._backward:  # a forward pass after a backward one (several in one step)
                 self._new_forward_pass()
             handle = _Handle(tensor.detach(), tensor, self)
             self._seen[id(tensor)] = (weakref.ref(tensor), weakref.ref(handle))
@@ -167,12 +191,12 @@ class OffloadSession:
             self._drain_orphans()
             self.begin_backward()
             if ticket.prefetched:
-                ticket.prefetched = False
-                self._in_flight -= 1
+                self._leave_window(ticket)
             tensor = self.tier.take(ticket)
             self._saved_now -= ticket.layout.nbytes
             self._check_version(handle)  # after take: the copy has finished and reported
             handle.restored = tensor
+            self._pass_over(ticket)
             self._prefetch_more()
         return tensor
 
@@ -193,7 +217,11 @@ class OffloadSession:
         # Exact type: nn.Parameter and tensor subclasses (DTensor, FakeTensor, ...) stay.
         if type(t) is not torch.Tensor or t.layout != torch.strided or not self.accepts(t):
             return False
-        if t.numel() * t.element_size() < self.min_bytes or is_expanded(t):
+        if t.numel() * t.element_size() < self.min_bytes:
+            return False
+        if not is_dense(t):
+            # An expanded or strided view of a larger base: a copy would free nothing while the
+            # base lives, and would come back contiguous, with strides backward did not see.
             return False
         if t.untyped_storage().data_ptr() in self._keep_storages:
             return False  # a parameter or buffer, or a view of one
@@ -211,6 +239,7 @@ class OffloadSession:
             handle.tensor = tensor  # keep it; unpack reports the in-place change
             return
         ticket = self.tier.swap_out(tensor, layout_of(tensor), handle.version)
+        ticket.order = len(self._order)
         handle.ticket = ticket
         self._order.append(ticket)
         self._tickets.append(ticket)
@@ -221,14 +250,28 @@ class OffloadSession:
         self._stats.peak_saved_bytes = max(self._stats.peak_saved_bytes, self._saved_now)
 
     def _prefetch_more(self) -> None:
-        while self._in_flight < self.prefetch and self._cursor >= 0:
+        while len(self._ahead) < self.prefetch and self._cursor >= 0:
             ticket = self._order[self._cursor]
             self._cursor -= 1
             if ticket.done or ticket.prefetched:
                 continue
             self.tier.fetch(ticket)
             ticket.prefetched = True
-            self._in_flight += 1
+            self._ahead.append(ticket)
+
+    def _leave_window(self, ticket: Ticket) -> None:
+        ticket.prefetched = False
+        self._ahead.remove(ticket)  # the window is ``prefetch`` tickets long: a short scan
+
+    def _pass_over(self, taken: Ticket) -> None:
+        """Backward has reached ``taken``: prefetched tickets saved after it in the same forward
+        pass were passed over (saved by a branch the loss does not use, whose graph is still
+        alive). They leave the window, which would otherwise stay full of tensors nobody unpacks
+        and stop prefetching; their data stays fetched in case one is unpacked after all."""
+        if not (0 <= taken.order < len(self._order) and self._order[taken.order] is taken):
+            return  # from an earlier forward pass: its order says nothing about this one
+        for ticket in [t for t in self._ahead if t.order > taken.order]:
+            self._leave_window(ticket)
 
     def _forget(self, ticket: Ticket) -> None:
         """Autograd dropped a saved tensor without unpacking it (an unused branch, a freed
@@ -248,8 +291,7 @@ class OffloadSession:
             if ticket.done:
                 continue
             if ticket.prefetched:
-                ticket.prefetched = False
-                self._in_flight -= 1
+                self._leave_window(ticket)
             self.tier.discard(ticket)
             if self._active:
                 self._saved_now -= ticket.layout.nbytes
@@ -257,6 +299,8 @@ class OffloadSession:
             self._prefetch_more()
 
     def _new_forward_pass(self) -> None:
+        for ticket in list(self._ahead):  # the last backward is over: whatever it left is passed
+            self._leave_window(ticket)
         self._backward = False
         self._order = []
         self._cursor = -1
@@ -282,7 +326,7 @@ class OffloadSession:
             for ticket in self._tickets:
                 if not ticket.done:
                     self.tier.discard(ticket)
-            self._tickets, self._order, self._seen = [], [], {}
+            self._tickets, self._order, self._seen, self._ahead = [], [], {}, []
             self._window.clear()
             stats = self._stats
         tier_stats = end()

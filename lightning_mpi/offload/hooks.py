@@ -1,13 +1,10 @@
-"""``LMSOffload``: Large Model Support for Lightning, as one callback.
+"""``LMSOffloadHooks``: what the ``LMSOffload`` callback does, written without Lightning.
 
-Tensors that autograd saves for backward (activations, mostly) leave the device during forward
-and come back, prefetched in backward order, just before backward needs them; the device holds
-only what is being computed. IBM's Large Model Support trained 3D U-Nets at 2.4x the resolution
-that fit a 16 GB GPU this way, at 3-25% overhead, with MPI data parallelism.
-
-Usage::
-
-    trainer = pl.Trainer(strategy="mpi_asa", callbacks=[lightning_mpi.LMSOffload()])
+The hook methods have the names and signatures of Lightning's ``Callback`` hooks and use only
+what every Lightning frontend's trainer and module provide (``trainer.global_rank``,
+``pl_module.device``, ``named_modules()``, ``log_dict``), so one mixin serves
+``pytorch_lightning`` and ``lightning.pytorch`` alike; :mod:`lightning_mpi.offload.callback`
+adds the ``Callback`` base class.
 
 How it hooks into Lightning: ``torch.autograd.graph.saved_tensors_hooks`` is entered in
 ``on_train_batch_start`` and exited in ``on_train_batch_end``. Everything a training batch runs in
@@ -16,36 +13,31 @@ inside the closure that ``optimizer.step`` calls), manual optimization, gradient
 the precision plugin's autocast. ``on_before_backward`` starts the prefetch early. The context is
 also exited (and the step's files freed) in ``on_exception``, ``on_train_epoch_end`` (a module
 returning -1 from ``on_train_batch_start`` skips ``on_train_batch_end``), and ``teardown``.
-
-The moving parts: :mod:`lightning_mpi.offload_session` (which tensors, when),
-:mod:`lightning_mpi.offload_tiers` (CUDA -> pinned host, side streams),
-:mod:`lightning_mpi.offload_disk` (spill files), :mod:`lightning_mpi.offload_pool` (reusable
-pinned buffers), :mod:`lightning_mpi.offload_tensors` (bytes and layouts).
 """
 from __future__ import annotations
 
 import os
 import shutil
 import tempfile
+import warnings
 from collections.abc import Sequence
 from typing import Any, Literal
 
-import pytorch_lightning as pl
 import torch
-from pytorch_lightning.utilities import rank_zero_warn
 from torch.autograd.graph import saved_tensors_hooks
 
-from lightning_mpi.offload_disk import DiskTier, return_freed_memory_to_os
-from lightning_mpi.offload_pool import HostBufferPool
-from lightning_mpi.offload_session import OffloadSession, OffloadStats
-from lightning_mpi.offload_tiers import CudaHostTier
+from lightning_mpi.offload.allocator import return_freed_memory_to_os
+from lightning_mpi.offload.disk import DiskTier
+from lightning_mpi.offload.pool import HostBufferPool
+from lightning_mpi.offload.session import OffloadSession, OffloadStats
+from lightning_mpi.offload.tiers import CudaHostTier
 
-__all__ = ["LMSOffload", "OffloadStats"]
+__all__ = ["LMSOffloadHooks", "OffloadStats"]
 
 _TARGETS = ("cpu", "disk")
 
 
-class LMSOffload(pl.Callback):
+class LMSOffloadHooks:
     """Offload the tensors saved for backward out of device memory during each training step.
 
     Args:
@@ -86,6 +78,14 @@ class LMSOffload(pl.Callback):
     Raises:
         ValueError: at construction, for an argument out of range (the message names the
             argument, the value and the allowed range); at setup, for an unknown module name.
+
+    Usage::
+
+        trainer = pl.Trainer(strategy="mpi_asa", callbacks=[lightning_mpi.LMSOffload()])
+
+    This class holds the behaviour; ``LMSOffload`` is this mixin on Lightning's ``Callback``. A
+    callback for another Lightning frontend is ``class X(LMSOffloadHooks, Callback)``: the hooks
+    need nothing Lightning-specific from ``trainer`` and ``pl_module`` beyond the common API.
     """
 
     def __init__(
@@ -126,21 +126,22 @@ class LMSOffload(pl.Callback):
         self._hooks_ctx: saved_tensors_hooks | None = None
         self._module_hooks: list = []
         self._owned_dir: str | None = None
-        self._warned = False
+        self._warned: set[str] = set()  # messages already given
 
-    # --- Lightning hooks --------------------------------------------------------------------
-    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+    # --- Lightning Callback hooks (same names and signatures) --------------------------------------------------------------------
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         if stage != "fit":
             return
         self._hook_excluded_modules(pl_module)
         if self.target == "disk":
-            self._prepare_directory()
+            self._prepare_directory(trainer)
 
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
         self._end_step(abort=True)  # a step whose on_train_batch_end never came
         device = pl_module.device
         if self.target == "cpu" and device.type != "cuda":
             self._warn_once(
+                trainer,
                 f"LMSOffload(target='cpu'): the model is on {device.type}, so there is no device memory "
                 "to free; the callback does nothing (no hooks installed). Use target='disk' to lower host memory."
             )
@@ -154,12 +155,19 @@ class LMSOffload(pl.Callback):
         self._hooks_ctx = saved_tensors_hooks(session.pack, session.unpack)
         self._hooks_ctx.__enter__()
 
-    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
+    def on_before_backward(self, trainer: Any, pl_module: Any, loss: torch.Tensor) -> None:
         if self._session is not None:
             self._session.begin_backward()  # start prefetching while the kept-last tensors are used
 
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         stats = self._end_step(abort=False)
+        if stats is not None and stats.captured_tensors:
+            self._warn_once(
+                trainer,
+                "LMSOffload: tensors were saved for backward while a CUDA graph was being captured "
+                "(torch.cuda.graph, make_graphed_callables); they stay on the device: an offload "
+                "cannot be part of a captured graph, so the callback saves no memory there.",
+            )
         if stats is not None and self.log_stats:
             pl_module.log_dict(
                 {
@@ -173,13 +181,13 @@ class LMSOffload(pl.Callback):
                 batch_size=1,
             )
 
-    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
         self._end_step(abort=True)
 
-    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
         self._shutdown()
 
-    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+    def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
         self._shutdown()
 
     # --- internals ------------------------------------------------------------------------
@@ -210,7 +218,7 @@ class LMSOffload(pl.Callback):
                 shutil.rmtree(self._owned_dir, ignore_errors=True)
                 self._owned_dir = None
 
-    def _make_tier(self, trainer: pl.Trainer, device: torch.device) -> Any:
+    def _make_tier(self, trainer: Any, device: torch.device) -> Any:
         if self.target == "cpu":
             return CudaHostTier(HostBufferPool(pin_memory=True), self.max_inflight)
         if device.type == "cpu":
@@ -221,7 +229,7 @@ class LMSOffload(pl.Callback):
         directory = self._owned_dir or self.directory
         return DiskTier(directory, self.max_inflight, name=f"lms-rank{trainer.global_rank}")
 
-    def _prepare_directory(self) -> None:
+    def _prepare_directory(self, trainer: Any) -> None:
         if self.directory is None:
             if self._owned_dir is None:
                 self._owned_dir = tempfile.mkdtemp(prefix="lms-offload-")
@@ -230,11 +238,12 @@ class LMSOffload(pl.Callback):
         fs_type = _filesystem_type(self.directory)
         if fs_type in ("tmpfs", "ramfs"):
             self._warn_once(
+                trainer,
                 f"LMSOffload: directory={self.directory!r} is on {fs_type} (memory): offloading there "
                 "lowers this process's RSS but not the machine's memory use."
             )
 
-    def _hook_excluded_modules(self, pl_module: pl.LightningModule) -> None:
+    def _hook_excluded_modules(self, pl_module: Any) -> None:
         for handle in self._module_hooks:
             handle.remove()
         self._module_hooks = []
@@ -259,10 +268,13 @@ class LMSOffload(pl.Callback):
         if self._session is not None and self._session.excluded_depth > 0:
             self._session.excluded_depth -= 1
 
-    def _warn_once(self, message: str) -> None:
-        if not self._warned:
-            self._warned = True
-            rank_zero_warn(message)
+    def _warn_once(self, trainer: Any, message: str) -> None:
+        """Give ``message`` once per callback, on global rank 0 only (every rank would say the
+        same)."""
+        if message not in self._warned:
+            self._warned.add(message)
+            if trainer.global_rank == 0:
+                warnings.warn(message, UserWarning, stacklevel=3)
 
 
 def _check_int(name: str, value: Any, low: int) -> int:
