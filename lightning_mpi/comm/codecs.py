@@ -31,7 +31,7 @@ over rows, no ``.item()``). Avoided on purpose, because they measured an order o
 on CPU than the plain ops used instead: ``torch.aminmax`` (``amin`` + ``amax``), ``torch.where``
 with broadcast operands (a lookup table), ``addcmul`` with two broadcast operands (``mul`` then
 ``add_``), ``trunc`` and float-to-``uint8`` casts (the ``2**23`` trick), integer reductions (a
-popcount table over packed bytes), and, in :mod:`~lightning_mpi.comm.feedback`, ``torch.sum`` over
+popcount table over packed bytes), and, in :mod:`~lightning_mpi.comm.collectives`, ``torch.sum`` over
 a short leading dimension (row adds). ``benchmarks/codec_speed.py`` times all of it.
 
 Top-k sparsification is not row-wise (it chooses entries across the whole buffer): see

@@ -31,9 +31,8 @@ from torch.optim import Optimizer
 
 from lightning_mpi.comm.buffers import Bucket
 from lightning_mpi.comm.codecs import get_codec
-from lightning_mpi.comm.collectives import ASAWorkspace
-from lightning_mpi.comm.engine import Exchange, segments
-from lightning_mpi.comm.feedback import ef_asa_mean_steps
+from lightning_mpi.comm.collectives import ASAWorkspace, asa_mean_steps, segments
+from lightning_mpi.comm.engine import Exchange
 from lightning_mpi.comm.sparse import TopKWorkspace, check_ratio, topk_count, topk_mean_steps
 from lightning_mpi.comm.transport import Transport
 from lightning_mpi.rules.base import check_choice, check_range
@@ -188,7 +187,7 @@ class CompressedExchanger(BucketExchanger):
         if work is None:
             work = self._workspaces[key] = ASAWorkspace.for_buffer(segment, team.size, self.codec)
         return self._clean_padding(
-            ef_asa_mean_steps(team, segment, self.codec, work, state.residual, state.owner_residual), segment, state, team
+            asa_mean_steps(team, segment, self.codec, work, state.residual, state.owner_residual), segment, state, team
         )
 
     @staticmethod

@@ -25,16 +25,14 @@ from torch.optim import Optimizer
 
 from lightning_mpi.comm.buffers import Bucket, make_buckets
 from lightning_mpi.comm.codecs import get_codec
-from lightning_mpi.comm.collectives import ASAWorkspace
-from lightning_mpi.comm.engine import (
-    Exchange,
-    Progress,
-    ProgressDriver,
+from lightning_mpi.comm.collectives import (
+    ASAWorkspace,
     allreduce_mean_steps,
     asa_mean_steps,
     hierarchical_mean_steps,
     segments,
 )
+from lightning_mpi.comm.engine import Exchange, Progress, ProgressDriver
 from lightning_mpi.comm.transport import Transport
 from lightning_mpi.rules.base import BoundRule, Rule, all_finite, check_choice, check_range, grads_finite
 
