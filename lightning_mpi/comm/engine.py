@@ -9,7 +9,7 @@ and advances each as its request completes. That gives overlap and pipelining fo
   segment k is summed while k+1 travels.
 
 MPICH advances a non-blocking collective only while the process is inside an MPI call
-(DESIGN.md measured it: 1,169 ms without, 595 ms with occasional ``Test``), so callers poll.
+(measured: 1,169 ms without, 595 ms with occasional ``Test``), so callers poll.
 """
 from __future__ import annotations
 
@@ -25,8 +25,8 @@ Exchange = Generator[Any, None, Any]
 class Progress:
     """Drives exchanges: each is a generator yielding MPI requests; finished ones are dropped.
 
-    Thread-safe: the training thread starts, polls and waits, and a :class:`ProgressDriver`
-    thread may poll too (:meth:`try_poll`), so that an exchange moves to its next phase (the sum
+    Thread-safe: the training thread starts, polls and waits, and a
+    :class:`~lightning_mpi.comm.progress.ProgressThread` may poll too (:meth:`try_poll`), so that an exchange moves to its next phase (the sum
     and Allgather after ASA's Alltoall) while backward keeps the training thread busy. A
     re-entrant lock serialises the generators' steps (an exchange may start another).
     """
@@ -112,53 +112,3 @@ class Progress:
     def __len__(self) -> int:
         with self._lock:
             return len(self._active)
-
-
-class ProgressDriver:
-    """A thread that enters MPI's progress engine while exchanges are in flight.
-
-    MPICH moves a non-blocking collective only inside MPI calls, and backward spends most of its
-    time in torch kernels that make none. While started, this thread calls
-    ``progress.try_poll()`` every ``interval`` seconds (torch kernels release the GIL, so it gets
-    to run): that tests every request in flight and advances the exchanges whose request
-    completed (ASA's sum and Allgather start without waiting for the training thread's next
-    hook). When paused it blocks on an event and costs nothing. Needs ``MPI_THREAD_MULTIPLE``.
-    """
-
-    def __init__(self, progress: Progress, interval: float = 2e-4) -> None:
-        from mpi4py import MPI
-
-        if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
-            raise RuntimeError(
-                "lightning_mpi: overlap_progress_thread needs MPI_THREAD_MULTIPLE; "
-                "initialise MPI with it (mpi4py's default) or pass overlap_progress_thread=False"
-            )
-        self.interval = interval
-        self.progress = progress
-        self._active = threading.Event()
-        self._closing = False
-        self._thread = threading.Thread(target=self._run, name="lightning_mpi-exchange-progress", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        import time
-
-        while True:
-            self._active.wait()
-            if self._closing:
-                return
-            self.progress.try_poll()
-            time.sleep(self.interval)
-
-    def start(self) -> None:
-        self._active.set()
-
-    def pause(self) -> None:
-        self._active.clear()
-
-    def close(self) -> None:
-        """Stop and join the thread (safe to call twice)."""
-        if self._thread.is_alive():
-            self._closing = True
-            self._active.set()
-            self._thread.join()

@@ -254,12 +254,12 @@ class BoundServerRule(BoundLocalStepRule):
 
     # -- lifecycle ---------------------------------------------------------------------------------
     def on_train_start(self) -> None:
-        from lightning_mpi.comm.window import Counters, DecisionBoard, ProgressThread, ShardedVector, require_thread_multiple
+        from lightning_mpi.comm.progress import ProgressThread
+        from lightning_mpi.comm.window import Counters, DecisionBoard, ShardedVector
 
         comm = self.transport.comm
         if self.transport.size > 1:
-            require_thread_multiple()
-            self.progress = ProgressThread(comm, self.rule.progress_interval)
+            self.progress = ProgressThread.probing(comm, self.rule.progress_interval, "the asynchronous rules")
         self.center = ShardedVector(comm, self.ref.numel(), self.ref.dtype)
         self.clock = Counters(comm, 1)
         self.board = DecisionBoard(comm)
@@ -390,7 +390,7 @@ class BoundServerRule(BoundLocalStepRule):
                 obj.free()
                 setattr(self, attr, None)
         if self.progress is not None:
-            self.progress.stop()
+            self.progress.close()
             self.progress = None
 
     # -- state -------------------------------------------------------------------------------------

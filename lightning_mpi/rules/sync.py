@@ -32,7 +32,8 @@ from lightning_mpi.comm.collectives import (
     hierarchical_mean_steps,
     segments,
 )
-from lightning_mpi.comm.engine import Exchange, Progress, ProgressDriver
+from lightning_mpi.comm.engine import Exchange, Progress
+from lightning_mpi.comm.progress import ProgressThread
 from lightning_mpi.comm.transport import Transport
 from lightning_mpi.rules.base import BoundRule, Rule, all_finite, check_choice, check_range, grads_finite
 
@@ -117,9 +118,13 @@ class BucketExchanger:
         self.codec = get_codec(rule.wire)
         self.segment_numel = max(1, int(rule.segment_mb * 2**20) // 4)
         self.progress = Progress(transport.timeout, transport.rank, transport.size)
-        self.driver: ProgressDriver | None = None
+        self.driver: ProgressThread | None = None
         if rule.overlap and rule.progress_thread and transport.size > 1:
-            self.driver = ProgressDriver(self.progress)
+            # Polls only while exchanges are in flight: started by start(), paused by finish().
+            self.driver = ProgressThread(
+                self.progress.try_poll, 2e-4, "SyncRule(progress_thread=True)", running=False,
+                remedy=", or pass progress_thread=False",
+            )
         self._workspaces: dict[tuple[int, int], ASAWorkspace] = {}
         self._slots: dict[int, tuple[Transport | None, list[Tensor], list[Transport]]] = {}  # by id(bucket)
         self.local: Transport | None = None
