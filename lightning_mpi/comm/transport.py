@@ -162,6 +162,10 @@ class Transport:
         self._wait(self.comm.Ibcast(buffer, root=root), "broadcast")
         return obj if self.rank == root else pickle.loads(buffer.tobytes())
 
+    def allgather_object(self, obj: Any) -> list[Any]:
+        """Every rank's picklable ``obj``, in rank order (blocking, no timeout)."""
+        return self.comm.allgather(obj)
+
     def _wait(self, request: Any, what: str) -> None:
         wait_request(request, self.timeout, what, self.rank, self.size)
 

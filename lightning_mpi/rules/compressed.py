@@ -268,7 +268,7 @@ class BoundCompressedSyncRule(BoundSyncRule):
         state["world_size"] = self.transport.size
         state["codec"] = self.rule.codec
         if self.transport.size > 1:
-            state["ranks"] = self.transport.comm.allgather(self._local_state())
+            state["ranks"] = self.transport.allgather_object(self._local_state())
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

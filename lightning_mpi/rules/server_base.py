@@ -258,7 +258,7 @@ class BoundServerRule(BoundLocalStepRule):
         else:
             center, clock = self.flat.pull().clone(), 0
         local = self._local_state()
-        ranks = self.transport.comm.allgather(local) if self.transport.size > 1 else [local]
+        ranks = self.transport.allgather_object(local) if self.transport.size > 1 else [local]
         return {"kind": self.rule.name, "center": center[: self.numel].clone(), "clock": clock,
                 "world_size": self.transport.size, **local, "ranks": ranks}
 

@@ -134,7 +134,7 @@ class BucketExchanger:
         self.pad_multiple = transport.size
         if rule.topology_aware and transport.size > 1:
             self.local, self.leaders = transport.node_split()
-            num_leaders = transport.comm.allreduce(1 if self.leaders is not None else 0)
+            num_leaders = sum(transport.allgather_object(self.leaders is not None))
             self.pad_multiple = math.lcm(transport.size, num_leaders)
         self.seconds = 0.0
         self.wire_bytes = 0
