@@ -36,7 +36,8 @@ from lightning_mpi.comm.engine import Exchange
 from lightning_mpi.comm.sparse import TopKWorkspace, check_ratio, topk_count, topk_mean_steps
 from lightning_mpi.comm.transport import Transport
 from lightning_mpi.rules.base import check_choice, check_range
-from lightning_mpi.rules.sync import BoundSyncRule, BucketExchanger, SyncRule
+from lightning_mpi.rules.bucket_exchanger import BucketExchanger
+from lightning_mpi.rules.sync import BoundSyncRule, SyncRule
 
 CODEC_NAMES = ("int8", "topk", "onebit")
 
