@@ -173,7 +173,7 @@ def _run_ranks(steps, posts):
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("world", [3, 4])
 @pytest.mark.parametrize("codec", [INT8, ONEBIT], ids=lambda c: c.name)
-def test_ef_asa_on_simulated_ranks(codec, world):
+def test_asa_with_feedback_on_simulated_ranks(codec, world):
     # Every rank ends each step with the same values (its own row, sent exactly, included), and
     # applied updates + pending residuals = mean of the gradients: exactly when the mean's
     # division is exact (world 4), to fp32 rounding of that division otherwise (world 3).

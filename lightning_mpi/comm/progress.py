@@ -32,8 +32,8 @@ def require_thread_multiple(who: str, remedy: str = "") -> None:
     if level < MPI.THREAD_MULTIPLE:
         names = {MPI.THREAD_SINGLE: "THREAD_SINGLE", MPI.THREAD_FUNNELED: "THREAD_FUNNELED", MPI.THREAD_SERIALIZED: "THREAD_SERIALIZED"}
         raise RuntimeError(
-            f"lightning_mpi: {who} needs MPI_THREAD_MULTIPLE (a progress thread calls MPI while training "
-            f"runs), but MPI was initialised with {names.get(level, level)}. Do not set mpi4py.rc.thread_level "
+            f"lightning_mpi: {who} needs MPI_THREAD_MULTIPLE for its progress thread (which calls MPI while "
+            f"training runs), but MPI was initialised with {names.get(level, level)}. Do not set mpi4py.rc.thread_level "
             f"(its default is 'multiple'), and use an MPI library built with thread support{remedy}."
         )
 

@@ -9,7 +9,7 @@ over shared memory). So every window here is ``Win.Allocate``d, and every rank t
 one runs a :meth:`~lightning_mpi.comm.progress.ProgressThread.probing` thread for as long as the
 window lives.
 
-One-sided serving vs a service thread (the issue's choice; ``benchmarks/ps_serving.py``, 2 ranks,
+One-sided serving vs a service thread (``benchmarks/ps_serving.py``, 2 ranks,
 4 MiB commits while the host computes, on a 2-core machine shared with other jobs, load ~10):
 
 | design | host busy in pure Python (holds the GIL) | host busy in torch (releases it) |

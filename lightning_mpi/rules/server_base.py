@@ -114,7 +114,7 @@ class BoundServerRule(BoundLocalStepRule):
     def on_train_start(self) -> None:
         comm = self.transport.comm
         if self.transport.size > 1:
-            self.progress = ProgressThread.probing(comm, self.rule.progress_interval, "the asynchronous rules")
+            self.progress = ProgressThread.probing(comm, self.rule.progress_interval, f"{self.rule.name} (a parameter-server rule)")
         self.center = ShardedVector(comm, self.ref.numel(), self.ref.dtype)
         self.clock = Counters(comm, 1)
         self.board = DecisionBoard(comm)
