@@ -6,7 +6,7 @@
     python benchmarks/codec_speed.py --mpi shm                         # + real exchanges, 2 ranks here
     python benchmarks/codec_speed.py --mpi 1gbit                       # + 2 simulated hosts at 1 Gbit/s (root)
 
-``--baseline DIR`` loads ``codecs.py``, ``feedback.py`` and ``sparse.py`` from ``DIR`` (e.g. the
+``--baseline DIR`` loads ``codecs.py``, ``collectives.py`` and ``sparse.py`` from ``DIR`` (e.g. the
 previous commit's ``lightning_mpi/comm/`` files, ``git show HEAD~1:lightning_mpi/comm/codecs.py >
 DIR/codecs.py`` ...) and times them in the same process, interleaved with the current ones, so
 that both see the same machine load. Every figure is the median of ``--repeat`` runs.
@@ -16,7 +16,7 @@ simulated by a loopback transport (Alltoall and Allgather are local copies of th
 
 - row codecs (``[world, n / world]`` rows): ``encode``, ``decode``, ``encode+EF`` (residual added,
   encoded, decoded, residual updated), and ``exchange`` = all the CPU work one rank does in one
-  ASA exchange with error feedback on both stages (``ef_asa_mean_steps``), also without feedback;
+  ASA exchange with error feedback on both stages (``asa_mean_steps``), also without feedback;
 - top-k (1%): ``select`` (indices of the k largest magnitudes) and ``exchange`` (feedback, select,
   pack, scatter-add of every rank's pairs, mean: ``topk_mean_steps``).
 
@@ -47,27 +47,27 @@ TOPK_RATIO = 0.01
 
 # ------------------------------------------------------------------------------ implementations ---
 class Impl:
-    """One version of the codec modules: ``codecs``, ``feedback``, ``sparse``."""
+    """One version of the codec modules: ``codecs``, ``collectives``, ``sparse``."""
 
-    def __init__(self, name: str, codecs, feedback, sparse) -> None:
-        self.name, self.codecs, self.feedback, self.sparse = name, codecs, feedback, sparse
+    def __init__(self, name: str, codecs, collectives, sparse) -> None:
+        self.name, self.codecs, self.collectives, self.sparse = name, codecs, collectives, sparse
 
     @classmethod
     def current(cls) -> "Impl":
-        from lightning_mpi.comm import codecs, feedback, sparse
+        from lightning_mpi.comm import codecs, collectives, sparse
 
-        return cls("after", codecs, feedback, sparse)
+        return cls("after", codecs, collectives, sparse)
 
     @classmethod
     def from_dir(cls, directory: str, name: str = "before") -> "Impl":
         mods = {}
-        for mod in ("codecs", "feedback", "sparse"):
+        for mod in ("codecs", "collectives", "sparse"):
             spec = importlib.util.spec_from_file_location(f"_{name}_{mod}", Path(directory) / f"{mod}.py")
             module = importlib.util.module_from_spec(spec)
             sys.modules[spec.name] = module
             spec.loader.exec_module(module)
             mods[mod] = module
-        return cls(name, mods["codecs"], mods["feedback"], mods["sparse"])
+        return cls(name, mods["codecs"], mods["collectives"], mods["sparse"])
 
     def topk_workspace(self, k: int, world: int, numel: int):
         try:
@@ -142,9 +142,9 @@ def row_ops(impl: Impl, codec_name: str, n: int, world: int):
     return [
         ("encode", lambda: codec.encode(grad, wire), None),
         ("decode", lambda: codec.decode(wire, out), None),
-        ("encode+EF", lambda: impl.feedback.encode_with_feedback_(codec, rows, wire, residual, out), refill),
-        ("exchange, EF", lambda: _run(impl.feedback.ef_asa_mean_steps(loop, flat, codec, work, residual.view(-1), owner)), refill_flat),
-        ("exchange, no EF", lambda: _run(impl.feedback.ef_asa_mean_steps(loop, flat, codec, work)), refill_flat),
+        ("encode+EF", lambda: impl.collectives.encode_with_feedback_(codec, rows, wire, residual, out), refill),
+        ("exchange, EF", lambda: _run(impl.collectives.asa_mean_steps(loop, flat, codec, work, residual.view(-1), owner)), refill_flat),
+        ("exchange, no EF", lambda: _run(impl.collectives.asa_mean_steps(loop, flat, codec, work)), refill_flat),
     ]
 
 
@@ -252,7 +252,7 @@ def mpi_worker(args) -> None:
                     sent = 2 * (world - 1) * work.send_wire[0].numel() * work.send_wire.element_size()
 
                     def exchange():
-                        drive(impl.feedback.ef_asa_mean_steps(transport, flat, codec, work, residual, owner))
+                        drive(impl.collectives.asa_mean_steps(transport, flat, codec, work, residual, owner))
 
                     def mpi_only():
                         comm.Ialltoall(work.send_wire, work.recv_wire).Wait()
@@ -307,7 +307,7 @@ def main() -> None:
     ap.add_argument("--codecs", nargs="+", default=[*ROW_CODECS, "topk"], choices=[*ROW_CODECS, "bf16", "topk"])
     ap.add_argument("--world", type=int, default=2, help="ranks simulated by the loopback transport")
     ap.add_argument("--repeat", type=int, default=7)
-    ap.add_argument("--baseline", help="directory with older codecs.py, feedback.py, sparse.py")
+    ap.add_argument("--baseline", help="directory with older codecs.py, collectives.py, sparse.py")
     ap.add_argument("--mpi", choices=["shm", "1gbit", "10gbit"], help="also time real 2-rank exchanges")
     ap.add_argument("--skip-local", action="store_true")
     ap.add_argument("--clock", choices=["cpu", "wall"], default="cpu", help="local tables: thread CPU time or wall time")

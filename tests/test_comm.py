@@ -1,11 +1,13 @@
-"""Transport layer: buckets, codecs (in process) and every collective against numpy (mpiexec)."""
+"""Transport layer: buckets, codecs and the ASA exchange (in process, on simulated ranks), and every
+collective against numpy (mpiexec)."""
 import json
 
 import pytest
 import torch
 
 from lightning_mpi.comm.buffers import make_buckets, padded_numel
-from lightning_mpi.comm.codecs import BF16, FP16, FP32, get_codec
+from lightning_mpi.comm.codecs import BF16, FP16, FP32, INT8, ONEBIT, get_codec
+from lightning_mpi.comm.collectives import ASAWorkspace, asa_mean_steps
 from tests.mpi_utils import REPO, run_mpi
 
 SCRIPT = str(REPO / "tests" / "scripts" / "comm_check.py")
@@ -85,17 +87,23 @@ def test_codec_round_trip_odd_sizes(codec, tol, n):
     assert torch.isfinite(back).all()
 
 
+def fp16_round_trip(rows):
+    wire = torch.empty(rows.shape[0], FP16.wire_numel(rows.shape[1]), dtype=FP16.wire_dtype)
+    FP16.encode(rows, wire)
+    out = torch.empty_like(rows)
+    FP16.decode(wire, out)
+    return out
+
+
 def test_fp16_scaling_prevents_overflow_and_underflow():
     rows = torch.tensor([[1e6, -2e6, 3.0], [1e-9, -3e-9, 2e-9]])
-    wire, ctx = FP16.compress(rows[0])
-    assert torch.isfinite(FP16.decompress(wire, ctx)).all()  # plain .half() would give inf
-    wire, ctx = FP16.compress(rows[1])
-    assert (FP16.decompress(wire, ctx) != 0).all()  # plain .half() would flush to zero
+    out = fp16_round_trip(rows)
+    assert torch.isfinite(out[0]).all()  # plain .half() would give inf
+    assert (out[1] != 0).all()  # plain .half() would flush to zero
 
 
 def test_codec_passes_non_finite_through():
-    wire, ctx = FP16.compress(torch.tensor([1.0, float("inf"), 2.0]))
-    assert not torch.isfinite(FP16.decompress(wire, ctx)).all()
+    assert not torch.isfinite(fp16_round_trip(torch.tensor([[1.0, float("inf"), 2.0]]))).all()
 
 
 def test_unknown_codec_names_the_argument():
@@ -125,3 +133,89 @@ def test_collectives_match_numpy(world, tmp_path):
             assert err <= 1e-5, case  # MPI may add in another order than numpy
         else:
             assert err == 0.0, case
+
+
+class _SimRank:
+    """One of ``size`` simulated ranks: its collectives post buffers; :func:`_run_ranks` moves the data."""
+
+    def __init__(self, rank, size, posts):
+        self.rank, self.size, self.posts = rank, size, posts
+
+    def ialltoall(self, send, recv):
+        self.posts[self.rank] = ("alltoall", send, recv)
+        yield "alltoall"
+
+    def iallgather(self, send, recv):
+        self.posts[self.rank] = ("allgather", send, recv)
+        yield "allgather"
+
+
+def _run_ranks(steps, posts):
+    """Drive one exchange generator per rank in lockstep, doing each collective's copies."""
+    for gen in steps:
+        next(gen)
+    world = len(steps)
+    while True:
+        kind = posts[0][0]
+        for j in range(world):
+            for i in range(world):
+                posts[j][2][i].copy_(posts[i][1][j] if kind == "alltoall" else posts[i][1][0])
+        done = 0
+        for gen in steps:
+            try:
+                next(gen)
+            except StopIteration:
+                done += 1
+        if done == world:
+            return
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("world", [3, 4])
+@pytest.mark.parametrize("codec", [INT8, ONEBIT], ids=lambda c: c.name)
+def test_asa_with_feedback_on_simulated_ranks(codec, world):
+    # Every rank ends each step with the same values (its own row, sent exactly, included), and
+    # applied updates + pending residuals = mean of the gradients: exactly when the mean's
+    # division is exact (world 4), to fp32 rounding of that division otherwise (world 3).
+    chunk = 37
+    n = world * chunk
+    gen = torch.Generator().manual_seed(world)
+    # Start from pending residuals everywhere, own rows included (as after a restore from another
+    # world size): they must be sent too, not kept or lost.
+    residuals = [torch.randint(-64, 65, (n,), generator=gen).float() / 1024 for _ in range(world)]
+    owners = [torch.randint(-64, 65, (chunk,), generator=gen).float() / 1024 for _ in range(world)]
+    works = [ASAWorkspace.for_buffer(torch.empty(n), world, codec) for _ in range(world)]
+    applied = torch.zeros(n, dtype=torch.float64)
+    given = torch.stack(residuals).double().mean(dim=0) + torch.cat(owners).double()
+    for _ in range(30):
+        grads = [torch.randint(-1024, 1025, (n,), generator=gen).float() / 1024 for _ in range(world)]
+        flats = [g.clone() for g in grads]
+        posts = [None] * world
+        steps = [
+            asa_mean_steps(_SimRank(r, world, posts), flats[r], codec, works[r], residuals[r], owners[r])
+            for r in range(world)
+        ]
+        _run_ranks(steps, posts)
+        assert all(torch.equal(flats[0], f) for f in flats[1:])
+        applied += flats[0].double()
+        given += torch.stack(grads).double().mean(dim=0)
+    pending = torch.stack(residuals).double().mean(dim=0) + torch.cat(owners).double()
+    diff = (applied + pending - given).abs().max().item()
+    assert diff == 0.0 if world == 4 else diff < 1e-5
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("codec", [FP32, FP16, BF16, INT8, ONEBIT], ids=lambda c: c.name)
+def test_asa_without_feedback_on_simulated_ranks(codec, world):
+    # Every wire format goes through the one ASA: identical results everywhere, near the mean.
+    chunk = 29
+    gen = torch.Generator().manual_seed(7)
+    grads = [torch.randn(world * chunk, generator=gen) for _ in range(world)]
+    flats = [g.clone() for g in grads]
+    posts = [None] * world
+    works = [ASAWorkspace.for_buffer(flats[0], world, codec) for _ in range(world)]
+    _run_ranks([asa_mean_steps(_SimRank(r, world, posts), flats[r], codec, works[r]) for r in range(world)], posts)
+    assert all(torch.equal(flats[0], f) for f in flats[1:])
+    err = (flats[0] - torch.stack(grads).mean(dim=0)).abs().max().item()
+    assert err == pytest.approx(0.0, abs=1e-6) if codec is FP32 else err < (2.0 if codec is ONEBIT else 0.05)

@@ -1,5 +1,6 @@
 """The exchange scheduler (comm/engine.Progress) in one process, with stand-in requests: the
-progress thread may advance exchanges, and what fails there fails in the training thread."""
+progress thread may advance exchanges, and what fails there fails in the training thread; and the
+progress thread itself (comm/progress.ProgressThread)."""
 import threading
 import time
 
@@ -75,3 +76,25 @@ def test_try_poll_never_waits_for_the_training_thread():
     request.done = True
     waiting.join(timeout=5)
     assert not waiting.is_alive()
+
+
+def test_progress_thread_polls_only_while_running_and_closes_once():
+    from lightning_mpi.comm.progress import ProgressThread
+
+    calls, closed = [], []
+    thread = ProgressThread(lambda: calls.append(1), 1e-3, "this test", running=False, on_close=lambda: closed.append(1))
+    time.sleep(0.05)
+    assert calls == [] and thread.alive, "a paused thread makes no calls"
+    thread.start()
+    deadline = time.perf_counter() + 5
+    while len(calls) < 3 and time.perf_counter() < deadline:
+        time.sleep(0.01)
+    assert len(calls) >= 3
+    thread.pause()
+    time.sleep(0.05)  # a call already under way may still finish
+    paused_at = len(calls)
+    time.sleep(0.05)
+    assert len(calls) == paused_at
+    thread.close()
+    thread.close()
+    assert not thread.alive and closed == [1]

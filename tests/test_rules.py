@@ -26,10 +26,15 @@ from lightning_mpi.rules.server import (
     DownpourRule,
     DynSGDRule,
     EAMSGDRule,
+)
+from lightning_mpi.rules.server_commits import (
+    adag_commit,
     adag_scale,
+    aeasgd_exchange,
     agn_commit,
+    downpour_commit,
+    dynsgd_commit,
     dynsgd_scale,
-    server_commit,
     staleness,
 )
 
@@ -74,19 +79,30 @@ def test_model_average_and_schedule():
 
 def test_server_commits_by_hand():
     delta = T(2.0, -4.0)
-    assert server_commit("downpour", delta, period=4).tolist() == [2.0, -4.0]
+    assert downpour_commit(delta).tolist() == [2.0, -4.0]
     assert agn_commit(delta, 4).tolist() == [0.5, -1.0]
     assert staleness(clock_before_commit=7, clock_at_pull=4) == 3
     assert dynsgd_scale(3) == 0.25
-    assert server_commit("dynsgd", delta, period=4, stale=3).tolist() == [0.5, -1.0]
-    assert server_commit("dynsgd", delta, period=4, stale=0).tolist() == [2.0, -4.0]  # fresh: unchanged
+    assert dynsgd_commit(delta, stale=3).tolist() == [0.5, -1.0]
+    assert dynsgd_commit(delta, stale=0).tolist() == [2.0, -4.0]  # fresh: unchanged
+
+
+def test_aeasgd_exchange_by_hand():
+    # E = α(θ − θ̃) = 0.5 · ([2, 0] − [1, 1]) = [0.5, -0.5]: the worker loses E, the center gains it.
+    new_theta, e = aeasgd_exchange(T(2.0, 0.0), T(1.0, 1.0), 0.5)
+    assert new_theta.tolist() == [1.5, 0.5] and e.tolist() == [0.5, -0.5]
+
+
+def test_server_rules_are_told_apart_by_class():
+    names = [cls().name for cls in (DownpourRule, AGNRule, DynSGDRule, ADAGRule, AEASGDRule, EAMSGDRule)]
+    assert names == ["downpour", "agn", "dynsgd", "adag", "aeasgd", "eamsgd"]
 
 
 def test_adag_scale_uses_the_global_norm():
     # center moved by [3, 4] since the pull: ‖·‖² = 25 over the whole vector; η = 5 → 1/(5+1)
     now, pulled = T(3.0, 5.0), T(0.0, 1.0)
     assert adag_scale(now, pulled, 5.0) == pytest.approx(1 / 6)
-    commit = server_commit("adag", T(6.0, -12.0), period=1, center_now=now, center_pulled=pulled, eta=5.0)
+    commit = adag_commit(T(6.0, -12.0), center_now=now, center_pulled=pulled, eta=5.0)
     assert commit.tolist() == pytest.approx([1.0, -2.0])  # one scalar: the direction is kept
     assert adag_scale(pulled, pulled, 5.0) == 1.0  # center did not move: full commit
 

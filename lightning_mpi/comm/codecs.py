@@ -31,7 +31,7 @@ over rows, no ``.item()``). Avoided on purpose, because they measured an order o
 on CPU than the plain ops used instead: ``torch.aminmax`` (``amin`` + ``amax``), ``torch.where``
 with broadcast operands (a lookup table), ``addcmul`` with two broadcast operands (``mul`` then
 ``add_``), ``trunc`` and float-to-``uint8`` casts (the ``2**23`` trick), integer reductions (a
-popcount table over packed bytes), and, in :mod:`~lightning_mpi.comm.feedback`, ``torch.sum`` over
+popcount table over packed bytes), and, in :mod:`~lightning_mpi.comm.collectives`, ``torch.sum`` over
 a short leading dimension (row adds). ``benchmarks/codec_speed.py`` times all of it.
 
 Top-k sparsification is not row-wise (it chooses entries across the whole buffer): see
@@ -40,6 +40,7 @@ Top-k sparsification is not row-wise (it chooses entries across the whole buffer
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import Tensor
@@ -53,15 +54,10 @@ class Codec:
     """Base wire format: fp32 identity. Stateless; subclasses change the wire dtype and scaling."""
 
     name: str = "fp32"
-
-    @property
-    def wire_dtype(self) -> torch.dtype:
-        """Element dtype of the wire buffer as MPI sees it."""
-        return torch.float32
-
-    @property
-    def lossy(self) -> bool:
-        return False
+    #: element dtype of the wire buffer as MPI sees it
+    wire_dtype: ClassVar[torch.dtype] = torch.float32
+    #: whether decode(encode(x)) may differ from x
+    lossy: ClassVar[bool] = False
 
     def wire_numel(self, chunk: int) -> int:
         """Wire words for one row of ``chunk`` values."""
@@ -75,19 +71,6 @@ class Codec:
         """Write the decoded rows of ``src`` into float ``dst`` (``[rows, chunk]``)."""
         dst.copy_(src)
 
-    def compress(self, tensor: Tensor) -> tuple[Tensor, tuple]:
-        """Stateless convenience (Horovod-style): one row in, ``(wire, ctx)`` out."""
-        flat = tensor.detach().reshape(1, -1).float()
-        wire = torch.empty(1, self.wire_numel(flat.shape[1]), dtype=self.wire_dtype, device=tensor.device)
-        self.encode(flat, wire)
-        return wire, (tensor.shape, tensor.dtype)
-
-    def decompress(self, wire: Tensor, ctx: tuple) -> Tensor:
-        shape, dtype = ctx
-        out = torch.empty(1, int(torch.Size(shape).numel()), dtype=torch.float32, device=wire.device)
-        self.decode(wire, out)
-        return out.reshape(shape).to(dtype)
-
 
 @dataclass(frozen=True)
 class HalfCodec(Codec):
@@ -96,14 +79,8 @@ class HalfCodec(Codec):
     name: str = "fp16"
     half_dtype: torch.dtype = torch.float16
     scaled: bool = True
-
-    @property
-    def wire_dtype(self) -> torch.dtype:
-        return torch.int16
-
-    @property
-    def lossy(self) -> bool:
-        return True
+    wire_dtype: ClassVar[torch.dtype] = torch.int16
+    lossy: ClassVar[bool] = True
 
     def wire_numel(self, chunk: int) -> int:
         return chunk + 1
@@ -183,14 +160,8 @@ class Int8Codec(Codec):
     """
 
     name: str = "int8"
-
-    @property
-    def wire_dtype(self) -> torch.dtype:
-        return torch.uint8
-
-    @property
-    def lossy(self) -> bool:
-        return True
+    wire_dtype: ClassVar[torch.dtype] = torch.uint8
+    lossy: ClassVar[bool] = True
 
     def wire_numel(self, chunk: int) -> int:
         return 8 + _ceil4(chunk)
@@ -272,14 +243,8 @@ class OneBitCodec(Codec):
     """
 
     name: str = "onebit"
-
-    @property
-    def wire_dtype(self) -> torch.dtype:
-        return torch.uint8
-
-    @property
-    def lossy(self) -> bool:
-        return True
+    wire_dtype: ClassVar[torch.dtype] = torch.uint8
+    lossy: ClassVar[bool] = True
 
     def wire_numel(self, chunk: int) -> int:
         return 8 + _ceil4(-(-chunk // 8))

@@ -1,6 +1,6 @@
 """Non-blocking exchanges as generators, and a tiny scheduler that drives them.
 
-An exchange is written as straight-line code that ``yield``s an MPI request wherever it must wait
+An exchange (the ones in :mod:`lightning_mpi.comm.collectives`) is written as straight-line code that ``yield``s an MPI request wherever it must wait
 (``yield from transport.ialltoall(...)``). :class:`Progress` keeps many such exchanges in flight
 and advances each as its request completes. That gives overlap and pipelining for free:
 
@@ -9,7 +9,7 @@ and advances each as its request completes. That gives overlap and pipelining fo
   segment k is summed while k+1 travels.
 
 MPICH advances a non-blocking collective only while the process is inside an MPI call
-(DESIGN.md measured it: 1,169 ms without, 595 ms with occasional ``Test``), so callers poll.
+(measured: 1,169 ms without, 595 ms with occasional ``Test``), so callers poll.
 """
 from __future__ import annotations
 
@@ -17,12 +17,7 @@ import threading
 from collections.abc import Callable, Generator
 from typing import Any
 
-import torch
-from torch import Tensor
-
-from lightning_mpi.comm.codecs import FP32, Codec
-from lightning_mpi.comm.collectives import ASAWorkspace
-from lightning_mpi.comm.transport import Transport, wait_request
+from lightning_mpi.comm.transport import wait_request
 
 Exchange = Generator[Any, None, Any]
 
@@ -30,8 +25,8 @@ Exchange = Generator[Any, None, Any]
 class Progress:
     """Drives exchanges: each is a generator yielding MPI requests; finished ones are dropped.
 
-    Thread-safe: the training thread starts, polls and waits, and a :class:`ProgressDriver`
-    thread may poll too (:meth:`try_poll`), so that an exchange moves to its next phase (the sum
+    Thread-safe: the training thread starts, polls and waits, and a
+    :class:`~lightning_mpi.comm.progress.ProgressThread` may poll too (:meth:`try_poll`), so that an exchange moves to its next phase (the sum
     and Allgather after ASA's Alltoall) while backward keeps the training thread busy. A
     re-entrant lock serialises the generators' steps (an exchange may start another).
     """
@@ -117,108 +112,3 @@ class Progress:
     def __len__(self) -> int:
         with self._lock:
             return len(self._active)
-
-
-class ProgressDriver:
-    """A thread that enters MPI's progress engine while exchanges are in flight.
-
-    MPICH moves a non-blocking collective only inside MPI calls, and backward spends most of its
-    time in torch kernels that make none. While started, this thread calls
-    ``progress.try_poll()`` every ``interval`` seconds (torch kernels release the GIL, so it gets
-    to run): that tests every request in flight and advances the exchanges whose request
-    completed (ASA's sum and Allgather start without waiting for the training thread's next
-    hook). When paused it blocks on an event and costs nothing. Needs ``MPI_THREAD_MULTIPLE``.
-    """
-
-    def __init__(self, progress: Progress, interval: float = 2e-4) -> None:
-        from mpi4py import MPI
-
-        if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
-            raise RuntimeError(
-                "lightning_mpi: overlap_progress_thread needs MPI_THREAD_MULTIPLE; "
-                "initialise MPI with it (mpi4py's default) or pass overlap_progress_thread=False"
-            )
-        self.interval = interval
-        self.progress = progress
-        self._active = threading.Event()
-        self._closing = False
-        self._thread = threading.Thread(target=self._run, name="lightning_mpi-exchange-progress", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        import time
-
-        while True:
-            self._active.wait()
-            if self._closing:
-                return
-            self.progress.try_poll()
-            time.sleep(self.interval)
-
-    def start(self) -> None:
-        self._active.set()
-
-    def pause(self) -> None:
-        self._active.clear()
-
-    def close(self) -> None:
-        """Stop and join the thread (safe to call twice)."""
-        if self._thread.is_alive():
-            self._closing = True
-            self._active.set()
-            self._thread.join()
-
-
-def allreduce_mean_steps(transport: Transport, flat: Tensor) -> Exchange:
-    """Mean over ranks by one ``Iallreduce``."""
-    yield from transport.iallreduce_(flat)
-    flat.div_(transport.size)
-
-
-def asa_mean_steps(transport: Transport, flat: Tensor, codec: Codec, work: ASAWorkspace) -> Exchange:
-    """Mean over ranks by ``Ialltoall`` → fp32 sum → ``Iallgather`` (see collectives.asa_mean_)."""
-    world = transport.size
-    rows = flat.view(world, -1)
-    if codec is FP32:
-        yield from transport.ialltoall(rows, work.decoded)
-        torch.sum(work.decoded, dim=0, keepdim=True, out=work.mine)
-        work.mine.div_(world)
-        yield from transport.iallgather(work.mine, rows)
-        return
-    codec.encode(rows, work.send_wire)
-    yield from transport.ialltoall(work.send_wire, work.recv_wire)
-    codec.decode(work.recv_wire, work.decoded)
-    torch.sum(work.decoded, dim=0, keepdim=True, out=work.mine)
-    work.mine.div_(world)
-    codec.encode(work.mine, work.mine_wire)
-    yield from transport.iallgather(work.mine_wire, work.recv_wire)
-    codec.decode(work.recv_wire, rows)
-
-
-def hierarchical_mean_steps(
-    local: Transport, leaders: Transport | None, flat: Tensor, world_size: int, leader_exchange
-) -> Exchange:
-    """Topology-aware mean (PowerAI DDL): sum within the node over shared memory onto the node
-    leader, average among node leaders across the link, share the result within the node.
-
-    ``leaders`` is the communicator of local rank 0 of every node (``None`` on other ranks);
-    ``leader_exchange(transport, flat)`` is the exchange generator the leaders use (Allreduce or
-    ASA with any codec): it averages over leaders, so the sum of node sums is that times the
-    number of leaders, and dividing by ``world_size`` gives the mean over all ranks.
-    """
-    if local.size > 1:
-        yield from local.ireduce_(flat, root=0)
-    if leaders is not None:
-        if leaders.size > 1:
-            yield from leader_exchange(leaders, flat)
-            flat.mul_(leaders.size / world_size)
-        else:
-            flat.div_(world_size)
-    if local.size > 1:
-        yield from local.ibroadcast_(flat, root=0)
-
-
-def segments(flat: Tensor, world_size: int, segment_numel: int) -> list[Tensor]:
-    """Cut a padded buffer into views whose lengths are multiples of ``world_size``."""
-    step = max(world_size, (segment_numel // world_size) * world_size)
-    return [flat[i : i + step] for i in range(0, flat.numel(), step)]

@@ -14,7 +14,6 @@ where entries were sent (momentum factor masking).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -87,37 +86,6 @@ def topk_select(values: Tensor, k: int, magnitude: Tensor | None = None, mask: T
     if missing > 0:
         keep[(picked == kth).nonzero().view(-1)[:missing]] = True
     return candidates[keep]
-
-
-@dataclass(frozen=True)
-class TopKCodec:
-    """Stateless (index, value) wire format for one tensor (Horovod-style ``compress``/``decompress``).
-
-    The wire is ``int32[2k]``: ``k`` indices, then the ``k`` float32 values as raw words. Usable
-    wherever a whole tensor is sent at once (parameter-server commits).
-    """
-
-    ratio: float = 0.01
-    name: str = "topk"
-
-    def __post_init__(self) -> None:
-        check_ratio(self.ratio)
-
-    def wire_numel(self, numel: int) -> int:
-        return 2 * topk_count(numel, self.ratio)
-
-    def compress(self, tensor: Tensor) -> tuple[Tensor, tuple]:
-        flat = tensor.detach().reshape(-1).float()
-        k = topk_count(flat.numel(), self.ratio)
-        wire = torch.empty(2 * k, dtype=torch.int32, device=flat.device)
-        pack_pairs(flat, topk_select(flat, k), wire)
-        return wire, (tensor.shape, tensor.dtype)
-
-    def decompress(self, wire: Tensor, ctx: tuple) -> Tensor:
-        shape, dtype = ctx
-        out = torch.zeros(int(torch.Size(shape).numel()), dtype=torch.float32, device=wire.device)
-        scatter_pairs_(out, wire)
-        return out.reshape(shape).to(dtype)
 
 
 def pack_pairs(values: Tensor, index: Tensor, wire: Tensor) -> None:

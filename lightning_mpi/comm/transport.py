@@ -110,43 +110,32 @@ class Transport:
         if any(t.is_cuda for t in tensors) and mpi_is_cuda_aware():
             torch.cuda.current_stream().synchronize()
 
-    # -- collectives ---------------------------------------------------------------------------
+    # -- blocking collectives: the non-blocking ones below, waited for with the timeout ---------
     def allreduce_(self, tensor: Tensor, op: str = "sum") -> Tensor:
         """In-place allreduce with ``op`` in {"sum", "max", "min", "prod"}."""
-        mpi_op = {"sum": self.MPI.SUM, "max": self.MPI.MAX, "min": self.MPI.MIN, "prod": self.MPI.PROD}[op]
-        if tensor.dtype in _AS_WORDS:
-            raise TypeError(f"allreduce_ cannot sum {tensor.dtype} words; upcast to float32 first")
-        self._sync_device(tensor)
-        host = self._host(tensor, "allreduce", copy_in=True)
-        self._wait(self.comm.Iallreduce(self.MPI.IN_PLACE, host, op=mpi_op), "allreduce")
-        self._back(host, tensor)
-        return tensor
+        return self._complete(self.iallreduce_(tensor, op), "allreduce")
 
     def alltoall(self, send: Tensor, recv: Tensor) -> Tensor:
         """Row ``j`` of ``send`` (``[size, k]``) goes to rank ``j``; row ``i`` of ``recv`` came from rank ``i``."""
-        self._sync_device(send, recv)
-        hs = self._host(send, "alltoall_send", copy_in=True)
-        hr = self._host(recv, "alltoall_recv", copy_in=False)
-        self._wait(self.comm.Ialltoall(_mpi_view(hs), _mpi_view(hr)), "alltoall")
-        self._back(hr, recv)
-        return recv
+        return self._complete(self.ialltoall(send, recv), "alltoall")
 
     def allgather(self, send: Tensor, recv: Tensor) -> Tensor:
         """Every rank's ``send`` (``[k]`` or ``[1, k]``) lands in row ``rank`` of ``recv`` (``[size, k]``)."""
-        self._sync_device(send, recv)
-        hs = self._host(send, "allgather_send", copy_in=True)
-        hr = self._host(recv, "allgather_recv", copy_in=False)
-        self._wait(self.comm.Iallgather(_mpi_view(hs), _mpi_view(hr)), "allgather")
-        self._back(hr, recv)
-        return recv
+        return self._complete(self.iallgather(send, recv), "allgather")
 
     def broadcast_(self, tensor: Tensor, root: int = 0) -> Tensor:
         """In-place broadcast of ``tensor`` from ``root``."""
-        self._sync_device(tensor)
-        host = self._host(tensor, "bcast", copy_in=True)
-        self._wait(self.comm.Ibcast(_mpi_view(host), root=root), "broadcast")
-        self._back(host, tensor)
-        return tensor
+        return self._complete(self.ibroadcast_(tensor, root), "broadcast")
+
+    def _complete(self, steps: Generator[Any, None, Tensor], what: str) -> Tensor:
+        """Run a non-blocking operation to its end, waiting on each of its requests with the timeout."""
+        try:
+            request = next(steps)
+            while True:
+                self._wait(request, what)
+                request = next(steps)
+        except StopIteration as done:
+            return done.value
 
     def barrier(self) -> None:
         self._wait(self.comm.Ibarrier(), "barrier")
@@ -161,6 +150,10 @@ class Transport:
         buffer = payload.copy() if payload is not None else np.empty(int(length[0]), dtype=np.uint8)
         self._wait(self.comm.Ibcast(buffer, root=root), "broadcast")
         return obj if self.rank == root else pickle.loads(buffer.tobytes())
+
+    def allgather_object(self, obj: Any) -> list[Any]:
+        """Every rank's picklable ``obj``, in rank order (blocking, no timeout)."""
+        return self.comm.allgather(obj)
 
     def _wait(self, request: Any, what: str) -> None:
         wait_request(request, self.timeout, what, self.rank, self.size)
@@ -200,11 +193,14 @@ class Transport:
     # -- non-blocking: generators that yield one MPI request and finish after it completes ----------
     # Staging copies happen before the start and after completion, inside the generator, so a
     # caller just ``yield from``s them (see lightning_mpi.comm.engine).
-    def iallreduce_(self, tensor: Tensor) -> Generator[Any, None, Tensor]:
-        """Non-blocking in-place sum."""
+    def iallreduce_(self, tensor: Tensor, op: str = "sum") -> Generator[Any, None, Tensor]:
+        """Non-blocking in-place allreduce with ``op`` in {"sum", "max", "min", "prod"}."""
+        mpi_op = {"sum": self.MPI.SUM, "max": self.MPI.MAX, "min": self.MPI.MIN, "prod": self.MPI.PROD}[op]
+        if tensor.dtype in _AS_WORDS:
+            raise TypeError(f"allreduce_ cannot sum {tensor.dtype} words; upcast to float32 first")
         self._sync_device(tensor)
         host = self._host(tensor, "iallreduce", copy_in=True)
-        yield self.comm.Iallreduce(self.MPI.IN_PLACE, host, op=self.MPI.SUM)
+        yield self.comm.Iallreduce(self.MPI.IN_PLACE, host, op=mpi_op)
         self._back(host, tensor)
         return tensor
 

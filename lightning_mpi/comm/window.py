@@ -1,14 +1,15 @@
-"""One-sided MPI helpers: a sharded center variable, a clock, a decision board, a progress thread.
+"""One-sided MPI helpers: a sharded center variable, a clock, a decision board.
 
-Why one-sided, and why this exact recipe (measured, see DESIGN.md "Facts measured"): a rank that
+Why one-sided, and why this exact recipe (measured): a rank that
 computes in Python makes no MPI calls, and MPICH advances passive-target RMA aimed at a rank only
 while that rank is inside MPI. With memory from ``MPI.Win.Allocate`` plus a light thread per rank
 that calls ``Iprobe`` every ``interval`` seconds, a 16 MB ``Lock(SHARED)/Accumulate/Unlock``
 against a busy rank took 27 ms instead of about 2,000 ms (``Win.Create`` memory did not benefit
 over shared memory). So every window here is ``Win.Allocate``d, and every rank that hosts part of
-one runs a :class:`ProgressThread` for as long as the window lives.
+one runs a :meth:`~lightning_mpi.comm.progress.ProgressThread.probing` thread for as long as the
+window lives.
 
-One-sided serving vs a service thread (the issue's choice; ``benchmarks/ps_serving.py``, 2 ranks,
+One-sided serving vs a service thread (``benchmarks/ps_serving.py``, 2 ranks,
 4 MiB commits while the host computes, on a 2-core machine shared with other jobs, load ~10):
 
 | design | host busy in pure Python (holds the GIL) | host busy in torch (releases it) |
@@ -39,7 +40,6 @@ tests can tell that growth from a leak of ours.
 """
 from __future__ import annotations
 
-import threading
 import time
 from typing import Any
 
@@ -48,56 +48,6 @@ import torch
 from torch import Tensor
 
 _NP = {torch.float32: np.float32, torch.float64: np.float64}
-
-
-def require_thread_multiple() -> None:
-    """Raise ``RuntimeError`` unless MPI runs with ``MPI_THREAD_MULTIPLE`` (a progress thread needs it)."""
-    from mpi4py import MPI
-
-    level = MPI.Query_thread()
-    if level < MPI.THREAD_MULTIPLE:
-        names = {MPI.THREAD_SINGLE: "THREAD_SINGLE", MPI.THREAD_FUNNELED: "THREAD_FUNNELED", MPI.THREAD_SERIALIZED: "THREAD_SERIALIZED"}
-        raise RuntimeError(
-            f"lightning_mpi: the asynchronous rules need MPI_THREAD_MULTIPLE (a progress thread calls MPI "
-            f"while training runs), but MPI was initialised with {names.get(level, level)}. Do not set "
-            f"mpi4py.rc.thread_level (its default is 'multiple'), and use an MPI library built with thread support."
-        )
-
-
-class ProgressThread:
-    """A daemon thread that calls ``Iprobe`` on its own communicator every ``interval`` seconds.
-
-    Each call enters MPICH's progress engine, which services incoming one-sided operations aimed at
-    this rank while the main thread computes (torch releases the GIL in its kernels; ``sleep``
-    releases it between probes). ``stop()`` joins the thread; it is safe to call twice.
-    """
-
-    def __init__(self, comm: Any, interval: float = 5e-4) -> None:
-        require_thread_multiple()
-        self.comm = comm.Dup()
-        self.interval = interval
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="lightning_mpi-progress", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        from mpi4py import MPI
-
-        while not self._stop.is_set():
-            self.comm.Iprobe(source=MPI.ANY_SOURCE, tag=MPI.ANY_TAG)
-            time.sleep(self.interval)
-
-    @property
-    def alive(self) -> bool:
-        return self._thread.is_alive()
-
-    def stop(self) -> None:
-        if self._thread.is_alive():
-            self._stop.set()
-            self._thread.join()
-        if self.comm is not None:
-            self.comm.Free()
-            self.comm = None
 
 
 def shard_bounds(numel: int, world: int, rank: int) -> tuple[int, int]:
@@ -183,9 +133,6 @@ class ShardedVector:
             self._each_shard(lambda target, d: self.win.Accumulate(d, target, op=self.MPI.SUM), delta)
         else:
             self._each_shard(lambda target, d, o: self.win.Get_accumulate(d, o, target, op=self.MPI.SUM), delta, old)
-
-    def barrier(self) -> None:
-        self.comm.Barrier()
 
     def free(self) -> None:
         """Collective: release the window and the communicator. Safe to call twice."""

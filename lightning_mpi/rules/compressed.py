@@ -31,13 +31,13 @@ from torch.optim import Optimizer
 
 from lightning_mpi.comm.buffers import Bucket
 from lightning_mpi.comm.codecs import get_codec
-from lightning_mpi.comm.collectives import ASAWorkspace
-from lightning_mpi.comm.engine import Exchange, segments
-from lightning_mpi.comm.feedback import ef_asa_mean_steps
+from lightning_mpi.comm.collectives import ASAWorkspace, asa_mean_steps, segments
+from lightning_mpi.comm.engine import Exchange
 from lightning_mpi.comm.sparse import TopKWorkspace, check_ratio, topk_count, topk_mean_steps
 from lightning_mpi.comm.transport import Transport
 from lightning_mpi.rules.base import check_choice, check_range
-from lightning_mpi.rules.sync import BoundSyncRule, BucketExchanger, SyncRule
+from lightning_mpi.rules.bucket_exchanger import BucketExchanger
+from lightning_mpi.rules.sync import BoundSyncRule, SyncRule
 
 CODEC_NAMES = ("int8", "topk", "onebit")
 
@@ -188,7 +188,7 @@ class CompressedExchanger(BucketExchanger):
         if work is None:
             work = self._workspaces[key] = ASAWorkspace.for_buffer(segment, team.size, self.codec)
         return self._clean_padding(
-            ef_asa_mean_steps(team, segment, self.codec, work, state.residual, state.owner_residual), segment, state, team
+            asa_mean_steps(team, segment, self.codec, work, state.residual, state.owner_residual), segment, state, team
         )
 
     @staticmethod
@@ -269,7 +269,7 @@ class BoundCompressedSyncRule(BoundSyncRule):
         state["world_size"] = self.transport.size
         state["codec"] = self.rule.codec
         if self.transport.size > 1:
-            state["ranks"] = self.transport.comm.allgather(self._local_state())
+            state["ranks"] = self.transport.allgather_object(self._local_state())
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

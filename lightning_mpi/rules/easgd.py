@@ -23,7 +23,6 @@ import time
 from collections.abc import Sequence
 from typing import Any, Optional
 
-import torch
 from torch import Tensor
 
 from lightning_mpi.comm.buffers import make_buckets

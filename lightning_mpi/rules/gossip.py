@@ -28,7 +28,9 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
+from lightning_mpi.comm.mailbox import Mailbox
 from lightning_mpi.comm.transport import Transport
+from lightning_mpi.comm.window import DecisionBoard
 from lightning_mpi.rules.base import BoundLocalStepRule, Rule, check_range
 from lightning_mpi.rules.easgd import FlatParams
 
@@ -83,19 +85,15 @@ class BoundGoSGD(BoundLocalStepRule):
         self.sent_to = [0] * transport.size
         self.received = 0
         self.pushes = 0
-        self.comm = None
-        self.board = None
+        self.mailbox: Optional[Mailbox] = None
+        self.board: Optional[DecisionBoard] = None
         self.training = False
         self.restored = False  # True once a checkpoint's θᵢ and wᵢ were applied
         self._restore: Optional[dict[str, Any]] = None
-        self._pending: list[tuple[Any, Tensor]] = []  # (request, buffer) until the send completes
-        self._inbox = torch.empty(self.n + 2, dtype=torch.float32)
         self._reset_stats()
 
     def on_train_start(self) -> None:
-        from lightning_mpi.comm.window import DecisionBoard
-
-        self.comm = self.transport.comm.Dup()
+        self.mailbox = Mailbox(self.transport, self.n + 2, TAG)
         self.board = DecisionBoard(self.transport.comm)
         self._apply_restore()
         self.training = True
@@ -103,13 +101,14 @@ class BoundGoSGD(BoundLocalStepRule):
     def _advance(self) -> None:
         """After a local step: merge what arrived, push with probability p, reap finished sends.
         A rejected (non-finite) step advances too, so no push ever carries inf/NaN weights."""
-        if self.comm is None or self.transport.size == 1:
+        if self.mailbox is None or self.transport.size == 1:
             return
         start = time.perf_counter()
-        self._receive()
+        for message in self.mailbox.arrived():
+            self._merge(message)
         if self.rng.random() < self.rule.p:
             self._push()
-        self._reap()
+        self.mailbox.reap()
         self._wait += time.perf_counter() - start
 
     def _message(self) -> Tensor:
@@ -123,48 +122,31 @@ class BoundGoSGD(BoundLocalStepRule):
         peer = self.rng.choice(peers)
         self.weight = gossip_push_weight(self.weight)
         msg = self._message()
-        req = self.comm.Isend(msg.numpy(), dest=peer, tag=TAG)
-        self._pending.append((req, msg))
+        self.mailbox.send(peer, msg)
         self.sent_to[peer] += 1
         self.pushes += 1
         self._bytes += msg.numel() * 4
 
-    def _reap(self) -> None:
-        self._pending = [(r, m) for r, m in self._pending if not r.Test()]
-
-    def _receive_one(self, source: int) -> None:
-        self.comm.Recv(self._inbox.numpy(), source=source, tag=TAG)
-        w_in = float(self._inbox[self.n :].view(torch.float64)[0])
+    def _merge(self, message: Tensor) -> None:
+        """Merge a received ``(θ, w)`` message into this worker."""
+        w_in = float(message[self.n :].view(torch.float64)[0])
         theta = self.flat.pull()
-        merged, self.weight = gossip_merge(theta, self.weight, self._inbox[: theta.numel()], w_in)
+        merged, self.weight = gossip_merge(theta, self.weight, message[: theta.numel()], w_in)
         self.flat.push(merged)
         self.received += 1
 
-    def _receive(self) -> None:
-        from mpi4py import MPI
-
-        status = MPI.Status()
-        while self.comm.Iprobe(source=MPI.ANY_SOURCE, tag=TAG, status=status):
-            self._receive_one(status.Get_source())
-
     def on_train_end(self) -> None:
         """Drain every message in flight, then all ranks take the weighted consensus."""
-        if self.comm is None or self.transport.size == 1:
+        if self.mailbox is None or self.transport.size == 1:
             self.training = False
             return
         self.training = False
         counts = torch.tensor(self.sent_to, dtype=torch.int64)
         self.transport.allreduce_(counts, "sum")
         expected = int(counts[self.transport.rank])
-        from mpi4py import MPI
-
         while self.received < expected:
-            status = MPI.Status()
-            self.comm.Probe(source=MPI.ANY_SOURCE, tag=TAG, status=status)
-            self._receive_one(status.Get_source())
-        for req, _ in self._pending:
-            req.Wait()
-        self._pending = []
+            self._merge(self.mailbox.wait_for_one())
+        self.mailbox.finish_sends()
         theta = self.flat.pull()
         acc = torch.cat([theta.double() * self.weight, torch.tensor([self.weight], dtype=torch.float64)])
         self.transport.allreduce_(acc, "sum")
@@ -176,16 +158,12 @@ class BoundGoSGD(BoundLocalStepRule):
         if self.training:  # aborted fit: the board's collective free could hang, skip it
             self.board = None
         self.training = False
-        for req, _ in self._pending:  # only after an aborted fit: do not leave requests behind
-            req.Cancel()
-            req.Wait()
-        self._pending = []
         if self.board is not None:
             self.board.free()
             self.board = None
-        if self.comm is not None:
-            self.comm.Free()
-            self.comm = None
+        if self.mailbox is not None:  # cancels sends left in flight by an aborted fit
+            self.mailbox.close()
+            self.mailbox = None
 
     def state_dict(self) -> dict[str, Any]:
         """Collective (the strategy calls it on every rank): every rank's mixing weight, its own
@@ -195,7 +173,7 @@ class BoundGoSGD(BoundLocalStepRule):
         renormalised to sum to 1."""
         local = {"weight": self.weight, "pushes": self.pushes, "rng": self.rng.getstate(),
                  "theta": self.flat.pull()[: self.flat.bucket.numel].clone()}
-        ranks = self.transport.comm.allgather(local) if self.transport.size > 1 else [local]
+        ranks = self.transport.allgather_object(local) if self.transport.size > 1 else [local]
         return {"weight": self.weight, "pushes": self.pushes, "rng": self.rng.getstate(),
                 "world_size": self.transport.size, "ranks": ranks}
 
@@ -204,7 +182,7 @@ class BoundGoSGD(BoundLocalStepRule):
         same world size: rank r takes back its own θᵣ and wᵣ / Σw. Another world size: every rank
         starts from the saved weighted consensus Σwθ / Σw with weight 1/W."""
         self._restore = dict(state)
-        if self.comm is not None:  # already training: apply now
+        if self.mailbox is not None:  # already training: apply now
             self._apply_restore()
 
     def _apply_restore(self) -> None:

@@ -1,60 +1,10 @@
-"""Parameter-server rules against a center variable θ̃ sharded over *all* ranks.
+"""Parameter-server rules: DOWNPOUR, AGN, DynSGD, ADAG, AEASGD and EAMSGD.
 
-Every rank trains and every rank hosts 1/W of θ̃ in an ``MPI.Win.Allocate`` window (see
-:mod:`lightning_mpi.comm.window`): no rank sits idle as a server and none is a bottleneck. A
-commit or pull is one atomic accumulate-family RMA operation per shard under a passive-target
-``Lock(SHARED)``; a per-rank progress thread lets commits land while the host computes. The
-server clock (commits so far) is a counter on rank 0 advanced with ``Fetch_and_op``; each
-commit's staleness is ``clock before this commit − clock at this worker's last pull`` (the number
-of other commits the worker did not see).
-
-Server-side scalings (DynSGD, ADAG) are computed by the committing worker from values it reads
-atomically from the server (the clock, the current center) just before it commits; the add itself
-is an atomic ``Accumulate``, so no update is ever lost.
-
-Every ``period`` local steps a worker with weights θ, reference θ_ref (its θ at its last pull)
-and Δ = θ − θ_ref does (pure functions below):
-
-- DOWNPOUR (Dean et al., "Large scale distributed deep networks", NIPS 2012): commit Δ,
-  then pull: θ̃ ← θ̃ + Δ; θ ← θ̃.
-- AGN, accumulated gradient normalization (Hermans, "On the convergence of asynchronous
-  optimization", MSc thesis, Liège 2017; dist-keras): commit Δ / period, then pull.
-- ADAG (Hermans 2017, dist-keras): θ̃ ← θ̃ + Δ / (‖θ̃ − θ̃_pulled‖² / η + 1), then pull.
-  The norm is **global** (over the whole flattened model), not element-wise: it measures how far
-  the center moved since this worker pulled, i.e. how stale the worker's Δ is, and a global scalar
-  keeps Δ's direction. An element-wise version would rescale each coordinate differently and turn
-  the commit into a different direction (an Adagrad-like preconditioner, a different method).
-  Each worker reads every shard of θ̃ before committing, so the global norm costs no extra traffic.
-- DynSGD (Jiang et al., "Heterogeneity-aware distributed parameter servers", SIGMOD 2017;
-  dist-keras): θ̃ ← θ̃ + Δ / (staleness + 1), then pull.
-- AEASGD (Zhang et al. 2015, Alg. 1): pull θ̃; E = α(θ − θ̃); θ ← θ − E; θ̃ ← θ̃ + E.
-- EAMSGD (Zhang et al. 2015, Alg. 2): AEASGD plus Nesterov momentum δ on the worker's local steps.
-
-Non-finite values never reach the center. A rank whose local gradients hold inf/NaN (a NaN loss)
-skips its own update (:class:`~lightning_mpi.rules.base.LocalStepGuard`, counted in
-``skipped_steps``); and if a worker's weights or its commit are non-finite anyway (an optimizer
-that overflowed), the commit is dropped, counted in ``skipped_commits`` with one warning, and the
-worker restarts from the current center (EAMSGD: with zero momentum).
-
-What a dying worker can and cannot do to the center. A commit is W one-sided operations, one per
-shard, each atomic per element (``Accumulate``); the worker's main thread makes them between two
-training steps. An exception from the training code (``training_step``, the data, a callback) is
-raised inside a step, never between the shard operations of a commit, so the center only ever
-holds whole commits. A worker stopped in the middle of a commit (SIGKILL, a segfault, or a
-``KeyboardInterrupt`` that Python delivers between two shard operations) leaves the shards it
-reached updated and the others not: every element is still the old value or the old value plus
-the delta (never a torn float), the center stays finite, but that one commit is partially
-applied. Either way the
-job ends (``abort_on_exception``, or the launcher after a lost rank), the center lives only in the
-ranks' memory, and a run resumes from the last checkpoint: checkpoints are written atomically and
-their center is read after a barrier, i.e. with every rank's commits so far applied whole and no
-commit in flight.
-
-Checkpoints: :meth:`BoundServerRule.state_dict` is collective (the strategy calls it on every
-rank when Lightning saves): the whole center (read one-sidedly, unpadded), the server clock, and
-every rank's steps, commits and EAMSGD momentum. A resume re-shards the center over the new world
-size, resets the clock and gives each rank its own local state (rank ``r mod W_saved``'s when W
-changed).
+Every rank trains and every rank hosts 1/W of the center θ̃ (the shared worker:
+:mod:`lightning_mpi.rules.server_base`). Every ``period`` local steps a worker commits to θ̃ and
+pulls it back; what it commits is its rule's formula (:mod:`lightning_mpi.rules.server_commits`).
+Each rule below is a class of hyperparameters and a small bound class whose :meth:`exchange`
+applies that formula.
 
 Learning rate: DOWNPOUR adds every worker's whole delta, so W workers move the center ~W× per
 epoch on their own ("asynchrony begets momentum", Mitliagkas et al. 2016); do not scale its lr
@@ -73,8 +23,6 @@ W deltas at lr 0.1·W overshoots.
 """
 from __future__ import annotations
 
-import time
-import warnings
 from collections.abc import Sequence
 from typing import Any, Optional
 
@@ -82,83 +30,42 @@ import torch
 from torch import Tensor
 
 from lightning_mpi.comm.transport import Transport
-from lightning_mpi.rules.base import BoundLocalStepRule, Rule, all_finite, check_range
-from lightning_mpi.rules.easgd import FlatParams, check_period_alpha, default_alpha, elastic_difference, nesterov_gradient_
-
-KINDS = ("downpour", "agn", "adag", "dynsgd", "aeasgd", "eamsgd")
-
-
-# -- pure math --------------------------------------------------------------------------------------
-def staleness(clock_before_commit: int, clock_at_pull: int) -> int:
-    """Commits by others between this worker's last pull and this commit."""
-    return clock_before_commit - clock_at_pull
+from lightning_mpi.rules.base import all_finite, check_range
+from lightning_mpi.rules.easgd import check_period_alpha, default_alpha, nesterov_gradient_
+from lightning_mpi.rules.server_base import BoundServerRule, ServerRule
+from lightning_mpi.rules.server_commits import adag_commit, aeasgd_exchange, agn_commit, downpour_commit, dynsgd_commit
 
 
-def downpour_commit(delta: Tensor) -> Tensor:
-    """DOWNPOUR commits the accumulated delta unchanged."""
-    return delta
+# -- the delta-committing rules: commit f(Δ), then pull ----------------------------------------------
+class BoundDeltaRule(BoundServerRule):
+    """Commits ``update(Δ, staleness)`` with one fetch-and-add, then pulls the center as it was
+    just before this commit plus the commit (no second read)."""
 
+    def update(self, delta: Tensor, stale: int) -> Tensor:
+        """What this rule adds to the center for accumulated ``delta``."""
+        raise NotImplementedError
 
-def agn_commit(delta: Tensor, period: int) -> Tensor:
-    """AGN commits the accumulated delta divided by the number of local steps."""
-    return delta / period
-
-
-def adag_scale(center_now: Tensor, center_pulled: Tensor, eta: float) -> float:
-    """ADAG's server factor ``1 / (‖θ̃ − θ̃_pulled‖² / η + 1)`` with the global (whole-model) L2 norm."""
-    moved = float(torch.sum((center_now.double() - center_pulled.double()) ** 2))
-    return 1.0 / (moved / eta + 1.0)
-
-
-def dynsgd_scale(stale: int) -> float:
-    """DynSGD's server factor ``1 / (staleness + 1)``."""
-    return 1.0 / (stale + 1.0)
-
-
-def server_commit(kind: str, delta: Tensor, period: int, stale: int = 0, center_now: Optional[Tensor] = None,
-                  center_pulled: Optional[Tensor] = None, eta: float = 1.0) -> Tensor:
-    """What a DOWNPOUR-family worker adds to θ̃ for accumulated ``delta`` (see module docstring)."""
-    if kind == "downpour":
-        return downpour_commit(delta)
-    if kind == "agn":
-        return agn_commit(delta, period)
-    if kind == "dynsgd":
-        return delta * dynsgd_scale(stale)
-    if kind == "adag":
-        assert center_now is not None and center_pulled is not None
-        return delta * adag_scale(center_now, center_pulled, eta)
-    raise ValueError(f"kind={kind!r} is not a delta-committing rule")
-
-
-# -- rules -------------------------------------------------------------------------------------------
-class ServerRule(Rule):
-    """Hyperparameters of a parameter-server rule. Use the subclasses.
-
-    Args:
-        period: local steps between commits (≥ 1).
-        progress_interval: seconds between the progress thread's ``Iprobe`` calls (> 0).
-    """
-
-    kind = "downpour"
-
-    def __init__(self, period: int = 5, progress_interval: float = 5e-4) -> None:
-        check_period_alpha(period, None)
-        check_range("progress_interval", progress_interval, 0.0, 1.0, low_open=True)
-        self.period = period
-        self.progress_interval = float(progress_interval)
-
-    @property
-    def name(self) -> str:  # type: ignore[override]
-        return self.kind
-
-    def bind(self, transport: Transport, params: Sequence[Tensor]) -> "BoundServerRule":
-        return BoundServerRule(self, transport, params)
+    def exchange(self, theta: Tensor, stale: int) -> bool:
+        update = self.update(theta - self.ref, stale)
+        if not all_finite([update]):
+            return False
+        self.center.add(update, old=self.scratch)  # fetch-and-add: the center just before ours
+        self.pull_(self.scratch + update)
+        return True
 
 
 class DownpourRule(ServerRule):
     """DOWNPOUR: commit the accumulated delta every ``period`` steps (default 5), then pull."""
 
-    kind = "downpour"
+    name = "downpour"
+
+    def bind(self, transport: Transport, params: Sequence[Tensor]) -> "BoundDownpour":
+        return BoundDownpour(self, transport, params)
+
+
+class BoundDownpour(BoundDeltaRule):
+    def update(self, delta: Tensor, stale: int) -> Tensor:
+        return downpour_commit(delta)
 
 
 class AGNRule(ServerRule):
@@ -169,16 +76,32 @@ class AGNRule(ServerRule):
     W = 3, lr 0.1·W: period 5 → 0.889, 3 → 0.933, 2 → 0.936; one process 0.913).
     """
 
-    kind = "agn"
+    name = "agn"
 
     def __init__(self, period: int = 3, progress_interval: float = 5e-4) -> None:
         super().__init__(period, progress_interval)
+
+    def bind(self, transport: Transport, params: Sequence[Tensor]) -> "BoundAGN":
+        return BoundAGN(self, transport, params)
+
+
+class BoundAGN(BoundDeltaRule):
+    def update(self, delta: Tensor, stale: int) -> Tensor:
+        return agn_commit(delta, self.rule.period)
 
 
 class DynSGDRule(ServerRule):
     """DynSGD: commit delta / (staleness + 1) every ``period`` steps (default 5), then pull."""
 
-    kind = "dynsgd"
+    name = "dynsgd"
+
+    def bind(self, transport: Transport, params: Sequence[Tensor]) -> "BoundDynSGD":
+        return BoundDynSGD(self, transport, params)
+
+
+class BoundDynSGD(BoundDeltaRule):
+    def update(self, delta: Tensor, stale: int) -> Tensor:
+        return dynsgd_commit(delta, stale)
 
 
 class ADAGRule(ServerRule):
@@ -189,14 +112,33 @@ class ADAGRule(ServerRule):
             (measured on digits, see the module docstring).
     """
 
-    kind = "adag"
+    name = "adag"
 
     def __init__(self, period: int = 5, eta: float = 0.1, progress_interval: float = 5e-4) -> None:
         super().__init__(period, progress_interval)
         check_range("eta", eta, 0.0, float("inf"), low_open=True, high_open=True)
         self.eta = float(eta)
 
+    def bind(self, transport: Transport, params: Sequence[Tensor]) -> "BoundADAG":
+        return BoundADAG(self, transport, params)
 
+
+class BoundADAG(BoundServerRule):
+    """Reads the center first (the scale depends on how far it moved), then commits."""
+
+    rule: ADAGRule
+
+    def exchange(self, theta: Tensor, stale: int) -> bool:
+        center_now = self.center.read(self.scratch)
+        update = adag_commit(theta - self.ref, center_now, self.ref, self.rule.eta)
+        if not all_finite([update]):
+            return False
+        self.center.add(update)
+        self.pull_(center_now + update)
+        return True
+
+
+# -- the elastic rules: exchange E = α(θ − θ̃) -------------------------------------------------------
 class AEASGDRule(ServerRule):
     """Asynchronous EASGD: elastic exchange with the sharded center every ``period`` steps.
 
@@ -205,12 +147,35 @@ class AEASGDRule(ServerRule):
         alpha: α in (0, 1]; ``None`` means 0.9 / W (Zhang et al.).
     """
 
-    kind = "aeasgd"
+    name = "aeasgd"
 
     def __init__(self, period: int = 8, alpha: Optional[float] = None, progress_interval: float = 5e-4) -> None:
         super().__init__(period, progress_interval)
         check_period_alpha(period, alpha)
         self.alpha = alpha
+
+    def bind(self, transport: Transport, params: Sequence[Tensor]) -> "BoundAEASGD":
+        return BoundAEASGD(self, transport, params)
+
+
+class BoundAEASGD(BoundServerRule):
+    """Pulls θ̃, then moves the worker and the center towards each other by E."""
+
+    starts_from_center = False
+
+    def __init__(self, rule: AEASGDRule, transport: Transport, params: Sequence[Tensor]) -> None:
+        super().__init__(rule, transport, params)
+        self.alpha = default_alpha(rule.alpha, transport.size)
+
+    def exchange(self, theta: Tensor, stale: int) -> bool:
+        center_now = self.center.read(self.scratch)
+        new_theta, e = aeasgd_exchange(theta, center_now, self.alpha)
+        if not all_finite([e]):  # finite θ and θ̃ can still overflow their difference
+            return False
+        self.center.add(e)
+        self.flat.push(new_theta)
+        self.ref.copy_(center_now).add_(e)
+        return True
 
 
 class EAMSGDRule(AEASGDRule):
@@ -219,269 +184,35 @@ class EAMSGDRule(AEASGDRule):
     Use it with plain SGD (no optimizer momentum): the rule supplies the momentum.
     """
 
-    kind = "eamsgd"
+    name = "eamsgd"
 
     def __init__(self, period: int = 8, alpha: Optional[float] = None, momentum: float = 0.9, progress_interval: float = 5e-4) -> None:
         super().__init__(period, alpha, progress_interval)
         check_range("momentum", momentum, 0.0, 1.0, high_open=True)
         self.momentum = float(momentum)
 
+    def bind(self, transport: Transport, params: Sequence[Tensor]) -> "BoundEAMSGD":
+        return BoundEAMSGD(self, transport, params)
 
-class BoundServerRule(BoundLocalStepRule):
-    """The running parameter-server rule. Windows and the progress thread live from
-    ``on_train_start`` (collective) to ``close()`` (collective)."""
 
-    def __init__(self, rule: ServerRule, transport: Transport, params: Sequence[Tensor]) -> None:
-        super().__init__(transport, params, rule.kind)
-        self.rule = rule
-        self.kind = rule.kind
-        self.flat = FlatParams(self.params, transport.size)
-        self.numel = self.flat.bucket.numel
-        n = self.flat.flat.numel()
-        self.ref = torch.zeros(n, dtype=self.flat.flat.dtype)  # θ at the last pull (= θ̃ pulled)
-        self.scratch = torch.zeros_like(self.ref)
-        self.alpha = default_alpha(getattr(rule, "alpha", None), transport.size)
-        self.momentum_bufs = [torch.zeros_like(p) for p in self.params] if self.kind == "eamsgd" else []
-        self.steps = 0
-        self.commits = 0
-        self.skipped_commits = 0  # commits dropped because their delta held inf/NaN
-        self.clock_at_pull = 0
-        self.center = self.clock = self.board = self.progress = None
-        self.training = False
-        self.restored = False  # True once a checkpoint's center and clock went into the windows
-        self._pending: Optional[dict[str, Any]] = None
-        self._reset_window_stats()
+class BoundEAMSGD(BoundAEASGD):
+    """AEASGD with Nesterov momentum applied to the worker's gradients before each local step."""
 
-    # -- lifecycle ---------------------------------------------------------------------------------
-    def on_train_start(self) -> None:
-        from lightning_mpi.comm.window import Counters, DecisionBoard, ProgressThread, ShardedVector, require_thread_multiple
+    rule: EAMSGDRule
 
-        comm = self.transport.comm
-        if self.transport.size > 1:
-            require_thread_multiple()
-            self.progress = ProgressThread(comm, self.rule.progress_interval)
-        self.center = ShardedVector(comm, self.ref.numel(), self.ref.dtype)
-        self.clock = Counters(comm, 1)
-        self.board = DecisionBoard(comm)
-        initial = self.flat.pull().clone()
-        clock0 = 0
-        if self._pending is not None:
-            initial = self._padded(self._pending["center"])
-            clock0 = int(self._pending["clock"])
-            self._pending = None
-            self.restored = True
-        self.center.init_local(initial)
-        if self.transport.rank == 0 and clock0:
-            self.clock.set_all(torch.tensor([clock0]).numpy())
-        self.transport.barrier()  # every shard is set before anyone reads or commits (with the timeout)
-        if self.kind in ("aeasgd", "eamsgd"):
-            self.ref.copy_(initial)
-        else:  # start every worker from the center
-            self.ref.copy_(initial)
-            self.flat.push(initial)
-        self.clock_at_pull = clock0
-        self.training = True
-        self._t0 = time.perf_counter()
+    def __init__(self, rule: EAMSGDRule, transport: Transport, params: Sequence[Tensor]) -> None:
+        super().__init__(rule, transport, params)
+        self.momentum_bufs = [torch.zeros_like(p) for p in self.params]
 
     def before_step(self, optimizer: Any) -> bool:
         """Reject this rank's step if its gradients are non-finite (they never reach the momentum
-        or the weights; the step still counts towards the next commit); EAMSGD: Nesterov momentum."""
+        or the weights; the step still counts towards the next commit); else Nesterov momentum."""
         if not super().before_step(optimizer):
             return False
-        if self.kind == "eamsgd":
-            for p, buf in zip(self.params, self.momentum_bufs):
-                if p.grad is not None:
-                    nesterov_gradient_(p.grad, buf, self.rule.momentum)  # type: ignore[attr-defined]
+        for p, buf in zip(self.params, self.momentum_bufs):
+            if p.grad is not None:
+                nesterov_gradient_(p.grad, buf, self.rule.momentum)
         return True
 
-    def _advance(self) -> None:
-        """Count one local step; every ``period`` steps, commit."""
-        self.steps += 1
-        if self.center is not None and self.steps % self.rule.period == 0:
-            self.commit()
 
-    def commit(self) -> None:
-        """One exchange with the server (see module docstring); a non-finite commit is dropped."""
-        assert self.center is not None and self.clock is not None
-        theta = self.flat.pull()
-        if not all_finite([theta]):  # checked before the clock ticks: a dropped commit is no commit
-            self._drop_commit()
-            return
-        tick = self.clock.fetch_add(0, 1)
-        stale = staleness(tick, self.clock_at_pull)
-        if self.kind in ("aeasgd", "eamsgd"):
-            center_now = self.center.read(self.scratch)
-            e = elastic_difference(theta, center_now, self.alpha)
-            if not all_finite([e]):  # finite θ and θ̃ can still overflow their difference
-                self._drop_commit()
-                return
-            self.center.add(e)
-            self.flat.push(theta - e)
-            self.ref.copy_(center_now).add_(e)
-        else:
-            delta = theta - self.ref
-            if self.kind == "adag":
-                center_now = self.center.read(self.scratch)
-                update = server_commit("adag", delta, self.rule.period, center_now=center_now, center_pulled=self.ref, eta=self.rule.eta)  # type: ignore[attr-defined]
-                if not all_finite([update]):
-                    self._drop_commit()
-                    return
-                self.center.add(update)
-                new = center_now + update
-            else:
-                update = server_commit(self.kind, delta, self.rule.period, stale=stale)
-                if not all_finite([update]):
-                    self._drop_commit()
-                    return
-                self.center.add(update, old=self.scratch)  # fetch-and-add: the center just before ours
-                new = self.scratch + update
-            self.ref.copy_(new)
-            self.flat.push(new)
-        self.clock_at_pull = tick + 1
-        self.commits += 1
-        self._record_staleness(stale)
-
-    def _drop_commit(self) -> None:
-        """Skip a commit whose values hold inf/NaN: count it, warn once, and restart this worker
-        from the current center (its own weights are beyond use; EAMSGD momentum is zeroed)."""
-        assert self.center is not None and self.clock is not None
-        self.skipped_commits += 1
-        if self.skipped_commits == 1:
-            warnings.warn(
-                f"lightning_mpi: rank {self.transport.rank}'s {self.kind} commit holds inf/NaN; it was not "
-                "committed (the center is untouched) and this worker restarts from the center. Further "
-                "drops are counted in stats()['skipped_commits'] without a warning.",
-                RuntimeWarning,
-                stacklevel=3,
-            )
-        center_now = self.center.read(self.scratch)
-        self.flat.push(center_now)
-        self.ref.copy_(center_now)
-        self.clock_at_pull = int(self.clock.read()[0])
-        for buf in self.momentum_bufs:
-            buf.zero_()
-
-    def on_train_end(self) -> None:
-        """Commit what is left, wait for every rank's last commit, then take the center.
-
-        Every rule, the elastic ones included, commits the steps since its last exchange: the
-        center is what every rank ends on, so work that never reached it would be lost (at world
-        size 1 a run shorter than ``period`` would end on its initial weights)."""
-        if self.center is None:
-            return
-        self.training = False
-        if self.steps % self.rule.period:
-            self.commit()
-        self.transport.barrier()  # every rank's last commit has landed (with the collective timeout)
-        self.center.read(self.scratch)
-        self.flat.push(self.scratch)
-        self.ref.copy_(self.scratch)
-
-    def close(self) -> None:
-        if self.training:
-            # fit did not reach on_train_end (an exception on this rank): freeing a window is
-            # collective and the other ranks may never join, so leave it to process exit
-            # rather than hang; stop the thread so the interpreter can exit.
-            self.training = False
-            self.center = self.clock = self.board = None
-        for attr in ("board", "clock", "center"):
-            obj = getattr(self, attr)
-            if obj is not None:
-                obj.free()
-                setattr(self, attr, None)
-        if self.progress is not None:
-            self.progress.stop()
-            self.progress = None
-
-    # -- state -------------------------------------------------------------------------------------
-    def _padded(self, center: Tensor) -> Tensor:
-        """A saved (unpadded) center laid out for this world size: re-shards a checkpoint from any W."""
-        out = torch.zeros_like(self.ref)
-        out[: self.numel].copy_(center.reshape(-1)[: self.numel])
-        return out
-
-    def _local_state(self) -> dict[str, Any]:
-        return {"steps": self.steps, "commits": self.commits, "momentum": [b.clone() for b in self.momentum_bufs]}
-
-    def _apply_local_state(self, state: dict[str, Any]) -> None:
-        """This rank's steps, commits and momentum: its own entry when the world size is unchanged,
-        else rank ``r mod W_saved``'s (the step count, which sets when commits happen, is the same
-        on every rank that ran whole epochs)."""
-        ranks = state.get("ranks") or [state]
-        mine = ranks[self.transport.rank % len(ranks)]
-        self.steps = int(mine["steps"])
-        self.commits = int(mine.get("commits", 0))
-        for buf, saved in zip(self.momentum_bufs, mine.get("momentum", [])):
-            buf.copy_(saved)
-
-    def state_dict(self) -> dict[str, Any]:
-        """Collective (the strategy calls it on every rank): the whole center (read one-sidedly,
-        unpadded, so any world size can re-shard it), the server clock, and every rank's own steps,
-        commits and EAMSGD momentum under ``"ranks"``; the top-level ``steps``/``commits``/``momentum``
-        are this rank's.
-
-        The center is read after a barrier: every rank is inside this call, so no commit is in
-        flight and every commit so far is in the snapshot whole (the same snapshot on every rank)."""
-        if self.center is not None:
-            self.transport.barrier()
-            center = self.center.read(torch.empty_like(self.ref))
-            clock = int(self.clock.read()[0])  # type: ignore[union-attr]
-        elif self._pending is not None:
-            center, clock = self._padded(self._pending["center"]), int(self._pending["clock"])
-        else:
-            center, clock = self.flat.pull().clone(), 0
-        local = self._local_state()
-        ranks = self.transport.comm.allgather(local) if self.transport.size > 1 else [local]
-        return {"kind": self.kind, "center": center[: self.numel].clone(), "clock": clock,
-                "world_size": self.transport.size, **local, "ranks": ranks}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore the center, the clock and this rank's local state (see :meth:`state_dict`)."""
-        saved = state.get("kind", self.kind)
-        if saved != self.kind:
-            raise ValueError(f"lightning_mpi: checkpoint holds {saved!r} rule state, but this run uses {self.kind!r}")
-        if self.center is None:  # the usual case: restored in on_train_start, once the windows exist
-            self._pending = dict(state)
-            self._apply_local_state(state)
-            return
-        # Already running: every rank rewrites its own shard; rank 0 resets the clock.
-        self.center.init_local(self._padded(state["center"]))
-        if self.transport.rank == 0:
-            self.clock.set_all(torch.tensor([int(state["clock"])]).numpy())  # type: ignore[union-attr]
-        self.clock_at_pull = int(state["clock"])
-        self._apply_local_state(state)
-
-    # -- stats -------------------------------------------------------------------------------------
-    def _reset_window_stats(self) -> None:
-        # running aggregates, not a list: stats() may never be called (no logger), and a list
-        # would then grow by one entry per commit for the whole run
-        self._stale_sum = 0
-        self._stale_max = 0
-        self._commits_window = 0
-        self._t0 = time.perf_counter()
-        if getattr(self, "center", None) is not None:
-            self.center.bytes_sent = 0
-            self.center.wait_seconds = 0.0
-
-    def _record_staleness(self, stale: int) -> None:
-        self._stale_sum += stale
-        self._stale_max = max(self._stale_max, stale)
-        self._commits_window += 1
-
-    def stats(self) -> dict[str, float]:
-        """Since the previous call: staleness mean/max, commits/s, bytes sent, seconds in RMA; and
-        the run's totals of commits, skipped (non-finite) local steps and dropped commits."""
-        elapsed = max(time.perf_counter() - self._t0, 1e-9)
-        n = self._commits_window
-        out = {
-            "staleness_mean": float(self._stale_sum / n) if n else 0.0,
-            "staleness_max": float(self._stale_max),
-            "commits_per_s": n / elapsed,
-            "bytes_sent": float(self.center.bytes_sent) if self.center is not None else 0.0,
-            "wait_seconds": float(self.center.wait_seconds) if self.center is not None else 0.0,
-            "commits": float(self.commits),
-            "skipped_steps": float(self.guard.skipped_steps),
-            "skipped_commits": float(self.skipped_commits),
-        }
-        self._reset_window_stats()
-        return out
+__all__ = ["DownpourRule", "AGNRule", "DynSGDRule", "ADAGRule", "AEASGDRule", "EAMSGDRule"]

@@ -11,18 +11,19 @@ import time
 import torch
 from mpi4py import MPI
 
-from lightning_mpi.comm.window import Counters, ProgressThread, ShardedVector
+from lightning_mpi.comm.progress import ProgressThread
+from lightning_mpi.comm.window import Counters, ShardedVector
 
 comm = MPI.COMM_WORLD
 rank, W = comm.Get_rank(), comm.Get_size()
 N, K = 6 * W * 50, 40
 
 initial = torch.arange(N, dtype=torch.float32) % 7
-progress = ProgressThread(comm)
+progress = ProgressThread.probing(comm, 5e-4, "the no-lost-update check")
 center = ShardedVector(comm, N)
 clock = Counters(comm, 1)
 center.init_local(initial)
-center.barrier()
+comm.Barrier()
 old = torch.empty(N)
 ticks = []
 for k in range(K):
@@ -31,7 +32,7 @@ for k in range(K):
     center.add(delta, old if k % 2 else None)
     if rank == 1 and k % 5 == 0:
         time.sleep(0.01)  # a busy rank: its shard must still take commits
-center.barrier()
+comm.Barrier()
 final = center.read(torch.empty(N))
 expected = initial.clone()
 for r in range(W):
@@ -42,7 +43,7 @@ final_clock = int(clock.read()[0])
 same = comm.allgather(final.tolist())
 clock.free()
 center.free()
-progress.stop()
+progress.close()
 if rank == 0:
     flat = sorted(t for ts in all_ticks for t in ts)
     json.dump(

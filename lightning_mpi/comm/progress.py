@@ -1,0 +1,113 @@
+"""The progress thread: enters MPI while the training thread computes, so that transfers move.
+
+MPICH moves data only while some thread of the process is inside an MPI call, and training
+spends most of its time in torch kernels that make none. Two things need that movement:
+
+- non-blocking collectives in flight during backward (the synchronous rules): the thread calls
+  :meth:`~lightning_mpi.comm.engine.Progress.try_poll`, which tests every request and starts an
+  exchange's next phase (ASA's sum and Allgather) as soon as its previous one completed;
+- one-sided operations aimed at this rank (the parameter-server windows): the thread calls
+  ``Iprobe`` on a private communicator (:meth:`ProgressThread.probing`). A 16 MB
+  ``Lock/Accumulate/Unlock`` against a busy rank took 27 ms with it instead of about 2,000 ms.
+
+Torch kernels release the GIL and the thread sleeps between calls, so it costs little; while
+paused it blocks on an event and costs nothing. Calling MPI from a second thread needs
+``MPI_THREAD_MULTIPLE`` (:func:`require_thread_multiple`).
+"""
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+
+def require_thread_multiple(who: str, remedy: str = "") -> None:
+    """Raise ``RuntimeError`` unless MPI runs with ``MPI_THREAD_MULTIPLE`` (a progress thread needs it).
+
+    ``who`` names what needs the thread in the message; ``remedy`` adds a way around it."""
+    from mpi4py import MPI
+
+    level = MPI.Query_thread()
+    if level < MPI.THREAD_MULTIPLE:
+        names = {MPI.THREAD_SINGLE: "THREAD_SINGLE", MPI.THREAD_FUNNELED: "THREAD_FUNNELED", MPI.THREAD_SERIALIZED: "THREAD_SERIALIZED"}
+        raise RuntimeError(
+            f"lightning_mpi: {who} needs MPI_THREAD_MULTIPLE for its progress thread (which calls MPI while "
+            f"training runs), but MPI was initialised with {names.get(level, level)}. Do not set mpi4py.rc.thread_level "
+            f"(its default is 'multiple'), and use an MPI library built with thread support{remedy}."
+        )
+
+
+class ProgressThread:
+    """A daemon thread that calls ``poll()`` every ``interval`` seconds while it runs.
+
+    Args:
+        poll: the MPI call to make; it must not raise (hand errors to the training thread).
+        interval: seconds to sleep between calls.
+        who: what needs the thread, for the ``MPI_THREAD_MULTIPLE`` error and the thread's name.
+        running: start polling at once (else at :meth:`start`).
+        on_close: called once after the thread has stopped (e.g. to free its communicator).
+
+    Raises:
+        RuntimeError: MPI does not run with ``MPI_THREAD_MULTIPLE``.
+    """
+
+    def __init__(
+        self,
+        poll: Callable[[], Any],
+        interval: float,
+        who: str,
+        running: bool = True,
+        on_close: Callable[[], None] | None = None,
+        remedy: str = "",
+    ) -> None:
+        require_thread_multiple(who, remedy)
+        self.interval = interval
+        self._poll = poll
+        self._on_close = on_close
+        self._running = threading.Event()
+        self._closing = False
+        self._thread = threading.Thread(target=self._run, name=f"lightning_mpi-progress ({who})", daemon=True)
+        self._thread.start()
+        if running:
+            self.start()
+
+    @classmethod
+    def probing(cls, comm: Any, interval: float, who: str) -> "ProgressThread":
+        """A running thread that calls ``Iprobe`` on a private duplicate of ``comm`` (collective:
+        the duplication), which services one-sided operations aimed at this rank. :meth:`close`
+        frees the duplicate."""
+        from mpi4py import MPI
+
+        private = comm.Dup()
+        return cls(lambda: private.Iprobe(source=MPI.ANY_SOURCE, tag=MPI.ANY_TAG), interval, who, on_close=private.Free)
+
+    def _run(self) -> None:
+        while True:
+            self._running.wait()
+            if self._closing:
+                return
+            self._poll()
+            time.sleep(self.interval)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def start(self) -> None:
+        """Poll from now on."""
+        self._running.set()
+
+    def pause(self) -> None:
+        """Stop polling (the thread blocks until :meth:`start`)."""
+        self._running.clear()
+
+    def close(self) -> None:
+        """Stop and join the thread, then run ``on_close`` (safe to call twice)."""
+        if self._thread.is_alive():
+            self._closing = True
+            self._running.set()
+            self._thread.join()
+        if self._on_close is not None:
+            on_close, self._on_close = self._on_close, None
+            on_close()
