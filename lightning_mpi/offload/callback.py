@@ -1,18 +1,13 @@
-"""``LMSOffload``: Large Model Support for ``pytorch_lightning``, as one callback.
+"""``LMSOffload`` on ``pytorch_lightning``: :class:`lightning_mpi.offload.hooks.LMSOffloadHooks` on its ``Callback``.
 
-The only module of :mod:`lightning_mpi.offload` that imports Lightning. The behaviour is
-:class:`lightning_mpi.offload.hooks.LMSOffloadHooks`; this module only makes it a
-``pytorch_lightning.Callback``.
+The class is built by :mod:`lightning_mpi.strategies.build`, like every Lightning-facing class of
+lightning_mpi, and is the same object as ``lightning_mpi.LMSOffload``; the unified package's is
+``lightning_mpi.lightning.LMSOffload``. Importing this module imports ``pytorch_lightning``.
 """
 from __future__ import annotations
 
-import pytorch_lightning as pl
-
-from lightning_mpi.offload.hooks import LMSOffloadHooks
+from lightning_mpi.strategies.build import trainer_classes
 
 __all__ = ["LMSOffload"]
 
-
-class LMSOffload(LMSOffloadHooks, pl.Callback):
-    # One docstring for the contract, shared with the mixin that implements it.
-    __doc__ = LMSOffloadHooks.__doc__
+LMSOffload = trainer_classes("pytorch_lightning")["LMSOffload"]

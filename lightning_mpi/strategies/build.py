@@ -102,10 +102,12 @@ def trainer_classes(package: str) -> dict[str, type]:
 def _trainer_extras(api: Any, module: str) -> dict[str, type]:
     """The DataModule and the callback, on the Trainer package's bases."""
     from lightning_mpi.data.hooks import PrefetchDataHooks
+    from lightning_mpi.offload.hooks import LMSOffloadHooks
 
     return {
         "PrefetchDataModule": _make("PrefetchDataModule", (PrefetchDataHooks, api.LightningDataModule), module,
                                     PrefetchDataHooks.__doc__),
+        "LMSOffload": _make("LMSOffload", (LMSOffloadHooks, api.Callback), module, LMSOffloadHooks.__doc__),
     }
 
 
