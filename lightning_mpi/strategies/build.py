@@ -19,6 +19,7 @@ build a rule) is the same for every frontend, so no strategy is written twice.
 """
 from __future__ import annotations
 
+import importlib
 from functools import lru_cache
 from typing import Any
 
@@ -82,10 +83,25 @@ def _strategies_on(base: type, async_base: type, module: str) -> dict[str, type]
     return classes
 
 
-@lru_cache(maxsize=None)
 def trainer_classes(package: str) -> dict[str, type]:
     """Every Trainer-side class of lightning_mpi, built on ``package`` ("pytorch_lightning" or
-    "lightning.pytorch"), by public name."""
+    "lightning.pytorch"), by public name; the same objects on every call."""
+    # Import the package before building: its post-import hook registers the names, and so builds
+    # the classes, first. Building first would import the package halfway through the build, and
+    # the hook would build (and register) a second set of classes.
+    importlib.import_module(package)
+    return _build_trainer_classes(package)
+
+
+def fabric_classes(package: str) -> dict[str, type]:
+    """Every Fabric-side class of lightning_mpi, built on ``package`` ("lightning_fabric" or
+    "lightning.fabric"), by public name; the same objects on every call."""
+    importlib.import_module(package)  # see trainer_classes
+    return _build_fabric_classes(package)
+
+
+@lru_cache(maxsize=None)
+def _build_trainer_classes(package: str) -> dict[str, type]:
     api = trainer_api(package)
     support = _fabric_support(api.fabric.package)
     module = EXPORTS[package]
@@ -112,9 +128,7 @@ def _trainer_extras(api: Any, module: str) -> dict[str, type]:
 
 
 @lru_cache(maxsize=None)
-def fabric_classes(package: str) -> dict[str, type]:
-    """Every Fabric-side class of lightning_mpi, built on ``package`` ("lightning_fabric" or
-    "lightning.fabric"), by public name."""
+def _build_fabric_classes(package: str) -> dict[str, type]:
     api = fabric_api(package)
     support = _fabric_support(package)
     module = EXPORTS[package]
