@@ -71,3 +71,24 @@ def test_segmentation3d_example_offloads_under_mpi_asa(tmp_path):
     match = re.search(r"world_size=2 strategy=mpi_asa offload=\w+ .*offloaded_per_step=([0-9.]+) MiB", result.stdout)
     assert match, result.stdout[-2000:]
     assert float(match.group(1)) > 0  # the callback really moved saved activations out
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("strategy", ["mpi_asa16", "mpi_gosgd"])
+def test_fabric_example_trains_on_two_ranks(tmp_path, strategy):
+    checkpoint = tmp_path / "digits.ckpt"
+    result = run_mpi(
+        2,
+        [str(REPO / "examples" / "fabric_digits.py"), "--strategy", strategy, "--epochs", "6", "--accumulate", "2",
+         "--checkpoint", str(checkpoint)],
+        timeout=200,
+        cwd=tmp_path,
+    )
+    final = [line for line in result.stdout.splitlines() if line.startswith("final accuracy")]
+    assert len(final) == 1, result.stdout  # rank 0 prints, once
+    assert float(final[0].split()[-1]) > 0.8, result.stdout
+    import torch
+
+    saved = torch.load(checkpoint, weights_only=False)
+    assert {"model", "optimizer"} <= set(saved)
