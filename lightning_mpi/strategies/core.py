@@ -53,6 +53,16 @@ def check_collective_timeout(value: Optional[float]) -> None:
         )
 
 
+def check_arguments(rule: Any, collective_timeout: Optional[float], lr_scaling: Any, warmup_steps: int) -> None:
+    """Raise ``ValueError`` for a bad option every strategy takes, naming it, its value and the fix."""
+    from lightning_mpi.lr_scaling import check_lr_scaling, check_warmup_steps
+
+    check_rule(rule)
+    check_collective_timeout(collective_timeout)
+    check_lr_scaling(lr_scaling)
+    check_warmup_steps(warmup_steps)
+
+
 def module_signature(module: torch.nn.Module) -> list[tuple[str, tuple[int, ...], str]]:
     """(name, shape, dtype) of every entry of the module's state dict, in order."""
     return [(name, tuple(t.shape), str(t.dtype)) for name, t in module.state_dict(keep_vars=True).items()]

@@ -37,7 +37,7 @@ from torch.optim import Optimizer
 
 from lightning_mpi.rules.base import Rule
 from lightning_mpi.strategies.aids import ConvergenceAids
-from lightning_mpi.strategies.core import CHECKPOINT_KEY, MPIStrategyCore
+from lightning_mpi.strategies.core import CHECKPOINT_KEY, MPIStrategyCore, check_arguments
 from lightning_mpi.strategies.trainer import ABORT_FLUSH_SECONDS
 
 
@@ -99,6 +99,8 @@ class FabricMPIStrategy(ConvergenceAids, MPIStrategyCore):
         checkpoint_io: Optional[Any] = None,
         precision: Optional[Any] = None,
     ) -> None:
+        # Every value is checked before the environment's first collective (it splits COMM_WORLD).
+        check_arguments(rule, collective_timeout, lr_scaling, warmup_steps)
         environment = self._environment_class()
         super().__init__(  # type: ignore[call-arg]  # the package's ParallelStrategy
             accelerator=accelerator,

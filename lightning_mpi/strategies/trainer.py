@@ -29,7 +29,7 @@ from torch.optim import Optimizer
 from lightning_mpi.lr_scaling import StepOverrides
 from lightning_mpi.rules.base import Rule
 from lightning_mpi.strategies.aids import ConvergenceAids
-from lightning_mpi.strategies.core import CHECKPOINT_KEY, MPIStrategyCore
+from lightning_mpi.strategies.core import CHECKPOINT_KEY, MPIStrategyCore, check_arguments
 
 #: Pause between printing a failing rank's traceback and ``MPI_Abort`` (see ``on_exception``).
 ABORT_FLUSH_SECONDS = 0.5
@@ -91,6 +91,8 @@ class TrainerMPIStrategy(ConvergenceAids, MPIStrategyCore):
         checkpoint_io: Optional[Any] = None,
         precision_plugin: Optional[Any] = None,
     ) -> None:
+        # Every value is checked before the environment's first collective (it splits COMM_WORLD).
+        check_arguments(rule, collective_timeout, lr_scaling, warmup_steps)
         environment = self._environment_class()
         super().__init__(  # type: ignore[call-arg]  # the package's ParallelStrategy
             accelerator=accelerator,
