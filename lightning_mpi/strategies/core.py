@@ -15,7 +15,12 @@ collectives; the frontend mixins only decide *when* Lightning calls them:
 from __future__ import annotations
 
 import hashlib
+import os
+import sys
+import time
 import warnings
+from collections.abc import Generator
+from contextlib import contextmanager
 from typing import Any, Optional
 
 import torch
@@ -27,6 +32,28 @@ from lightning_mpi.rules.sync import SyncRule
 
 #: Key of the rule's state in a checkpoint dictionary.
 CHECKPOINT_KEY = "lightning_mpi"
+
+#: Pause between printing a failing rank's message and ``MPI_Abort`` (see :func:`abort_every_rank`).
+ABORT_FLUSH_SECONDS = 0.5
+
+
+def abort_every_rank(message: str) -> None:
+    """Write ``message`` to stderr, then end every rank of the job with ``MPI_Abort`` (no return).
+
+    The other ranks are (or soon will be) waiting in a collective that this rank will never join,
+    so raising alone would hang the job.
+    """
+    sys.stderr.write(message)
+    sys.stderr.flush()
+    sys.stdout.flush()
+    # mpiexec forwards each rank's output through its proxies asynchronously; Abort makes it
+    # kill every proxy at once, which can drop lines still in flight (a CI run lost a traceback
+    # this way). A short pause on a path that is ending the job anyway lets them through.
+    time.sleep(ABORT_FLUSH_SECONDS)
+    from mpi4py import MPI
+
+    MPI.COMM_WORLD.Abort(1)
+    os._exit(1)  # not reached: Abort does not return
 
 
 def reduce_op_name(reduce_op: Any) -> str:
@@ -94,6 +121,21 @@ class MPIStrategyCore:
 
     world_size: int
     global_rank: int
+    _environment_class: type  # the MPI cluster environment on the frontend's Fabric package
+    _checkpoint_io_class: type  # the atomic checkpoint IO on it
+
+    def _placement(self, rule: Optional[Rule], collective_timeout: Optional[float], lr_scaling: Any,
+                   warmup_steps: int, checkpoint_io: Optional[Any]) -> dict[str, Any]:
+        """The ``ParallelStrategy`` arguments every frontend passes: MPI's cluster environment and
+        atomic checkpoint files (unless the user gave a checkpoint IO), no device list (Lightning
+        fills it in). Every common option is checked first, before the environment's first
+        collective (it splits ``COMM_WORLD``)."""
+        check_arguments(rule, collective_timeout, lr_scaling, warmup_steps)
+        return {
+            "parallel_devices": None,
+            "cluster_environment": self._environment_class(),
+            "checkpoint_io": checkpoint_io if checkpoint_io is not None else self._checkpoint_io_class(),
+        }
 
     def _init_core(self, rule: Optional[Rule], comm: Any, collective_timeout: Optional[float]) -> None:
         check_rule(rule)
@@ -117,6 +159,33 @@ class MPIStrategyCore:
     def bound_rule(self) -> Optional[BoundRule]:
         """The running rule while training (None before it is bound)."""
         return self._bound
+
+    # -- where this rank lives ---------------------------------------------------------------------
+    @property
+    def root_device(self) -> torch.device:
+        """Rank ``r`` uses device ``local_rank % devices_on_this_host`` (the CPU without devices)."""
+        devices = self.parallel_devices  # type: ignore[attr-defined]  # the frontend's ParallelStrategy
+        if not devices:
+            return torch.device("cpu")
+        return devices[self.local_rank % len(devices)]  # type: ignore[attr-defined]
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": self.world_size, "rank": self.global_rank}
+
+    @contextmanager
+    def exchanges_paused(self) -> Generator[None, None, None]:
+        """While gradients accumulate without an update, the rule's gradient hooks start no exchange
+        (``sync_enabled`` off); the backward of the step that updates exchanges."""
+        bound = self._bound
+        if bound is None:
+            yield
+            return
+        previous, bound.sync_enabled = bound.sync_enabled, False
+        try:
+            yield
+        finally:
+            bound.sync_enabled = previous
 
     # -- the model --------------------------------------------------------------------------------
     def prepare_module(self, module: torch.nn.Module) -> None:

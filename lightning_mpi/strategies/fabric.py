@@ -25,20 +25,16 @@ is the user's own code, so the rule's lifecycle hangs on the calls that loop mak
 from __future__ import annotations
 
 import sys
-import time
-from collections.abc import Generator
-from contextlib import contextmanager, nullcontext
+from contextlib import AbstractContextManager, nullcontext
 from types import TracebackType
 from typing import Any, Literal, Optional
 
-import torch
 from torch.nn import Module
 from torch.optim import Optimizer
 
 from lightning_mpi.rules.base import Rule
 from lightning_mpi.strategies.aids import ConvergenceAids
-from lightning_mpi.strategies.core import CHECKPOINT_KEY, MPIStrategyCore, check_arguments
-from lightning_mpi.strategies.trainer import ABORT_FLUSH_SECONDS
+from lightning_mpi.strategies.core import CHECKPOINT_KEY, MPIStrategyCore, abort_every_rank
 
 
 class _NoBackwardSync:
@@ -48,17 +44,8 @@ class _NoBackwardSync:
     def __init__(self, strategy: "FabricMPIStrategy") -> None:
         self._strategy = strategy
 
-    @contextmanager
-    def no_backward_sync(self, module: Module, enabled: bool) -> Generator[None, None, None]:
-        bound = self._strategy.bound_rule
-        if not enabled or bound is None:
-            yield
-            return
-        previous, bound.sync_enabled = bound.sync_enabled, False
-        try:
-            yield
-        finally:
-            bound.sync_enabled = previous
+    def no_backward_sync(self, module: Module, enabled: bool) -> AbstractContextManager:
+        return self._strategy.exchanges_paused() if enabled else nullcontext()
 
 
 class FabricMPIStrategy(ConvergenceAids, MPIStrategyCore):
@@ -84,8 +71,6 @@ class FabricMPIStrategy(ConvergenceAids, MPIStrategyCore):
     """
 
     _fabric_api: Any
-    _environment_class: type
-    _checkpoint_io_class: type
     _backward_sync_class: type
 
     def __init__(
@@ -99,17 +84,10 @@ class FabricMPIStrategy(ConvergenceAids, MPIStrategyCore):
         checkpoint_io: Optional[Any] = None,
         precision: Optional[Any] = None,
     ) -> None:
-        # Every value is checked before the environment's first collective (it splits COMM_WORLD).
-        check_arguments(rule, collective_timeout, lr_scaling, warmup_steps)
-        environment = self._environment_class()
-        super().__init__(  # type: ignore[call-arg]  # the package's ParallelStrategy
-            accelerator=accelerator,
-            parallel_devices=None,
-            cluster_environment=environment,
-            checkpoint_io=checkpoint_io if checkpoint_io is not None else self._checkpoint_io_class(),
-            precision=precision,
-        )
-        self._init_core(rule, environment.comm, collective_timeout)
+        placement = self._placement(rule, collective_timeout, lr_scaling, warmup_steps, checkpoint_io)
+        # the package's ParallelStrategy
+        super().__init__(accelerator=accelerator, precision=precision, **placement)  # type: ignore[call-arg]
+        self._init_core(rule, placement["cluster_environment"].comm, collective_timeout)
         self._init_aids(lr_scaling, warmup_steps)
         self.abort_on_exception = abort_on_exception
         self._optimizers: list[Optimizer] = []
@@ -133,17 +111,6 @@ class FabricMPIStrategy(ConvergenceAids, MPIStrategyCore):
 
     def _set_world_ranks(self) -> None:
         self._fabric_api.rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
-
-    @property
-    def root_device(self) -> torch.device:
-        devices = self.parallel_devices  # type: ignore[attr-defined]
-        if not devices:
-            return torch.device("cpu")
-        return devices[self.local_rank % len(devices)]  # type: ignore[attr-defined]
-
-    @property
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        return {"num_replicas": self.world_size, "rank": self.global_rank}
 
     @property
     def optimizers(self) -> list[Optimizer]:
@@ -266,17 +233,11 @@ def install_abort_hook(rank: int, world_size: int) -> None:
     if getattr(previous, "_lightning_mpi_abort", False):
         return
 
-    def abort_every_rank(kind: type[BaseException], value: BaseException, tb: Optional[TracebackType]) -> None:
+    def abort_on_uncaught(kind: type[BaseException], value: BaseException, tb: Optional[TracebackType]) -> None:
         previous(kind, value, tb)  # prints the traceback
         if issubclass(kind, KeyboardInterrupt):
             return
-        sys.stderr.write(f"lightning_mpi: rank {rank} of {world_size} failed (traceback above); aborting every rank.\n")
-        sys.stderr.flush()
-        sys.stdout.flush()
-        time.sleep(ABORT_FLUSH_SECONDS)  # let mpiexec forward the traceback before Abort kills its proxies
-        from mpi4py import MPI
+        abort_every_rank(f"lightning_mpi: rank {rank} of {world_size} failed (traceback above); aborting every rank.\n")
 
-        MPI.COMM_WORLD.Abort(1)
-
-    abort_every_rank._lightning_mpi_abort = True  # type: ignore[attr-defined]
-    sys.excepthook = abort_every_rank
+    abort_on_uncaught._lightning_mpi_abort = True  # type: ignore[attr-defined]
+    sys.excepthook = abort_on_uncaught

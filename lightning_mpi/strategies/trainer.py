@@ -15,25 +15,17 @@ attributes ``_api`` and ``_fabric_api`` name that package's classes. Each method
 """
 from __future__ import annotations
 
-import os
-import sys
-import time
 import traceback
 from collections.abc import Callable, Generator
 from contextlib import contextmanager, nullcontext
 from typing import Any, Literal, Optional
 
-import torch
 from torch.optim import Optimizer
 
 from lightning_mpi.lr_scaling import StepOverrides
 from lightning_mpi.rules.base import Rule
 from lightning_mpi.strategies.aids import ConvergenceAids
-from lightning_mpi.strategies.core import CHECKPOINT_KEY, MPIStrategyCore, check_arguments
-
-#: Pause between printing a failing rank's traceback and ``MPI_Abort`` (see ``on_exception``).
-ABORT_FLUSH_SECONDS = 0.5
-
+from lightning_mpi.strategies.core import CHECKPOINT_KEY, MPIStrategyCore, abort_every_rank
 
 class _SkipStep(Exception):
     """Raised from inside the optimizer closure to abandon a step before the update runs."""
@@ -76,8 +68,6 @@ class TrainerMPIStrategy(ConvergenceAids, MPIStrategyCore):
 
     _api: Any  # TrainerAPI of the package this class is built on
     _fabric_api: Any
-    _environment_class: type
-    _checkpoint_io_class: type
 
     def __init__(
         self,
@@ -91,17 +81,10 @@ class TrainerMPIStrategy(ConvergenceAids, MPIStrategyCore):
         checkpoint_io: Optional[Any] = None,
         precision_plugin: Optional[Any] = None,
     ) -> None:
-        # Every value is checked before the environment's first collective (it splits COMM_WORLD).
-        check_arguments(rule, collective_timeout, lr_scaling, warmup_steps)
-        environment = self._environment_class()
-        super().__init__(  # type: ignore[call-arg]  # the package's ParallelStrategy
-            accelerator=accelerator,
-            parallel_devices=None,
-            cluster_environment=environment,
-            checkpoint_io=checkpoint_io if checkpoint_io is not None else self._checkpoint_io_class(),
-            precision_plugin=precision_plugin,
-        )
-        self._init_core(rule, environment.comm, collective_timeout)
+        placement = self._placement(rule, collective_timeout, lr_scaling, warmup_steps, checkpoint_io)
+        # the package's ParallelStrategy
+        super().__init__(accelerator=accelerator, precision_plugin=precision_plugin, **placement)  # type: ignore[call-arg]
+        self._init_core(rule, placement["cluster_environment"].comm, collective_timeout)
         self._init_aids(lr_scaling, warmup_steps)
         self.log_stats = log_stats
         self.abort_on_exception = abort_on_exception
@@ -123,19 +106,8 @@ class TrainerMPIStrategy(ConvergenceAids, MPIStrategyCore):
         self._api.rank_zero_only.rank = self._fabric_api.rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
 
     @property
-    def root_device(self) -> torch.device:
-        devices = self.parallel_devices  # type: ignore[attr-defined]
-        if not devices:
-            return torch.device("cpu")
-        return devices[self.local_rank % len(devices)]  # type: ignore[attr-defined]
-
-    @property
     def is_distributed(self) -> bool:
         return self.world_size > 1
-
-    @property
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        return {"num_replicas": self.world_size, "rank": self.global_rank}
 
     # -- setup -------------------------------------------------------------------------------------
     def setup(self, trainer: Any) -> None:
@@ -160,17 +132,9 @@ class TrainerMPIStrategy(ConvergenceAids, MPIStrategyCore):
     # -- training ----------------------------------------------------------------------------------
     @contextmanager
     def block_backward_sync(self) -> Generator[None, None, None]:
-        """Lightning wraps backward in this while it accumulates gradients: the gradient hooks
-        must not start exchanges then, only on the backward of the step that updates."""
-        bound = self._bound
-        if bound is None:
+        """Lightning wraps backward in this while it accumulates gradients."""
+        with self.exchanges_paused():
             yield
-            return
-        previous, bound.sync_enabled = bound.sync_enabled, False
-        try:
-            yield
-        finally:
-            bound.sync_enabled = previous
 
     def on_train_start(self) -> None:
         super().on_train_start()  # type: ignore[misc]
@@ -265,19 +229,7 @@ class TrainerMPIStrategy(ConvergenceAids, MPIStrategyCore):
             except Exception:  # the job is going down; a logger error must not hide the real one
                 pass
         text = "".join(traceback.format_exception(type(exception), exception, exception.__traceback__))
-        sys.stderr.write(
-            f"lightning_mpi: rank {self.global_rank} of {self.world_size} failed; aborting every rank.\n{text}"
-        )
-        sys.stderr.flush()
-        sys.stdout.flush()
-        # mpiexec forwards each rank's output through its proxies asynchronously; Abort makes it
-        # kill every proxy at once, which can drop lines still in flight (a CI run lost this very
-        # traceback). A short pause on a path that is ending the job anyway lets them through.
-        time.sleep(ABORT_FLUSH_SECONDS)
-        from mpi4py import MPI
-
-        MPI.COMM_WORLD.Abort(1)
-        os._exit(1)  # not reached: Abort does not return
+        abort_every_rank(f"lightning_mpi: rank {self.global_rank} of {self.world_size} failed; aborting every rank.\n{text}")
 
     def teardown(self) -> None:
         self.close_rule()
