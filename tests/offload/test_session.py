@@ -100,6 +100,13 @@ def test_in_place_change_after_saving_raises_like_autograd(tmp_path, keep_last, 
     session.abort()
 
 
+def exp_chain(h, n):
+    """n steps of ``exp(0.5 h)``: each saves one tensor for backward."""
+    for _ in range(n):
+        h = (h * 0.5).exp()
+    return h
+
+
 @pytest.mark.timeout(30)
 def test_reentrant_checkpoint_recomputation_keeps_prefetching_the_forward_pass(tmp_path, tiers):
     """A reentrant checkpoint recomputes its segment inside backward, and that recomputation saves
@@ -111,15 +118,10 @@ def test_reentrant_checkpoint_recomputation_keeps_prefetching_the_forward_pass(t
     session.start(set())
     x = torch.randn(4096, requires_grad=True)
 
-    def chain(h, n):
-        for _ in range(n):
-            h = (h * 0.5).exp()
-        return h
-
     with saved_tensors_hooks(session.pack, session.unpack):  # as in a training step: backward too
-        h = chain(x, 4)
-        h = checkpoint(chain, h, 3, use_reentrant=True)  # saves only its input (already saved)
-        loss = chain(h, 4).sum()
+        h = exp_chain(x, 4)
+        h = checkpoint(exp_chain, h, 3, use_reentrant=True)  # saves only its input (already saved)
+        loss = exp_chain(h, 4).sum()
         assert len(tier.out) == 8
         session.begin_backward()
         loss.backward()
@@ -165,15 +167,10 @@ def test_a_saved_tensor_that_is_never_unpacked_does_not_stall_the_prefetch(tmp_p
     session.start(set())
     x = torch.randn(4096, requires_grad=True)
 
-    def chain(h, n):
-        for _ in range(n):
-            h = (h * 0.5).exp()
-        return h
-
     with saved_tensors_hooks(session.pack, session.unpack):
-        h = chain(x, 5)  # saves 0..4
+        h = exp_chain(x, 5)  # saves 0..4
         unused = (h * 0.3).exp()  # saves 5, an output nobody differentiates
-        loss = chain(h, 4).sum()  # saves 6..9
+        loss = exp_chain(h, 4).sum()  # saves 6..9
         session.begin_backward()
         loss.backward()
     assert tier.taken == [9, 8, 7, 6, 4, 3, 2, 1, 0]

@@ -20,29 +20,19 @@ import warnings
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader
 
 warnings.filterwarnings("ignore")
 import lightning as L  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
 import lightning_mpi  # noqa: E402
+from tiny_task import dataset, make_net  # noqa: E402  (beside this script)
 
 COMM = MPI.COMM_WORLD
 RANK, W = COMM.Get_rank(), COMM.Get_size()
 B, STEPS, LR = 4, 6, 0.2
 SYNC = ("mpi_allreduce", "mpi_asa", "mpi_asa16", "mpi_asa_bf16")
-
-
-def dataset(n):
-    g = torch.Generator().manual_seed(1234)
-    x = torch.randn(n, 10, generator=g)
-    y = (x[:, :3].sum(1) > 0).long() + (x[:, 3] > 1).long()
-    return TensorDataset(x, y)
-
-
-def make_net():
-    return nn.Sequential(nn.Linear(10, 16), nn.Tanh(), nn.Linear(16, 3))
 
 
 def weights_digest(net):

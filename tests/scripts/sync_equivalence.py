@@ -14,12 +14,13 @@ import warnings
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader
 
 warnings.filterwarnings("ignore")
 from mpi4py import MPI  # noqa: E402
 
 import lightning_mpi  # noqa: E402,F401
+from tiny_task import dataset, make_net  # noqa: E402  (beside this script)
 
 PACKAGE = os.environ.get("LIGHTNING_PACKAGE", "pytorch_lightning")
 pl = importlib.import_module(PACKAGE)
@@ -28,17 +29,6 @@ STRATEGIES = importlib.import_module({"pytorch_lightning": "lightning_mpi", "lig
 COMM = MPI.COMM_WORLD
 RANK, W = COMM.Get_rank(), COMM.Get_size()
 B, STEPS, LR = 4, 6, 0.2
-
-
-def dataset(n):
-    g = torch.Generator().manual_seed(1234)
-    x = torch.randn(n, 10, generator=g)
-    y = (x[:, :3].sum(1) > 0).long() + (x[:, 3] > 1).long()
-    return TensorDataset(x, y)
-
-
-def make_net():
-    return nn.Sequential(nn.Linear(10, 16), nn.Tanh(), nn.Linear(16, 3))
 
 
 class Module(pl.LightningModule):
