@@ -116,13 +116,13 @@ _LOGGING_SCRIPT = """
     import pytorch_lightning as pl
     from pytorch_lightning.demos.boring_classes import BoringModel
     from pytorch_lightning.loggers import CSVLogger, TensorBoardLogger
+    from tests.quiet_trainer import QUIET
     import lightning_mpi  # noqa: F401
 
     strategy, root = sys.argv[1], sys.argv[2]
     trainer = pl.Trainer(
         strategy=strategy, max_steps=12, limit_val_batches=0, log_every_n_steps=2,
-        logger=[CSVLogger(root, name="csv", version=0), TensorBoardLogger(root, name="tb", version=0)],
-        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+        **dict(QUIET, logger=[CSVLogger(root, name="csv", version=0), TensorBoardLogger(root, name="tb", version=0)]),
     )
     trainer.fit(BoringModel())
 """

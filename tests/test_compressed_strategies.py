@@ -8,6 +8,7 @@ import lightning_mpi  # noqa: F401  (registers the names)
 from lightning_mpi import CompressedSyncStrategy
 from lightning_mpi.rules.compressed import CompressedSyncRule
 from tests.mpi_utils import REPO, run_mpi
+from tests.quiet_trainer import QUIET
 
 EXCHANGE = str(REPO / "tests" / "scripts" / "compressed_exchange.py")
 TRAIN = str(REPO / "tests" / "scripts" / "compressed_train.py")
@@ -47,7 +48,7 @@ def test_ratio_warmup_is_geometric_from_one():
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("name", list(NAMES))
 def test_names_are_registered(name):
-    trainer = pl.Trainer(strategy=name, logger=False, enable_progress_bar=False, enable_checkpointing=False)
+    trainer = pl.Trainer(strategy=name, **QUIET)
     assert isinstance(trainer.strategy, CompressedSyncStrategy)
     assert trainer.strategy.rule.codec == NAMES[name]
     assert trainer.strategy.rule.error_feedback

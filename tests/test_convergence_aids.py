@@ -26,6 +26,7 @@ import lightning_mpi
 from lightning_mpi import lr_scaling as L
 from lightning_mpi import AsyncMPIStrategy
 from tests.mpi_utils import REPO, run_mpi
+from tests.quiet_trainer import QUIET_NO_VAL
 
 SCRIPT = str(REPO / "tests" / "scripts" / "convergence_aids.py")
 IMPLICIT_3 = 1 - 1 / 3
@@ -210,9 +211,7 @@ def test_world_size_one_is_a_no_op_factor(tmp_path):
     for strategy in (lightning_mpi.SyncStrategy(lr_scaling="linear", warmup_steps=2),
                      lightning_mpi.DownpourStrategy(momentum_correction=True, lr_scaling="sqrt")):
         model = BoringModel()
-        trainer = pl.Trainer(strategy=strategy, max_steps=3, limit_val_batches=0, logger=False,
-                             enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
-                             default_root_dir=tmp_path)
+        trainer = pl.Trainer(strategy=strategy, max_steps=3, default_root_dir=tmp_path, **QUIET_NO_VAL)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             trainer.fit(model)

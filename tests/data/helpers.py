@@ -8,6 +8,8 @@ from pathlib import Path
 
 import torch
 
+from tests.quiet_trainer import QUIET
+
 
 class IndexDataset:
     """Sample i is (a small image whose pixels encode i, i)."""
@@ -62,11 +64,8 @@ def make_trainer(**kw):
     import pytorch_lightning as pl
 
     defaults = dict(
+        QUIET,
         max_epochs=2,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         accelerator="cpu",
         strategy="auto",
     )

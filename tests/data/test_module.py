@@ -262,6 +262,7 @@ import json, threading, time
 import torch
 import pytorch_lightning as pl
 import lightning_mpi
+from tests.quiet_trainer import QUIET
 from lightning_mpi.data import PrefetchDataModule
 from mpi4py import MPI
 
@@ -272,6 +273,7 @@ def sleepy_barrier(comm):
         time.sleep(0.005)
 
 sleepy_barrier(MPI.COMM_WORLD)
+
 
 class DS:
     def __init__(self, n): self.n = n
@@ -294,9 +296,8 @@ class M(pl.LightningModule):
 before = {t.name for t in threading.enumerate()}
 m = M()
 dm = PrefetchDataModule(DS(23), DS(7), batch_size=4, seed=2)
-trainer = pl.Trainer(strategy="mpi_allreduce", accelerator="cpu", max_epochs=2, logger=False,
-                     enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                     use_distributed_sampler=True)
+trainer = pl.Trainer(strategy="mpi_allreduce", accelerator="cpu", max_epochs=2, use_distributed_sampler=True,
+                     **QUIET)
 trainer.fit(m, datamodule=dm)
 loaders_left = [t.name for t in threading.enumerate() if t.name.startswith("lightning_mpi-prefetch")]
 sleepy_barrier(MPI.COMM_WORLD)

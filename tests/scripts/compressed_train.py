@@ -14,6 +14,7 @@ import pytorch_lightning as pl  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
 import lightning_mpi  # noqa: E402,F401
+from tests.quiet_trainer import QUIET  # noqa: E402
 from lightning_mpi import CompressedSyncStrategy  # noqa: E402
 
 COMM = MPI.COMM_WORLD
@@ -39,9 +40,7 @@ class Module(pl.LightningModule):
 
 def trainer(strategy, epochs):
     return pl.Trainer(
-        strategy=strategy, max_epochs=epochs, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-    )
+        strategy=strategy, max_epochs=epochs, num_sanity_val_steps=0, **QUIET)
 
 
 torch.manual_seed(0)
@@ -78,8 +77,7 @@ for name, strategy in [
 
     t2 = pl.Trainer(
         strategy=strategy if isinstance(strategy, str) else CompressedSyncStrategy(**{k: getattr(strategy.rule, k) for k in ("codec", "ratio", "momentum_correction", "momentum", "ratio_warmup_steps")}),
-        max_epochs=4, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, num_sanity_val_steps=0, callbacks=[Probe()],
+        max_epochs=4, num_sanity_val_steps=0, callbacks=[Probe()], **QUIET,
     )
     t2.fit(model2, DataLoader(ds, batch_size=16, shuffle=False), ckpt_path=path)
     result[name] = {

@@ -24,6 +24,7 @@ from mpi4py import MPI  # noqa: E402
 from pytorch_lightning.loggers import CSVLogger  # noqa: E402
 
 import lightning_mpi  # noqa: E402
+from tests.quiet_trainer import QUIET  # noqa: E402
 
 RANK, W = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
 OUT, ROOT = Path(sys.argv[1]), Path(sys.argv[2])
@@ -98,8 +99,7 @@ def fit(strategy, module, steps, name, **recorder_kwargs):
     recorder = Recorder(**recorder_kwargs)
     trainer = pl.Trainer(
         strategy=strategy, max_epochs=1, limit_val_batches=0, num_sanity_val_steps=0, log_every_n_steps=1,
-        logger=CSVLogger(str(ROOT), name=name, version=0), callbacks=[recorder],
-        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+        callbacks=[recorder], **dict(QUIET, logger=CSVLogger(str(ROOT), name=name, version=0)),
     )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

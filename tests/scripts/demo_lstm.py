@@ -20,6 +20,7 @@ warnings.filterwarnings("ignore")
 from mpi4py import MPI  # noqa: E402
 
 import lightning_mpi  # noqa: E402
+from tests.quiet_trainer import QUIET  # noqa: E402
 
 PACKAGE = os.environ.get("LIGHTNING_PACKAGE", "pytorch_lightning")
 pl = importlib.import_module(PACKAGE)
@@ -60,9 +61,7 @@ for name in lightning_mpi.STRATEGIES:
     torch.manual_seed(RANK)
     model = make_model(vocab)
     seen = SeenBatches()
-    trainer = pl.Trainer(strategy=name, max_epochs=1, limit_train_batches=STEPS, logger=False,
-                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                         callbacks=[seen])
+    trainer = pl.Trainer(strategy=name, max_epochs=1, limit_train_batches=STEPS, callbacks=[seen], **QUIET)
     trainer.fit(model)
     finite = all(bool(torch.isfinite(p).all()) for p in model.parameters())
     results[name] = {

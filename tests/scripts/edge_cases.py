@@ -34,6 +34,7 @@ import pytorch_lightning as pl  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
 import lightning_mpi  # noqa: E402
+from tests.quiet_trainer import QUIET  # noqa: E402
 
 torch.set_num_threads(1)
 COMM = MPI.COMM_WORLD
@@ -63,9 +64,8 @@ def make_strategy(spec: object) -> object:
 def fit(module: pl.LightningModule, strategy: object, train=None, datamodule=None, max_epochs: int = 1,
         callbacks: list | None = None) -> tuple[pl.Trainer, list[str]]:
     """Fit quietly; return the trainer and the RuntimeWarnings raised on this rank."""
-    trainer = pl.Trainer(strategy=make_strategy(strategy), max_epochs=max_epochs, logger=False,
-                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                         num_sanity_val_steps=0, callbacks=callbacks or [])
+    trainer = pl.Trainer(strategy=make_strategy(strategy), max_epochs=max_epochs, num_sanity_val_steps=0,
+                         callbacks=callbacks or [], **QUIET)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer.fit(module, train_dataloaders=train, datamodule=datamodule)

@@ -53,6 +53,7 @@ from lightning_mpi.rules.easgd import EASGDRule  # noqa: E402
 from lightning_mpi.rules.gossip import GoSGDRule  # noqa: E402
 from lightning_mpi.rules.server import ADAGRule, AEASGDRule, AGNRule, DownpourRule, DynSGDRule, EAMSGDRule  # noqa: E402
 from lightning_mpi.rules.sync import SyncRule  # noqa: E402
+from tests.quiet_trainer import QUIET  # noqa: E402
 
 COMM = MPI.COMM_WORLD
 RANK, W = COMM.Get_rank(), COMM.Get_size()
@@ -299,8 +300,7 @@ def run_trainer(strategy: str, steps: int) -> dict[str, object]:
     data = TensorDataset(x, x[:, :4] + 0.3 * torch.randn(64 * W, 4, generator=torch.Generator().manual_seed(4)))
     baseline = sample()
     sampler = Sampler()
-    trainer = pl.Trainer(strategy=strategy, max_steps=steps, logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, callbacks=[sampler])
+    trainer = pl.Trainer(strategy=strategy, max_steps=steps, callbacks=[sampler], **QUIET)
     start = time.perf_counter()
     trainer.fit(Module(), DataLoader(data, batch_size=4, shuffle=True))
     seconds = time.perf_counter() - start

@@ -15,6 +15,7 @@ warnings.filterwarnings("ignore")
 import pytorch_lightning as pl  # noqa: E402
 
 import lightning_mpi  # noqa: E402
+from tests.quiet_trainer import QUIET  # noqa: E402
 
 MODE, OUT = sys.argv[1], Path(sys.argv[2])
 torch.manual_seed(0)
@@ -39,10 +40,7 @@ model = Module()
 trainer = pl.Trainer(
     strategy=sys.argv[3] if len(sys.argv) > 3 else "mpi_allreduce",
     max_epochs=1 if MODE == "first" else 2,
-    logger=False,
-    enable_checkpointing=False,
-    enable_progress_bar=False,
-    enable_model_summary=False,
+    **QUIET,
 )
 trainer.fit(model, DataLoader(data, batch_size=8, shuffle=True), ckpt_path=str(OUT / "epoch1.ckpt") if MODE == "resume" else None)
 if MODE == "first":

@@ -35,6 +35,7 @@ from torch import nn  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 import lightning_mpi  # noqa: E402,F401
+from tests.quiet_trainer import QUIET  # noqa: E402
 
 torch.set_num_threads(1)
 COMM = MPI.COMM_WORLD
@@ -179,8 +180,7 @@ def run(name, scenario, train, test):
     model = Net(lr_mode(name))
     rec = Recorder()
     threads_before = threading.active_count()
-    kwargs = dict(max_epochs=EPOCHS, logger=[rec], log_every_n_steps=2, enable_checkpointing=False,
-                  enable_progress_bar=False, enable_model_summary=False, accelerator="cpu", limit_val_batches=0)
+    kwargs = dict(QUIET, max_epochs=EPOCHS, logger=[rec], log_every_n_steps=2, accelerator="cpu", limit_val_batches=0)
     callbacks = []
     if scenario == "uneven":
         kwargs.update(max_epochs=2, limit_train_batches=6 + 5 * RANK)

@@ -20,6 +20,7 @@ warnings.filterwarnings("ignore")
 from mpi4py import MPI  # noqa: E402
 
 import lightning_mpi  # noqa: E402,F401
+from tests.quiet_trainer import QUIET  # noqa: E402
 from tiny_task import dataset, make_net  # noqa: E402  (beside this script)
 
 PACKAGE = os.environ.get("LIGHTNING_PACKAGE", "pytorch_lightning")
@@ -87,11 +88,8 @@ def run(strategy_name, kwargs=None, accumulate=1, momentum=0.0):
         strategy=strategy,
         max_epochs=1,
         accumulate_grad_batches=accumulate,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         callbacks=[check],
+        **QUIET,
     )
     initial = {}
 

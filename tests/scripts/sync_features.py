@@ -14,6 +14,7 @@ import torchmetrics  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
 import lightning_mpi  # noqa: E402,F401
+from tests.quiet_trainer import QUIET  # noqa: E402
 
 COMM = MPI.COMM_WORLD
 RANK, W = COMM.Get_rank(), COMM.Get_size()
@@ -55,10 +56,7 @@ trainer = pl.Trainer(
     max_epochs=1,
     limit_val_batches=1,
     num_sanity_val_steps=0,
-    logger=False,
-    enable_checkpointing=False,
-    enable_progress_bar=False,
-    enable_model_summary=False,
+    **QUIET,
 )
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")

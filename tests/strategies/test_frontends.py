@@ -46,7 +46,8 @@ def test_instances_are_accepted_by_their_own_package():
     import lightning_fabric
     import pytorch_lightning as pl
 
-    quiet = dict(logger=False, enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)
+    from tests.quiet_trainer import QUIET as quiet
+
     trainer = L.Trainer(strategy=lightning_mpi.lightning.SyncStrategy(exchange="asa", wire="fp16"), **quiet)
     assert trainer.strategy.rule.wire == "fp16"
     trainer = pl.Trainer(strategy=lightning_mpi.EASGDStrategy(alpha=0.5), **quiet)
