@@ -209,6 +209,9 @@ def test_full_rank_powersgd_equals_one_process_with_the_world_batch(trained):
     fabric = results["fabric"]["full_rank_accumulate2"]
     assert fabric["diff"] <= 1e-5 and fabric["mismatches"] == 0
     assert fabric["exchanges"] == 6 and fabric["hook_launches"] == 6  # no exchange while accumulating
+    replayed = results["fabric"]["full_rank_replayed"]
+    assert replayed["diff"] <= 1e-5 and replayed["mismatches"] == 0
+    assert replayed["hook_launches"] == 6  # left after each first micro-batch, redone in before_step
 
 
 @pytest.mark.mpi
