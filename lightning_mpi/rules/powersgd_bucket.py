@@ -33,6 +33,14 @@ from lightning_mpi.comm.transport import Transport
 from lightning_mpi.rules.base import all_finite
 
 
+def _orthogonalize_(matrix: Tensor) -> Tensor:
+    """:func:`lightning_mpi.rules.powersgd.orthogonalize_`, looked up on use: that module (the
+    math and the rule) imports this one."""
+    from lightning_mpi.rules.powersgd import orthogonalize_
+
+    return orthogonalize_(matrix)
+
+
 @dataclass(frozen=True)
 class CompressedMember:
     """A member compressed as an ``n × m`` matrix of rank ``r``, and where its pieces live."""
@@ -129,8 +137,6 @@ class PowerSGDBucket:
         non-finite), else the warm Q's are copied from ``q_state``. Either way Q is
         orthogonalised before use, as torch's hook does.
         """
-        from lightning_mpi.rules.powersgd import orthogonalize_
-
         self.bucket.pack_grads()
         if not compressing:
             return
@@ -146,7 +152,7 @@ class PowerSGDBucket:
                 for c, values in zip(self.compressed, randoms):
                     self.q(c, self.q_work).copy_(values)
             for c in self.compressed:
-                q = orthogonalize_(self.q(c, self.q_work))
+                q = _orthogonalize_(self.q(c, self.q_work))
                 torch.mm(self.matrix(c), q, out=self.p(c))
         for u in self.plain:
             self.pu[u.pu_offset : u.pu_offset + u.numel].copy_(flat[u.offset : u.offset + u.numel])
@@ -154,8 +160,6 @@ class PowerSGDBucket:
     def steps(self, compressing: bool) -> Exchange:
         """The exchange: Allreduce-mean of P's and plain members, orthogonalise, ``Q = Mᵀ P̂``,
         Allreduce-mean of Q's. Uncompressing steps allreduce the whole flat buffer."""
-        from lightning_mpi.rules.powersgd import orthogonalize_
-
         team = self.team
         assert team is not None
         if not compressing:
@@ -168,7 +172,7 @@ class PowerSGDBucket:
         if not self.compressed:
             return
         for c in self.compressed:
-            p = orthogonalize_(self.p(c))
+            p = _orthogonalize_(self.p(c))
             torch.mm(self.matrix(c).t(), p, out=self.q(c, self.q_work))
         yield from team.iallreduce_(self.q_work)
         self.q_work.div_(team.size)
