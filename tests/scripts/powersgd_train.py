@@ -31,6 +31,7 @@ from mpi4py import MPI  # noqa: E402
 
 import lightning_mpi  # noqa: E402
 import lightning_mpi.fabric  # noqa: E402
+from tests.quiet_trainer import QUIET  # noqa: E402
 from tiny_task import dataset, make_net  # noqa: E402  (beside this script)
 
 COMM = MPI.COMM_WORLD
@@ -74,8 +75,7 @@ class ReplicaCheck(pl.Callback):
 
 
 def quiet_trainer(strategy, **kwargs):
-    return pl.Trainer(strategy=strategy, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                      enable_model_summary=False, **kwargs)
+    return pl.Trainer(strategy=strategy, **QUIET, **kwargs)
 
 
 def reference(initial, batch, steps, shuffle_seed=None):
