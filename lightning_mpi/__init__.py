@@ -27,7 +27,7 @@ __version__ = "0.1.0"
 _PYTORCH_LIGHTNING_CLASSES = (
     "MPIStrategy", "SyncStrategy", "CompressedSyncStrategy", "AsyncMPIStrategy", "EASGDStrategy",
     "ModelAveragingStrategy", "AEASGDStrategy", "EAMSGDStrategy", "DownpourStrategy", "AGNStrategy",
-    "ADAGStrategy", "DynSGDStrategy", "GoSGDStrategy", "MPIClusterEnvironment", "AtomicCheckpointIO",
+    "ADAGStrategy", "DynSGDStrategy", "GoSGDStrategy", "PowerSGDStrategy", "MPIClusterEnvironment", "AtomicCheckpointIO",
     "LMSOffload", "PrefetchDataModule",
 )
 
@@ -40,6 +40,7 @@ _MODULES = {
     "EASGDRule": "lightning_mpi.rules.easgd",
     "ModelAveragingRule": "lightning_mpi.rules.averaging",
     "GoSGDRule": "lightning_mpi.rules.gossip",
+    "PowerSGDRule": "lightning_mpi.rules.powersgd",
     "DownpourRule": "lightning_mpi.rules.server",
     "AGNRule": "lightning_mpi.rules.server",
     "ADAGRule": "lightning_mpi.rules.server",

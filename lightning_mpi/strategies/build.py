@@ -23,7 +23,7 @@ import importlib
 from functools import lru_cache
 from typing import Any
 
-from lightning_mpi.strategies import options
+from lightning_mpi.strategies import low_communication_options, options
 from lightning_mpi.strategies.checkpoint_io import AtomicWriteMixin
 from lightning_mpi.strategies.decisions import StopDecisions
 from lightning_mpi.strategies.environment import MPIClusterMixin
@@ -53,6 +53,7 @@ STRATEGY_CLASSES: dict[str, tuple[type, bool]] = {
     "AEASGDStrategy": (options.AEASGDOptions, True),
     "EAMSGDStrategy": (options.EAMSGDOptions, True),
     "GoSGDStrategy": (options.GoSGDOptions, True),
+    "PowerSGDStrategy": (low_communication_options.PowerSGDOptions, False),
 }
 
 

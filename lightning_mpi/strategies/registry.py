@@ -31,6 +31,7 @@ STRATEGIES: dict[str, tuple[str, dict[str, Any], str]] = {
     "mpi_adag": ("ADAGStrategy", {}, "ADAG: commit scaled by 1/(|center moved|^2/eta + 1)"),
     "mpi_dynsgd": ("DynSGDStrategy", {}, "DynSGD: commit divided by staleness + 1"),
     "mpi_gosgd": ("GoSGDStrategy", {}, "GoSGD gossip: push to a random peer with probability p, weighted merge"),
+    "mpi_powersgd": ("PowerSGDStrategy", {}, "PowerSGD: rank-r P Q^T approximation by one warm-started power step, error feedback"),
 }
 
 TRAINER_PACKAGES = ("pytorch_lightning", "lightning.pytorch")

@@ -1,0 +1,405 @@
+"""PowerSGD (Vogels, Karimireddy & Jaggi, "PowerSGD: Practical Low-Rank Gradient Compression for
+Distributed Optimization", NeurIPS 2019, arXiv:1905.13727): the math as pure functions, and the rule.
+
+Every matrix-shaped gradient Mᵢ (``n × m`` on rank i; a convolution's weight viewed as
+``(out_channels, rest)``) is replaced by a rank-``r`` approximation of the mean gradient, found
+by one step of power iteration from the previous step's Q (Vogels et al. Algorithm 1)::
+
+    Mᵢ ← Mᵢ + eᵢ                       error feedback: what earlier steps did not apply
+    Pᵢ = Mᵢ Q                          Q: (m × r), warm-started, orthogonalised
+    P  = (1/W) Σᵢ Pᵢ                   Allreduce (the compression is linear)
+    P̂  = orthogonalise(P)              orthonormal columns (QR; for r = 1, P/‖P‖)
+    Qᵢ = Mᵢᵀ P̂
+    Q  = (1/W) Σᵢ Qᵢ                   Allreduce; kept as next step's warm start
+    M̂  = P̂ Qᵀ                          = P̂ P̂ᵀ (1/W) Σᵢ Mᵢ: the same on every rank
+    eᵢ ← Mᵢ − M̂                         this rank's residual
+
+Per step each rank sends (n + m)·r numbers per matrix instead of n·m. At full rank
+(r = min(n, m)) P̂ P̂ᵀ projects onto a space that holds the mean's columns, so M̂ is the exact
+mean: PowerSGD then equals plain averaging. Tensors that compression would not shrink by at
+least ``min_compression_rate`` (``(n + m)·r·rate ≥ n·m``), and every 1-D tensor (biases, norms),
+are averaged uncompressed. Before ``start_step`` every gradient is averaged plainly.
+
+As in torch's ``powerSGD_hook`` (which this follows, so results compare): the warm Q is
+orthogonalised before it is used (the span, hence M̂, is the same; it keeps Q well scaled), a
+fresh Q is drawn from a generator seeded identically on every rank (``seed``, the step and the
+bucket), and all P's of a bucket travel in one Allreduce with its uncompressed tensors, all Q's
+in a second. Buckets are filled from the last layer back and launched from gradient hooks as
+soon as their gradients are ready, so the exchange overlaps the rest of backward.
+
+Defaults, cited: rank 1, ``min_compression_rate`` 2, warm start and error feedback on (torch's
+``PowerSGDState``). ``start_step`` 0 as in the paper (torch defaults to 1000 plain steps, partly
+for a reason of its own, DDP's bucket rebuild; its docs suggest ~10% of training when accuracy
+suffers).
+"""
+from __future__ import annotations
+
+import time
+import warnings
+from collections.abc import Sequence
+from typing import Any, Optional
+
+import torch
+from torch import Tensor
+from torch.optim import Optimizer
+
+from lightning_mpi.comm.buffers import make_buckets
+from lightning_mpi.comm.engine import Exchange, Progress
+from lightning_mpi.comm.progress import ProgressThread
+from lightning_mpi.comm.transport import Transport
+from lightning_mpi.rules.base import BoundRule, Rule, check_range
+from lightning_mpi.rules.powersgd_bucket import PowerSGDBucket
+
+
+# -- pure math ------------------------------------------------------------------------------------
+def matrix_shape(shape: Sequence[int]) -> Optional[tuple[int, int]]:
+    """``(n, m)``: a tensor of ``shape`` viewed as ``(shape[0], rest)``; ``None`` for 0-D and 1-D."""
+    if len(shape) < 2:
+        return None
+    n = int(shape[0])
+    m = 1
+    for size in shape[1:]:
+        m *= int(size)
+    return n, m
+
+
+def compression_rank(shape: Sequence[int], rank: int, min_compression_rate: float) -> int:
+    """The rank ``r = min(n, m, rank)`` to compress a tensor of ``shape`` with, or 0 to average it
+    uncompressed: 1-D (or empty) tensors, and those where ``(n + m)·r·min_compression_rate`` is
+    not below ``n·m`` (torch's ``_should_compress``)."""
+    nm = matrix_shape(shape)
+    if nm is None or nm[0] * nm[1] == 0:
+        return 0
+    n, m = nm
+    r = min(n, m, rank)
+    return r if (n + m) * r * min_compression_rate < n * m else 0
+
+
+def orthogonalize_(matrix: Tensor) -> Tensor:
+    """Replace the columns of ``matrix`` (``n × r``, r ≤ n) by orthonormal ones spanning at least
+    the same space, in place; returns ``matrix``.
+
+    One column is divided by its norm (a zero column stays zero); several go through
+    ``torch.linalg.qr`` (Householder), whose Q spans the input's columns even when they are
+    linearly dependent, which keeps full-rank PowerSGD exact where Gram-Schmidt would divide by 0.
+    """
+    if matrix.shape[1] == 1:
+        norm = torch.linalg.vector_norm(matrix)
+        return matrix.div_(norm.clamp_min(torch.finfo(matrix.dtype).tiny))
+    q, _ = torch.linalg.qr(matrix)
+    return matrix.copy_(q)
+
+
+def power_step(matrices: Sequence[Tensor], q: Tensor) -> tuple[Tensor, Tensor]:
+    """One PowerSGD step over W ranks' matrices ``Mᵢ`` (``n × m``) from ``q`` (``m × r``), in one
+    process: returns ``(P̂ Qᵀ, Q)`` where Q is the averaged new Q. The reference the rule is
+    tested against; the rule computes the same with two Allreduces."""
+    q = orthogonalize_(q.clone())
+    p = orthogonalize_(torch.stack([mi @ q for mi in matrices]).mean(dim=0))
+    new_q = torch.stack([mi.t() @ p for mi in matrices]).mean(dim=0)
+    return p @ new_q.t(), new_q
+
+
+def q_seed(seed: int, step: int, bucket: int) -> int:
+    """Seed of the fresh Q's of ``bucket`` at ``step``: the same on every rank, different per step
+    (a fixed projection would leave the same directions unsynchronised every step)."""
+    return (seed * 1_000_003 + step * 7_919 + bucket) % (2**63 - 1)
+
+
+def random_qs(shapes: Sequence[tuple[int, int]], seed: int, dtype: torch.dtype) -> list[Tensor]:
+    """Standard normal ``(m, r)`` tensors from a CPU generator seeded with ``seed`` (every rank and
+    every device draws the same values)."""
+    generator = torch.Generator(device="cpu").manual_seed(seed)
+    return [torch.randn(m, r, generator=generator, dtype=dtype) for m, r in shapes]
+
+
+def check_int(name: str, value: Any, low: int) -> None:
+    """Raise ``ValueError`` unless ``value`` is an int (not a bool) ≥ ``low``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{name}={value!r} is out of range: it must be an integer >= {low}")
+
+
+# -- the rule -------------------------------------------------------------------------------------
+class PowerSGDRule(Rule):
+    """Average gradients every step through a rank-``rank`` PowerSGD approximation (see module docstring).
+
+    Args:
+        rank: r, the rank of the approximation (≥ 1); a matrix gets ``min(n, m, rank)``.
+        start_step: updating steps that average every gradient plainly before compression starts (≥ 0).
+        min_compression_rate: compress a matrix only if ``(n + m)·r`` is smaller than ``n·m`` by
+            more than this factor (≥ 0; 0 compresses every matrix). 1-D tensors are never compressed.
+        warm_start: start each step's power iteration from the previous step's Q (else a fresh
+            random Q every step).
+        use_error_feedback: keep what the approximation missed on this rank and add it to the
+            next step's gradient.
+        seed: seed of the random Q's, the same on every rank (≥ 0).
+        bucket_mb: size of one exchange bucket in MiB (> 0): each bucket's P's go in one
+            Allreduce, its Q's in another.
+        first_bucket_mb: size of the first bucket (the last layers) in MiB (> 0), so the exchange
+            starts early in backward.
+        overlap: launch each bucket's exchange from the gradient hooks, with a progress thread
+            that runs its orthogonalisation and second Allreduce while backward continues.
+    """
+
+    name = "powersgd"
+
+    def __init__(
+        self,
+        rank: int = 1,
+        start_step: int = 0,
+        min_compression_rate: float = 2.0,
+        warm_start: bool = True,
+        use_error_feedback: bool = True,
+        seed: int = 0,
+        bucket_mb: float = 25.0,
+        first_bucket_mb: float = 1.0,
+        overlap: bool = True,
+    ) -> None:
+        check_int("rank", rank, 1)
+        check_int("start_step", start_step, 0)
+        check_int("seed", seed, 0)
+        check_range("min_compression_rate", min_compression_rate, 0.0, float("inf"), high_open=True)
+        check_range("bucket_mb", bucket_mb, 0, float("inf"), low_open=True, high_open=True)
+        check_range("first_bucket_mb", first_bucket_mb, 0, float("inf"), low_open=True, high_open=True)
+        self.rank = rank
+        self.start_step = start_step
+        self.min_compression_rate = float(min_compression_rate)
+        self.warm_start = bool(warm_start)
+        self.use_error_feedback = bool(use_error_feedback)
+        self.seed = seed
+        self.bucket_mb = float(bucket_mb)
+        self.first_bucket_mb = float(first_bucket_mb)
+        self.overlap = bool(overlap)
+
+    def bind(self, transport: Transport, params: Sequence[Tensor]) -> "BoundPowerSGD":
+        return BoundPowerSGD(self, transport, params)
+
+
+class BoundPowerSGD(BoundRule):
+    """Running :class:`PowerSGDRule`: buckets launched from gradient hooks, finished in ``before_step``.
+
+    A step whose exchanged gradients hold inf or NaN (the same on every rank) is skipped on every
+    rank; its inf/NaN are cleared from the residuals and a non-finite warm Q is replaced by a
+    fresh one. ``state_dict`` holds the step count, the warm Q's and every rank's residuals.
+    """
+
+    def __init__(self, rule: PowerSGDRule, transport: Transport, params: Sequence[Tensor]) -> None:
+        super().__init__(transport, params)
+        self.rule = rule
+        self.steps = 0  # updating steps so far: decides plain or compressed, seeds fresh Q's
+        self.skipped_steps = 0
+        self.hook_launches = 0
+        self._index = {id(p): i for i, p in enumerate(self.params)}  # checkpoint keys
+        self.buckets: list[PowerSGDBucket] = []
+        self.progress = Progress(transport.timeout, transport.rank, transport.size)
+        self.driver: Optional[ProgressThread] = None
+        self._hooks: list[Any] = []
+        self._last: dict[str, float] = {}
+        self._seconds = 0.0
+        if transport.size == 1:
+            return  # nothing crosses a wire, so nothing is compressed
+
+        def rank_for(shape: torch.Size) -> int:
+            return compression_rank(shape, rule.rank, rule.min_compression_rate)
+
+        plain_buckets = make_buckets(
+            self.params, 1, bucket_bytes=max(1, int(rule.bucket_mb * 2**20)),
+            first_bucket_bytes=max(1, int(min(rule.first_bucket_mb, rule.bucket_mb) * 2**20)),
+        )
+        # Each bucket on its own communicator: hooks may start them in any order on each rank.
+        self.buckets = [PowerSGDBucket(b, transport.dup(), rank_for, rule.use_error_feedback) for b in plain_buckets]
+        self._ready = [0] * len(self.buckets)
+        self._launched = [False] * len(self.buckets)
+        self._replayed = False  # a gradient arrived after its bucket left: redo in before_step
+        self._arrived: list[int] = []
+        if rule.overlap:
+            self.driver = ProgressThread(self.progress.try_poll, 2e-4, "PowerSGDRule(overlap=True)", running=False,
+                                         remedy=", or pass overlap=False")
+            for index, bucket in enumerate(self.buckets):
+                for tensor in bucket.bucket.tensors:
+                    self._hooks.append(tensor.register_post_accumulate_grad_hook(self._make_hook(index)))
+
+    @property
+    def compressing(self) -> bool:
+        """Whether this step compresses (``start_step`` reached)."""
+        return self.steps >= self.rule.start_step
+
+    # -- launching -------------------------------------------------------------------------------
+    def _make_hook(self, index: int):
+        def on_grad_ready(_param: Tensor) -> None:
+            if not self.sync_enabled:
+                return
+            self._ready[index] += 1
+            members = len(self.buckets[index].bucket.tensors)
+            if self._ready[index] == members:
+                self.hook_launches += 1
+                self._launch(index)
+            elif self._ready[index] > members:
+                self._replayed = True  # a second backward before the step
+            self.progress.poll()  # MPICH moves data only inside MPI calls
+
+        return on_grad_ready
+
+    def _launch(self, index: int) -> None:
+        begin = time.perf_counter()
+        bucket, compressing = self.buckets[index], self.compressing
+        fresh = None
+        if compressing and (not self.rule.warm_start or not bucket.q_ready):
+            seed = q_seed(self.rule.seed, self.steps, index)
+            fresh = lambda shapes: random_qs(shapes, seed, bucket.bucket.flat.dtype)  # noqa: E731
+        bucket.begin(compressing, fresh)
+        self._launched[index] = True
+        if self.driver is not None:
+            self.driver.start()
+        self.progress.start(self._exchange(index, compressing))
+        self._seconds += time.perf_counter() - begin
+
+    def _exchange(self, index: int, compressing: bool) -> Exchange:
+        yield from self.buckets[index].steps(compressing)
+        self._arrived.append(index)
+
+    def _reset_overlap(self) -> None:
+        self._ready = [0] * len(self.buckets)
+        self._launched = [False] * len(self.buckets)
+        self._replayed = False
+        self._arrived.clear()
+
+    # -- the step --------------------------------------------------------------------------------
+    def before_step(self, optimizer: Optimizer) -> bool:
+        if self.transport.size == 1:
+            self.steps += 1
+            return True
+        begin = time.perf_counter()
+        compressing = self.compressing
+        members = {id(p) for g in optimizer.param_groups for p in g["params"]}
+        wanted = {i for i, b in enumerate(self.buckets) if any(id(t) in members for t in b.bucket.tensors)}
+        if self._replayed:
+            self.progress.wait_all()  # drop what left early: the gradients changed since
+            self._launched = [False] * len(self.buckets)
+            self._arrived.clear()
+        for index in sorted(wanted):
+            if not self._launched[index]:  # overlap off, or a member got no gradient
+                self._launch(index)
+        finite: dict[int, bool] = {}
+
+        def commit_arrived() -> None:
+            # Committed as they arrive, while later buckets are still on the wire. Even when
+            # non-finite: a GradScaler decides from .grad, and must see what every rank sees.
+            while self._arrived:
+                index = self._arrived.pop(0)
+                if index in wanted:
+                    finite[index] = self.buckets[index].commit(compressing, self.rule.warm_start)
+
+        commit_arrived()
+        self.progress.wait_all(commit_arrived)
+        commit_arrived()
+        if self.driver is not None:
+            self.driver.pause()
+        self._reset_overlap()
+        self.steps += 1
+        ok = all(finite.get(index, False) for index in wanted)
+        if not ok:
+            self.skipped_steps += 1
+            for bucket in self.buckets:
+                bucket.forget_non_finite()
+            warnings.warn(
+                "lightning_mpi: non-finite gradients after the PowerSGD exchange; skipping this optimizer step "
+                f"on every rank ({self.skipped_steps} skipped so far).",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        self._snapshot_stats(wanted, compressing, time.perf_counter() - begin)
+        return ok
+
+    def _snapshot_stats(self, wanted: set[int], compressing: bool, seconds: float) -> None:
+        world = self.transport.size
+        factor = 2 * (world - 1) / world * self.buckets[0].bucket.flat.element_size() if self.buckets else 0.0
+        wire = sum(self.buckets[i].wire_numel(compressing) for i in wanted) * factor
+        dense = sum(self.buckets[i].bucket.flat.numel() for i in wanted) * factor
+        self._last = {
+            "exchange_seconds": self._seconds + seconds,
+            "wire_bytes": float(wire),
+            "dense_bytes": float(dense),
+            "compression": float(dense / wire) if wire else 1.0,
+            "skipped_steps": float(self.skipped_steps),
+        }
+        self._seconds = 0.0
+
+    # -- bookkeeping -----------------------------------------------------------------------------
+    def close(self) -> None:
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+        self.progress.wait_all()
+        if self.driver is not None:
+            self.driver.close()
+            self.driver = None
+        for bucket in self.buckets:
+            if bucket.team is not None:
+                bucket.team.free()
+                bucket.team = None
+
+    def stats(self) -> dict[str, float]:
+        return dict(self._last)
+
+    def _by_parameter(self, tensor_of) -> list[Optional[Tensor]]:
+        """``tensor_of(bucket, member)`` for every compressed parameter, by its position in
+        ``params`` (``None`` elsewhere): a layout that does not depend on the buckets."""
+        out: list[Optional[Tensor]] = [None] * len(self.params)
+        for bucket in self.buckets:
+            for c in bucket.compressed:
+                value = tensor_of(bucket, c)
+                if value is not None:
+                    out[self._index[id(bucket.bucket.tensors[c.member])]] = value.detach().cpu().clone()
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        """Collective on every rank (Lightning saves on every rank; rank 0 writes): the step count,
+        the warm Q's (the same on every rank) and, gathered to rank 0 only, every rank's residuals
+        (``"ranks"`` is ``None`` on the other ranks)."""
+        state: dict[str, Any] = {"steps": self.steps, "skipped_steps": self.skipped_steps,
+                                 "world_size": self.transport.size, "q": [], "ranks": None}
+        if self.transport.size == 1:
+            return state
+        state["q"] = self._by_parameter(lambda b, c: b.q(c, b.q_state) if b.q_ready else None)
+        mine = self._by_parameter(lambda b, c: b.residual_of(c) if b.residual is not None else None)
+        state["ranks"] = self.transport.comm.gather(mine, root=0)
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.steps = int(state.get("steps", 0))
+        self.skipped_steps = int(state.get("skipped_steps", 0))
+        if self.transport.size == 1:
+            return
+        saved_q = state.get("q") or [None] * len(self.params)
+        ranks = state.get("ranks")
+        if len(saved_q) != len(self.params):
+            warnings.warn("lightning_mpi: the checkpoint's PowerSGD state is for another model; starting afresh.",
+                          RuntimeWarning, stacklevel=2)
+            return
+        same_world = int(state.get("world_size", 0)) == self.transport.size
+        if ranks and not same_world:
+            warnings.warn(
+                f"lightning_mpi: PowerSGD residuals from {state.get('world_size')} ranks restored on "
+                f"{self.transport.size}: every rank gets their mean (which keeps the pending mean update).",
+                RuntimeWarning, stacklevel=2,
+            )
+        for bucket in self.buckets:
+            restored = bool(bucket.compressed)
+            for c in bucket.compressed:
+                index = self._index[id(bucket.bucket.tensors[c.member])]
+                q = saved_q[index]
+                if q is not None and tuple(q.shape) == (c.m, c.r):
+                    bucket.q(c, bucket.q_state).copy_(q)
+                else:
+                    restored = False
+                if bucket.residual is not None and ranks:
+                    parts = [r[index] for r in ranks if r[index] is not None]
+                    residual = parts[self.transport.rank] if same_world and len(parts) == len(ranks) else (
+                        torch.stack(parts).mean(dim=0) if parts else None)
+                    if residual is not None and tuple(residual.shape) == (c.n, c.m):
+                        bucket.residual_of(c).copy_(residual)
+            bucket.q_ready = restored
+
+
+__all__ = ["PowerSGDRule", "BoundPowerSGD", "compression_rank", "orthogonalize_", "power_step", "matrix_shape"]
