@@ -35,6 +35,7 @@ models have 3 to 9 fragments), and DiLoCo's ``period=50``, outer_lr 0.7 and mome
 """
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 
 from torch import Tensor
@@ -98,7 +99,8 @@ class StreamingDiLoCoRule(Rule):
 
     Args:
         period: H, inner steps between two exchanges of one fragment (≥ 1). Default 50.
-        fragments: P, groups of whole tensors (≥ 1, ≤ period and ≤ the number of tensors). Default 4.
+        fragments: P, groups of whole tensors (≥ 1, ≤ period). Default 4. A model with fewer
+            trainable tensors runs with one fragment per tensor.
         overlap_steps: τ, inner steps an exchange overlaps before it is used (0: blocking);
             below period // fragments. Default 1.
         mix_alpha: α in [0, 1): θ_local ← α·θ_local + (1 − α)·θ_global for the arriving fragment
@@ -124,10 +126,21 @@ class StreamingDiLoCoRule(Rule):
         self.wire = wire
 
     def bind(self, transport: Transport, params: Sequence[Tensor]) -> BoundDiLoCo:
+        """Split ``params`` into fragments; a model with fewer trainable tensors than ``fragments``
+        gets one fragment per tensor (with a warning), so that the default suits any model."""
         params = list(params)
-        assignment = split_fragments([p.numel() for p in params], self.fragments)
-        groups: list[list[Tensor]] = [[] for _ in range(self.fragments)]
+        fragments = self.fragments
+        if 0 < len(params) < fragments:
+            warnings.warn(
+                f"lightning_mpi: fragments={fragments} is more than the model's {len(params)} trainable tensors; "
+                f"Streaming DiLoCo runs with {len(params)} fragments (one tensor each).",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            fragments = len(params)
+        assignment = split_fragments([p.numel() for p in params], fragments) if params else []
+        groups: list[list[Tensor]] = [[] for _ in range(fragments)]
         for param, group in zip(params, assignment):
             groups[group].append(param)
-        return BoundDiLoCo(self, transport, params, groups, fragment_offsets(self.period, self.fragments),
+        return BoundDiLoCo(self, transport, params, groups, fragment_offsets(self.period, fragments),
                            overlap_steps=self.overlap_steps, mix_alpha=self.mix_alpha)

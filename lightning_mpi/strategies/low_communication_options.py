@@ -110,7 +110,8 @@ class StreamingDiLoCoOptions:
 
     Args:
         period: H, inner steps between two exchanges of one fragment (≥ 1). Default 50.
-        fragments: P, the number of fragments (≥ 1, ≤ period, ≤ the model's trainable tensors). Default 4.
+        fragments: P, the number of fragments (≥ 1, ≤ period). Default 4. A model with fewer
+            trainable tensors runs with one fragment per tensor (and a warning).
         overlap_steps: τ, inner steps between the start of a fragment's exchange and its use
             (0: blocking); below period // fragments. Default 1.
         mix_alpha: α in [0, 1): the arriving fragment sets θ_local ← α·θ_local + (1 − α)·θ_global.

@@ -226,3 +226,11 @@ def test_diloco_strategies_on_ranks(world, tmp_path):
     # (f) Fabric
     assert r["fabric_diloco"] == {"identical": True, "outer_steps": 3.0, "class": "lightning_mpi.fabric.DiLoCoStrategy"}
     assert r["fabric_streaming"]["identical"] and r["fabric_streaming"]["outer_steps"] == 4.0
+
+
+def test_a_model_with_fewer_tensors_than_fragments_gets_one_fragment_per_tensor():
+    net = nn.Linear(3, 2)
+    with pytest.warns(RuntimeWarning, match="fragments=4 is more than the model's 2 trainable tensors"):
+        bound = StreamingDiLoCoRule(period=8, fragments=4).bind(_self_transport(), list(net.parameters()))
+    assert len(bound.fragments) == 2 and bound.offsets == [4, 8]
+    bound.close()
