@@ -26,6 +26,7 @@ warnings.filterwarnings("ignore")
 from mpi4py import MPI  # noqa: E402
 
 import lightning_mpi  # noqa: E402
+from tests.quiet_trainer import QUIET  # noqa: E402
 from tiny_task import dataset, make_net  # noqa: E402  (beside this script)
 
 COMM = MPI.COMM_WORLD
@@ -67,8 +68,7 @@ def trainer_run(strategy, steps_per_epoch=8, epochs=1, package="pytorch_lightnin
 
     torch.manual_seed(100 + RANK)  # different initial weights: setup must broadcast rank 0's
     model = Module()
-    trainer = pl.Trainer(strategy=strategy, max_epochs=epochs, logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, callbacks=[SaveAtEpochEnd()])
+    trainer = pl.Trainer(strategy=strategy, max_epochs=epochs, callbacks=[SaveAtEpochEnd()], **QUIET)
     loader = DataLoader(dataset(W * B * steps_per_epoch), batch_size=B, shuffle=True)
     trainer.fit(model, loader, ckpt_path=resume_from)
     assert trainer.global_step == steps_per_epoch * epochs
