@@ -27,7 +27,8 @@ __version__ = "0.1.0"
 _PYTORCH_LIGHTNING_CLASSES = (
     "MPIStrategy", "SyncStrategy", "CompressedSyncStrategy", "AsyncMPIStrategy", "EASGDStrategy",
     "ModelAveragingStrategy", "AEASGDStrategy", "EAMSGDStrategy", "DownpourStrategy", "AGNStrategy",
-    "ADAGStrategy", "DynSGDStrategy", "GoSGDStrategy", "PowerSGDStrategy", "MPIClusterEnvironment", "AtomicCheckpointIO",
+    "ADAGStrategy", "DynSGDStrategy", "GoSGDStrategy", "PowerSGDStrategy", "DiLoCoStrategy",
+    "StreamingDiLoCoStrategy", "MPIClusterEnvironment", "AtomicCheckpointIO",
     "LMSOffload", "PrefetchDataModule",
 )
 
@@ -47,6 +48,8 @@ _MODULES = {
     "DynSGDRule": "lightning_mpi.rules.server",
     "AEASGDRule": "lightning_mpi.rules.server",
     "EAMSGDRule": "lightning_mpi.rules.server",
+    "DiLoCoRule": "lightning_mpi.rules.diloco",
+    "StreamingDiLoCoRule": "lightning_mpi.rules.streaming_diloco",
 }
 
 __all__ = sorted([*_PYTORCH_LIGHTNING_CLASSES, *_MODULES, "STRATEGIES", "register_strategies"])

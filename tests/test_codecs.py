@@ -125,7 +125,7 @@ def test_codec_table():
     assert {"fp32", "fp16", "bf16", "int8", "onebit"} <= set(CODECS)
     assert get_codec("int8") is INT8
     with pytest.raises(ValueError, match="wire"):
-        get_codec("int4")
+        get_codec("int3")
 
 
 @pytest.mark.timeout(60)

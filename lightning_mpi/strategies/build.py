@@ -54,6 +54,8 @@ STRATEGY_CLASSES: dict[str, tuple[type, bool]] = {
     "EAMSGDStrategy": (options.EAMSGDOptions, True),
     "GoSGDStrategy": (options.GoSGDOptions, True),
     "PowerSGDStrategy": (low_communication_options.PowerSGDOptions, False),
+    "DiLoCoStrategy": (low_communication_options.DiLoCoOptions, False),
+    "StreamingDiLoCoStrategy": (low_communication_options.StreamingDiLoCoOptions, False),
 }
 
 

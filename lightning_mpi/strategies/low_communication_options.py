@@ -6,9 +6,11 @@ its arguments into a validated :class:`~lightning_mpi.rules.base.Rule` and passe
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
+from lightning_mpi.rules.diloco import DiLoCoRule
 from lightning_mpi.rules.powersgd import PowerSGDRule
+from lightning_mpi.rules.streaming_diloco import StreamingDiLoCoRule
 
 
 class PowerSGDOptions:
@@ -67,4 +69,64 @@ class PowerSGDOptions:
             first_bucket_mb=first_bucket_mb,
             overlap=overlap,
         )
+        super().__init__(rule=rule, **kwargs)  # type: ignore[call-arg]
+
+
+class DiLoCoOptions:
+    """DiLoCo (Douillard et al. 2023): registered as ``mpi_diloco``.
+
+    Each rank runs ``period`` steps of your own optimizer (the inner optimizer; the paper uses
+    AdamW), then the ranks average their pseudo-gradients Δ = θ_global − θ_local and an outer
+    SGD with Nesterov momentum moves the global weights, from which every rank continues. One
+    exchange every ``period`` steps. A checkpoint holds the global weights, the outer momentum
+    and every rank's local weights, inner-optimizer state and residuals, so resuming mid-period
+    is exact. When training ends every rank holds the global weights.
+
+    Args:
+        period: H, inner steps between outer steps (≥ 1). Default 50 (the paper's 500 is made for
+            runs of tens of thousands of steps).
+        outer_lr: outer learning rate (> 0). Default 0.7 (the paper's).
+        outer_momentum: outer Nesterov momentum in [0, 1); 0 is plain SGD. Default 0.9 (the paper's).
+            ``outer_lr=1, outer_momentum=0`` is periodic model averaging (``mpi_model_avg``).
+        wire: how Δ travels: ``"fp32"`` (one Allreduce), ``"bf16"``, ``"int8"`` or ``"int4"`` (ASA
+            with error feedback).
+        **kwargs: the options every strategy takes (see ``MPIStrategy``); ``log_stats`` logs
+            exchange time, bytes and outer steps under ``mpi/diloco/``.
+    """
+
+    def __init__(self, period: int = 50, outer_lr: float = 0.7, outer_momentum: float = 0.9,
+                 wire: Literal["fp32", "bf16", "int8", "int4"] = "fp32", **kwargs: Any) -> None:
+        rule = DiLoCoRule(period=period, outer_lr=outer_lr, outer_momentum=outer_momentum, wire=wire)
+        super().__init__(rule=rule, **kwargs)  # type: ignore[call-arg]
+
+
+class StreamingDiLoCoOptions:
+    """Streaming DiLoCo (Douillard et al. 2025): registered as ``mpi_streaming_diloco``.
+
+    DiLoCo with the parameters cut into ``fragments`` contiguous groups of whole tensors, each
+    exchanged every ``period`` steps on a staggered schedule (one fragment every period/fragments
+    steps), each exchange overlapped with ``overlap_steps`` inner steps and mixed into the local
+    weights with ``mix_alpha``. Peak bytes per exchange are about 1/fragments of DiLoCo's.
+
+    Args:
+        period: H, inner steps between two exchanges of one fragment (≥ 1). Default 50.
+        fragments: P, the number of fragments (≥ 1, ≤ period). Default 4. A model with fewer
+            trainable tensors runs with one fragment per tensor (and a warning).
+        overlap_steps: τ, inner steps between the start of a fragment's exchange and its use
+            (0: blocking); below period // fragments. Default 1.
+        mix_alpha: α in [0, 1): the arriving fragment sets θ_local ← α·θ_local + (1 − α)·θ_global.
+            Default 0.5 (the paper's).
+        outer_lr: outer learning rate (> 0). Default 0.7.
+        outer_momentum: outer Nesterov momentum in [0, 1). Default 0.9.
+        wire: ``"fp32"``, ``"bf16"``, ``"int8"`` or ``"int4"`` (lossy ones with error feedback).
+            Default ``"int4"`` (the paper's 4-bit outer gradients).
+        **kwargs: the options every strategy takes (see ``MPIStrategy``); ``log_stats`` logs
+            exchange time, bytes (``peak_exchange_bytes``) and outer steps under ``mpi/streaming_diloco/``.
+    """
+
+    def __init__(self, period: int = 50, fragments: int = 4, overlap_steps: int = 1, mix_alpha: float = 0.5,
+                 outer_lr: float = 0.7, outer_momentum: float = 0.9,
+                 wire: Literal["fp32", "bf16", "int8", "int4"] = "int4", **kwargs: Any) -> None:
+        rule = StreamingDiLoCoRule(period=period, fragments=fragments, overlap_steps=overlap_steps, mix_alpha=mix_alpha,
+                                   outer_lr=outer_lr, outer_momentum=outer_momentum, wire=wire)
         super().__init__(rule=rule, **kwargs)  # type: ignore[call-arg]

@@ -32,6 +32,8 @@ STRATEGIES: dict[str, tuple[str, dict[str, Any], str]] = {
     "mpi_dynsgd": ("DynSGDStrategy", {}, "DynSGD: commit divided by staleness + 1"),
     "mpi_gosgd": ("GoSGDStrategy", {}, "GoSGD gossip: push to a random peer with probability p, weighted merge"),
     "mpi_powersgd": ("PowerSGDStrategy", {}, "PowerSGD: rank-r P Q^T approximation by one warm-started power step, error feedback"),
+    "mpi_diloco": ("DiLoCoStrategy", {}, "DiLoCo: H local steps, then outer Nesterov SGD on the averaged pseudo-gradient"),
+    "mpi_streaming_diloco": ("StreamingDiLoCoStrategy", {}, "Streaming DiLoCo: fragments synced in turn, overlapped, 4-bit"),
 }
 
 TRAINER_PACKAGES = ("pytorch_lightning", "lightning.pytorch")
