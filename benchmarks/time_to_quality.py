@@ -4,7 +4,7 @@
 The task (``benchmarks/ttq_task.py``): a byte-level language model over the Python standard
 library's own source (held-out files kept apart), an embedding flattened into a wide MLP of about
 17M parameters: little compute per byte of gradient, so the link sets the pace. AdamW (fused),
-lr 1e-3, batch 16 per rank, the same seed and initial weights for every arm, each rank its own
+lr 3e-4, batch 16 per rank, the same seed and initial weights for every arm, each rank its own
 shard of the training windows.
 
 Each arm is a fresh ``mpiexec`` with one rank per simulated host (``benchmarks/cluster.py``:

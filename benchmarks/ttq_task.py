@@ -41,7 +41,7 @@ class TaskConfig:
     held_out_every: int = 10
     train_windows: int = 1 << 18
     held_out_windows: int = 512
-    lr: float = 1e-3
+    lr: float = 3e-4
     seed: int = 0
 
 
@@ -138,7 +138,7 @@ class ByteMLP(nn.Module):
 
 
 def make_module(cfg: TaskConfig):
-    """The LightningModule (``pytorch_lightning``): :class:`ByteMLP` trained with AdamW at ``cfg.lr``.
+    """The LightningModule (``pytorch_lightning``): :class:`ByteMLP` trained with fused AdamW at ``cfg.lr``.
 
     Built from seed ``cfg.seed``, so every rank and every arm starts from the same weights.
     """
@@ -155,7 +155,7 @@ def make_module(cfg: TaskConfig):
             return nn.functional.cross_entropy(self.net(x), y)
 
         def configure_optimizers(self):
-            return torch.optim.AdamW(self.parameters(), lr=cfg.lr)
+            return torch.optim.AdamW(self.parameters(), lr=cfg.lr, fused=True)  # one kernel: several times faster on CPU
 
     return ByteLM()
 
