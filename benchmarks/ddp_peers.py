@@ -14,14 +14,15 @@ Lightning registers a comm hook only when the root device is CUDA, so on CPU
 :class:`HookedDDPStrategy` registers it itself, right after the model is wrapped. Every rank runs
 under ``mpiexec``; the node layout (``devices``, ``num_nodes``) is derived from the hostnames.
 
-``powerSGD_hook`` hangs on gloo with more than one bucket (seen on CPU with ``torch`` 2.13: the
-17.9M-parameter MLP of ``throughput.py`` with DDP's default 25 MB buckets, every rank stuck in
-backward; with one bucket it runs). The likely cause: its ``then`` callbacks call ``wait()`` on
-the next allreduce, and gloo runs future callbacks on its worker threads (two by default), so
-two buckets' callbacks can block every worker while the allreduces they wait for queue behind
-them. One bucket avoids it, at the price of no overlap with backward; the benchmarks use
-:data:`POWERSGD_BUCKET_CAP_MB`, and a time-to-quality arm can still ask for the default
-(``ddp_powersgd1:bucket_cap_mb=25``) to show the hang.
+``powerSGD_hook`` can hang on gloo when DDP has several buckets: with ``throughput.py``'s
+17.9M-parameter MLP and DDP's default 25 MB buckets, 2 ranks on CPU (``torch`` 2.13), every rank
+stops inside backward at the first PowerSGD step (the third), in three runs of three; the
+time-to-quality LM with the same buckets ran (one run, 5 steps). The likely cause: the hook's
+``then`` callbacks call ``wait()`` on the next allreduce, and gloo runs future callbacks on its
+worker threads (two by default), so two buckets' callbacks can block every worker while the
+allreduces they wait for queue behind them. One bucket avoids it, at the price of no overlap
+with backward: the PowerSGD peers use :data:`POWERSGD_BUCKET_CAP_MB`; a time-to-quality arm can
+still ask for DDP's default (``ddp_powersgd1:bucket_cap_mb=25``).
 """
 from __future__ import annotations
 

@@ -102,8 +102,9 @@ def markdown(report: dict) -> str:
             if row["status"] != "ok":
                 lines.append(f"| {arm} | {row['status']}: {row['reason']} | | | | | | | | |")
                 continue
+            reached = "-" if ref["ddp_best_loss_in_T"] is None else _f(row["time_to_ddp_best"], "{:.1f}", "not reached")
             lines.append(
-                f"| {arm} | {_f(row['loss_T'])} | {_f(row['time_to_ddp_best'], '{:.1f}', 'not reached')} | {row['steps']} "
+                f"| {arm} | {_f(row['loss_T'])} | {reached} | {row['steps']} "
                 f"| {row['samples_per_s']:.1f} ({_f(row.get('samples_vs_local'), '{:.2f}x')}) "
                 f"| {row['steps_per_s']:.2f} ({_f(row.get('steps_vs_local'), '{:.2f}x')}) "
                 f"| {_yes(row.get(f'le_{LONG_PEER}_3T'))} | {_yes(row.get(f'le_{LONG_PEER}_last'))} "
