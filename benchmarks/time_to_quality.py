@@ -20,7 +20,7 @@ needs root) and trains through a ``pytorch_lightning`` Trainer for a wall-clock 
 An arm that fails is reported with its error; one that outlives its run plus ``--margin`` seconds
 is killed (SIGKILL, the whole job) and reported as "hung", with how far it got. The run goes on.
 
-    python benchmarks/time_to_quality.py                     # 4 settings x 13 arms, ~28 min
+    python benchmarks/time_to_quality.py                     # 4 settings x 13 arms, ~30 min
     python benchmarks/time_to_quality.py --settings hosts:2:100mbit --budget 10 --arms ddp local mpi_asa16
     python benchmarks/time_to_quality.py --smoke             # 2 ranks, shared memory, seconds
 
@@ -62,7 +62,7 @@ ARMS = ["local", "ddp", "ddp_fp16", "ddp_powersgd1", "ddp_powersgd4", "mpi_asa16
 LONG_PEER = "ddp_fp16"
 #: seconds an arm takes beyond its run (start-up: imports, data, process group; evaluation of the
 #: snapshots): a base, plus per rank sharing a core (a rank imports torch and Lightning in ~5 CPU s)
-OVERHEAD_BASE, OVERHEAD_PER_RANK_PER_CORE = 8.0, 5.0
+OVERHEAD_BASE, OVERHEAD_PER_RANK_PER_CORE = 10.0, 5.0
 SMOKE_TASK = TaskConfig(hidden=256, train_bytes=1 << 20, held_out_bytes=64 << 10, train_windows=1 << 14,
                         held_out_windows=128)
 

@@ -171,7 +171,9 @@ def run(spec: dict) -> None:
     per_rank = comm.gather((clock.steps, clock.samples, weights_digest(module)), root=0)
     if rank == 0:
         torch.set_num_threads(len(os.sched_getaffinity(0)))  # the other ranks only wait now
+        eval_start = time.perf_counter()
         result = evaluate(module, clock, ttq_task.held_out_batch(held_text, cfg), world)
+        result["eval_seconds"] = time.perf_counter() - eval_start
         result.update(
             arm=spec["arm"], world=world, batch=spec["batch"], run_seconds=spec["run_seconds"], data_digest=digest,
             params=sum(p.numel() for p in module.parameters()), python=sys.version.split()[0],
