@@ -1,5 +1,7 @@
 #!/usr/bin/env python3
-"""Samples/s through ``Trainer.fit`` for each synchronous strategy against Lightning's ``ddp`` (gloo).
+"""Samples/s through ``Trainer.fit`` for each synchronous strategy against Lightning's ``ddp`` (gloo)
+and ``ddp`` with torch's communication hooks (``ddp_fp16``, ``ddp_powersgd1``, ``ddp_powersgd4``;
+see ``benchmarks/ddp_peers.py``).
 
 The model is an MLP of about 17.8M parameters (71 MB of fp32 gradients) with a small per-rank
 batch, so that the exchange matters. For each setting and strategy it reports samples/s, the
@@ -30,8 +32,11 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.ddp_peers import is_ddp_peer  # noqa: E402
 RESULTS = ROOT / "benchmarks" / "results"
-STRATEGIES = ["ddp", "mpi_allreduce", "mpi_asa", "mpi_asa16", "mpi_asa_bf16"]
+STRATEGIES = ["ddp", "ddp_fp16", "ddp_powersgd1", "ddp_powersgd4", "mpi_allreduce", "mpi_asa", "mpi_asa16", "mpi_asa_bf16"]
 
 
 def build_net():
@@ -71,15 +76,12 @@ def fit_net(trainer_kwargs: dict, callback, steps: int, batch: int):
     return trainer
 
 
-def ddp_kwargs() -> dict:
-    """Trainer arguments for Lightning's ddp under mpiexec: it needs the layout by hand."""
-    import socket
+def ddp_kwargs(name: str = "ddp") -> dict:
+    """Trainer arguments for Lightning's ddp (or a comm-hook peer) under mpiexec: it needs the
+    layout by hand."""
+    from benchmarks import ddp_peers
 
-    from mpi4py import MPI
-
-    hosts = MPI.COMM_WORLD.allgather(socket.gethostname())
-    per_host = hosts.count(socket.gethostname())
-    return {"strategy": "ddp", "devices": per_host, "num_nodes": len(hosts) // per_host}
+    return ddp_peers.trainer_kwargs(name)
 
 
 def worker(strategy: str, steps: int, batch: int, out: str) -> None:
@@ -109,8 +111,8 @@ def worker(strategy: str, steps: int, batch: int, out: str) -> None:
             if bound is not None:
                 self.exchange.append(bound.stats().get("exchange_seconds", 0.0))
 
-    if strategy == "ddp":
-        kwargs = ddp_kwargs()
+    if is_ddp_peer(strategy):
+        kwargs = ddp_kwargs(strategy)
     elif strategy == "compute":
         from lightning_mpi.rules.base import BoundRule, Rule
 
@@ -206,7 +208,7 @@ def main() -> int:
             sps = r["world"] * r["batch"] / r["step"]
             base = sps if strategy == "ddp" else base
             alone = None
-            if strategy != "ddp" and r["world"] > 1:
+            if not is_ddp_peer(strategy) and r["world"] > 1:
                 alone = run(setting, f"{strategy}:nooverlap", args.steps, args.batch, args.timeout)["exchange"]
             rows.append((strategy, r, sps, alone))
         lines.append(f"\n{setting} ({rows[0][1]['world']} ranks, {rows[0][1]['params']:,} params; compute alone, no exchange: {1000 * compute:.0f} ms/step)")
@@ -214,7 +216,7 @@ def main() -> int:
         lines.append("|---|---|---|---|---|---|---|---|")
         for strategy, r, sps, alone in rows:
             step_ms, wait_ms = 1000 * r["step"], 1000 * r["exchange"]
-            wait = f"{wait_ms:.0f} ({100 * wait_ms / step_ms:.0f}%)" if strategy != "ddp" else "-"
+            wait = f"{wait_ms:.0f} ({100 * wait_ms / step_ms:.0f}%)" if not is_ddp_peer(strategy) else "-"
             serial = f"{1000 * (compute + alone):.0f}" if alone is not None else "-"
             overlap = ("yes" if r["step"] < compute + alone else "no") if alone is not None else "-"
             ratio = f"{sps / base:.2f}x" if base else "-"

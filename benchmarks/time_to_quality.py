@@ -1,0 +1,257 @@
+#!/usr/bin/env python3
+"""Time to quality: held-out loss against wall-clock time, every exchange rule beside Lightning's ddp peers.
+
+The task (``benchmarks/ttq_task.py``): a byte-level language model over the Python standard
+library's own source (held-out files kept apart), an embedding flattened into a wide MLP of about
+17M parameters: little compute per byte of gradient, so the link sets the pace. AdamW (fused),
+lr 3e-4, batch 16 per rank, the same seed and initial weights for every arm, each rank its own
+shard of the training windows.
+
+Each arm is a fresh ``mpiexec`` with one rank per simulated host (``benchmarks/cluster.py``:
+needs root) and trains through a ``pytorch_lightning`` Trainer for a wall-clock budget T
+(``--budget``), counted from the first training step (``benchmarks/ttq_worker.py``). Arms:
+
+- peers: ``ddp``, ``ddp_fp16`` (which runs ``--peer-factor`` x T, so its loss at 3T and 5T can be
+  read off its curve), ``ddp_powersgd1``, ``ddp_powersgd4`` (``benchmarks/ddp_peers.py``);
+- ours: any registered strategy name (``mpi_asa16``, ``mpi_diloco``, ...; a name this checkout
+  does not have is reported as "not available"); ``name:key=value,...`` overrides its arguments;
+- ``local``: one process without any exchange (run once): the compute ceiling.
+
+An arm that fails is reported with its error; one that outlives its run plus ``--margin`` seconds
+is killed (SIGKILL, the whole job) and reported as "hung", with how far it got. The run goes on.
+
+    python benchmarks/time_to_quality.py                     # 4 settings x 13 arms, ~30 min
+    python benchmarks/time_to_quality.py --settings hosts:2:100mbit --budget 10 --arms ddp local mpi_asa16
+    python benchmarks/time_to_quality.py --smoke             # 2 ranks, shared memory, seconds
+
+Per setting it prints a markdown table (loss in T; time to reach the best loss ddp reaches in T;
+samples/s and steps/s against ``local``; ddp_fp16's loss at 3T and 5T and whether each arm's
+loss in T is as low; peak bytes per exchange where the rule's ``stats()`` reports them; whether
+every rank ends with the same weights) and saves ``benchmarks/results/time_to_quality.json``,
+``.md`` and one PNG per setting (``ttq_report.py``). The curve points before the last are rank 0's
+own weights (a worker's, for local-step and asynchronous rules); the last point is the weights
+``fit`` leaves (the average or center). Figures depend on the machine and its load.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks import ttq_report  # noqa: E402
+from benchmarks.ddp_peers import is_ddp_peer  # noqa: E402
+from benchmarks.ttq_task import TaskConfig  # noqa: E402
+from benchmarks.ttq_worker import parse_arm  # noqa: E402
+
+RESULTS = ROOT / "benchmarks" / "results"
+WORKER = ROOT / "benchmarks" / "ttq_worker.py"
+SETTINGS = ["hosts:2:1gbit", "hosts:2:100mbit", "hosts:4:1gbit", "hosts:4:100mbit"]
+ARMS = ["local", "ddp", "ddp_fp16", "ddp_powersgd1", "ddp_powersgd4", "mpi_asa16", "mpi_asa_int8", "mpi_topk",
+        "mpi_powersgd", "mpi_model_avg", "mpi_diloco", "mpi_streaming_diloco", "mpi_aeasgd"]
+#: the peer that runs peer_factor x T
+LONG_PEER = "ddp_fp16"
+#: seconds an arm takes beyond its run (start-up: imports, data, process group; evaluation of the
+#: snapshots): a base, plus per rank sharing a core (a rank imports torch and Lightning in ~5 CPU s)
+OVERHEAD_BASE, OVERHEAD_PER_RANK_PER_CORE = 10.0, 5.0
+SMOKE_TASK = TaskConfig(hidden=256, train_bytes=1 << 20, held_out_bytes=64 << 10, train_windows=1 << 14,
+                        held_out_windows=128)
+
+
+def available(arm: str) -> bool:
+    """Whether this checkout can run ``arm`` (``local``, a ddp peer or a registered strategy)."""
+    name, _ = parse_arm(arm)
+    if name == "local" or is_ddp_peer(name):
+        return True
+    from lightning_mpi.strategies.registry import STRATEGIES
+
+    return name in STRATEGIES
+
+
+def run_seconds(arm: str, args: argparse.Namespace) -> float:
+    return args.budget * (args.peer_factor if parse_arm(arm)[0] == LONG_PEER else 1)
+
+
+def snapshot_marks(run: float, budget: float, points: int = 10) -> list[float]:
+    """When rank 0 snapshots its weights: ``points`` even steps over the run, plus T and 3T."""
+    marks = {round(run * k / points, 6) for k in range(1, points)} | {budget, 3 * budget}
+    return sorted(m for m in marks if 0 < m < run)
+
+
+def _reason(stderr: str) -> str:
+    """The most telling line of a failed job's output."""
+    lines = [line.strip() for line in stderr.splitlines() if line.strip()]
+    errors = [line for line in lines if "Error" in line or "Exception" in line or "error:" in line]
+    return ((errors or lines or ["no output"])[-1])[:300]
+
+
+def _progress(path: Path) -> str:
+    try:
+        p = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return "rank 0 never reported (before or during start-up)"
+    return f"rank 0 last reported: {p['phase']}, {p['steps']} steps, t={p['t']} s"
+
+
+def run_arm(setting: str, arm: str, args: argparse.Namespace, task: TaskConfig, data: Path, cluster=None) -> dict:
+    """Run one arm in one setting; its result dict with ``status`` ok / failed / hung."""
+    run = run_seconds(arm, args)
+    timeout = run + args.margin
+    with tempfile.TemporaryDirectory(prefix="ttq-") as tmp:
+        tmp = Path(tmp)
+        spec = {"arm": arm, "run_seconds": run, "marks": snapshot_marks(run, args.budget), "batch": args.batch,
+                "task": asdict(task), "data": str(data), "out": str(tmp / "result.json"),
+                "progress": str(tmp / "progress.json")}
+        (tmp / "spec.json").write_text(json.dumps(spec))
+        cmd = [sys.executable, str(WORKER), str(tmp / "spec.json")]
+        env = {"OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "PYTHONPATH": str(ROOT)}
+        start = time.perf_counter()
+        try:
+            if cluster is not None:
+                env["GLOO_SOCKET_IFNAME"] = cluster.iface
+                res = cluster.run_mpi(cmd, env=env, timeout=timeout)
+            else:
+                if setting != "local":
+                    from lightning_mpi.launcher.checks import find_mpiexec
+
+                    env["GLOO_SOCKET_IFNAME"] = "lo"
+                    cmd = [find_mpiexec(), "-n", setting.split(":")[1], *cmd]
+                res = _run_killable(cmd, dict(os.environ, **env), timeout)
+        except subprocess.TimeoutExpired:
+            return {"arm": arm, "status": "hung", "wall_seconds": time.perf_counter() - start,
+                    "reason": f"no result within {timeout:.0f} s (run {run:.0f} s + margin {args.margin:.0f} s); "
+                              f"killed; {_progress(tmp / 'progress.json')}"}
+        wall = time.perf_counter() - start
+        out = tmp / "result.json"
+        if res.returncode != 0 or not out.exists():
+            return {"arm": arm, "status": "failed", "wall_seconds": wall,
+                    "reason": f"exit {res.returncode}: {_reason(res.stderr + res.stdout)}"}
+        return {**json.loads(out.read_text()), "status": "ok", "wall_seconds": wall}
+
+
+def _run_killable(cmd: list[str], env: dict, timeout: float) -> subprocess.CompletedProcess:
+    """Run ``cmd`` in its own process group; on timeout SIGKILL the whole group and re-raise."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except BaseException:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.communicate()
+        raise
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def run_setting(setting: str, arms: list[str], args, task, data) -> dict[str, dict]:
+    """Every arm (but ``local``) in ``setting``; one simulated cluster for all of them."""
+    results = {}
+    todo = [a for a in arms if a != "local"]
+    for arm in todo:
+        if not available(arm):
+            results[arm] = {"arm": arm, "status": "not available", "reason": "not a strategy in this checkout"}
+    runnable = [a for a in todo if a not in results]
+    kind, *rest = setting.split(":")
+    if kind == "hosts" and runnable:
+        from benchmarks.cluster import SimCluster
+
+        with SimCluster(int(rest[0]), rate=rest[1]) as cluster:
+            for arm in runnable:
+                results[arm] = _logged(setting, arm, run_arm(setting, arm, args, task, data, cluster))
+    else:
+        for arm in runnable:
+            results[arm] = _logged(setting, arm, run_arm(setting, arm, args, task, data))
+    return {a: results[a] for a in todo}
+
+
+def _logged(setting: str, arm: str, r: dict) -> dict:
+    if r["status"] == "ok":
+        line = f"loss {r['final_loss']:.3f}, {r['steps']} steps in {r['seconds']:.1f} s"
+    else:
+        line = r["reason"]
+    print(f"[{setting}] {arm}: {r['status']} ({r['wall_seconds']:.0f} s wall): {line}", file=sys.stderr, flush=True)
+    return r
+
+
+def overhead_estimate(ranks: int) -> float:
+    cores = len(os.sched_getaffinity(0))
+    return OVERHEAD_BASE + OVERHEAD_PER_RANK_PER_CORE * max(1.0, ranks / cores)
+
+
+def estimate_seconds(settings: list[str], arms: list[str], args) -> float:
+    """Expected wall time of the whole run (no arm hanging)."""
+    runnable = [a for a in arms if a != "local" and available(a)]
+    total = args.budget + overhead_estimate(1) if "local" in arms else 0.0
+    for setting in settings:
+        ranks = int(setting.split(":")[1])
+        total += sum(run_seconds(a, args) + overhead_estimate(ranks) for a in runnable)
+    return total
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--settings", nargs="+", default=None, help=f"hosts:N:RATE or shm:N (default {' '.join(SETTINGS)})")
+    p.add_argument("--arms", nargs="+", default=None, help="strategy names, ddp peers, local (default: all 13)")
+    p.add_argument("--budget", type=float, default=None, help="wall-clock seconds T per arm (default 15)")
+    p.add_argument("--peer-factor", type=float, default=None, help=f"{LONG_PEER} runs this many T (default 5)")
+    p.add_argument("--batch", type=int, default=16, help="per-rank batch")
+    p.add_argument("--margin", type=float, default=None, help="seconds past its run before an arm counts as hung (default 90)")
+    p.add_argument("--smoke", action="store_true", help="2 ranks on shared memory, a small model, a 3 s budget")
+    p.add_argument("--out", default=None, help="result JSON (default benchmarks/results/time_to_quality[_smoke].json)")
+    args = p.parse_args(argv)
+    smoke = args.smoke
+    defaults = {"settings": ["shm:2"] if smoke else SETTINGS, "arms": ["local", "ddp_fp16", "mpi_asa16"] if smoke else ARMS,
+                "budget": 3.0 if smoke else 15.0, "peer_factor": 2.0 if smoke else 5.0, "margin": 60.0 if smoke else 90.0}
+    for key, value in defaults.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    if args.budget <= 0 or args.peer_factor < 1:
+        p.error(f"--budget={args.budget} must be > 0 and --peer-factor={args.peer_factor} >= 1")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    task = SMOKE_TASK if args.smoke else TaskConfig()
+    tag = "time_to_quality_smoke" if args.smoke else "time_to_quality"
+    out = Path(args.out) if args.out else RESULTS / f"{tag}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    from benchmarks.ttq_task import load_texts
+
+    data = RESULTS / f"ttq_data_{task.train_bytes}_{task.held_out_bytes}_{task.held_out_every}.pt"
+    load_texts(task, data)
+    estimate = estimate_seconds(args.settings, args.arms, args)
+    print(f"# time to quality: {len(args.settings)} settings x {len(args.arms)} arms, T = {args.budget:g} s "
+          f"({LONG_PEER}: {args.peer_factor:g} T); estimated total {estimate / 60:.1f} min "
+          f"(+ up to {args.margin:g} s per hung arm)", file=sys.stderr, flush=True)
+    started = time.perf_counter()
+    local = _logged("local", "local", run_arm("local", "local", args, task, data)) if "local" in args.arms else None
+    settings = {s: run_setting(s, args.arms, args, task, data) for s in args.settings}
+    report = {"created": time.strftime("%Y-%m-%d %H:%M"), "args": vars(args), "task": asdict(task),
+              "total_seconds": time.perf_counter() - started, "estimated_seconds": estimate,
+              "local": local, "settings": settings,
+              "summary": {s: ttq_report.summarize(r, local, args.budget, args.peer_factor) for s, r in settings.items()}}
+    out.write_text(json.dumps(report, indent=1))
+    text = ttq_report.markdown(report)
+    print(text)
+    out.with_suffix(".md").write_text(text + "\n")
+    for setting in settings:
+        ttq_report.plot(report, setting, out.with_name(f"{out.stem}_{setting.replace(':', '_')}.png"))
+    print(f"# total {report['total_seconds'] / 60:.1f} min; results: {out}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
