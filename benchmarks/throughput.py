@@ -128,8 +128,10 @@ def worker(strategy: str, steps: int, batch: int, out: str) -> None:
         exchange = "allreduce" if name == "mpi_allreduce" else "asa"
         wire = {"mpi_asa16": "fp16", "mpi_asa_bf16": "bf16"}.get(name, "fp32")
         kwargs = {"strategy": lightning_mpi.SyncStrategy(exchange=exchange, wire=wire, overlap=False)}
-    else:
-        kwargs = {"strategy": strategy}
+    else:  # a registered name, or name:key=value,... (e.g. mpi_powersgd:rank=4)
+        from benchmarks.ttq_worker import trainer_kwargs
+
+        kwargs = trainer_kwargs(strategy)
     clock = Clock()
     trainer = fit_net(kwargs, clock, steps, batch)
     warm = max(2, steps // 5)
