@@ -3,6 +3,7 @@
     OMP_NUM_THREADS=1 python benchmarks/offload.py                 # CUDA if present, else CPU + disk
     OMP_NUM_THREADS=1 python benchmarks/offload.py --device cpu --side 96 --cap-mb 800
     python benchmarks/offload.py --device cuda --side 128 --cap-mb 4096
+    OMP_NUM_THREADS=1 python benchmarks/offload.py --device cpu --model mlp --repeats 3
 
 Model: the 3D U-Net of ``examples/segmentation3d.py`` (two levels, BatchNorm, in-place ReLU),
 ``--channels`` wide, ``--convs`` convolutions per block, on one ``side^3`` synthetic volume per
@@ -42,7 +43,18 @@ without and with ``LMSOffload``. On CUDA the cap is ``torch.cuda.set_per_process
 the cap; measured after the fact, exactly (``ru_maxrss`` is the kernel's high-water mark), which is
 what a hard RSS limit would enforce, without needing root for a cgroup.
 
-A table goes to stdout; a PNG and a JSON file to ``benchmarks/results/offload_<device>.*``.
+``--model mlp``: a deep MLP (``--depth`` Linear+ReLU layers, ``--width`` wide, ``--batch`` rows,
+default 16 x 256 at 16384), activation-dominated and of low arithmetic intensity: no convolution
+hides the I/O or the page faults. No offload and ``LMSOffload(target="disk")``, each under three
+allocator settings at startup: ``defaults`` (nothing set: what a new user runs),
+``thp`` (``THP_MEM_ALLOC_ENABLE=1``) and ``tuned`` (glibc's threshold and huge pages), all six arms
+interleaved ``--repeats`` times in alternating order, each a fresh process; medians. Peak memory
+is the process's peak RSS (``ru_maxrss``), compared with no offload under glibc's defaults. Per
+step it also reports CPU time (user + system, every thread of the process: the I/O thread too)
+and minor page faults, which on a shared machine say more than wall time does.
+
+A table goes to stdout; a PNG and a JSON file to ``benchmarks/results/offload_<device>.*``
+(``offload_<device>_mlp.json`` for the MLP).
 """
 from __future__ import annotations
 
