@@ -3,6 +3,7 @@
     OMP_NUM_THREADS=1 python benchmarks/offload.py                 # CUDA if present, else CPU + disk
     OMP_NUM_THREADS=1 python benchmarks/offload.py --device cpu --side 96 --cap-mb 800
     python benchmarks/offload.py --device cuda --side 128 --cap-mb 4096
+    OMP_NUM_THREADS=1 python benchmarks/offload.py --device cpu --model mlp --repeats 3
 
 Model: the 3D U-Net of ``examples/segmentation3d.py`` (two levels, BatchNorm, in-place ReLU),
 ``--channels`` wide, ``--convs`` convolutions per block, on one ``side^3`` synthetic volume per
@@ -42,7 +43,18 @@ without and with ``LMSOffload``. On CUDA the cap is ``torch.cuda.set_per_process
 the cap; measured after the fact, exactly (``ru_maxrss`` is the kernel's high-water mark), which is
 what a hard RSS limit would enforce, without needing root for a cgroup.
 
-A table goes to stdout; a PNG and a JSON file to ``benchmarks/results/offload_<device>.*``.
+``--model mlp``: a deep MLP (``--depth`` Linear+ReLU layers, ``--width`` wide, ``--batch`` rows,
+default 16 x 256 at 16384), activation-dominated and of low arithmetic intensity: no convolution
+hides the I/O or the page faults. No offload and ``LMSOffload(target="disk")``, each under three
+allocator settings at startup: ``defaults`` (nothing set: what a new user runs),
+``thp`` (``THP_MEM_ALLOC_ENABLE=1``) and ``tuned`` (glibc's threshold and huge pages), all six arms
+interleaved ``--repeats`` times in alternating order, each a fresh process; medians. Peak memory
+is the process's peak RSS (``ru_maxrss``), compared with no offload under glibc's defaults. Per
+step it also reports CPU time (user + system, every thread of the process: the I/O thread too)
+and minor page faults, which on a shared machine say more than wall time does.
+
+A table goes to stdout; a PNG and a JSON file to ``benchmarks/results/offload_<device>.*``
+(``offload_<device>_mlp.json`` for the MLP).
 """
 from __future__ import annotations
 
@@ -66,7 +78,8 @@ MiB = 2**20
 
 
 # --- one run, in this process -------------------------------------------------------------------
-def run_once(mode: str, device: str, side: int, channels: int, convs: int, steps: int, directory: str | None, cap_mb: float | None) -> dict:
+def run_once(mode: str, device: str, side: int, channels: int, convs: int, steps: int, directory: str | None, cap_mb: float | None,
+             model: str = "unet", depth: int = 16, width: int = 256, batch: int = 16384) -> dict:
     """Train ``steps`` steps in this process and measure; returns a JSON-able dict."""
     import pytorch_lightning as pl
     import torch
@@ -85,11 +98,16 @@ def run_once(mode: str, device: str, side: int, channels: int, convs: int, steps
         torch.cuda.set_per_process_memory_fraction(min(cap_mb * MiB / total, 1.0))
 
     class OneVolume(Dataset):
-        """The same synthetic volume every step (no extra memory for a dataset)."""
+        """The same synthetic sample every step (no extra memory for a dataset): one volume
+        (U-Net) or one batch of feature rows (MLP)."""
 
         def __init__(self) -> None:
-            self.x = torch.randn(1, side, side, side)
-            self.y = (self.x[0] > 0.5).long()
+            if model == "mlp":
+                self.x = torch.randn(batch, width)
+                self.y = torch.randint(0, 10, (batch,))
+            else:
+                self.x = torch.randn(1, side, side, side)
+                self.y = (self.x[0] > 0.5).long()
 
         def __len__(self) -> int:
             return steps
@@ -100,10 +118,18 @@ def run_once(mode: str, device: str, side: int, channels: int, convs: int, steps
     class Module(pl.LightningModule):
         def __init__(self) -> None:
             super().__init__()
-            self.net = UNet3d(channels, convs=convs)
+            if model == "mlp":
+                layers: list = []
+                for _ in range(depth):
+                    layers += [nn.Linear(width, width), nn.ReLU()]
+                self.net = nn.Sequential(*layers, nn.Linear(width, 10))
+            else:
+                self.net = UNet3d(channels, convs=convs)
 
         def training_step(self, batch, batch_idx):
             x, y = batch
+            if model == "mlp":  # the loader adds a batch dimension of 1 around the one batch
+                x, y = x[0], y[0]
             return nn.functional.cross_entropy(self.net(x), y)
 
         def configure_optimizers(self):
@@ -112,6 +138,7 @@ def run_once(mode: str, device: str, side: int, channels: int, convs: int, steps
     class Probe(pl.Callback):
         def __init__(self) -> None:
             self.times: list[float] = []
+            self.cpu: list[tuple[float, float, int]] = []  # user s, system s, minor page faults
 
         def on_train_start(self, trainer, pl_module):
             self.base_rss = _current_rss()
@@ -123,12 +150,14 @@ def run_once(mode: str, device: str, side: int, channels: int, convs: int, steps
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
             if device == "cuda":
                 torch.cuda.synchronize()
-            self.t0 = time.perf_counter()
+            self.t0, self.ru0 = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF)
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             if device == "cuda":
                 torch.cuda.synchronize()
             self.times.append(time.perf_counter() - self.t0)
+            ru = resource.getrusage(resource.RUSAGE_SELF)  # every thread of the process, I/O included
+            self.cpu.append((ru.ru_utime - self.ru0.ru_utime, ru.ru_stime - self.ru0.ru_stime, ru.ru_minflt - self.ru0.ru_minflt))
 
     class SaveOnCpu(pl.Callback):
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
@@ -151,13 +180,17 @@ def run_once(mode: str, device: str, side: int, channels: int, convs: int, steps
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         limit_val_batches=0, num_sanity_val_steps=0,
     )
-    result = {"mode": mode, "device": device, "side": side, "channels": channels, "convs": convs, "ok": True}
+    result = {"mode": mode, "device": device, "model": model, "side": side, "channels": channels, "convs": convs, "ok": True}
     try:
         trainer.fit(Module(), DataLoader(OneVolume(), batch_size=1))
     except torch.OutOfMemoryError as error:  # the GPU cap
         result.update(ok=False, error=str(error).splitlines()[0])
         return result
     result["step_s"] = statistics.median(probe.times[1:] or probe.times)
+    cpu = probe.cpu[1:] or probe.cpu
+    result["user_s"] = statistics.median(c[0] for c in cpu)
+    result["sys_s"] = statistics.median(c[1] for c in cpu)
+    result["minflt"] = statistics.median(c[2] for c in cpu)
     result["peak_rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     result["base_rss"] = probe.base_rss
     if device == "cuda":
@@ -177,19 +210,33 @@ def _current_rss() -> int:
 
 
 # --- the driver: one fresh process per run ------------------------------------------------------
+# Allocator settings a run starts with (CPU): what the comparison holds fixed.
+ALLOCATORS = {
+    # glibc's mmap threshold (what LMSOffload sets for itself) and huge pages for glibc's mmaps
+    "tuned": {"GLIBC_TUNABLES": "glibc.malloc.mmap_threshold=1048576:glibc.malloc.hugetlb=1"},
+    # what a new user gets: nothing set (LMSOffload still sets its mmap threshold)
+    "defaults": {},
+    # torch's own switch: CPU tensors of 2 MiB and more on transparent huge pages
+    "thp": {"THP_MEM_ALLOC_ENABLE": "1"},
+}
+
+
 def run_in_subprocess(mode: str, args: argparse.Namespace, side: int, steps: int, cap_mb: float | None = None,
-                      glibc_defaults: bool = False) -> dict:
+                      glibc_defaults: bool = False, allocator: str | None = None) -> dict:
     cmd = [sys.executable, __file__, "--worker", mode, "--device", args.device, "--side", str(side),
-           "--channels", str(args.channels), "--convs", str(args.convs), "--steps", str(steps)]
+           "--channels", str(args.channels), "--convs", str(args.convs), "--steps", str(steps),
+           "--model", args.model, "--depth", str(args.depth), "--width", str(args.width), "--batch", str(args.batch)]
     if args.directory:
         cmd += ["--directory", args.directory]
     if cap_mb is not None:
         cmd += ["--cap-mb", str(cap_mb)]
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), PYTHONWARNINGS="ignore")
-    env.pop("MALLOC_MMAP_THRESHOLD_", None)
-    env.pop("GLIBC_TUNABLES", None)
-    if args.device == "cpu" and not glibc_defaults:
-        env["GLIBC_TUNABLES"] = "glibc.malloc.mmap_threshold=1048576:glibc.malloc.hugetlb=1"
+    for name in ("MALLOC_MMAP_THRESHOLD_", "GLIBC_TUNABLES", "THP_MEM_ALLOC_ENABLE"):
+        env.pop(name, None)
+    if allocator is None:
+        allocator = "defaults" if glibc_defaults else "tuned"
+    if args.device == "cpu":
+        env.update(ALLOCATORS[allocator])
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.timeout)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     if proc.returncode != 0 or not lines:
@@ -198,6 +245,7 @@ def run_in_subprocess(mode: str, args: argparse.Namespace, side: int, steps: int
     result = json.loads(lines[-1])
     if glibc_defaults:
         result["mode"] += " (glibc defaults)"
+    result["allocator"] = allocator
     return result
 
 
@@ -221,7 +269,7 @@ def _median_row(results: list[dict]) -> dict:
     if not ok:
         return results[0]
     row = dict(ok[0], runs=results)
-    for key in ("step_s", "peak_rss", "peak_alloc", "hidden_ms", "exposed_ms"):
+    for key in ("step_s", "peak_rss", "peak_alloc", "hidden_ms", "exposed_ms", "user_s", "sys_s", "minflt"):
         if key in row:
             row[key] = statistics.median(r[key] for r in ok)
     return row
@@ -303,6 +351,12 @@ def main() -> None:
     parser.add_argument("--side-step", type=int, default=None, help="search granularity (default 8 on CPU, 16 on CUDA)")
     parser.add_argument("--no-search", action="store_true", help="skip the largest-input search")
     parser.add_argument("--timeout", type=float, default=900, help="seconds per run")
+    parser.add_argument("--model", choices=["unet", "mlp"], default="unet",
+                        help="unet: the 3D U-Net; mlp: a deep MLP (--depth Linear+ReLU layers, --width wide, "
+                             "--batch rows), activation-dominated and of low arithmetic intensity: nothing hides the I/O")
+    parser.add_argument("--depth", type=int, default=16, help="MLP layers")
+    parser.add_argument("--width", type=int, default=256, help="MLP width")
+    parser.add_argument("--batch", type=int, default=16384, help="MLP batch size")
     parser.add_argument("--worker", choices=MODES, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.device is None:
@@ -316,7 +370,8 @@ def main() -> None:
     args.side_step = args.side_step or (16 if gpu else 8)
 
     if args.worker is not None:
-        print(json.dumps(run_once(args.worker, args.device, args.side, args.channels, args.convs, args.steps, args.directory, args.cap_mb)))
+        print(json.dumps(run_once(args.worker, args.device, args.side, args.channels, args.convs, args.steps, args.directory,
+                                  args.cap_mb, args.model, args.depth, args.width, args.batch)))
         return
 
     args.cap_mb = args.cap_mb or (8192.0 if gpu else 768.0)
@@ -324,7 +379,10 @@ def main() -> None:
     if own_directory:
         args.directory = tempfile.mkdtemp(prefix="lms-bench-")
     try:
-        _benchmark(args, gpu)
+        if args.model == "mlp":
+            _benchmark_mlp(args)
+        else:
+            _benchmark(args, gpu)
     finally:
         if own_directory:
             shutil.rmtree(args.directory, ignore_errors=True)
@@ -363,6 +421,51 @@ def _benchmark(args: argparse.Namespace, gpu: bool) -> None:
     stem.with_suffix(".json").write_text(json.dumps({"args": vars(args), "rows": rows, "search": search}, indent=2))
     plot(rows, search, args, stem.with_suffix(".png"))
     print(f"\nwrote {stem.with_suffix('.json')} and {stem.with_suffix('.png')}")
+
+
+def _benchmark_mlp(args: argparse.Namespace) -> None:
+    """No offload against LMSOffload on the MLP, under each allocator setting, every arm a fresh
+    process, the arms interleaved (alternating order) ``--repeats`` times; medians."""
+    arms = [(mode, alloc) for alloc in ("defaults", "thp", "tuned") for mode in ("none", "LMSOffload")]
+    print(f"device={args.device} model=mlp depth={args.depth} width={args.width} batch={args.batch} steps={args.steps} "
+          f"repeats={args.repeats} directory={args.directory} OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}", flush=True)
+    runs: dict[tuple[str, str], list[dict]] = {arm: [] for arm in arms}
+    for repeat in range(args.repeats):
+        for mode, alloc in arms if repeat % 2 == 0 else arms[::-1]:
+            runs[(mode, alloc)].append(run_in_subprocess(mode, args, args.side, args.steps, allocator=alloc))
+            print(f"  {mode} ({alloc}, run {repeat + 1}/{args.repeats}): done", flush=True)
+    rows = [_median_row(runs[arm]) for arm in arms]
+    print()
+    print(mlp_table(rows, arms))
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / f"offload_{args.device}_mlp.json"
+    path.write_text(json.dumps({"args": vars(args), "rows": rows}, indent=2))
+    print(f"\nwrote {path}")
+
+
+def mlp_table(rows: list[dict], arms: list[tuple[str, str]]) -> str:
+    """Peak RSS and step time against no offload under glibc's defaults (what a user without
+    settings compares with) and against no offload under the same allocator settings."""
+    by_arm = dict(zip(arms, rows))
+    ref = by_arm[("none", "defaults")]
+    lines = [
+        "| run | allocator | peak RSS (MiB) | vs none (defaults) | above start (MiB) | step (s) | vs none (defaults) "
+        "| vs none (same allocator) | CPU user + sys (s) | minor faults | copy hidden / exposed (ms) |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for (mode, alloc), r in by_arm.items():
+        if "step_s" not in r:
+            lines.append(f"| {mode} | {alloc} | failed: {r.get('error')} | | | | | | | | |")
+            continue
+        same = by_arm[("none", alloc)]
+        copy = f"{r['hidden_ms']:.0f} / {r['exposed_ms']:.0f}" if "hidden_ms" in r else ""
+        same_ratio = f"{r['step_s'] / same['step_s']:.2f}x" if "step_s" in same else ""
+        lines.append(
+            f"| {mode} | {alloc} | {r['peak_rss'] / MiB:.0f} | {r['peak_rss'] / ref['peak_rss']:.2f}x "
+            f"| {(r['peak_rss'] - r['base_rss']) / MiB:.0f} | {r['step_s']:.2f} | {r['step_s'] / ref['step_s']:.2f}x "
+            f"| {same_ratio} | {r['user_s']:.2f} + {r['sys_s']:.2f} | {r['minflt']:.0f} | {copy} |"
+        )
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -93,9 +93,16 @@ class DiskTier:
         if isinstance(result, torch.Tensor):
             return result
         dev, end = result
-        if not SideStreams.hand_over(dev, end):
+        if not self._streams.hand_over(dev, end):
             self._times.flag_exposed(end)
         return from_bytes(dev, ticket.layout)
+
+    def used_marker(self, ticket: Ticket):
+        """See :meth:`lightning_mpi.offload.tiers.CudaHostTier.used_marker`; ``None`` for a CPU
+        tensor (the host is the device: used once backward has moved on)."""
+        if ticket.layout.device.type != "cuda":
+            return None
+        return self._streams.consumed(ticket.layout.device)
 
     def discard(self, ticket: Ticket) -> None:
         ticket.done = True  # a read not started yet sees this and does nothing
@@ -218,6 +225,8 @@ class _Read:
         staging = self.tier._staging_pool().acquire(layout.nbytes)  # no stream: the host writes it
         _pread_all(self.fd, staging[: layout.nbytes].numpy(), ticket.offset)
         self.tier._add(copy=time.perf_counter() - t0)
+        # Allocated on this thread's current stream of the device: the default stream, which is
+        # the compute stream unless the model runs under a stream of its own.
         dev, start, end = self.tier._streams.h2d(staging[: layout.nbytes], layout.device)
         self.tier._times.add(start, end)
         self.tier.pool.release(staging, after=end, stream=self.tier._streams.side(layout.device))

@@ -6,8 +6,18 @@ offloader keeps its buffers here instead: a buffer that comes back is reused by 
 a similar size. A training step saves the same tensors every time, so after the first step the
 pool stops growing (``reserved_bytes`` stays flat); tests check exactly that.
 
-Buffers are 1-D ``uint8`` tensors. Sizes are rounded up to a size class (at most 12.5% waste) so
-that a buffer can serve any tensor in its class.
+Buffers are 1-D ``uint8`` tensors, rounded up to a size class so that a buffer can serve any
+tensor in its class. Pageable buffers: 8 classes per power of two (at most 12.5% waste). Pinned
+buffers: powers of two, because that is what they cost: torch's pinned (host caching) allocator
+rounds every block up to a power of two, so a finer class would only hide the waste from
+``reserved_bytes``; with power-of-two classes ``reserved_bytes`` is the pinned memory the pool
+holds, and the waste is up to 2x (a 17 MiB activation holds a 32 MiB pinned block). One pinned
+slab carved into size classes would remove that waste; it is not done yet.
+
+:meth:`HostBufferPool.clear` drops the pool's buffers *and* asks torch to hand its cached pinned
+blocks back to the driver (``torch._C._host_emptyCache``): dropping a pinned tensor alone returns
+it to torch's cache, not to the OS. That call frees every unused cached pinned block of the
+process, not only the pool's.
 """
 from __future__ import annotations
 
@@ -20,10 +30,13 @@ import torch
 _MIN_CLASS = 4096
 
 
-def size_class(nbytes: int) -> int:
-    """Round ``nbytes`` up to its size class: 4 KiB minimum, then 8 classes per power of two."""
+def size_class(nbytes: int, pinned: bool = False) -> int:
+    """Round ``nbytes`` up to its size class: 4 KiB minimum, then 8 classes per power of two, or
+    (``pinned``) the next power of two, as torch's pinned allocator rounds it."""
     if nbytes <= _MIN_CLASS:
         return _MIN_CLASS
+    if pinned:
+        return 1 << (nbytes - 1).bit_length()
     # step = 1/8 of the power of two at or below nbytes -> waste < 12.5%
     step = 1 << max(nbytes.bit_length() - 4, 0)
     return -(-nbytes // step) * step
@@ -37,6 +50,14 @@ class PoolStats:
     num_buffers: int  # buffers held by the pool, free or lent out
     in_use_bytes: int  # bytes lent out right now (including releases waiting on an event)
     allocations: int  # buffers ever allocated (each one a cudaHostAlloc when pinned)
+
+
+def return_cached_pinned_memory() -> None:
+    """Hand torch's cached, unused pinned blocks back to the driver (``cudaFreeHost``), where
+    CUDA is initialised and torch has the call; else nothing."""
+    empty = getattr(torch._C, "_host_emptyCache", None)
+    if empty is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
+        empty()
 
 
 class HostBufferPool:
@@ -67,7 +88,7 @@ class HostBufferPool:
     def acquire(self, nbytes: int, stream: object | None = None) -> torch.Tensor:
         """Lend a buffer of at least ``nbytes`` bytes (its length is the size class). Pass the
         CUDA ``stream`` that will write into it to allow reuse ordered by that stream."""
-        cls = size_class(nbytes)
+        cls = size_class(nbytes, self.pin_memory)
         with self._lock:
             self._reclaim_locked()
             free = self._free.get(cls)
@@ -99,8 +120,9 @@ class HostBufferPool:
             return PoolStats(self._reserved, self._count, self._in_use, self._allocations)
 
     def clear(self) -> None:
-        """Free every buffer that is not lent out. Buffers whose release waits on an event are
-        waited for first: freeing host memory under a running copy would corrupt it."""
+        """Free every buffer that is not lent out, and (pinned) return torch's cached pinned
+        blocks to the driver. Buffers whose release waits on an event are waited for first:
+        freeing host memory under a running copy would corrupt it."""
         with self._lock:
             for event, _, buf in self._deferred:
                 event.synchronize()
@@ -110,6 +132,8 @@ class HostBufferPool:
                 self._reserved -= cls * len(bufs)
                 self._count -= len(bufs)
             self._free.clear()
+        if self.pin_memory:
+            return_cached_pinned_memory()
 
     def _reclaim_locked(self) -> None:
         # Releases can wait on events of different streams (one side stream per device), so

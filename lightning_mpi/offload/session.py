@@ -21,7 +21,11 @@ Policy, in the order it is applied to each saved tensor:
    They wait in a sliding window; a candidate that leaves the window is swapped out.
 4. Backward unpacks in (roughly) reverse order of saving, so when it starts the session prefetches
    from the end of the list, keeping ``prefetch`` tensors in flight ahead of use. A prefetched
-   tensor that backward goes past without unpacking (an unused branch) leaves the window.
+   tensor that backward goes past without unpacking (an unused branch) leaves the window. A
+   tensor handed to backward stays in the window until the *device* has run the work that uses
+   it (the tier's ``used_marker``, an event recorded on the compute stream at the next unpack,
+   when that work has been queued): autograd's thread runs ahead of the GPU, and counting
+   tensors as used when the host hands them over would let restores pile up on the device.
 
 A tensor that was modified in place after it was saved cannot be restored; plain autograd raises
 for that ("modified by an inplace operation"), and so does the session, at unpack.
@@ -40,6 +44,7 @@ from lightning_mpi.offload.tensors import is_dense, layout_of
 from lightning_mpi.offload.tiers import Ticket
 
 _CAST = "ToCopyBackward0"
+_UNMARKED = object()  # a taken ticket whose consumer has not been queued yet
 _LEAF = "AccumulateGrad"
 
 
@@ -128,6 +133,9 @@ class OffloadSession:
             self._tickets: list[Ticket] = []  # every ticket of the step, for cleanup
             self._cursor = -1  # next ticket to prefetch, walking down _order
             self._ahead: list[Ticket] = []  # the prefetch window: fetched ahead of backward
+            # taken tickets whose use the device may not have run yet: [ticket, marker]; marker
+            # _UNMARKED until the next unpack records it (then the consumer has been queued)
+            self._unused: deque[list] = deque()
             self._backward = False
             self._saved_now = 0
             self.excluded_depth = 0
@@ -179,6 +187,8 @@ class OffloadSession:
             return handle.restored
         if handle.tensor is not None:  # stayed resident (the keep_last window)
             self.begin_backward()
+            with self._lock:
+                self._mark_used()
             self._check_version(handle)
             return handle.tensor
         with self._lock:
@@ -190,9 +200,11 @@ class OffloadSession:
                 )
             self._drain_orphans()
             self.begin_backward()
+            self._mark_used()
             if ticket.prefetched:
                 self._leave_window(ticket)
             tensor = self.tier.take(ticket)
+            self._unused.append([ticket, _UNMARKED])
             self._saved_now -= ticket.layout.nbytes
             self._check_version(handle)  # after take: the copy has finished and reported
             handle.restored = tensor
@@ -249,8 +261,24 @@ class OffloadSession:
         self._saved_now += nbytes
         self._stats.peak_saved_bytes = max(self._stats.peak_saved_bytes, self._saved_now)
 
+    def _mark_used(self) -> None:
+        """Backward has queued the work that uses every tensor taken so far: record the tier's
+        marker for each one still unmarked."""
+        marker_of = getattr(self.tier, "used_marker", None)
+        for entry in self._unused:
+            if entry[1] is _UNMARKED:
+                entry[1] = marker_of(entry[0]) if marker_of is not None else None
+
+    def _in_use_on_device(self) -> int:
+        """Taken tensors the device may still be using (the one being used now not counted)."""
+        while self._unused and self._unused[0][1] is not _UNMARKED and (
+            self._unused[0][1] is None or self._unused[0][1].query()
+        ):
+            self._unused.popleft()  # markers complete in stream order: the oldest first
+        return sum(1 for _, marker in self._unused if marker is not _UNMARKED)
+
     def _prefetch_more(self) -> None:
-        while len(self._ahead) < self.prefetch and self._cursor >= 0:
+        while len(self._ahead) + self._in_use_on_device() < self.prefetch and self._cursor >= 0:
             ticket = self._order[self._cursor]
             self._cursor -= 1
             if ticket.done or ticket.prefetched:
@@ -304,6 +332,7 @@ class OffloadSession:
         self._backward = False
         self._order = []
         self._cursor = -1
+        self._unused.clear()
 
     def _check_version(self, handle: _Handle) -> None:
         # handle.tensor (resident) is a detached alias: it shares the version counter.
@@ -328,6 +357,7 @@ class OffloadSession:
                     self.tier.discard(ticket)
             self._tickets, self._order, self._seen, self._ahead = [], [], {}, []
             self._window.clear()
+            self._unused.clear()
             stats = self._stats
         tier_stats = end()
         stats.copy_ms = tier_stats.copy_s * 1000.0

@@ -3,12 +3,17 @@
 A tier moves bytes and nothing else; which tensors to move and when is decided by
 :class:`lightning_mpi.offload.session.OffloadSession`. Every tier has the same four verbs:
 
-* ``swap_out(tensor)`` starts copying a tensor out and returns a :class:`Ticket`. It may block
-  while more than ``max_inflight`` copies are in flight (back-pressure); that wait is *exposed*
-  time.
+* ``swap_out(tensor)`` starts copying a tensor out and returns a :class:`Ticket`. With more than
+  ``max_inflight`` copies in flight it applies back-pressure: the CUDA tier makes the compute
+  stream wait for the oldest copy (the host never blocks); the disk tier's host waits for the
+  oldest write (exposed time).
 * ``fetch(ticket)`` starts bringing it back (a prefetch); idempotent.
 * ``take(ticket)`` returns the tensor, waiting for the copy if it is not back yet (exposed time).
 * ``discard(ticket)`` forgets a tensor nobody will unpack.
+* ``used_marker(ticket)``, called once backward has queued the work that uses a taken tensor:
+  an object whose ``query()`` says the device has run that work, or ``None`` when it has (CPU).
+  The session counts a restored tensor in its prefetch window until then, so that prefetching is
+  paced by the device's progress, not by the host's (which runs ahead).
 
 ``end_step()`` waits for every copy, frees the step's files and returns the step's
 :class:`TierStats`; ``abort()`` does the same without waiting for work that has not started.
@@ -17,7 +22,6 @@ The CUDA stream rules both tiers follow are in :mod:`lightning_mpi.offload.strea
 """
 from __future__ import annotations
 
-import time
 from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -61,10 +65,10 @@ class Ticket:
 class CudaHostTier:
     """CUDA tensors -> pinned host buffers from a reusable :class:`HostBufferPool`."""
 
-    def __init__(self, pool: HostBufferPool, max_inflight: int) -> None:
+    def __init__(self, pool: HostBufferPool, max_inflight: int, cuda=None) -> None:
         self.pool = pool
         self.max_inflight = max_inflight
-        self._streams = SideStreams()
+        self._streams = SideStreams(cuda)
         self._times = CopyTimes()
         self._inflight: deque[torch.cuda.Event] = deque()
         self._stats = TierStats()
@@ -80,7 +84,7 @@ class CudaHostTier:
         ticket.extra["written"] = end
         ticket.extra["stream"] = side
         self._inflight.append(end)
-        self._bound_inflight()
+        self._bound_inflight(tensor.device)
         return ticket
 
     def fetch(self, ticket: Ticket) -> None:
@@ -104,6 +108,11 @@ class CudaHostTier:
             self._times.flag_exposed(end)
         return from_bytes(dev, ticket.layout)
 
+    def used_marker(self, ticket: Ticket):
+        """An event on the compute stream, recorded now: done once the device has run every
+        kernel queued so far, the consumer of ``ticket``'s restored tensor included."""
+        return self._streams.consumed(ticket.layout.device)
+
     def discard(self, ticket: Ticket) -> None:
         ticket.done = True
         if ticket.buf is not None:
@@ -122,11 +131,13 @@ class CudaHostTier:
     def close(self) -> None:
         self.pool.clear()
 
-    def _bound_inflight(self) -> None:
+    def _bound_inflight(self, device: torch.device) -> None:
+        """Back-pressure without blocking the host: past ``max_inflight`` copies, the compute
+        stream waits for the oldest one. Its source stays alive meanwhile (``record_stream``:
+        the caching allocator reuses the block only once the copy has read it); the wait keeps
+        the device from running further ahead of its copies. Its cost shows up in step time,
+        not in ``exposed_s`` (measuring it would need a host wait)."""
         while self._inflight and self._inflight[0].query():
             self._inflight.popleft()
-        if len(self._inflight) > self.max_inflight:
-            t0 = time.perf_counter()
-            while len(self._inflight) > self.max_inflight:
-                self._inflight.popleft().synchronize()
-            self._stats.exposed_s += time.perf_counter() - t0
+        while len(self._inflight) > self.max_inflight:
+            self._streams.gate(device, self._inflight.popleft())

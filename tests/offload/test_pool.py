@@ -58,3 +58,29 @@ def test_size_classes_waste_at_most_an_eighth():
     for n in [1, 4095, 4097, 10**5, 3 * 2**20 + 1, 2**30 - 3]:
         cls = size_class(n)
         assert n <= cls and (cls <= 4096 or cls - n < cls / 8)
+
+
+@pytest.mark.timeout(30)
+def test_pinned_size_classes_are_what_torch_reserves():
+    # torch's pinned allocator rounds each block up to a power of two: the pool's classes match
+    for n in [1, 4097, 10**5, 3 * 2**20 + 1, 17 * 2**20]:
+        cls = size_class(n, pinned=True)
+        assert n <= cls < 2 * max(n, 4096) and cls & (cls - 1) == 0
+    assert size_class(17 * 2**20, pinned=True) == 32 * 2**20
+
+
+@pytest.mark.timeout(30)
+def test_clear_returns_pinned_memory_to_the_driver(monkeypatch):
+    import lightning_mpi.offload.pool as pool_module
+
+    calls = []
+    monkeypatch.setattr(pool_module, "return_cached_pinned_memory", lambda: calls.append(1))
+    pageable = HostBufferPool(pin_memory=False)
+    pageable.release(pageable.acquire(5000))
+    pageable.clear()
+    assert calls == []
+    pinned = HostBufferPool(pin_memory=False)
+    pinned.release(pinned.acquire(5000))
+    pinned.pin_memory = True  # clear() of a pinned pool, without allocating pinned memory here
+    pinned.clear()
+    assert calls == [1] and pinned.stats().reserved_bytes == 0

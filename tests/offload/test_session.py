@@ -200,3 +200,81 @@ def test_tensors_saved_during_cuda_graph_capture_stay_resident(tmp_path, tiers, 
     assert tier.out == []
     stats = session.finish()
     assert stats.captured_tensors == 2 and stats.offloaded_tensors == 0
+
+
+class _Marker:
+    """Stands in for a compute-stream event: done when the test says the device got there."""
+
+    def __init__(self):
+        self.done = False
+
+    def query(self):
+        return self.done
+
+
+class _DeviceTier:
+    """A tier that keeps tensors in memory and hands out device-use markers the test completes."""
+
+    def __init__(self):
+        self.fetched: list[int] = []
+        self.markers: list[_Marker] = []
+
+    def swap_out(self, tensor, layout, version):
+        from lightning_mpi.offload.tiers import Ticket
+
+        ticket = Ticket(layout, version)
+        ticket.buf = tensor
+        return ticket
+
+    def fetch(self, ticket):
+        if ticket.order not in self.fetched:
+            self.fetched.append(ticket.order)
+
+    def take(self, ticket):
+        self.fetch(ticket)
+        ticket.done = True
+        return ticket.buf
+
+    def used_marker(self, ticket):
+        self.markers.append(_Marker())
+        return self.markers[-1]
+
+    def discard(self, ticket):
+        ticket.done = True
+
+    def end_step(self):
+        from lightning_mpi.offload.tiers import TierStats
+
+        return TierStats()
+
+
+@pytest.mark.timeout(30)
+def test_prefetch_is_paced_by_the_device_not_by_the_host():
+    """Restored tensors count in the prefetch window until the device has used them: while the
+    device lags, the host fetches nothing more; once it catches up, prefetching resumes."""
+    tier = _DeviceTier()
+    session = OffloadSession(tier, lambda t: True, min_bytes=1, keep_last=0, prefetch=2)
+    session.start(set())
+    packed = []
+
+    def pack(t):
+        packed.append(session.pack(t))
+        return packed[-1]
+
+    x = torch.randn(64, requires_grad=True)
+    with saved_tensors_hooks(pack, session.unpack):
+        h = x
+        for _ in range(8):
+            h = h.exp()  # saves its result: one offloaded tensor per layer, orders 0..7
+    session.begin_backward()
+    assert tier.fetched == [7, 6]
+    for order in (7, 6, 5):  # backward walks on; the device runs none of it yet
+        session.unpack(packed[order])
+    # 7 taken: 5 fetched (the consumer of 7 is the one running now). 6 and 5 taken: the window
+    # holds 7 and 6, whose consumers the device has not run: no prefetch.
+    assert tier.fetched == [7, 6, 5]
+    for marker in tier.markers:
+        marker.done = True  # the device has run the consumers of 7 and 6
+    session.unpack(packed[4])
+    assert tier.fetched == [7, 6, 5, 4, 3]  # the window refills
+    session.finish()
