@@ -17,6 +17,7 @@ from torch.utils.checkpoint import checkpoint
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_mpi.offload import LMSOffload
+from tests.quiet_trainer import QUIET_NO_VAL
 
 torch.set_num_threads(1)
 CUDA = torch.cuda.is_available()
@@ -109,17 +110,6 @@ class StatsRecorder(pl.Callback):
         self.steps.append(entry)
 
 
-#: A Trainer that trains and nothing else: no logger, checkpoints, progress bar, summary or validation.
-QUIET_TRAINER = dict(
-    logger=False,
-    enable_checkpointing=False,
-    enable_progress_bar=False,
-    enable_model_summary=False,
-    limit_val_batches=0,
-    num_sanity_val_steps=0,
-)
-
-
 def fit_unet(callbacks=(), steps=STEPS, precision="32-true", accumulate=1, expect_error=None, **module_kwargs):
     """Fit a TinyUNet3d on the CPU; returns ``(model, trainer)``. With ``expect_error``, fit must
     raise a RuntimeError matching it."""
@@ -132,7 +122,7 @@ def fit_unet(callbacks=(), steps=STEPS, precision="32-true", accumulate=1, expec
         precision=precision,
         accumulate_grad_batches=accumulate,
         callbacks=list(callbacks),
-        **QUIET_TRAINER,
+        **QUIET_NO_VAL,
     )
     if expect_error is None:
         trainer.fit(model, volume_loader())
@@ -188,7 +178,7 @@ def fit_unet_cuda(callbacks=(), precision="32-true", steps=STEPS):
         max_steps=steps,
         precision=precision,
         callbacks=list(callbacks),
-        **QUIET_TRAINER,
+        **QUIET_NO_VAL,
         deterministic=True,
     )
     trainer.fit(model, volume_loader())

@@ -29,14 +29,14 @@ def test_with_mpi_asa_on_two_ranks(tmp_path):
     from mpi4py import MPI
     from lightning_mpi.offload import LMSOffload
     from tests.offload.helpers import TinyUNet3d, volume_loader, SEED
+    from tests.quiet_trainer import QUIET_NO_VAL
 
     torch.set_num_threads(1)
     def run(callbacks):
         pl.seed_everything(SEED, verbose=False)
         model = TinyUNet3d()
         trainer = pl.Trainer(strategy="mpi_asa", accelerator="cpu", max_steps=3, callbacks=callbacks,
-                             logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                             enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0)
+                             **QUIET_NO_VAL)
         trainer.fit(model, volume_loader())
         # Parameters: BatchNorm running stats are per-rank (each rank normalises its own shard).
         blob = b"".join(p.detach().cpu().numpy().tobytes() for p in model.parameters())
