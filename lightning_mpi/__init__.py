@@ -46,6 +46,7 @@ _MODULES = {
     "DynSGDRule": "lightning_mpi.rules.server",
     "AEASGDRule": "lightning_mpi.rules.server",
     "EAMSGDRule": "lightning_mpi.rules.server",
+    "RankFailedError": "lightning_mpi.comm.errors",
 }
 
 __all__ = sorted([*_PYTORCH_LIGHTNING_CLASSES, *_MODULES, "STRATEGIES", "register_strategies"])

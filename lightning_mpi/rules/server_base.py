@@ -112,12 +112,15 @@ class BoundServerRule(BoundLocalStepRule):
 
     # -- lifecycle ---------------------------------------------------------------------------------
     def on_train_start(self) -> None:
-        comm = self.transport.comm
+        comm, resources = self.transport.comm, self.transport.resources
+        # Windows are made by blocking collectives: every rank must be here (and none failed) first.
+        self.transport.barrier(agree=True)
         if self.transport.size > 1:
-            self.progress = ProgressThread.probing(comm, self.rule.progress_interval, f"{self.rule.name} (a parameter-server rule)")
-        self.center = ShardedVector(comm, self.ref.numel(), self.ref.dtype)
-        self.clock = Counters(comm, 1)
-        self.board = DecisionBoard(comm)
+            self.progress = ProgressThread.probing(comm, self.rule.progress_interval, f"{self.rule.name} (a parameter-server rule)",
+                                                   resources=resources, on_error=self.transport.report_thread_failure)
+        self.center = ShardedVector(comm, self.ref.numel(), self.ref.dtype, resources=resources)
+        self.clock = Counters(comm, 1, resources=resources)
+        self.board = DecisionBoard(comm, resources=resources)
         initial = self.flat.pull().clone()
         clock0 = 0
         if self._pending is not None:
@@ -205,12 +208,13 @@ class BoundServerRule(BoundLocalStepRule):
         self.ref.copy_(self.scratch)
 
     def close(self) -> None:
-        if self.training:
-            # fit did not reach on_train_end (an exception on this rank): freeing a window is
-            # collective and the other ranks may never join, so leave it to process exit
-            # rather than hang; stop the thread so the interpreter can exit.
-            self.training = False
+        if self.training and not self.transport.abandoned:
+            # fit did not reach on_train_end, yet the run was not abandoned (a frontend that
+            # closes without a failure handler): freeing a window is collective and the other
+            # ranks may never join, so leave it to process exit rather than hang.
             self.center = self.clock = self.board = None
+        # After a failed run the frees below are no-ops: the next run reclaims the windows.
+        self.training = False
         for attr in ("board", "clock", "center"):
             obj = getattr(self, attr)
             if obj is not None:
