@@ -86,7 +86,7 @@ class ErrorChannel:
         self.size: int = self.comm.Get_size()
         self.linger_seconds = linger_seconds
         self.generation = 0
-        self._lock = threading.Lock()  # a progress thread may post while the main thread checks
+        self._lock = threading.RLock()  # a progress thread may post while the main thread checks
         self._sends: list[tuple[Any, bytes]] = []  # (request, payload) until the send completes
         self._failure: RankFailedError | None = None  # this generation's failure, once known
         self._thread_error: BaseException | None = None  # a background thread's, for the main thread
