@@ -25,6 +25,16 @@ if TYPE_CHECKING:
     from lightning_mpi.comm.transport import Transport
 
 
+#: communicators and windows made through a :class:`RunResources` and not yet freed, process-wide
+_LIVE = {"comms": 0, "windows": 0}
+
+
+def live_handles() -> dict[str, int]:
+    """How many communicators and windows lightning_mpi made for its runs are still alive (tracked
+    ones: every run's, abandoned ones included), for leak checks."""
+    return dict(_LIVE)
+
+
 class RunResources:
     """Every communicator, window and mailbox one run created, in creation order.
 
@@ -43,12 +53,14 @@ class RunResources:
         """Track ``comm`` (made for this run); returns it."""
         with self._lock:
             self.comms.append(comm)
+            _LIVE["comms"] += 1
         return comm
 
     def window(self, win: Any) -> Any:
         """Track ``win`` (made for this run); returns it."""
         with self._lock:
             self.windows.append(win)
+            _LIVE["windows"] += 1
         return win
 
     def mailbox(self, box: "Mailbox") -> None:
@@ -60,7 +72,8 @@ class RunResources:
         with self._lock:
             if self.abandoned:
                 return
-            _remove(self.comms, comm)
+            if _remove(self.comms, comm):
+                _LIVE["comms"] -= 1
         comm.Free()
 
     def free_window(self, win: Any) -> None:
@@ -68,7 +81,8 @@ class RunResources:
         with self._lock:
             if self.abandoned:
                 return
-            _remove(self.windows, win)
+            if _remove(self.windows, win):
+                _LIVE["windows"] -= 1
         win.Free()
 
     def forget_mailbox(self, box: "Mailbox") -> bool:
@@ -88,11 +102,12 @@ class RunResources:
         return (self.serial, len(self.comms), len(self.windows), len(self.mailboxes))
 
 
-def _remove(items: list[Any], item: Any) -> None:
+def _remove(items: list[Any], item: Any) -> bool:
     for index, candidate in enumerate(items):
         if candidate is item:
             del items[index]
-            return
+            return True
+    return False
 
 
 def reclaim(abandoned: list[RunResources], transport: "Transport") -> list[RunResources]:
@@ -120,5 +135,7 @@ def reclaim(abandoned: list[RunResources], transport: "Transport") -> list[RunRe
             win.Free()
         for comm in run.comms:
             comm.Free()
+        _LIVE["windows"] -= len(run.windows)
+        _LIVE["comms"] -= len(run.comms)
         run.comms, run.windows, run.mailboxes = [], [], []
     return []

@@ -23,6 +23,7 @@ an unhandled failure still ends the job within seconds.
 """
 from __future__ import annotations
 
+import itertools
 import os
 import sys
 import time
@@ -84,6 +85,23 @@ def install_abort_hook(rank: int, world_size: int) -> None:
     sys.excepthook = abort_on_uncaught
 
 
+#: failed runs' resources, process-wide: a retry may build a new strategy (a new Trainer with
+#: ``strategy="mpi_..."``), and the first fresh transport of any strategy reclaims them
+_ABANDONED: list[RunResources] = []
+_RUN_SERIALS = itertools.count(1)  # runs start together on every rank, so serials agree
+
+#: the error channel, process-wide for the same reason: a message about a failed run may arrive
+#: after its strategy is gone, and the channel's generations drop it instead of failing a new run
+_CHANNEL: list[ErrorChannel] = []
+
+
+def error_channel(comm: Any) -> ErrorChannel:
+    """The process's error channel over ``comm``'s ranks (made on first use: collective)."""
+    if not _CHANNEL:
+        _CHANNEL.append(ErrorChannel(comm))
+    return _CHANNEL[0]
+
+
 class FailurePropagation:
     """The error channel, each run's transport, and what happens when a run fails (module docstring).
 
@@ -97,11 +115,9 @@ class FailurePropagation:
     def _init_failures(self, comm: Any, collective_timeout: Optional[float]) -> None:
         self._base_comm = comm  # used only to duplicate each run's communicator from
         self._collective_timeout = collective_timeout
-        self.errors = ErrorChannel(comm)  # collective: every rank builds its strategy together
+        self.errors = error_channel(comm)  # the first is collective: every rank builds its strategy together
         self._transport: Optional[Transport] = None
         self._pending_dup: Optional[tuple[Any, Any]] = None  # an Idup another rank never joined
-        self._runs = 0
-        self._abandoned: list[RunResources] = []
         self._handled: Optional[BaseException] = None
 
     def close_rule(self) -> None:  # provided by MPIStrategyCore
@@ -113,8 +129,8 @@ class FailurePropagation:
         """The current run's transport; the first collective after a failed run starts a fresh one."""
         if self._transport is None:
             self._transport = self._fresh_transport()
-            if self._abandoned:
-                self._abandoned = reclaim(self._abandoned, self._transport)
+            if _ABANDONED:
+                _ABANDONED[:] = reclaim(list(_ABANDONED), self._transport)
         return self._transport
 
     def _fresh_transport(self) -> Transport:
@@ -127,8 +143,7 @@ class FailurePropagation:
         wait_request(request, self._collective_timeout, "starting a run", self.global_rank, self.world_size,
                      self.errors.check, settle=True)
         self._pending_dup = None
-        self._runs += 1
-        resources = RunResources(self._runs)
+        resources = RunResources(next(_RUN_SERIALS))
         return Transport(resources.comm(comm), self._collective_timeout, self.errors, resources)
 
     # -- failures ----------------------------------------------------------------------------------------
@@ -160,7 +175,7 @@ class FailurePropagation:
         transport, self._transport = self._transport, None
         if transport is not None:
             transport.resources.abandon()
-            self._abandoned.append(transport.resources)
+            _ABANDONED.append(transport.resources)
         self.close_rule()  # no waits, no frees: everything it holds belongs to the abandoned run
         self.errors.next_generation()
 
