@@ -51,7 +51,7 @@ class BucketExchanger:
             # Polls only while exchanges are in flight: started by start(), paused by finish().
             self.driver = ProgressThread(
                 self.progress.try_poll, 2e-4, "SyncRule(progress_thread=True)", running=False,
-                remedy=", or pass progress_thread=False",
+                remedy=", or pass progress_thread=False", on_error=transport.report_thread_failure,
             )
         self._workspaces: dict[tuple[int, int], ASAWorkspace] = {}
         self._slots: dict[int, tuple[Transport | None, list[Tensor], list[Transport]]] = {}  # by id(bucket)
