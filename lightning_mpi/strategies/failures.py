@@ -179,6 +179,13 @@ class FailurePropagation:
         self.close_rule()  # no waits, no frees: everything it holds belongs to the abandoned run
         self.errors.next_generation()
 
+    def end_run(self) -> None:
+        """The run ended (teardown): free its transport's communicator (local); the next run
+        starts a fresh one. A failed run's is left to :func:`reclaim`."""
+        transport, self._transport = self._transport, None
+        if transport is not None and not transport.abandoned:
+            transport.free()
+
     @contextmanager
     def propagate_errors(self) -> Generator[None, None, None]:
         """Run a block whose exceptions fail the run on every rank (Fabric's training loop).

@@ -258,6 +258,7 @@ class TrainerMPIStrategy(ConvergenceAids, MPIStrategyCore):
 
     def teardown(self) -> None:
         self.close_rule()
+        self.end_run()
         super().teardown()  # type: ignore[misc]
 
     # -- checkpoints ---------------------------------------------------------------------------------

@@ -2,7 +2,7 @@
 
 ``python rank_failures.py OUT.json MODE [ARGS]`` (rank 0 writes OUT.json):
 
-- ``cases STRATEGY/PHASE,...``: for each case, the last rank raises in PHASE of a Trainer fit;
+- ``cases STRATEGY/PHASE,... [N]``: for each case, the last rank raises in PHASE of a Trainer fit;
   every rank catches what fit raised (``try: trainer.fit(...) except Exception``). Recorded per
   rank: the exception's type, message and ``rank`` attribute, and the seconds from the failing
   rank's raise to this rank's catch. Then a second fit (a new Trainer and strategy) trains 4 steps,
@@ -11,11 +11,12 @@
   ``checkpoint`` (``on_save_checkpoint`` during ``trainer.save_checkpoint``), ``loader`` (the
   dataset), ``thread`` (the rule's progress thread: the synchronous rules' driver, the parameter
   server's ``Iprobe`` thread).
-- ``leak N``: N failed-and-retried fits (each a ``step`` failure and a successful fit), alternating
+- then, with ``N``, the leak check (OUT.json holds ``{"cases": ..., "leak": ...}``):
+  N failed-and-retried fits (each a ``step`` failure and a successful fit), alternating
   ``mpi_downpour`` and ``mpi_asa16``, each with a new Trainer and a new strategy; threads, open files,
   RSS and the communicators and windows lightning_mpi made are sampled after the 2nd and the last.
-- ``unhandled STRATEGY``: the last rank raises in ``training_step`` and nobody catches it; every rank
-  prints ``failed at <unix time>`` first (the test measures how long the job takes to end).
+- ``unhandled STRATEGY``: the last rank raises in ``training_step`` and nobody catches it; it prints
+  ``failed at <unix time>`` first (the test measures how long the job takes to end from there).
 """
 import gc
 import json
@@ -36,7 +37,7 @@ import pytorch_lightning as pl  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
 import lightning_mpi  # noqa: E402
-from lightning_mpi import STRATEGIES, RankFailedError  # noqa: E402
+from lightning_mpi import STRATEGIES  # noqa: E402
 from lightning_mpi.comm.resources import live_handles  # noqa: E402
 from tiny_task import make_net  # noqa: E402  (beside this script)
 
@@ -225,8 +226,9 @@ if __name__ == "__main__":
         if mode == "unhandled":
             run_unhandled(sys.argv[3], folder)
             sys.exit(0)
-        result = run_cases(sys.argv[3].split(","), folder) if mode == "cases" else run_leak(int(sys.argv[3]), folder)
+        result = {"cases": run_cases(sys.argv[3].split(","), folder)}
+        if len(sys.argv) > 4:
+            result["leak"] = run_leak(int(sys.argv[4]), folder)
         COMM.Barrier()
     if RANK == 0:
         out.write_text(json.dumps(result))
-    assert isinstance(RankFailedError, type)
