@@ -27,8 +27,8 @@ holds whole commits. A worker stopped in the middle of a commit (SIGKILL, a segf
 reached updated and the others not: every element is still the old value or the old value plus
 the delta (never a torn float), the center stays finite, but that one commit is partially
 applied. Either way the
-job ends (``abort_on_exception``, or the launcher after a lost rank), the center lives only in the
-ranks' memory, and a run resumes from the last checkpoint: checkpoints are written atomically and
+run ends (an exception fails it on every rank, a lost rank ends the job), the center lives only in
+the ranks' memory, and a run resumes from the last checkpoint: checkpoints are written atomically and
 their center is read after a barrier, i.e. with every rank's commits so far applied whole and no
 commit in flight.
 

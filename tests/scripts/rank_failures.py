@@ -10,7 +10,8 @@
   (``LightningModule.setup``), ``step`` (``training_step``), ``validation`` (``validation_step``),
   ``checkpoint`` (``on_save_checkpoint`` during ``trainer.save_checkpoint``), ``loader`` (the
   dataset), ``thread`` (the rule's progress thread: the synchronous rules' driver, the parameter
-  server's ``Iprobe`` thread).
+  server's ``Iprobe`` thread). ``fabric:STRATEGY/loop``: the same with ``lightning_fabric.Fabric``:
+  the last rank raises in its own training loop, inside ``fabric.strategy.propagate_errors()``.
 - then, with ``N``, the leak check (OUT.json holds ``{"cases": ..., "leak": ...}``):
   N failed-and-retried fits (each a ``step`` failure and a successful fit), alternating
   ``mpi_downpour`` and ``mpi_asa16``, each with a new Trainer and a new strategy; threads, open files,
@@ -171,13 +172,56 @@ def good_fit(strategy, folder):
             "weights": torch.cat([p.detach().flatten() for p in module.parameters()]).tolist()}
 
 
+def fabric_fit(name, inject):
+    """A Fabric loop of 4 steps (``inject``: the failing rank raises at step 2); the module."""
+    import lightning_fabric as lf
+
+    import lightning_mpi.lightning_fabric as classes
+
+    class_name, params, _ = STRATEGIES[name]
+    fabric = lf.Fabric(strategy=getattr(classes, class_name)(**params, collective_timeout=60.0), accelerator="cpu")
+    fabric.launch()
+    torch.manual_seed(100 + RANK)
+    net = make_net()
+    data = Data(16)
+    with fabric.strategy.propagate_errors():
+        model, optimizer = fabric.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
+        for step in range(4):
+            if inject and RANK == FAILING and step == 2:
+                fail("the Fabric loop")
+            x, y = data.x[4 * step : 4 * step + 4], data.y[4 * step : 4 * step + 4]
+            fabric.backward(nn.functional.cross_entropy(model(x), y))
+            optimizer.step()
+            optimizer.zero_grad()
+        fabric.strategy.finish_training()
+    return net
+
+
+def failed_fabric_fit(name):
+    RAISED_AT["time"] = None
+    try:
+        fabric_fit(name, inject=True)
+    except Exception as error:  # noqa: BLE001  the point of the test
+        return {"type": type(error).__name__, "message": str(error), "rank": getattr(error, "rank", None),
+                "raised_at": RAISED_AT["time"], "caught_at": time.time()}
+    return {"type": None, "message": "the loop ended", "rank": None, "raised_at": None, "caught_at": time.time()}
+
+
+def good_fabric_fit(name):
+    net = fabric_fit(name, inject=False)
+    return {"global_step": 4, "weights": torch.cat([p.detach().flatten() for p in net.parameters()]).tolist()}
+
+
 def run_cases(specs, folder):
     results = {}
     for spec in specs:
         name, phase = spec.split("/")
         start = time.time()
-        caught = failed_fit(make_strategy(name), phase, folder)
-        again = good_fit(make_strategy(name), folder)
+        if name.startswith("fabric:"):
+            caught, again = failed_fabric_fit(name[7:]), good_fabric_fit(name[7:])
+        else:
+            caught = failed_fit(make_strategy(name), phase, folder)
+            again = good_fit(make_strategy(name), folder)
         everyone = COMM.allgather({"caught": caught, **again, "seconds": time.time() - start})
         raised = [r["caught"]["raised_at"] for r in everyone if r["caught"]["raised_at"] is not None]
         for r in everyone:

@@ -5,7 +5,8 @@ Every case of one world size runs in one launch (``tests/scripts/rank_failures.p
 the last rank in setup, a training step, a validation step, a checkpoint save, the data loader and
 the rule's progress thread, for a synchronous (``mpi_asa16``, overlapped), a compressed
 (``mpi_asa_int8``), a parameter-server (``mpi_downpour``) and the gossip rule (``mpi_gosgd``, which
-has no progress thread), at W = 2 and W = 3. The W = 2 launch then runs 20 failed-and-retried fits
+has no progress thread), at W = 2 and W = 3; and a raise in a ``lightning_fabric`` training loop
+inside ``fabric.strategy.propagate_errors()``. The W = 2 launch then runs 20 failed-and-retried fits
 and compares threads, open files, RSS and lightning_mpi's live communicators and windows. Nobody
 catching the exception ends every rank non-zero, with the failing rank's traceback.
 """
@@ -21,6 +22,7 @@ SCRIPT = str(REPO / "tests" / "scripts" / "rank_failures.py")
 STRATEGIES = ["mpi_asa16", "mpi_asa_int8", "mpi_downpour", "mpi_gosgd"]
 PHASES = ["setup", "step", "validation", "checkpoint", "loader", "thread"]
 CASES = [f"{s}/{p}" for s in STRATEGIES for p in PHASES if not (s == "mpi_gosgd" and p == "thread")]
+CASES += [f"fabric:{s}/loop" for s in ("mpi_asa16", "mpi_downpour", "mpi_gosgd")]  # a raise in the user's Fabric loop
 LEAK_ROUNDS = 20
 #: RSS growth allowed between the 2nd and the 20th failed-and-retried fit (measured: ~2.5 MiB, of
 #: which ~1.1 MiB also comes with 36 fits that do not fail: Lightning and MPICH caches)
