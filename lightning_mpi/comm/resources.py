@@ -68,12 +68,12 @@ class RunResources:
             self.mailboxes.append(box)
 
     def free_comm(self, comm: Any) -> None:
-        """Free ``comm`` now, unless the run was abandoned (then :func:`reclaim` frees it)."""
+        """Free ``comm`` now, unless the run was abandoned (then :func:`reclaim` frees it) or it
+        was freed already."""
         with self._lock:
-            if self.abandoned:
+            if self.abandoned or not _remove(self.comms, comm):
                 return
-            if _remove(self.comms, comm):
-                _LIVE["comms"] -= 1
+            _LIVE["comms"] -= 1
         comm.Free()
 
     def free_window(self, win: Any) -> None:

@@ -219,7 +219,6 @@ class FabricMPIStrategy(ConvergenceAids, MPIStrategyCore):
 
     def teardown(self) -> None:
         self.close_rule()
-        self.end_run()
         super().teardown()  # type: ignore[misc]
 
     @_fails_the_run

@@ -28,6 +28,7 @@ import os
 import sys
 import time
 import traceback
+import weakref
 from collections.abc import Generator
 from contextlib import contextmanager
 from types import TracebackType
@@ -144,7 +145,11 @@ class FailurePropagation:
                      self.errors.check, settle=True)
         self._pending_dup = None
         resources = RunResources(next(_RUN_SERIALS))
-        return Transport(resources.comm(comm), self._collective_timeout, self.errors, resources)
+        transport = Transport(resources.comm(comm), self._collective_timeout, self.errors, resources)
+        # The transport outlives the run (a checkpoint saved after fit gathers the rule's state over
+        # it): its communicator is freed (locally) once neither the strategy nor a rule holds it.
+        weakref.finalize(transport, resources.free_comm, comm).atexit = False
+        return transport
 
     # -- failures ----------------------------------------------------------------------------------------
     def check_peers(self) -> None:
@@ -178,13 +183,6 @@ class FailurePropagation:
             _ABANDONED.append(transport.resources)
         self.close_rule()  # no waits, no frees: everything it holds belongs to the abandoned run
         self.errors.next_generation()
-
-    def end_run(self) -> None:
-        """The run ended (teardown): free its transport's communicator (local); the next run
-        starts a fresh one. A failed run's is left to :func:`reclaim`."""
-        transport, self._transport = self._transport, None
-        if transport is not None and not transport.abandoned:
-            transport.free()
 
     @contextmanager
     def propagate_errors(self) -> Generator[None, None, None]:

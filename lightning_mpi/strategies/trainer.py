@@ -258,7 +258,6 @@ class TrainerMPIStrategy(ConvergenceAids, MPIStrategyCore):
 
     def teardown(self) -> None:
         self.close_rule()
-        self.end_run()
         super().teardown()  # type: ignore[misc]
 
     # -- checkpoints ---------------------------------------------------------------------------------
