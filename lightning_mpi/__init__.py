@@ -50,6 +50,7 @@ _MODULES = {
     "EAMSGDRule": "lightning_mpi.rules.server",
     "DiLoCoRule": "lightning_mpi.rules.diloco",
     "StreamingDiLoCoRule": "lightning_mpi.rules.streaming_diloco",
+    "RankFailedError": "lightning_mpi.comm.errors",
 }
 
 __all__ = sorted([*_PYTORCH_LIGHTNING_CLASSES, *_MODULES, "STRATEGIES", "register_strategies"])

@@ -31,10 +31,14 @@ class Progress:
     re-entrant lock serialises the generators' steps (an exchange may start another).
     """
 
-    def __init__(self, timeout: float | None = None, rank: int = 0, size: int = 1) -> None:
+    def __init__(self, timeout: float | None = None, rank: int = 0, size: int = 1,
+                 watch: Callable[[], None] | None = None,
+                 on_driver_error: Callable[[BaseException], None] | None = None) -> None:
         self._active: list[tuple[Exchange, Any]] = []
         self.timeout = timeout  # seconds one request may take before CollectiveTimeout
         self._where = (rank, size)
+        self._watch = watch  # raises when another rank failed (every wait calls it)
+        self._on_driver_error = on_driver_error  # told at once when the driver thread fails
         self._lock = threading.RLock()
         self._error: BaseException | None = None  # raised in the driver thread, re-raised here
 
@@ -66,7 +70,8 @@ class Progress:
     def try_poll(self) -> None:
         """For the driver thread: :meth:`poll` unless another thread holds the engine right now.
 
-        Never raises: an error is kept and raised in the training thread's next call."""
+        Never raises: an error is kept and raised in the training thread's next call, and handed
+        to ``on_driver_error`` at once (the strategies post it to the other ranks)."""
         if not self._lock.acquire(blocking=False):
             return
         try:
@@ -74,6 +79,8 @@ class Progress:
                 self._poll()
         except BaseException as error:  # noqa: BLE001  handed over, not swallowed
             self._error = error
+            if self._on_driver_error is not None:
+                self._on_driver_error(error)
         finally:
             self._lock.release()
 
@@ -102,12 +109,18 @@ class Progress:
                     return
                 exchange, request = self._active.pop(0)
             # Waited on outside the lock: the driver thread keeps advancing the others meanwhile.
-            wait_request(request, self.timeout, "gradient exchange", *self._where)
+            wait_request(request, self.timeout, "gradient exchange", *self._where, watch=self._watch)
             with self._lock:
                 self._advance(exchange)
                 self._poll()
             if between is not None:
                 between()
+
+    def abandon(self) -> None:
+        """Forget every exchange in flight without waiting (the run failed: they never complete)."""
+        with self._lock:
+            self._active = []
+            self._error = None
 
     def __len__(self) -> int:
         with self._lock:

@@ -13,6 +13,11 @@ spends most of its time in torch kernels that make none. Two things need that mo
 Torch kernels release the GIL and the thread sleeps between calls, so it costs little; while
 paused it blocks on an event and costs nothing. Calling MPI from a second thread needs
 ``MPI_THREAD_MULTIPLE`` (:func:`require_thread_multiple`).
+
+A poll that raises stops the thread and hands the exception to ``on_error`` (the strategies post
+it on the run's :class:`~lightning_mpi.comm.errors.ErrorChannel`: the other ranks raise
+``RankFailedError``, and this rank's training thread raises the thread's own exception at its
+next wait).
 """
 from __future__ import annotations
 
@@ -42,11 +47,13 @@ class ProgressThread:
     """A daemon thread that calls ``poll()`` every ``interval`` seconds while it runs.
 
     Args:
-        poll: the MPI call to make; it must not raise (hand errors to the training thread).
+        poll: the MPI call to make.
         interval: seconds to sleep between calls.
         who: what needs the thread, for the ``MPI_THREAD_MULTIPLE`` error and the thread's name.
         running: start polling at once (else at :meth:`start`).
         on_close: called once after the thread has stopped (e.g. to free its communicator).
+        on_error: called (in the thread) with the exception when ``poll`` raises; the thread then
+            stops polling. The exception is also kept in :attr:`error`.
 
     Raises:
         RuntimeError: MPI does not run with ``MPI_THREAD_MULTIPLE``.
@@ -60,11 +67,14 @@ class ProgressThread:
         running: bool = True,
         on_close: Callable[[], None] | None = None,
         remedy: str = "",
+        on_error: Callable[[BaseException], None] | None = None,
     ) -> None:
         require_thread_multiple(who, remedy)
         self.interval = interval
         self._poll = poll
         self._on_close = on_close
+        self._on_error = on_error
+        self.error: BaseException | None = None
         self._running = threading.Event()
         self._closing = False
         self._thread = threading.Thread(target=self._run, name=f"lightning_mpi-progress ({who})", daemon=True)
@@ -73,21 +83,37 @@ class ProgressThread:
             self.start()
 
     @classmethod
-    def probing(cls, comm: Any, interval: float, who: str) -> "ProgressThread":
+    def probing(cls, comm: Any, interval: float, who: str, resources: Any = None,
+                on_error: Callable[[BaseException], None] | None = None) -> "ProgressThread":
         """A running thread that calls ``Iprobe`` on a private duplicate of ``comm`` (collective:
-        the duplication), which services one-sided operations aimed at this rank. :meth:`close`
-        frees the duplicate."""
+        the duplication, blocking), which services one-sided operations aimed at this rank.
+        :meth:`close` frees the duplicate (through ``resources``, a
+        :class:`~lightning_mpi.comm.resources.RunResources`, when given)."""
         from mpi4py import MPI
 
         private = comm.Dup()
-        return cls(lambda: private.Iprobe(source=MPI.ANY_SOURCE, tag=MPI.ANY_TAG), interval, who, on_close=private.Free)
+        if resources is not None:
+            resources.comm(private)
+            free = lambda: resources.free_comm(private)  # noqa: E731
+        else:
+            free = private.Free
+        return cls(lambda: private.Iprobe(source=MPI.ANY_SOURCE, tag=MPI.ANY_TAG), interval, who, on_close=free,
+                   on_error=on_error)
 
     def _run(self) -> None:
         while True:
             self._running.wait()
             if self._closing:
                 return
-            self._poll()
+            try:
+                self._poll()
+            except BaseException as error:  # noqa: BLE001  handed to on_error, not swallowed
+                self.error = error
+                self._running.clear()
+                if self._on_error is not None:
+                    self._on_error(error)
+                self._running.wait()  # until close()
+                return
             time.sleep(self.interval)
 
     @property

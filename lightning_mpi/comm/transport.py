@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import pickle
 import time
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from lightning_mpi.comm.cuda import mpi_is_cuda_aware
+from lightning_mpi.comm.resources import RunResources
 
 _AS_WORDS = {torch.float16: torch.int16, torch.bfloat16: torch.int16}
 
@@ -30,30 +31,59 @@ class CollectiveTimeout(RuntimeError):
     """A collective did not complete in time: some rank never joined it."""
 
 
-def wait_request(request: Any, timeout: float | None, what: str, rank: int, size: int) -> None:
-    """Wait for ``request``; raise :class:`CollectiveTimeout` after ``timeout`` seconds.
+#: seconds a wait that must not leave its operation half-agreed keeps going after another rank's
+#: failure became known (``wait_request(settle=True)``)
+SETTLE_SECONDS = 5.0
+
+
+def wait_request(request: Any, timeout: float | None, what: str, rank: int, size: int,
+                 watch: Callable[[], None] | None = None, settle: bool = False) -> None:
+    """Wait for ``request``; raise :class:`CollectiveTimeout` after ``timeout`` seconds (``None``:
+    never), or whatever ``watch()`` raises (another rank failed: see
+    :class:`~lightning_mpi.comm.errors.ErrorChannel`).
 
     Polls with ``Test`` (which also drives MPICH's progress) and, after a short spin, sleeps
     0.2 ms between polls so that oversubscribed ranks leave the core to the ranks they wait for.
     The spin is short (100 polls, well under a millisecond): a longer one cost ~20 ms of CPU per
-    step in pipelined ASA, where every segment's wait spun before it slept.
+    step in pipelined ASA, where every segment's wait spun before it slept. ``watch`` runs at
+    every sleeping poll (one ``Iprobe``).
+
+    ``settle=True`` is for an agreement that a blocking collective follows (a window's creation):
+    once one rank's request completed, every rank has joined and will enter that collective, so a
+    rank that learns of a failure keeps waiting for up to :data:`SETTLE_SECONDS` and goes ahead if
+    the request completes; it raises only if the request cannot complete (a rank never joined).
     """
-    if timeout is None:
-        request.Wait()
-        return
-    deadline = time.monotonic() + timeout
+    deadline = time.monotonic() + timeout if timeout is not None else None
     spins = 0
     while not request.Test():
         spins += 1
-        if spins > 100:
-            time.sleep(0.0002)
-        if time.monotonic() > deadline:
+        if spins <= 100:
+            continue
+        time.sleep(0.0002)
+        if watch is not None:
+            try:
+                watch()
+            except BaseException:
+                if not settle or _never_completes(request, SETTLE_SECONDS):
+                    raise
+                return
+        if deadline is not None and time.monotonic() > deadline:
             raise CollectiveTimeout(
                 f"lightning_mpi: {what} on rank {rank} waited more than {timeout:g} s for the other "
                 f"{size - 1} rank(s). A rank may have died or hung, or ranks ran different numbers of "
                 "steps (uneven data shards). If a step can legitimately take that long, raise the "
                 "limit: MPIStrategy(collective_timeout=...)."
             )
+
+
+def _never_completes(request: Any, seconds: float) -> bool:
+    """True if ``request`` does not complete within ``seconds`` of polling."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if request.Test():
+            return False
+        time.sleep(0.0005)
+    return True
 
 
 class Transport:
@@ -64,17 +94,49 @@ class Transport:
             same order (the usual MPI contract).
         timeout: seconds a blocking collective may wait for the other ranks before raising
             :class:`CollectiveTimeout`; ``None`` waits forever.
+        errors: an :class:`~lightning_mpi.comm.errors.ErrorChannel` that every wait watches, so that
+            a wait raises :class:`~lightning_mpi.comm.errors.RankFailedError` as soon as another rank
+            failed; ``None``: nothing to watch.
+        resources: where the communicators and windows made for this run are tracked (see
+            :mod:`lightning_mpi.comm.resources`); transports made by :meth:`dup` share it.
     """
 
-    def __init__(self, comm: Any, timeout: float | None = None) -> None:
+    def __init__(self, comm: Any, timeout: float | None = None, errors: Any = None,
+                 resources: RunResources | None = None) -> None:
         from mpi4py import MPI
 
         self.MPI = MPI
         self.timeout = timeout
         self.comm = comm
+        self.errors = errors
+        self.resources = resources if resources is not None else RunResources()
         self.rank: int = comm.Get_rank()
         self.size: int = comm.Get_size()
         self._staging: dict[tuple, Tensor] = {}
+
+    @property
+    def abandoned(self) -> bool:
+        """True once the run this transport belongs to failed and was abandoned."""
+        return self.resources.abandoned
+
+    def watch(self) -> None:
+        """Raise if the run failed (another rank posted an error, or this run was abandoned)."""
+        if self.errors is not None:
+            self.errors.check()
+        if self.resources.abandoned:
+            from lightning_mpi.comm.errors import AbandonedRunError
+
+            raise AbandonedRunError(
+                "lightning_mpi: this communicator belongs to a run that failed and was abandoned; start a new "
+                "run (a new fit, or fabric.setup again), which works on fresh communicators."
+            )
+
+    def report_thread_failure(self, error: BaseException) -> None:
+        """A background thread working for this transport failed: the other ranks are told at once,
+        and this rank's next wait raises ``error`` (nothing to do without an error channel: the
+        thread's owner raises it)."""
+        if self.errors is not None:
+            self.errors.post_from_thread(error)
 
     # -- staging -------------------------------------------------------------------------------
     def _needs_staging(self, tensor: Tensor) -> bool:
@@ -137,8 +199,10 @@ class Transport:
         except StopIteration as done:
             return done.value
 
-    def barrier(self) -> None:
-        self._wait(self.comm.Ibarrier(), "barrier")
+    def barrier(self, agree: bool = False) -> None:
+        """Wait until every rank is here. ``agree=True`` before a blocking collective (a window's
+        creation): once the barrier completed anywhere, every rank goes on (see :func:`wait_request`)."""
+        self._wait(self.comm.Ibarrier(), "barrier", settle=agree)
 
     def broadcast_object(self, obj: Any, root: int = 0) -> Any:
         """Broadcast a picklable object (two ``Ibcast``s: length, then bytes), with the timeout."""
@@ -151,36 +215,58 @@ class Transport:
         self._wait(self.comm.Ibcast(buffer, root=root), "broadcast")
         return obj if self.rank == root else pickle.loads(buffer.tobytes())
 
-    def allgather_object(self, obj: Any) -> list[Any]:
-        """Every rank's picklable ``obj``, in rank order (blocking, no timeout)."""
-        return self.comm.allgather(obj)
+    def allgather_object(self, obj: Any, settle: bool = False) -> list[Any]:
+        """Every rank's picklable ``obj``, in rank order (``Iallgather`` of the lengths, then
+        ``Iallgatherv`` of the bytes, with the timeout)."""
+        import numpy as np
 
-    def _wait(self, request: Any, what: str) -> None:
-        wait_request(request, self.timeout, what, self.rank, self.size)
+        payload = np.frombuffer(pickle.dumps(obj), dtype=np.uint8)
+        lengths = np.zeros(self.size, dtype=np.int64)
+        self._wait(self.comm.Iallgather(np.array([payload.size], dtype=np.int64), lengths), "allgather", settle=settle)
+        offsets = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+        gathered = np.empty(int(lengths.sum()), dtype=np.uint8)
+        request = self.comm.Iallgatherv(payload, [gathered, lengths.tolist(), offsets.tolist(), self.MPI.BYTE])
+        self._wait(request, "allgather", settle=settle)
+        return [pickle.loads(gathered[o : o + n].tobytes()) for o, n in zip(offsets.tolist(), lengths.tolist())]
+
+    def agree(self, obj: Any) -> list[Any]:
+        """:meth:`allgather_object` that completes on every rank once it completed on one, so that
+        a blocking collective may follow (see :func:`wait_request`'s ``settle``)."""
+        return self.allgather_object(obj, settle=True)
+
+    def _wait(self, request: Any, what: str, settle: bool = False) -> None:
+        if self.resources.abandoned:
+            self.watch()
+        wait_request(request, self.timeout, what, self.rank, self.size, self.watch, settle=settle)
 
     def dup(self) -> "Transport":
-        """A transport over a duplicate communicator (collective over this one).
+        """A transport over a duplicate communicator (collective over this one: a watched ``Idup``).
 
         Non-blocking collectives on one communicator must be started in the same order on every
         rank. Exchanges that progress independently (buckets launched from gradient hooks,
         pipelined segments) therefore each get their own communicator."""
-        return Transport(self.comm.Dup(), self.timeout)
+        comm, request = self.comm.Idup()
+        self._wait(request, "communicator duplication", settle=True)
+        return Transport(self.resources.comm(comm), self.timeout, self.errors, self.resources)
 
     def free(self) -> None:
         """Free this transport's communicator (only for ones made by :meth:`dup` or
-        :meth:`node_split`; collective over it). Safe to call twice; the transport is unusable after."""
+        :meth:`node_split`). Local in MPICH; a no-op once the run was abandoned (the communicator
+        is reclaimed by the next run). The transport is unusable after."""
         comm = self.comm
         if comm is not None and comm != self.MPI.COMM_NULL and comm not in (self.MPI.COMM_WORLD, self.MPI.COMM_SELF):
-            comm.Free()
+            self.resources.free_comm(comm)
 
     def node_split(self) -> tuple["Transport", "Transport | None"]:
         """Transports for this node's ranks and for the node leaders (``None`` unless local rank 0).
 
         Nodes are MPI's shared-memory domains (``COMM_TYPE_SHARED``). For tests on one machine,
         ``LIGHTNING_MPI_RANKS_PER_NODE=k`` groups consecutive ranks into pretend nodes of ``k``.
+        Collective: an agreeing barrier first, since the splits block.
         """
         import os
 
+        self.barrier(agree=True)
         per_node = os.environ.get("LIGHTNING_MPI_RANKS_PER_NODE")
         if per_node:
             local = self.comm.Split(color=self.rank // int(per_node), key=self.rank)
@@ -188,7 +274,10 @@ class Transport:
             local = self.comm.Split_type(self.MPI.COMM_TYPE_SHARED, key=self.rank)
         is_leader = local.Get_rank() == 0
         leaders = self.comm.Split(color=0 if is_leader else self.MPI.UNDEFINED, key=self.rank)
-        return Transport(local, self.timeout), (Transport(leaders, self.timeout) if is_leader else None)
+        local_t = Transport(self.resources.comm(local), self.timeout, self.errors, self.resources)
+        if not is_leader:
+            return local_t, None
+        return local_t, Transport(self.resources.comm(leaders), self.timeout, self.errors, self.resources)
 
     # -- non-blocking: generators that yield one MPI request and finish after it completes ----------
     # Staging copies happen before the start and after completion, inside the generator, so a

@@ -47,6 +47,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from lightning_mpi.comm.resources import RunResources
+
 _NP = {torch.float32: np.float32, torch.float64: np.float64}
 
 
@@ -69,13 +71,17 @@ class ShardedVector:
         comm: the communicator (it is duplicated).
         numel: total length, a multiple of ``comm.size``.
         dtype: ``torch.float32`` or ``torch.float64``.
+        resources: the run's :class:`~lightning_mpi.comm.resources.RunResources`, which tracks the
+            communicator and window (a failed run's are freed by the next run, not by :meth:`free`).
     """
 
-    def __init__(self, comm: Any, numel: int, dtype: torch.dtype = torch.float32) -> None:
+    def __init__(self, comm: Any, numel: int, dtype: torch.dtype = torch.float32,
+                 resources: RunResources | None = None) -> None:
         from mpi4py import MPI
 
         self.MPI = MPI
-        self.comm = comm.Dup()
+        self.resources = resources if resources is not None else RunResources()
+        self.comm = self.resources.comm(comm.Dup())
         self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
         self.numel = numel
         self.dtype = dtype
@@ -83,7 +89,7 @@ class ShardedVector:
         self.shard = numel // self.size
         shard_bounds(numel, self.size, self.rank)
         itemsize = np.dtype(self.np_dtype).itemsize
-        self.win = MPI.Win.Allocate(self.shard * itemsize, itemsize, comm=self.comm)
+        self.win = self.resources.window(MPI.Win.Allocate(self.shard * itemsize, itemsize, comm=self.comm))
         self.local = np.frombuffer(self.win.tomemory(), dtype=self.np_dtype, count=self.shard)
         self.bytes_sent = 0
         self.wait_seconds = 0.0
@@ -135,30 +141,33 @@ class ShardedVector:
             self._each_shard(lambda target, d, o: self.win.Get_accumulate(d, o, target, op=self.MPI.SUM), delta, old)
 
     def free(self) -> None:
-        """Collective: release the window and the communicator. Safe to call twice."""
+        """Collective: release the window and the communicator (after a failed run: leave them to
+        the next run). Safe to call twice."""
         if self.win is not None:
             self.local = None
-            self.win.Free()
+            self.resources.free_window(self.win)
             self.win = None
-            self.comm.Free()
+            self.resources.free_comm(self.comm)
 
 
 class Counters:
     """``length`` int64 counters hosted on rank ``root``, updated with ``Fetch_and_op`` / ``Accumulate``.
 
     Used for the server clock (one counter: commits so far) and for the decision board (sticky
-    flags raised with ``MAX``). Collective: construction and :meth:`free`.
+    flags raised with ``MAX``). Collective: construction and :meth:`free`. ``resources``: as for
+    :class:`ShardedVector`.
     """
 
-    def __init__(self, comm: Any, length: int, root: int = 0) -> None:
+    def __init__(self, comm: Any, length: int, root: int = 0, resources: RunResources | None = None) -> None:
         from mpi4py import MPI
 
         self.MPI = MPI
-        self.comm = comm.Dup()
+        self.resources = resources if resources is not None else RunResources()
+        self.comm = self.resources.comm(comm.Dup())
         self.root = root
         self.length = length
         hosted = length if self.comm.Get_rank() == root else 0
-        self.win = MPI.Win.Allocate(hosted * 8, 8, comm=self.comm)
+        self.win = self.resources.window(MPI.Win.Allocate(hosted * 8, 8, comm=self.comm))
         if hosted:
             self.win.Lock(root, MPI.LOCK_EXCLUSIVE)
             np.frombuffer(self.win.tomemory(), dtype=np.int64, count=length)[:] = 0
@@ -197,9 +206,9 @@ class Counters:
 
     def free(self) -> None:
         if self.win is not None:
-            self.win.Free()
+            self.resources.free_window(self.win)
             self.win = None
-            self.comm.Free()
+            self.resources.free_comm(self.comm)
 
 
 class DecisionBoard:
@@ -212,9 +221,9 @@ class DecisionBoard:
     wait for the publisher, and nobody waits for a reader: nothing can hang.
     """
 
-    def __init__(self, comm: Any, poll_interval: float = 0.02) -> None:
+    def __init__(self, comm: Any, poll_interval: float = 0.02, resources: RunResources | None = None) -> None:
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
-        self.counters = Counters(comm, 1 + self.size, root=0)
+        self.counters = Counters(comm, 1 + self.size, root=0, resources=resources)
         # Lightning asks every batch (Timer); a remote read needs rank 0's progress thread to be
         # scheduled, which costs milliseconds on a loaded host. Flags are sticky, so a read at most
         # every ``poll_interval`` seconds only delays seeing a stop by that much.

@@ -44,13 +44,14 @@ class BucketExchanger:
         self.exchange = rule.exchange
         self.codec = get_codec(rule.wire)
         self.segment_numel = max(1, int(rule.segment_mb * 2**20) // 4)
-        self.progress = Progress(transport.timeout, transport.rank, transport.size)
+        self.progress = Progress(transport.timeout, transport.rank, transport.size, watch=transport.watch,
+                                 on_driver_error=transport.report_thread_failure)
         self.driver: ProgressThread | None = None
         if rule.overlap and rule.progress_thread and transport.size > 1:
             # Polls only while exchanges are in flight: started by start(), paused by finish().
             self.driver = ProgressThread(
                 self.progress.try_poll, 2e-4, "SyncRule(progress_thread=True)", running=False,
-                remedy=", or pass progress_thread=False",
+                remedy=", or pass progress_thread=False", on_error=transport.report_thread_failure,
             )
         self._workspaces: dict[tuple[int, int], ASAWorkspace] = {}
         self._slots: dict[int, tuple[Transport | None, list[Tensor], list[Transport]]] = {}  # by id(bucket)
@@ -188,8 +189,14 @@ class BucketExchanger:
                 self._workspaces.pop((part.data_ptr(), part.numel()), None)
 
     def close(self) -> None:
-        """Finish what is in flight, stop the progress thread, free every communicator made here."""
-        self.finish()
+        """Finish what is in flight, stop the progress thread, free every communicator made here.
+
+        After a failed run (the transport was abandoned) nothing is waited for: the exchanges in
+        flight are dropped, and the communicators are left to the next run."""
+        if self.transport.abandoned:
+            self.progress.abandon()
+        else:
+            self.finish()
         if self.driver is not None:
             self.driver.close()
             self.driver = None

@@ -93,8 +93,10 @@ class BoundGoSGD(BoundLocalStepRule):
         self._reset_stats()
 
     def on_train_start(self) -> None:
+        # The mailbox and the board are made by blocking collectives: every rank must be here first.
+        self.transport.barrier(agree=True)
         self.mailbox = Mailbox(self.transport, self.n + 2, TAG)
-        self.board = DecisionBoard(self.transport.comm)
+        self.board = DecisionBoard(self.transport.comm, resources=self.transport.resources)
         self._apply_restore()
         self.training = True
 
@@ -155,8 +157,9 @@ class BoundGoSGD(BoundLocalStepRule):
         self.weight = 1.0 / self.transport.size
 
     def close(self) -> None:
-        if self.training:  # aborted fit: the board's collective free could hang, skip it
-            self.board = None
+        if self.training and not self.transport.abandoned:  # closed mid-fit without a failure
+            self.board = None  # handler: the board's collective free could hang, skip it
+        # After a failed run the frees below are no-ops: the next run settles and reclaims them.
         self.training = False
         if self.board is not None:
             self.board.free()

@@ -27,8 +27,8 @@ holds whole commits. A worker stopped in the middle of a commit (SIGKILL, a segf
 reached updated and the others not: every element is still the old value or the old value plus
 the delta (never a torn float), the center stays finite, but that one commit is partially
 applied. Either way the
-job ends (``abort_on_exception``, or the launcher after a lost rank), the center lives only in the
-ranks' memory, and a run resumes from the last checkpoint: checkpoints are written atomically and
+run ends (an exception fails it on every rank, a lost rank ends the job), the center lives only in
+the ranks' memory, and a run resumes from the last checkpoint: checkpoints are written atomically and
 their center is read after a barrier, i.e. with every rank's commits so far applied whole and no
 commit in flight.
 
@@ -112,12 +112,15 @@ class BoundServerRule(BoundLocalStepRule):
 
     # -- lifecycle ---------------------------------------------------------------------------------
     def on_train_start(self) -> None:
-        comm = self.transport.comm
+        comm, resources = self.transport.comm, self.transport.resources
+        # Windows are made by blocking collectives: every rank must be here (and none failed) first.
+        self.transport.barrier(agree=True)
         if self.transport.size > 1:
-            self.progress = ProgressThread.probing(comm, self.rule.progress_interval, f"{self.rule.name} (a parameter-server rule)")
-        self.center = ShardedVector(comm, self.ref.numel(), self.ref.dtype)
-        self.clock = Counters(comm, 1)
-        self.board = DecisionBoard(comm)
+            self.progress = ProgressThread.probing(comm, self.rule.progress_interval, f"{self.rule.name} (a parameter-server rule)",
+                                                   resources=resources, on_error=self.transport.report_thread_failure)
+        self.center = ShardedVector(comm, self.ref.numel(), self.ref.dtype, resources=resources)
+        self.clock = Counters(comm, 1, resources=resources)
+        self.board = DecisionBoard(comm, resources=resources)
         initial = self.flat.pull().clone()
         clock0 = 0
         if self._pending is not None:
@@ -205,12 +208,13 @@ class BoundServerRule(BoundLocalStepRule):
         self.ref.copy_(self.scratch)
 
     def close(self) -> None:
-        if self.training:
-            # fit did not reach on_train_end (an exception on this rank): freeing a window is
-            # collective and the other ranks may never join, so leave it to process exit
-            # rather than hang; stop the thread so the interpreter can exit.
-            self.training = False
+        if self.training and not self.transport.abandoned:
+            # fit did not reach on_train_end, yet the run was not abandoned (a frontend that
+            # closes without a failure handler): freeing a window is collective and the other
+            # ranks may never join, so leave it to process exit rather than hang.
             self.center = self.clock = self.board = None
+        # After a failed run the frees below are no-ops: the next run reclaims the windows.
+        self.training = False
         for attr in ("board", "clock", "center"):
             obj = getattr(self, attr)
             if obj is not None:

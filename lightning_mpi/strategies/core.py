@@ -11,13 +11,12 @@ collectives; the frontend mixins only decide *when* Lightning calls them:
 - :meth:`reduce` / :meth:`all_gather` / :meth:`broadcast` / :meth:`barrier`: Lightning's
   collectives over MPI, so that no ``torch.distributed`` process group is ever created.
 - :meth:`rule_checkpoint` / :meth:`restore_rule`: the rule's state in a checkpoint.
+- :meth:`fail_run` / :meth:`propagate_errors`: one rank's exception becomes
+  :class:`~lightning_mpi.comm.errors.RankFailedError` on the others (see :mod:`.failures`).
 """
 from __future__ import annotations
 
 import hashlib
-import os
-import sys
-import time
 import warnings
 from collections.abc import Generator
 from contextlib import contextmanager
@@ -26,35 +25,12 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
-from lightning_mpi.comm.transport import Transport
 from lightning_mpi.rules.base import BoundRule, Rule
 from lightning_mpi.rules.sync import SyncRule
+from lightning_mpi.strategies.failures import FailurePropagation
 
 #: Key of the rule's state in a checkpoint dictionary.
 CHECKPOINT_KEY = "lightning_mpi"
-
-#: Pause between printing a failing rank's message and ``MPI_Abort`` (see :func:`abort_every_rank`).
-ABORT_FLUSH_SECONDS = 0.5
-
-
-def abort_every_rank(message: str) -> None:
-    """Write ``message`` to stderr, then end every rank of the job with ``MPI_Abort`` (no return).
-
-    The other ranks are (or soon will be) waiting in a collective that this rank will never join,
-    so raising alone would hang the job.
-    """
-    sys.stderr.write(message)
-    sys.stderr.flush()
-    sys.stdout.flush()
-    # mpiexec forwards each rank's output through its proxies asynchronously; Abort makes it
-    # kill every proxy at once, which can drop lines still in flight (a CI run lost a traceback
-    # this way). A short pause on a path that is ending the job anyway lets them through.
-    time.sleep(ABORT_FLUSH_SECONDS)
-    from mpi4py import MPI
-
-    MPI.COMM_WORLD.Abort(1)
-    os._exit(1)  # not reached: Abort does not return
-
 
 def reduce_op_name(reduce_op: Any) -> str:
     """Map Lightning/torch reduce ops ("mean", "avg", "sum", ReduceOp.SUM, ...) to a short name."""
@@ -112,7 +88,7 @@ def first_difference(signatures: list[list[Any]]) -> Optional[str]:
     return None
 
 
-class MPIStrategyCore:
+class MPIStrategyCore(FailurePropagation):
     """Rule lifecycle and collectives over MPI, shared by every frontend (see the module docstring).
 
     The frontend mixin calls :meth:`_init_core` from its ``__init__``; ``world_size`` and
@@ -141,19 +117,21 @@ class MPIStrategyCore:
         check_rule(rule)
         check_collective_timeout(collective_timeout)
         self.rule: Rule = rule if rule is not None else SyncRule()
-        self.transport = Transport(comm, timeout=collective_timeout)
         self._bound: Optional[BoundRule] = None
         self._pending_rule_state: Optional[dict[str, Any]] = None
+        self._init_failures(comm, collective_timeout)
 
     @property
     def collective_timeout(self) -> Optional[float]:
         """Seconds a collective may wait for the other ranks (``None``: forever)."""
-        return self.transport.timeout
+        return self._collective_timeout
 
     @collective_timeout.setter
     def collective_timeout(self, value: Optional[float]) -> None:
         check_collective_timeout(value)
-        self.transport.timeout = value
+        self._collective_timeout = value
+        if self._transport is not None:
+            self._transport.timeout = value
 
     @property
     def bound_rule(self) -> Optional[BoundRule]:
@@ -203,9 +181,9 @@ class MPIStrategyCore:
             return
         signature = module_signature(module)
         digest = hashlib.sha256(repr(signature).encode()).hexdigest()
-        if len(set(self.transport.comm.allgather(digest))) == 1:
+        if len(set(self.transport.allgather_object(digest))) == 1:
             return
-        message = first_difference(self.transport.comm.allgather(signature))
+        message = first_difference(self.transport.allgather_object(signature))
         if message is not None:
             raise ValueError(message)
 
@@ -329,5 +307,5 @@ class MPIStrategyCore:
 
     def _gather_for_metrics(self, tensor: Tensor, group: Any = None) -> list[Tensor]:
         """torchmetrics' ``dist_sync_fn``: every rank's tensor, shapes may differ between ranks."""
-        gathered = self.transport.comm.allgather(tensor.detach().cpu())
+        gathered = self.transport.allgather_object(tensor.detach().cpu())
         return [t.to(tensor.device) for t in gathered]

@@ -45,10 +45,12 @@ class StopDecisions:
             self._collective_depth -= 1
 
     def _decision_board(self) -> Optional[Any]:
-        """The board for stop votes, or ``None`` when the answer must be a collective."""
+        """The board for stop votes, or ``None`` when the answer must be a collective. A board
+        read waits for no rank, so it checks first whether another rank failed."""
         bound = self._bound
         if self._collective_depth or bound is None or not bound.training:
             return None
+        self.check_peers()  # type: ignore[attr-defined]
         return bound.board
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:

@@ -5,7 +5,7 @@
 is the user's own code, so the rule's lifecycle hangs on the calls that loop makes:
 
 - ``fabric.launch()``: nothing to spawn (``mpiexec`` started the ranks); this rank's device is set
-  up and, with ``abort_on_exception``, an exception that nobody catches aborts every rank.
+  up, and an exception that nobody catches aborts every rank (``sys.excepthook``).
 - ``fabric.setup(model, optimizer)`` / ``fabric.setup_module(model)``: every rank checks it built
   the same model and takes rank 0's weights; the rule is bound to the trainable parameters and
   starts (``on_train_start``).
@@ -21,20 +21,41 @@ is the user's own code, so the rule's lifecycle hangs on the calls that loop mak
   ``fabric.strategy.finish_training()`` on every rank after the loop: every rank's module then
   holds the rule's consensus weights (the center for elastic and parameter-server rules, the
   weighted consensus for gossip), and the rule's threads and windows are released.
+
+When a rank fails. An exception raised inside any of the strategy's calls above (a collective, a
+step, a checkpoint) fails the run on every rank: it is posted to the other ranks, which raise
+``RankFailedError`` from their next strategy call, and the run is abandoned (see
+:mod:`.failures`). An exception in the user's own code between those calls is not seen by the
+strategy: wrap the loop in ``with fabric.strategy.propagate_errors():`` to catch and retry on every
+rank, or leave it uncaught and every rank is aborted.
 """
 from __future__ import annotations
 
-import sys
+import functools
+from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
-from types import TracebackType
-from typing import Any, Literal, Optional
+from typing import Any, Literal, Optional, TypeVar
 
 from torch.nn import Module
 from torch.optim import Optimizer
 
 from lightning_mpi.rules.base import Rule
 from lightning_mpi.strategies.aids import ConvergenceAids
-from lightning_mpi.strategies.core import CHECKPOINT_KEY, MPIStrategyCore, abort_every_rank
+from lightning_mpi.strategies.core import CHECKPOINT_KEY, MPIStrategyCore
+from lightning_mpi.strategies.failures import install_abort_hook
+
+_Method = TypeVar("_Method", bound=Callable[..., Any])
+
+
+def _fails_the_run(method: _Method) -> _Method:
+    """An exception raised inside ``method`` fails the run on every rank (``propagate_errors``)."""
+
+    @functools.wraps(method)
+    def propagating(self: "FabricMPIStrategy", *args: Any, **kwargs: Any) -> Any:
+        with self.propagate_errors():
+            return method(self, *args, **kwargs)
+
+    return propagating  # type: ignore[return-value]
 
 
 class _NoBackwardSync:
@@ -54,10 +75,12 @@ class FabricMPIStrategy(ConvergenceAids, MPIStrategyCore):
     Args:
         rule: what to exchange and when; defaults to :class:`~lightning_mpi.rules.sync.SyncRule`
             (average gradients with one Allreduce every step).
-        abort_on_exception: when an exception reaches the top of the program unhandled on one
-            rank, print its traceback and call ``MPI_Abort``, so that every rank exits non-zero at
-            once instead of waiting in a collective (world size > 1; installed as ``sys.excepthook``
-            by ``fabric.launch()``). Exceptions your code catches are left to you.
+        abort_on_exception: ``False`` (default): an exception inside a strategy call (or a
+            ``propagate_errors()`` block) propagates on its rank and every other rank raises
+            :class:`~lightning_mpi.RankFailedError` from its next strategy call; an exception that
+            reaches the top of the program aborts every rank (``sys.excepthook``, installed by
+            ``fabric.launch()`` at world size > 1, whatever this option). ``True``: the failing rank
+            prints its traceback and calls ``MPI_Abort`` at once.
         collective_timeout: seconds any collective may wait for the other ranks before it raises
             ``CollectiveTimeout``; ``None`` waits forever.
         lr_scaling: ``"linear"`` or ``"sqrt"`` scaling of every learning rate by the world size,
@@ -76,7 +99,7 @@ class FabricMPIStrategy(ConvergenceAids, MPIStrategyCore):
     def __init__(
         self,
         rule: Optional[Rule] = None,
-        abort_on_exception: bool = True,
+        abort_on_exception: bool = False,
         collective_timeout: Optional[float] = 1800.0,
         lr_scaling: Optional[Literal["linear", "sqrt"]] = None,
         warmup_steps: int = 0,
@@ -123,13 +146,14 @@ class FabricMPIStrategy(ConvergenceAids, MPIStrategyCore):
     def setup_environment(self) -> None:
         super().setup_environment()  # type: ignore[misc]
         self._set_world_ranks()
-        if self.abort_on_exception and self.world_size > 1:
+        if self.world_size > 1:
             install_abort_hook(self.global_rank, self.world_size)
 
     # -- the model -------------------------------------------------------------------------------
     def module_to_device(self, module: Module) -> None:
         module.to(self.root_device)
 
+    @_fails_the_run
     def setup_module(self, module: Module) -> Module:
         """Same model everywhere, rank 0's weights, the rule bound and started."""
         self.prepare_module(module)
@@ -152,11 +176,13 @@ class FabricMPIStrategy(ConvergenceAids, MPIStrategyCore):
     def _optimizer_step_count(self) -> int:
         return self._steps_seen
 
+    @_fails_the_run
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
         """The rule's exchange (``before_step``), the update, then ``after_step``.
 
         The convergence aids (``lr_scaling``) change the param groups for the update only.
         """
+        self.check_peers()
         overrides = self._step_overrides(optimizer)
         bound = self._bound
         try:
@@ -175,6 +201,7 @@ class FabricMPIStrategy(ConvergenceAids, MPIStrategyCore):
             if overrides is not None:
                 self._record_aid_stats(overrides)
 
+    @_fails_the_run
     def finish_training(self) -> None:
         """End training on every rank: leave the rule's consensus weights in the module (the center,
         the average, the gossip consensus) and release its threads and windows.
@@ -194,11 +221,29 @@ class FabricMPIStrategy(ConvergenceAids, MPIStrategyCore):
         self.close_rule()
         super().teardown()  # type: ignore[misc]
 
+    @_fails_the_run
+    def backward(self, tensor: Any, module: Optional[Module], *args: Any, **kwargs: Any) -> None:
+        super().backward(tensor, module, *args, **kwargs)  # type: ignore[misc]
+
     # -- collectives --------------------------------------------------------------------------------
+    @_fails_the_run
     def all_reduce(self, tensor: Any, group: Optional[Any] = None, reduce_op: Optional[Any] = "mean") -> Any:
         return self.reduce(tensor, group=group, reduce_op=reduce_op)
 
+    @_fails_the_run
+    def all_gather(self, tensor: Any, group: Optional[Any] = None, sync_grads: bool = False) -> Any:
+        return super().all_gather(tensor, group=group, sync_grads=sync_grads)
+
+    @_fails_the_run
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        return super().broadcast(obj, src)
+
+    @_fails_the_run
+    def barrier(self, name: Optional[str] = None) -> None:
+        super().barrier(name)
+
     # -- checkpoints ---------------------------------------------------------------------------------
+    @_fails_the_run
     def save_checkpoint(self, path: Any, state: dict[str, Any], storage_options: Optional[Any] = None,
                         filter: Optional[dict[str, Any]] = None) -> None:
         """Rank 0 writes ``state`` plus the rule's state; every rank takes part (sharded rule
@@ -208,6 +253,7 @@ class FabricMPIStrategy(ConvergenceAids, MPIStrategyCore):
             state = {**state, CHECKPOINT_KEY: entry}
         super().save_checkpoint(path, state, storage_options=storage_options, filter=filter)  # type: ignore[misc]
 
+    @_fails_the_run
     def load_checkpoint(self, path: Any, state: Optional[Any] = None, strict: bool = True,
                         weights_only: Optional[bool] = None) -> dict[str, Any]:
         """Fabric's load, and the rule's state restored from the ``"lightning_mpi"`` entry.
@@ -222,22 +268,3 @@ class FabricMPIStrategy(ConvergenceAids, MPIStrategyCore):
         self.restore_rule(remainder.pop(CHECKPOINT_KEY, None))
         return remainder
 
-
-def install_abort_hook(rank: int, world_size: int) -> None:
-    """Make an exception that reaches the top of the program on this rank abort every rank.
-
-    The others are (or soon will be) waiting in a collective this rank will never join. Installed
-    once per process; an earlier hook (a debugger's, say) still runs first.
-    """
-    previous = sys.excepthook
-    if getattr(previous, "_lightning_mpi_abort", False):
-        return
-
-    def abort_on_uncaught(kind: type[BaseException], value: BaseException, tb: Optional[TracebackType]) -> None:
-        previous(kind, value, tb)  # prints the traceback
-        if issubclass(kind, KeyboardInterrupt):
-            return
-        abort_every_rank(f"lightning_mpi: rank {rank} of {world_size} failed (traceback above); aborting every rank.\n")
-
-    abort_on_uncaught._lightning_mpi_abort = True  # type: ignore[attr-defined]
-    sys.excepthook = abort_on_uncaught

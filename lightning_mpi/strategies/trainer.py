@@ -11,11 +11,13 @@ attributes ``_api`` and ``_fabric_api`` name that package's classes. Each method
   Lightning calls ``optimizer_step`` only on steps that update, so gradient accumulation
   exchanges once per update. Then ``after_step``.
 - ``on_train_end``: the rule leaves its consensus weights in the module.
-- ``on_exception``: one failing rank brings the job down instead of leaving the others waiting.
+- ``fit``/``validate``/``test``/``predict`` run inside :meth:`~.failures.FailurePropagation.propagate_errors`
+  (through a launcher that runs them in this process): an exception on one rank is posted to the
+  others, which raise ``RankFailedError``, and the run is abandoned before Lightning's exception
+  hooks run; ``on_exception`` does the same for an exception raised outside it.
 """
 from __future__ import annotations
 
-import traceback
 from collections.abc import Callable, Generator
 from contextlib import contextmanager, nullcontext
 from typing import Any, Literal, Optional
@@ -25,7 +27,28 @@ from torch.optim import Optimizer
 from lightning_mpi.lr_scaling import StepOverrides
 from lightning_mpi.rules.base import Rule
 from lightning_mpi.strategies.aids import ConvergenceAids
-from lightning_mpi.strategies.core import CHECKPOINT_KEY, MPIStrategyCore, abort_every_rank
+from lightning_mpi.strategies.core import CHECKPOINT_KEY, MPIStrategyCore
+from lightning_mpi.strategies.failures import install_abort_hook
+
+
+class _InProcessLauncher:
+    """Lightning's launcher slot, used to run ``fit``/``validate``/``test``/``predict`` inside
+    :meth:`~.failures.FailurePropagation.propagate_errors` in this process (``mpiexec`` started the
+    ranks): a failure is posted before Lightning's ``on_exception`` hooks run, so that callbacks
+    that make collectives there (a checkpoint on exception) start on fresh communicators everywhere."""
+
+    is_interactive_compatible = True
+
+    def __init__(self, strategy: "TrainerMPIStrategy") -> None:
+        self._strategy = strategy
+
+    def launch(self, function: Callable[..., Any], *args: Any, trainer: Optional[Any] = None, **kwargs: Any) -> Any:
+        with self._strategy.propagate_errors():
+            return function(*args, **kwargs)
+
+    def kill(self, signum: Any) -> None:
+        """Nothing to kill: this launcher starts no process."""
+
 
 class _SkipStep(Exception):
     """Raised from inside the optimizer closure to abandon a step before the update runs."""
@@ -39,13 +62,16 @@ class TrainerMPIStrategy(ConvergenceAids, MPIStrategyCore):
             (average gradients with one Allreduce every step).
         log_stats: log the rule's per-step numbers (exchange time, bytes, skips) to the trainer's
             loggers under ``mpi/``.
-        abort_on_exception: when an exception escapes ``fit``/``validate``/``test`` on one rank,
-            print its traceback and call ``MPI_Abort`` so that every rank exits non-zero at once
-            instead of waiting forever in a collective (world size > 1 only).
+        abort_on_exception: ``False`` (default): an exception on one rank inside
+            ``fit``/``validate``/``test``/``predict`` propagates there, and every other rank raises
+            :class:`~lightning_mpi.RankFailedError` naming it within seconds, so ``try: trainer.fit(...)``
+            works as with one process; only an exception that nobody catches ends every rank
+            (``MPI_Abort`` from ``sys.excepthook``). ``True``: the failing rank prints its
+            traceback and calls ``MPI_Abort`` at once (world size > 1 only).
         collective_timeout: seconds any collective may wait for the other ranks before it raises
-            ``CollectiveTimeout`` (which, with ``abort_on_exception``, ends the job with a clear
-            message); ``None`` waits forever. A rank that died or hung, or ranks that run
-            different numbers of steps, are caught this way.
+            ``CollectiveTimeout``; ``None`` waits forever. A rank that hung outside any
+            collective, or ranks that run different numbers of steps, are caught this way (a rank
+            that raised is caught at once, see ``abort_on_exception``).
         lr_scaling: ``"linear"`` multiplies every learning rate by the world size W, ``"sqrt"`` by
             √W (Goyal et al. 2017); ``None`` (default) leaves them alone. Applied to the update
             only: ``training_step``, LR schedulers, ``LearningRateMonitor`` and checkpoints see
@@ -73,7 +99,7 @@ class TrainerMPIStrategy(ConvergenceAids, MPIStrategyCore):
         self,
         rule: Optional[Rule] = None,
         log_stats: bool = True,
-        abort_on_exception: bool = True,
+        abort_on_exception: bool = False,
         collective_timeout: Optional[float] = 1800.0,
         lr_scaling: Optional[Literal["linear", "sqrt"]] = None,
         warmup_steps: int = 0,
@@ -108,6 +134,18 @@ class TrainerMPIStrategy(ConvergenceAids, MPIStrategyCore):
     @property
     def is_distributed(self) -> bool:
         return self.world_size > 1
+
+    def _configure_launcher(self) -> None:
+        self._launcher = _InProcessLauncher(self)
+
+    def setup_environment(self) -> None:
+        super().setup_environment()  # type: ignore[misc]
+        if self.world_size > 1:
+            install_abort_hook(self.global_rank, self.world_size)
+
+    def batch_to_device(self, batch: Any, device: Optional[Any] = None, dataloader_idx: int = 0) -> Any:
+        self.check_peers()  # every batch of every loop: stop within a batch of another rank's failure
+        return super().batch_to_device(batch, device, dataloader_idx)  # type: ignore[misc]
 
     # -- setup -------------------------------------------------------------------------------------
     def setup(self, trainer: Any) -> None:
@@ -152,6 +190,7 @@ class TrainerMPIStrategy(ConvergenceAids, MPIStrategyCore):
         # closure) and are lifted while the closure runs (SGD/Adam call it first, then read the lr),
         # so only the update sees them; ``with`` puts the user's values back on every exit: a
         # finished step, a skipped one (``_SkipStep``) or an exception.
+        self.check_peers()
         overrides = self._step_overrides(optimizer)
         try:
             with overrides if overrides is not None else nullcontext():
@@ -212,24 +251,10 @@ class TrainerMPIStrategy(ConvergenceAids, MPIStrategyCore):
         super().on_train_end()  # type: ignore[misc]
 
     def on_exception(self, exception: BaseException) -> None:
-        """One rank failed: bring the whole job down now, with this rank's traceback visible.
-
-        The other ranks are (or soon will be) waiting in a collective that this rank will never
-        join, so re-raising alone would hang the job until its allocation runs out. Callbacks'
-        ``on_exception`` hooks (cleanup) have already run; loggers are finalised here.
-        """
+        """Fail the run on every rank (see :mod:`.failures`) if the launcher has not already: post the
+        exception, abandon the run. Loggers are finalised by Lightning right after."""
         super().on_exception(exception)  # type: ignore[misc]
-        if self.world_size == 1 or not self.abort_on_exception or isinstance(exception, KeyboardInterrupt):
-            return
-        module = self._lightning_module  # type: ignore[attr-defined]
-        trainer = getattr(module, "_trainer", None) if module is not None else None
-        for logger in getattr(trainer, "loggers", []) or []:
-            try:
-                logger.finalize("failed")
-            except Exception:  # the job is going down; a logger error must not hide the real one
-                pass
-        text = "".join(traceback.format_exception(type(exception), exception, exception.__traceback__))
-        abort_every_rank(f"lightning_mpi: rank {self.global_rank} of {self.world_size} failed; aborting every rank.\n{text}")
+        self.fail_run(exception)
 
     def teardown(self) -> None:
         self.close_rule()

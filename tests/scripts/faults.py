@@ -8,7 +8,7 @@ Asynchronous worker death, argv: MODE DIR STRATEGY (a parameter-server strategy 
 async_dies: at global step 10 every rank saves DIR/k10.ckpt; right before, with every rank held in
 barriers (no commit can land), rank 0 reads the center and the clock into DIR/snapshot.pt. Rank 1
 goes on committing and raises in training_step at step 16, after writing the center it saw then
-to DIR/at_death.pt; abort_on_exception must end the job. async_resume: a new launch resumes from
+to DIR/at_death.pt; nobody catches it, so sys.excepthook's abort must end the job. async_resume: a new launch resumes from
 DIR/k10.ckpt to 24 steps and writes what the rule held right after restoring, and the final
 weights of every rank, to DIR/resume.json.
 """

@@ -172,7 +172,7 @@ def test_print_config_shows_convergence_aids_through_kwargs(tmp_path):
               "--trainer.strategy.collective_timeout=60")
     assert out.returncode == 0, out.stderr[-3000:]
     assert re.search(r"class_path: lightning_mpi\.DownpourStrategy\n\s+init_args:\n\s+period: 5\n\s+progress_interval: 0\.0005\n"
-                     r"\s+momentum_correction: true\n\s+log_stats: true\n\s+abort_on_exception: true\n"
+                     r"\s+momentum_correction: true\n\s+log_stats: true\n\s+abort_on_exception: false\n"
                      r"\s+collective_timeout: 60\.0\n\s+lr_scaling: sqrt\n\s+warmup_steps: 7\n", out.stdout), out.stdout[:2000]
     bad = run("--trainer.strategy=lightning_mpi.SyncStrategy", "--trainer.strategy.lr_scaling=cubic")
     assert bad.returncode != 0 and "lr_scaling" in bad.stderr and "cubic" in bad.stderr, bad.stderr[-3000:]

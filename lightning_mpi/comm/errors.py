@@ -1,0 +1,197 @@
+"""Propagated rank failures: one rank's exception becomes a :class:`RankFailedError` on every other.
+
+An MPI job has no shared notion of "the run failed": a rank that raises stops calling the
+collectives the others wait in. An :class:`ErrorChannel` is a private communicator on which a
+failing rank tells every other rank, in one small non-blocking message each, who failed and why.
+Every wait loop of lightning_mpi calls :meth:`ErrorChannel.check` (one ``Iprobe``), so a rank
+waiting for the failed one raises :class:`RankFailedError` within a poll interval instead of
+waiting for ``collective_timeout``.
+
+Generations. A failed run is abandoned on every rank (its communicators and windows are never
+used again) and the next run starts a new *generation*. Every message carries the generation it
+was posted in, so a message that arrives late, or that nobody read because several ranks failed
+at once, is dropped instead of failing the next run. Every rank abandons each failed run once, so
+the ranks' generation counters agree.
+
+Lingering. Passive-target RMA aimed at a rank (a parameter-server commit, a decision board read)
+completes only while that rank is inside MPI. After posting, the failing rank therefore keeps
+driving MPI progress (:meth:`ErrorChannel.linger`) until every other rank acknowledged the error
+or ``linger_seconds`` passed, so that a rank blocked in ``Unlock`` against it can finish, reach
+its next check and raise.
+"""
+from __future__ import annotations
+
+import pickle
+import threading
+import time
+from typing import Any
+
+#: message tags on the channel's private communicator
+ERROR_TAG = 1
+ACK_TAG = 2
+
+#: seconds a failing rank keeps driving MPI progress while it waits for the acknowledgements
+LINGER_SECONDS = 5.0
+
+
+def describe(error: BaseException) -> str:
+    """``"TypeName: message"`` (what the other ranks are told)."""
+    text = str(error)
+    return f"{type(error).__name__}: {text}" if text else type(error).__name__
+
+
+class RankFailedError(RuntimeError):
+    """Another rank failed, so this rank stopped the run too.
+
+    Attributes:
+        rank: the rank that failed.
+        error: its exception, as ``"TypeName: message"``; the full traceback is in that rank's
+            own output (its stderr).
+    """
+
+    def __init__(self, rank: int, error: str) -> None:
+        self.rank = rank
+        self.error = error
+        super().__init__(
+            f"lightning_mpi: rank {rank} failed with {error}; this rank stopped too. "
+            f"Rank {rank}'s traceback is in its own output."
+        )
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.rank, self.error))
+
+
+class AbandonedRunError(RuntimeError):
+    """A communicator, window or rule of a run that failed was used again; start a new run
+    (a new ``fit``, or ``fabric.setup`` again) instead."""
+
+
+class ErrorChannel:
+    """Tells every rank of ``comm`` that one failed (module docstring).
+
+    Collective: construction (it duplicates ``comm``). Everything else is local and non-blocking
+    except :meth:`linger`, which waits a bounded time.
+
+    Args:
+        comm: the communicator whose ranks run together (it is duplicated).
+        linger_seconds: how long :meth:`linger` waits for the acknowledgements at most.
+    """
+
+    def __init__(self, comm: Any, linger_seconds: float = LINGER_SECONDS) -> None:
+        from mpi4py import MPI
+
+        self.MPI = MPI
+        self.comm = comm.Dup()
+        self.rank: int = self.comm.Get_rank()
+        self.size: int = self.comm.Get_size()
+        self.linger_seconds = linger_seconds
+        self.generation = 0
+        self._lock = threading.RLock()  # a progress thread may post while the main thread checks
+        self._sends: list[tuple[Any, bytes]] = []  # (request, payload) until the send completes
+        self._failure: RankFailedError | None = None  # this generation's failure, once known
+        self._thread_error: BaseException | None = None  # a background thread's, for the main thread
+        self._posted: BaseException | None = None  # what this rank posted in this generation
+        self._acks: set[int] = set()
+
+    # -- the failing rank ------------------------------------------------------------------------
+    def post(self, error: BaseException) -> None:
+        """This rank failed with ``error``: tell every other rank (non-blocking). Once per generation;
+        from then on every :meth:`check` of this rank raises too."""
+        with self._lock:
+            if self._posted is not None:
+                return
+            self._posted = error
+            if self._failure is None:
+                self._failure = RankFailedError(self.rank, describe(error))
+            payload = pickle.dumps((self.generation, self.rank, describe(error)))
+            for dest in range(self.size):
+                if dest != self.rank:
+                    self._sends.append((self.comm.Isend(payload, dest=dest, tag=ERROR_TAG), payload))
+
+    def post_from_thread(self, error: BaseException) -> None:
+        """A background thread of this rank failed: post ``error``, and make this rank's main thread
+        raise that same exception at its next :meth:`check`."""
+        with self._lock:
+            if self._thread_error is None:
+                self._thread_error = error
+        self.post(error)
+
+    @property
+    def posted(self) -> BaseException | None:
+        """What this rank posted in this generation (``None``: nothing)."""
+        return self._posted
+
+    def linger(self) -> None:
+        """Drive MPI progress until every other rank acknowledged this rank's error, or for
+        ``linger_seconds`` at most (module docstring). Errors other ranks post meanwhile count as
+        acknowledgements (they stopped too) and are acknowledged in turn."""
+        deadline = time.monotonic() + self.linger_seconds
+        while time.monotonic() < deadline and len(self._acks) < self.size - 1:
+            self._receive_all(raise_failure=False)
+            time.sleep(0.001)
+        self._reap()
+
+    # -- every rank ------------------------------------------------------------------------------
+    def check(self) -> None:
+        """Raise if this run failed: a background thread's own exception, else
+        :class:`RankFailedError` naming the rank that failed. One ``Iprobe`` when nothing did."""
+        if self._thread_error is not None:
+            error, self._thread_error = self._thread_error, None
+            raise error
+        if self._failure is not None:
+            raise self._copy_of_failure()
+        self._receive_all(raise_failure=True)
+
+    @property
+    def failure(self) -> RankFailedError | None:
+        """This generation's failure, once this rank knows of one."""
+        return self._failure
+
+    def next_generation(self) -> None:
+        """The failed run is abandoned on this rank: forget its failure; late messages about it are
+        dropped from now on."""
+        with self._lock:
+            self._reap()
+            self.generation += 1
+            self._failure = None
+            self._thread_error = None
+            self._posted = None
+            self._acks = set()
+
+    def close(self) -> None:
+        """Free the communicator (local; messages still in flight are abandoned)."""
+        if self.comm is not None:
+            self.comm.Free()
+            self.comm = None
+
+    # -- internals ---------------------------------------------------------------------------------
+    def _copy_of_failure(self) -> RankFailedError:
+        # a fresh exception per raise: re-raising one object would chain every traceback onto it
+        assert self._failure is not None
+        return RankFailedError(self._failure.rank, self._failure.error)
+
+    def _receive_all(self, raise_failure: bool) -> None:
+        status = self.MPI.Status()
+        while self.comm.Iprobe(source=self.MPI.ANY_SOURCE, tag=self.MPI.ANY_TAG, status=status):
+            source, tag = status.Get_source(), status.Get_tag()
+            payload = bytearray(status.Get_count(self.MPI.BYTE))
+            self.comm.Recv([payload, self.MPI.BYTE], source=source, tag=tag)
+            generation, *rest = pickle.loads(payload)
+            if generation < self.generation:
+                continue  # about a run this rank has already abandoned
+            if tag == ACK_TAG:
+                self._acks.add(source)
+                continue
+            rank, error = rest
+            with self._lock:
+                self._sends.append((self.comm.Isend(pickle.dumps((generation, self.rank)), dest=source, tag=ACK_TAG), b""))
+                self._acks.add(source)  # it failed too: it waits for nobody
+                if self._failure is None:
+                    self._failure = RankFailedError(rank, error)
+            if raise_failure:
+                raise self._copy_of_failure()
+        self._reap()
+
+    def _reap(self) -> None:
+        with self._lock:
+            self._sends = [(r, p) for r, p in self._sends if not r.Test()]
