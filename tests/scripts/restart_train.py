@@ -5,7 +5,7 @@ trains to ``<out>/steps.<launch>.<rank>`` (``launch`` is ``LIGHTNING_MPI_RESTART
 launch, or ``--launch``), so that a test can count the work that was done twice. At the end rank 0
 saves the weights to ``<out>/final.pt`` with the world size and the last global step.
 
-Faults, on the first launch only (``LIGHTNING_MPI_RESTART`` unset):
+Faults, on the first launch only (``LIGHTNING_MPI_RESTART`` unset and ``--launch`` 0 or not given):
 
 - ``--kill-rank R --kill-at S``: rank R SIGKILLs itself in the training step of global step S;
   with ``--drop-host H --hostfile F`` it first removes host H from hostfile F (its node is gone).
@@ -54,8 +54,8 @@ args = parser.parse_args()
 warnings.filterwarnings("always", message="lightning_mpi")
 
 out = Path(args.out)
-first_launch = os.environ.get("LIGHTNING_MPI_RESTART") is None
 launch = args.launch if args.launch is not None else int(os.environ.get("LIGHTNING_MPI_RESTART", "0"))
+first_launch = os.environ.get("LIGHTNING_MPI_RESTART") is None and launch == 0
 
 if args.strategy == "sync":
     strategy = lightning_mpi.SyncStrategy(log_stats=False, collective_timeout=120)
