@@ -220,6 +220,11 @@ class PreemptionCheckpoint:
             )
             sys.stderr.flush()
         self._end_watch()
+        # Every rank is here after the same vote: end the rule's training together, so that its
+        # windows and threads are released collectively at teardown instead of left to process exit.
+        bound = getattr(self, "_bound", None)
+        if bound is not None:
+            bound.on_train_end()
         raise Preempted(signum, path)
 
 

@@ -128,3 +128,21 @@ def test_sigterm_on_one_rank_checkpoints_every_rank_and_resume_ends_equal(tmp_pa
     before, after = steps_trained(tmp_path, 2)
     assert 6 <= len(before) <= 8  # stopped within two steps of the signal
     assert before + after == list(range(10))  # no step lost, none trained twice
+
+
+@pytest.mark.mpi
+@needs_venv_mpiexec
+@pytest.mark.timeout(200)
+def test_asynchronous_ranks_stop_on_one_vote_and_write_one_checkpoint(tmp_path):
+    # DOWNPOUR: the ranks run apart and only test the votes; rank 1 alone receives SIGTERM.
+    job = [SCRIPT, tmp_path, "--strategy", "downpour", "--epochs", "60", "--every-n-epochs", "1000",
+           "--signal", "SIGTERM", "--signal-rank", "1", "--signal-at", "5"]
+    code, out, err = finish(launch([sys.executable, "-m", "lightning_mpi", "-n", "2", *job], REPO), 180)
+    assert code == 0, err[-3000:]
+    assert "lightning_mpi: preempted (SIGTERM) at step" in err
+    assert sorted(os.listdir(tmp_path / "ckpt")) == ["preempted.ckpt"]
+    assert not (tmp_path / "final.pt").exists()
+    trained = [len((tmp_path / f"steps.0.{r}").read_text().split()) for r in range(2)]
+    assert all(6 <= n < 60 for n in trained), trained  # both stopped after the signal, long before the end
+    saved = torch.load(tmp_path / "ckpt" / "preempted.ckpt", weights_only=False)
+    assert "lightning_mpi" in saved and saved["global_step"] >= 5  # the center travels with it
