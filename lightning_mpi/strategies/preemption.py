@@ -27,7 +27,6 @@ import os
 import signal
 import sys
 import threading
-from collections import deque
 from typing import Any, Optional
 
 import numpy as np
@@ -57,68 +56,76 @@ class StopVote:
 
     :meth:`step` is called once per batch on every rank with this rank's value (the signal it
     received, 0 for none); it returns the decision: 0 to go on, else the largest value of the
-    first vote that was not 0. ``lockstep=True`` (synchronous strategies) completes each vote at
-    the next call, so every rank decides at the same call; ``lockstep=False`` only tests, and ranks
-    decide at different calls but on the same vote. :meth:`finish` (collective, blocking) drains
-    every vote still in flight and returns the decision; call it once when the ranks stop,
-    whatever the reason.
+    first vote that was not 0. One vote is in flight at a time and nothing else runs on the
+    vote's communicator, so the i-th vote of every rank is the same collective and all ranks
+    decide on the same vote. ``lockstep=True`` (synchronous strategies) completes the vote in
+    flight at the next call, so every rank decides at the same call; ``lockstep=False`` only tests
+    it, and a new vote starts once it is complete: no rank waits, ranks decide at different calls.
+
+    :meth:`finish` (blocking) is called once when a rank stops, whatever the reason: it keeps
+    voting, now saying "I am finishing", until a vote shows every rank finishing; all ranks leave
+    on that same vote, with the decision. Waits honour the transport's ``collective_timeout``, so
+    a rank that died before it voted ends the wait with ``CollectiveTimeout`` instead of a hang.
     """
 
-    def __init__(self, comm: Any, lockstep: bool) -> None:
+    def __init__(self, transport: Any, lockstep: bool) -> None:
         self.lockstep = lockstep
-        self.size = comm.Get_size()
         # A communicator of its own: the votes never match a collective of the exchange rule.
-        self.comm = comm.Dup() if self.size > 1 else None
-        self.pending: deque[tuple[Any, np.ndarray]] = deque()
+        self.transport = transport.dup() if transport.size > 1 else None
+        self.in_flight: Optional[tuple[Any, np.ndarray]] = None
         self.started = 0
         self.decided = 0
+        self.all_finishing = False
 
-    def _start(self, value: int) -> None:
+    def _start(self, value: int, finishing: bool = False) -> None:
         from mpi4py import MPI
 
-        buf = np.array([value], dtype=np.int64)
-        self.pending.append((self.comm.Iallreduce(MPI.IN_PLACE, buf, op=MPI.MAX), buf))
+        assert self.transport is not None
+        # One MAX reduces both: the signal, and "finishing" as -1 (the max is -1 only if all are).
+        buf = np.array([value, -1 if finishing else 0], dtype=np.int64)
+        self.in_flight = (self.transport.comm.Iallreduce(MPI.IN_PLACE, buf, op=MPI.MAX), buf)
         self.started += 1
 
-    def _collect(self, wait_all_but: Optional[int]) -> None:
-        """Take finished votes off the front: all but the newest ``wait_all_but`` by waiting, or,
-        with ``None``, those already complete."""
-        while self.pending:
-            request, buf = self.pending[0]
-            if wait_all_but is not None and len(self.pending) > wait_all_but:
-                request.Wait()
-            elif not request.Test():
-                return
-            self.pending.popleft()
-            self.decided = self.decided or int(buf[0])
+    def _complete(self, wait: bool) -> None:
+        """Take the result of the vote in flight: waiting for it, or only if it is complete."""
+        if self.in_flight is None:
+            return
+        request, buf = self.in_flight
+        if wait:
+            from lightning_mpi.comm.transport import wait_request
+
+            t = self.transport
+            wait_request(request, t.timeout, "the preemption vote", t.rank, t.size)
+        elif not request.Test():
+            return
+        self.in_flight = None
+        self.decided = self.decided or int(buf[0])
+        self.all_finishing = int(buf[1]) == -1
 
     def step(self, value: int) -> int:
-        if self.comm is None:
+        if self.transport is None:
             self.decided = self.decided or value
             return self.decided
         if not self.decided:
-            self._start(value)
-            self._collect(1 if self.lockstep else None)
+            self._complete(wait=self.lockstep)
+            if not self.decided and self.in_flight is None:
+                self._start(value)
         return self.decided
 
     def finish(self) -> int:
-        if self.comm is None:
+        if self.transport is None:
             return self.decided
-        from mpi4py import MPI
-
-        # Asynchronous ranks may have started different numbers of votes: every rank starts the
-        # votes it is missing (saying "no"), so that each vote is matched and completes.
-        most = self.comm.allreduce(self.started, op=MPI.MAX)
-        while self.started < most:
-            self._start(0)
-        self._collect(0)
+        self._complete(wait=True)
+        while not self.all_finishing:
+            self._start(0, finishing=True)
+            self._complete(wait=True)
         return self.decided
 
     def close(self) -> None:
-        """Free the communicator (after :meth:`finish`; votes still in flight are abandoned)."""
-        if self.comm is not None and not self.pending:
-            self.comm.Free()
-        self.comm = None
+        """Free the communicator (after :meth:`finish`; a vote still in flight is abandoned)."""
+        if self.transport is not None and self.in_flight is None:
+            self.transport.free()
+        self.transport = None
 
 
 class _SignalFlag:
@@ -164,7 +171,7 @@ class PreemptionCheckpoint:
         from lightning_mpi.strategies.decisions import StopDecisions
 
         # Asynchronous strategies (those answering stop decisions from the board) must not wait.
-        self._stop_vote = StopVote(self.transport.comm, lockstep=not isinstance(self, StopDecisions))
+        self._stop_vote = StopVote(self.transport, lockstep=not isinstance(self, StopDecisions))
         self._signal_flag = _SignalFlag()
         self._signal_flag.install()
 

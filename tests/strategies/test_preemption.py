@@ -60,13 +60,15 @@ def test_readable_checkpoints_and_their_directories(tmp_path):
 VOTE = r"""
 import json, sys, time
 from mpi4py import MPI
+from lightning_mpi.comm.transport import Transport
 from lightning_mpi.strategies.preemption import StopVote
 
 comm = MPI.COMM_WORLD
+world = Transport(comm, timeout=60)
 rank = comm.Get_rank()
 report = {}
 # Synchronous ranks: rank 1 is signalled in step 7; every rank stops at step 8 on vote 7.
-vote = StopVote(comm, lockstep=True)
+vote = StopVote(world, lockstep=True)
 for step in range(50):
     comm.Allreduce(MPI.IN_PLACE, bytearray(8))  # the gradient exchange that keeps them in step
     if vote.step(15 if rank == 1 and step >= 7 else 0):
@@ -74,7 +76,7 @@ for step in range(50):
 report["sync"] = [step, vote.finish()]
 vote.close()
 # Asynchronous ranks at different speeds; rank 2 (the slowest) is signalled in its step 5.
-vote = StopVote(comm, lockstep=False)
+vote = StopVote(world, lockstep=False)
 for step in range(2000):
     time.sleep(0.002 * rank)
     if vote.step(10 if rank == 2 and step >= 5 else 0):
@@ -82,7 +84,7 @@ for step in range(2000):
 report["async"] = [step, vote.finish(), vote.started]
 vote.close()
 # Asynchronous ranks that end normally after different numbers of steps: nobody hangs.
-vote = StopVote(comm, lockstep=False)
+vote = StopVote(world, lockstep=False)
 for step in range(10 * (rank + 1)):
     vote.step(0)
 report["end"] = vote.finish()
