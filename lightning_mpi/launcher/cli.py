@@ -3,7 +3,8 @@
 Usage::
 
     lightning-mpi -n N [--hosts a,b | --hostfile F] [--ppn K] [--mpiexec PATH]
-                  [--env K=V]... [--dry-run] script.py [script args]
+                  [--env K=V]... [--max-restarts R [--min-ranks M]] [--resume]
+                  [--grace S] [--dry-run] script.py [script args]
     python -m lightning_mpi ...          # the same
 
 What it does, in order:
@@ -19,11 +20,15 @@ What it does, in order:
    topology (hosts and ranks per host) on stderr. ``--dry-run`` prints the command on stdout and
    exits 0 without launching.
 4. Runs the command in its own session and returns its exit code (death by signal S gives
-   128 + S). SIGINT/SIGTERM are forwarded; whatever is still alive after a grace period, ranks
-   included, is killed.
+   128 + S). SIGINT/SIGTERM are forwarded; whatever is still alive after ``--grace`` seconds,
+   ranks included, is killed. SIGUSR1 (a preemption notice) is forwarded as it is.
+5. With ``--max-restarts R``, a job that failed is launched again, up to R times, each time with
+   ``LIGHTNING_MPI_RESTART=k`` exported to the ranks (they resume from the newest common
+   checkpoint); ``--min-ranks M`` lets a relaunch go on with fewer ranks when hosts were lost.
 
 Steps 1 to 3 are :func:`_prepare` (the checks live in :mod:`.hosts` and :mod:`.checks`, the command
-in :mod:`.command`, the topology in :mod:`.topology`); step 4 is :func:`.process.run_command`.
+in :mod:`.command`, the topology in :mod:`.topology`); step 4 is :func:`.process.run_job`; step 5
+is :func:`_run_with_restarts` (the policy lives in :mod:`.restarts`).
 
 The launcher package imports only the standard library: the launcher must start fast, and it must
 not initialise MPI itself (the mpi4py check runs in a subprocess).
@@ -31,6 +36,7 @@ not initialise MPI itself (the mpi4py check runs in a subprocess).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import shlex
 import shutil
@@ -49,15 +55,17 @@ from .checks import (
 )
 from .command import ENV_KEY, FLAVOR_NAMES, Flavor, LaunchSpec, build_command
 from .errors import PROG, LaunchError
-from .hosts import check_hosts_resolve, parse_host, positive_int, read_hostfile
-from .process import run_command
+from .hosts import HostEntry, check_hosts_resolve, parse_host, positive_int, read_hostfile
+from .process import KILL_GRACE_S, run_job
+from .restarts import RESTART_ENV, RESUME_ENV, RestartPolicy, describe_exit, lost_hosts, ranks_left, should_restart
 from .topology import format_topology, plan_topology
 
 __all__ = ["USAGE", "build_parser", "main"]
 
 USAGE = (
     "lightning-mpi -n N [--hosts a,b | --hostfile F] [--ppn K] [--mpiexec PATH] "
-    "[--env K=V]... [--dry-run] script.py [script args]"
+    "[--env K=V]... [--max-restarts R [--min-ranks M]] [--resume] [--grace S] [--dry-run] "
+    "script.py [script args]"
 )
 
 
@@ -66,6 +74,26 @@ def _arg_positive_int(text: str) -> int:
         return positive_int(text, "value")
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not an integer >= 1") from None
+
+
+def _arg_count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer >= 0")
+    return value
+
+
+def _arg_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds >= 0")
+    return value
 
 
 def _arg_hosts(text: str) -> tuple[str, ...]:
@@ -95,7 +123,8 @@ def build_parser() -> argparse.ArgumentParser:
             "examples:\n"
             "  lightning-mpi -n 4 train.py fit --trainer.strategy=mpi_easgd\n"
             "  lightning-mpi -n 8 --hosts node1,node2 --ppn 4 --env OMP_NUM_THREADS=2 train.py\n"
-            "  lightning-mpi -n 8 --hostfile hosts.txt --dry-run train.py"
+            "  lightning-mpi -n 8 --hostfile hosts.txt --dry-run train.py\n"
+            "  lightning-mpi -n 8 --hostfile hosts.txt --max-restarts 3 --min-ranks 4 train.py"
         ),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -111,6 +140,18 @@ def build_parser() -> argparse.ArgumentParser:
                         help="launcher to use (default: the venv's mpiexec, then PATH; srun under Slurm)")
     parser.add_argument("--env", metavar="K=V", type=_arg_env, action="append", default=[],
                         help="export K=V to every rank (repeatable)")
+    parser.add_argument("--max-restarts", metavar="R", type=_arg_count, default=0,
+                        help="relaunch a failed job up to R times; the ranks resume from the newest "
+                             "checkpoint every rank can read (default 0)")
+    parser.add_argument("--min-ranks", metavar="M", type=_arg_positive_int,
+                        help="a relaunch may go on with M or more ranks when hosts were lost "
+                             "(default: -n, never fewer)")
+    parser.add_argument("--resume", action="store_true",
+                        help="resume from the newest common checkpoint on the first launch too "
+                             "(after a preemption)")
+    parser.add_argument("--grace", metavar="S", type=_arg_seconds, default=KILL_GRACE_S,
+                        help=f"seconds between forwarding SIGINT/SIGTERM and killing what is left "
+                             f"(default {KILL_GRACE_S:g}; leave preempted ranks time to checkpoint)")
     parser.add_argument("--dry-run", action="store_true",
                         help="run the checks, print the command, do not launch")
     parser.add_argument("script", help="Python script every rank runs")
@@ -125,6 +166,7 @@ class _Plan:
     command: list[str]
     topology: list[str]
     notes: list[str]
+    entries: tuple[HostEntry, ...] = ()
 
 
 def _choose_launcher(explicit: str | None, environ: Mapping[str, str]) -> tuple[str, Flavor | None]:
@@ -141,6 +183,7 @@ def _prepare(args: argparse.Namespace, environ: Mapping[str, str]) -> _Plan:
     """Run every sanity check and build the command; raises :class:`LaunchError`."""
     notes: list[str] = []
     check_script(args.script)
+    RestartPolicy(args.max_restarts, args.min_ranks).check(args.nprocs)
     hostfile = read_hostfile(args.hostfile) if args.hostfile else None
     entries = list(hostfile.entries) if hostfile else [parse_host(h) for h in (args.hosts or ())]
     if entries:
@@ -165,21 +208,85 @@ def _prepare(args: argparse.Namespace, environ: Mapping[str, str]) -> _Plan:
             hosts=hosts,
             hostfile=hostfile_path,
             ppn=args.ppn,
-            env=tuple(args.env),
+            env=tuple(args.env) + (((RESUME_ENV, "1"),) if args.resume else ()),
             launcher=launcher,
         )
         command = build_command(spec, flavor)
     except ValueError as exc:
         raise LaunchError(f"{exc}") from None
 
-    header = f"{args.nprocs} rank{'s' if args.nprocs != 1 else ''} via {FLAVOR_NAMES[flavor]} ({launcher})"
-    if flavor == "srun" and not (entries and args.ppn):
+    topology = _topology(spec, flavor, entries, environ)
+    return _Plan(spec, flavor, command, topology, notes, tuple(entries))
+
+
+def _topology(spec: LaunchSpec, flavor: Flavor, entries: Sequence[HostEntry], environ: Mapping[str, str]) -> list[str]:
+    """The lines printed before a launch: how many ranks via which launcher, and where."""
+    header = f"{spec.nprocs} rank{'s' if spec.nprocs != 1 else ''} via {FLAVOR_NAMES[flavor]} ({spec.launcher})"
+    if flavor == "srun" and not (entries and spec.ppn):
         where = ",".join(e.name for e in entries) or environ.get("SLURM_JOB_NODELIST", "the allocation")
-        per_node = f", at most {args.ppn} per node" if args.ppn else ""
-        topology = [header, f"Slurm places them on {where}{per_node}"]
-    else:
-        topology = [header, *format_topology(plan_topology(args.nprocs, entries, args.ppn))]
-    return _Plan(spec, flavor, command, topology, notes)
+        per_node = f", at most {spec.ppn} per node" if spec.ppn else ""
+        return [header, f"Slurm places them on {where}{per_node}"]
+    return [header, *format_topology(plan_topology(spec.nprocs, entries, spec.ppn))]
+
+
+def _relaunch_plan(plan: _Plan, attempt: int, policy: RestartPolicy, hostfile: str | None,
+                   environ: Mapping[str, str]) -> _Plan:
+    """The plan of relaunch ``attempt``: the ranks on lost hosts dropped (when ``policy`` allows
+    it, else :class:`LaunchError`), and ``LIGHTNING_MPI_RESTART=attempt`` exported to every rank.
+    ``hostfile`` (the ``--hostfile`` given, if any) is re-read to find hosts that were removed."""
+    spec, entries = plan.spec, plan.entries
+    env = tuple(kv for kv in spec.env if kv[0] != RESTART_ENV) + ((RESTART_ENV, str(attempt)),)
+    notes: list[str] = []
+    lost = lost_hosts(entries, hostfile) if entries else {}
+    if lost:
+        nprocs = ranks_left(spec.nprocs, entries, spec.ppn, list(lost))
+        min_ranks = policy.min_ranks if policy.min_ranks is not None else spec.nprocs
+        detail = "; ".join(f"{name} {why}" for name, why in lost.items())
+        if nprocs < min_ranks:
+            raise LaunchError(
+                f"cannot relaunch: {detail}; {nprocs} of {spec.nprocs} ranks are left, fewer than "
+                f"--min-ranks {min_ranks}; fix: bring the hosts back, or allow fewer ranks with --min-ranks"
+            )
+        entries = tuple(e for e in entries if e.name not in lost)
+        notes.append(f"{detail}: relaunching on {nprocs} of {spec.nprocs} ranks")
+        spec = dataclasses.replace(spec, nprocs=nprocs, hosts=tuple(str(e) for e in entries), hostfile=None)
+    spec = dataclasses.replace(spec, env=env)
+    try:
+        command = build_command(spec, plan.flavor)
+    except ValueError as exc:
+        raise LaunchError(f"{exc}") from None
+    return _Plan(spec, plan.flavor, command, _topology(spec, plan.flavor, entries, environ), notes, entries)
+
+
+def _run_with_restarts(plan: _Plan, args: argparse.Namespace, environ: Mapping[str, str]) -> int:
+    """Run the job; relaunch it while it fails and ``--max-restarts`` allows; return the last exit code."""
+    policy = RestartPolicy(args.max_restarts, args.min_ranks)
+    sigint_as = signal.SIGTERM if plan.flavor == "srun" else signal.SIGINT
+    attempt = 0
+    while True:
+        print(f"{PROG}: command: {shlex.join(plan.command)}", file=sys.stderr, flush=True)
+        outcome = run_job(plan.command, grace_s=args.grace, sigint_as=sigint_as)
+        if outcome.notices and outcome.code == 0:
+            print(f"{PROG}: the job ended after a preemption notice; if it stopped early, launch it again "
+                  "with --resume to continue from its checkpoint", file=sys.stderr)
+        if not should_restart(outcome.code, outcome.stopped_by, attempt, policy):
+            if outcome.code != 0 and outcome.stopped_by is None and policy.max_restarts:
+                print(f"{PROG}: the job failed ({describe_exit(outcome.code)}) and all "
+                      f"{policy.max_restarts} restarts are used up; giving up", file=sys.stderr)
+            return outcome.code
+        attempt += 1
+        print(f"{PROG}: the job failed ({describe_exit(outcome.code)}); restart {attempt} of "
+              f"{policy.max_restarts}, resuming from the newest checkpoint every rank can read",
+              file=sys.stderr, flush=True)
+        try:
+            plan = _relaunch_plan(plan, attempt, policy, args.hostfile, environ)
+        except LaunchError as exc:
+            print(f"{PROG}: error: {exc}", file=sys.stderr)
+            return outcome.code
+        for line in plan.notes:
+            print(f"{PROG}: note: {line}", file=sys.stderr)
+        for line in plan.topology:
+            print(f"{PROG}: {line}", file=sys.stderr)
 
 
 def _error(parser: argparse.ArgumentParser, message: str) -> int:
@@ -213,9 +320,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.dry_run:
         print(shlex.join(plan.command))
         return 0
-    print(f"{PROG}: command: {shlex.join(plan.command)}", file=sys.stderr, flush=True)
-    sigint_as = signal.SIGTERM if plan.flavor == "srun" else signal.SIGINT
     try:
-        return run_command(plan.command, sigint_as=sigint_as)
+        return _run_with_restarts(plan, args, os.environ)
     except OSError as exc:  # the launcher vanished or is not executable after the checks
         return _error(parser, f"cannot start {plan.command[0]}: {exc}")

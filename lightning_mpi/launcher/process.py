@@ -1,8 +1,9 @@
 """Running the launch command: in a session of its own, with SIGINT/SIGTERM forwarded once and
-every process of the job, ranks included, killed after a grace period.
+every process of the job, ranks included, killed after a grace period; SIGUSR1 (a scheduler's
+"you will be preempted" notice) is forwarded without stopping anything.
 
-:func:`run_command` runs the job once and returns its exit code; whether to run it again is
-its caller's decision.
+:func:`run_job` runs the job once and says how it ended (:class:`JobOutcome`); :func:`run_command`
+returns just the exit code. Whether to run it again is the caller's decision (:mod:`.restarts`).
 """
 from __future__ import annotations
 
@@ -10,13 +11,19 @@ import os
 import signal
 import subprocess
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Sequence
 
-__all__ = ["KILL_GRACE_S", "run_command"]
+__all__ = ["KILL_GRACE_S", "FORWARDED_ONLY", "JobOutcome", "run_command", "run_job"]
 
 #: Seconds between forwarding SIGINT/SIGTERM and killing every remaining process with SIGKILL.
 KILL_GRACE_S = 5.0
+
+#: Signals passed on to the job as they are, with no escalation: SIGUSR1 is what Slurm sends
+#: (``--signal=USR1@T``) ahead of a preemption, so that the ranks checkpoint and stop by themselves.
+#: hydra's mpiexec passes SIGUSR1 and SIGTERM on to every rank (measured with MPICH 5).
+FORWARDED_ONLY = (signal.SIGUSR1,)
 
 
 def _start_time(pid: int) -> str | None:
@@ -71,6 +78,7 @@ class _Stopper:
         self.grace_s = grace_s
         self.sigint_as = sigint_as
         self.signum: int | None = None
+        self.notices: list[int] = []
         self._tracked: dict[int, str] = {}
         self._timer: threading.Timer | None = None
         # Re-entrant: a third Ctrl-C can interrupt the main thread inside kill().
@@ -79,6 +87,14 @@ class _Stopper:
     def _track(self) -> None:
         # Snapshot now: once the launcher dies its ranks are re-parented and can't be found.
         self._tracked.update(_descendants(self.proc.pid))
+
+    def on_notice(self, signum: int, frame: object) -> None:
+        """Pass a notice (SIGUSR1) on to the job; the job decides what to do with it."""
+        self.notices.append(signum)
+        try:
+            os.killpg(self.proc.pid, signum)
+        except ProcessLookupError:
+            pass
 
     def on_signal(self, signum: int, frame: object) -> None:
         with self._lock:
@@ -118,6 +134,55 @@ class _Stopper:
             self.kill()
 
 
+@dataclass(frozen=True)
+class JobOutcome:
+    """How one run of the job ended.
+
+    - ``code``: the exit code as :func:`run_command` reports it (128 + S when stopped by signal S).
+    - ``returncode``: the launcher process's own exit status (negative -S if a signal killed it).
+    - ``stopped_by``: the SIGINT/SIGTERM this process received and forwarded, or ``None``: a job
+      that was asked to stop is never restarted.
+    - ``notices``: the SIGUSR1 notices passed on to the job while it ran.
+    """
+
+    code: int
+    returncode: int
+    stopped_by: int | None = None
+    notices: tuple[int, ...] = ()
+
+
+def run_job(
+    cmd: Sequence[str],
+    *,
+    grace_s: float = KILL_GRACE_S,
+    sigint_as: int = signal.SIGINT,
+    env: Mapping[str, str] | None = None,
+) -> JobOutcome:
+    """Run ``cmd`` in a new session and report how it ended (see :func:`run_command`)."""
+    # A new session keeps a terminal's Ctrl-C from reaching the job directly: we forward it
+    # once, in order, and own the escalation.
+    proc = subprocess.Popen(list(cmd), start_new_session=True, env=None if env is None else dict(env))
+    stopper = _Stopper(proc, grace_s, sigint_as)
+    previous: dict[int, object] = {}
+    if threading.current_thread() is threading.main_thread():
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            previous[signum] = signal.signal(signum, stopper.on_signal)
+        for signum in FORWARDED_ONLY:
+            previous[signum] = signal.signal(signum, stopper.on_notice)
+    try:
+        returncode = proc.wait()
+    finally:
+        # Handlers first, so that no new forwarding starts while finish() sweeps.
+        for signum, handler in previous.items():
+            signal.signal(signum, signal.SIG_DFL if handler is None else handler)  # type: ignore[arg-type]
+        stopper.finish()
+    if stopper.signum is not None:
+        code = 128 + stopper.signum
+    else:
+        code = 128 - returncode if returncode < 0 else returncode
+    return JobOutcome(code, returncode, stopper.signum, tuple(stopper.notices))
+
+
 def run_command(
     cmd: Sequence[str],
     *,
@@ -131,23 +196,6 @@ def run_command(
     the job's process group -- SIGINT as ``sigint_as`` (srun needs SIGTERM: one SIGINT only
     makes it print status) -- and after ``grace_s`` seconds, or on a second signal, every
     remaining process of the job, ranks included, is killed. A job stopped this way returns
-    128 + the received signal even if the launcher exited 0.
+    128 + the received signal even if the launcher exited 0. SIGUSR1 is forwarded as it is.
     """
-    # A new session keeps a terminal's Ctrl-C from reaching the job directly: we forward it
-    # once, in order, and own the escalation.
-    proc = subprocess.Popen(list(cmd), start_new_session=True, env=None if env is None else dict(env))
-    stopper = _Stopper(proc, grace_s, sigint_as)
-    previous: dict[int, object] = {}
-    if threading.current_thread() is threading.main_thread():
-        for signum in (signal.SIGINT, signal.SIGTERM):
-            previous[signum] = signal.signal(signum, stopper.on_signal)
-    try:
-        returncode = proc.wait()
-    finally:
-        # Handlers first, so that no new forwarding starts while finish() sweeps.
-        for signum, handler in previous.items():
-            signal.signal(signum, signal.SIG_DFL if handler is None else handler)  # type: ignore[arg-type]
-        stopper.finish()
-    if stopper.signum is not None:
-        return 128 + stopper.signum
-    return 128 - returncode if returncode < 0 else returncode
+    return run_job(cmd, grace_s=grace_s, sigint_as=sigint_as, env=env).code

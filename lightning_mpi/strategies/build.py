@@ -29,6 +29,8 @@ from lightning_mpi.strategies.decisions import StopDecisions
 from lightning_mpi.strategies.environment import MPIClusterMixin
 from lightning_mpi.strategies.fabric import FabricMPIStrategy, _NoBackwardSync
 from lightning_mpi.strategies.lightning_api import fabric_api, trainer_api
+from lightning_mpi.strategies.preemption import PreemptionCheckpoint
+from lightning_mpi.strategies.resume import ResumeOnRestart
 from lightning_mpi.strategies.sharding import LoaderSharding
 from lightning_mpi.strategies.trainer import TrainerMPIStrategy
 
@@ -109,7 +111,8 @@ def _build_trainer_classes(package: str) -> dict[str, type]:
     support = _fabric_support(api.fabric.package)
     module = EXPORTS[package]
     base = _make(
-        "MPIStrategy", (LoaderSharding, TrainerMPIStrategy, api.ParallelStrategy), module, TrainerMPIStrategy.__doc__,
+        "MPIStrategy", (LoaderSharding, ResumeOnRestart, PreemptionCheckpoint, TrainerMPIStrategy, api.ParallelStrategy),
+        module, TrainerMPIStrategy.__doc__,
         _api=api, _fabric_api=api.fabric,
         _environment_class=support["MPIClusterEnvironment"], _checkpoint_io_class=support["AtomicCheckpointIO"],
     )

@@ -135,3 +135,36 @@ def test_escalation_kills_descendants_in_other_sessions(tmp_path, rank_pids):
 def test_run_command_exit_codes():
     assert run_command([sys.executable, "-c", "import sys; sys.exit(7)"]) == 7
     assert run_command([sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"]) == 128 + 9
+
+
+NOTICE_SCRIPT = """
+import os, signal, sys, time
+got = []
+signal.signal(signal.SIGUSR1, lambda signum, frame: got.append(signum))
+from mpi4py import MPI
+rank = MPI.COMM_WORLD.Get_rank()
+path = os.path.join(sys.argv[1], f"pid.{rank}")
+with open(path + ".tmp", "w") as f:
+    f.write(str(os.getpid()))
+os.replace(path + ".tmp", path)
+deadline = time.monotonic() + 60
+while not got and time.monotonic() < deadline:
+    time.sleep(0.02)
+sys.stdout.write(f"rank {rank} got {got}\\n")
+"""
+
+
+@pytest.mark.mpi
+@needs_venv_mpiexec
+@pytest.mark.timeout(90)
+def test_sigusr1_reaches_every_rank_and_stops_nothing(tmp_path, rank_pids):
+    # A preemption notice: the ranks decide what to do with it (checkpoint, stop); the launcher
+    # neither stops the job nor counts it as asked to stop, and reports the job's own exit code.
+    script = write(tmp_path, "notice.py", NOTICE_SCRIPT)
+    proc = launch(standalone(MAIN, "-n", "2", script, tmp_path), tmp_path)
+    rank_pids += wait_for_pid_files(tmp_path, 2, proc)
+    proc.send_signal(signal.SIGUSR1)
+    code, out, err = finish(proc, 60)
+    assert code == 0, err
+    assert sorted(out.split("\n")[:2]) == [f"rank {r} got [{int(signal.SIGUSR1)}]" for r in range(2)]
+    assert "ended after a preemption notice" in err

@@ -1,0 +1,245 @@
+"""Preemption: on SIGTERM or SIGUSR1 every rank writes one consistent checkpoint and exits 0.
+
+Slurm sends SIGTERM before it preempts or cancels a job (and SIGUSR1 ahead of time with
+``--signal=USR1@T``); MPICH's ``mpiexec`` and ``lightning-mpi`` pass both on to every rank. Ranks
+see the signal at different steps, or only some of them see it, so they vote on when to stop:
+
+- every training batch, each rank starts a small non-blocking ``Iallreduce(MAX)`` of "I received a
+  signal" on a communicator of its own (:class:`StopVote`);
+- synchronous strategies complete it at the next batch, where every rank is anyway (the gradient
+  exchange keeps them in step): all ranks learn the result at the same batch and stop there;
+- asynchronous strategies only *test* it, so no rank waits for another; every rank sees the same
+  results in the same order and stops at the first that says "stop", a few steps apart;
+- at the stop, the ranks drain the votes (the one blocking collective, on a path that ends
+  training anyway), write one checkpoint together, ``preempted.ckpt`` in the first
+  ``ModelCheckpoint``'s directory (``<default_root_dir>/checkpoints`` without one), and raise
+  :class:`Preempted`: a ``SystemExit`` with code 0, like Lightning's own ``SIGTERMException``, so
+  the script ends without running what follows ``fit``, and a launcher does not restart it.
+
+A relaunch with ``lightning-mpi --resume`` (or a Slurm requeue) resumes from it
+(:mod:`.resume`). The signal handlers are installed while the training loop runs (from
+``on_train_start``; Lightning's own SIGTERM handler, which needs ``torch.distributed``, is replaced
+meanwhile); outside it the signals keep their previous behaviour.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+from typing import Any, Optional
+
+import numpy as np
+
+__all__ = ["PREEMPTION_SIGNALS", "PREEMPTED_CHECKPOINT", "Preempted", "PreemptionCheckpoint", "StopVote"]
+
+#: Signals that ask the ranks to checkpoint and stop.
+PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+#: File name of the checkpoint written on preemption.
+PREEMPTED_CHECKPOINT = "preempted.ckpt"
+
+
+class Preempted(SystemExit):
+    """Raised on every rank after the preemption checkpoint is written; exit code 0."""
+
+    def __init__(self, signum: int, path: str) -> None:
+        super().__init__(0)
+        self.signum = signum
+        self.path = path
+
+    def __str__(self) -> str:
+        return f"preempted by {signal.Signals(self.signum).name}; checkpoint {self.path}"
+
+
+class StopVote:
+    """Ranks agree on one stop without a per-step barrier (see the module docstring).
+
+    :meth:`step` is called once per batch on every rank with this rank's value (the signal it
+    received, 0 for none); it returns the decision: 0 to go on, else the largest value of the
+    first vote that was not 0. One vote is in flight at a time and nothing else runs on the
+    vote's communicator, so the i-th vote of every rank is the same collective and all ranks
+    decide on the same vote. ``lockstep=True`` (synchronous strategies) completes the vote in
+    flight at the next call, so every rank decides at the same call; ``lockstep=False`` only tests
+    it, and a new vote starts once it is complete: no rank waits, ranks decide at different calls.
+
+    :meth:`finish` (blocking) is called once when a rank stops, whatever the reason: it keeps
+    voting, now saying "I am finishing", until a vote shows every rank finishing; all ranks leave
+    on that same vote, with the decision. Waits honour the transport's ``collective_timeout``, so
+    a rank that died before it voted ends the wait with ``CollectiveTimeout`` instead of a hang.
+    """
+
+    def __init__(self, transport: Any, lockstep: bool) -> None:
+        self.lockstep = lockstep
+        # A communicator of its own: the votes never match a collective of the exchange rule.
+        self.transport = transport.dup() if transport.size > 1 else None
+        self.in_flight: Optional[tuple[Any, np.ndarray]] = None
+        self.started = 0
+        self.decided = 0
+        self.all_finishing = False
+
+    def _start(self, value: int, finishing: bool = False) -> None:
+        from mpi4py import MPI
+
+        assert self.transport is not None
+        # One MAX reduces both: the signal, and "finishing" as -1 (the max is -1 only if all are).
+        buf = np.array([value, -1 if finishing else 0], dtype=np.int64)
+        self.in_flight = (self.transport.comm.Iallreduce(MPI.IN_PLACE, buf, op=MPI.MAX), buf)
+        self.started += 1
+
+    def _complete(self, wait: bool) -> None:
+        """Take the result of the vote in flight: waiting for it, or only if it is complete."""
+        if self.in_flight is None:
+            return
+        request, buf = self.in_flight
+        if wait:
+            from lightning_mpi.comm.transport import wait_request
+
+            t = self.transport
+            wait_request(request, t.timeout, "the preemption vote", t.rank, t.size)
+        elif not request.Test():
+            return
+        self.in_flight = None
+        self.decided = self.decided or int(buf[0])
+        self.all_finishing = int(buf[1]) == -1
+
+    def step(self, value: int) -> int:
+        if self.transport is None:
+            self.decided = self.decided or value
+            return self.decided
+        if not self.decided:
+            self._complete(wait=self.lockstep)
+            if not self.decided and self.in_flight is None:
+                self._start(value)
+        return self.decided
+
+    def finish(self) -> int:
+        if self.transport is None:
+            return self.decided
+        self._complete(wait=True)
+        while not self.all_finishing:
+            self._start(0, finishing=True)
+            self._complete(wait=True)
+        return self.decided
+
+    def close(self) -> None:
+        """Free the communicator (after :meth:`finish`; a vote still in flight is abandoned)."""
+        if self.transport is not None and self.in_flight is None:
+            self.transport.free()
+        self.transport = None
+
+
+class _SignalFlag:
+    """Records the first preemption signal; installed only from the main thread."""
+
+    def __init__(self) -> None:
+        self.signum: Optional[int] = None
+        self._previous: dict[int, Any] = {}
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        if self.signum is None:
+            self.signum = signum
+
+    def install(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return  # signal.signal only works there; the signals keep their handlers
+        for signum in PREEMPTION_SIGNALS:
+            self._previous[signum] = signal.signal(signum, self._on_signal)
+
+    def uninstall(self) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, signal.SIG_DFL if handler is None else handler)
+        self._previous = {}
+
+
+class PreemptionCheckpoint:
+    """Trainer strategy mixin: checkpoint and stop on a preemption signal (module docstring).
+
+    Placed before the frontend class in the strategy's bases (:mod:`.build`), so that its
+    ``on_train_end`` runs before the rule's (which, for asynchronous rules, is collective).
+    """
+
+    _api: Any
+    transport: Any
+    world_size: int
+    global_rank: int
+
+    _stop_vote: Optional[StopVote] = None
+    _signal_flag: Optional[_SignalFlag] = None
+
+    def on_train_start(self) -> None:
+        super().on_train_start()  # type: ignore[misc]
+        from lightning_mpi.strategies.decisions import StopDecisions
+
+        # Asynchronous strategies (those answering stop decisions from the board) must not wait.
+        self._stop_vote = StopVote(self.transport, lockstep=not isinstance(self, StopDecisions))
+        self._signal_flag = _SignalFlag()
+        self._signal_flag.install()
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        super().on_train_batch_start(batch, batch_idx)  # type: ignore[misc]
+        vote, flag = self._stop_vote, self._signal_flag
+        if vote is not None and flag is not None and vote.step(flag.signum or 0):
+            self._checkpoint_and_exit()
+
+    def on_train_end(self) -> None:
+        vote = self._stop_vote
+        if vote is not None and vote.finish():
+            self._checkpoint_and_exit()
+        self._end_watch()
+        super().on_train_end()  # type: ignore[misc]
+
+    def on_exception(self, exception: BaseException) -> None:
+        self._end_watch()
+        if isinstance(exception, Preempted):
+            # Every rank stops here after the same vote: not a failure, nobody is left waiting, so
+            # the frontend's failure handling (abort every rank) is skipped.
+            from lightning_mpi.strategies.trainer import TrainerMPIStrategy
+
+            super(TrainerMPIStrategy, self).on_exception(exception)  # type: ignore[misc]
+            return
+        super().on_exception(exception)  # type: ignore[misc]
+
+    def _end_watch(self) -> None:
+        if self._signal_flag is not None:
+            self._signal_flag.uninstall()
+        if self._stop_vote is not None:
+            self._stop_vote.close()
+        self._stop_vote = self._signal_flag = None
+
+    def _checkpoint_and_exit(self) -> None:
+        """Drain the votes, write the checkpoint on every rank (rank 0 writes), raise :class:`Preempted`."""
+        assert self._stop_vote is not None
+        # The largest signal number any rank received (the signal may have reached only some).
+        signum = self._stop_vote.finish()
+        trainer = self.lightning_module.trainer  # type: ignore[attr-defined]
+        path = os.path.join(preemption_dir(trainer), PREEMPTED_CHECKPOINT)
+        scope = getattr(self, "collective_decisions", None)
+        if scope is not None:
+            with scope():
+                trainer.save_checkpoint(path)
+        else:
+            trainer.save_checkpoint(path)
+        if self.global_rank == 0:
+            sys.stderr.write(
+                f"lightning_mpi: preempted ({signal.Signals(signum).name}) at step {trainer.global_step}: "
+                f"every rank stops; checkpoint written to {path}. Launch again with "
+                "`lightning-mpi --resume` (a Slurm requeue resumes by itself) to continue from it.\n"
+            )
+            sys.stderr.flush()
+        self._end_watch()
+        # Every rank is here after the same vote: end the rule's training together, so that its
+        # windows and threads are released collectively at teardown instead of left to process exit.
+        bound = getattr(self, "_bound", None)
+        if bound is not None:
+            bound.on_train_end()
+        raise Preempted(signum, path)
+
+
+def preemption_dir(trainer: Any) -> str:
+    """Where the preemption checkpoint goes: the first ``ModelCheckpoint``'s directory (resolved
+    at setup), else ``<default_root_dir>/checkpoints``."""
+    for callback in getattr(trainer, "checkpoint_callbacks", []):
+        dirpath = getattr(callback, "dirpath", None)
+        if dirpath:
+            return str(dirpath)
+    return os.path.join(str(trainer.default_root_dir), "checkpoints")
