@@ -17,6 +17,7 @@ import threading
 from collections.abc import Callable, Generator
 from typing import Any
 
+from lightning_mpi.comm.resources import keep_pending
 from lightning_mpi.comm.transport import wait_request
 
 Exchange = Generator[Any, None, Any]
@@ -117,8 +118,11 @@ class Progress:
                 between()
 
     def abandon(self) -> None:
-        """Forget every exchange in flight without waiting (the run failed: they never complete)."""
+        """Forget every exchange in flight without waiting (the run failed). They are kept with their
+        buffers, not dropped: the other ranks may have joined them, and MPI may still complete them
+        (into those buffers) at any later progress."""
         with self._lock:
+            keep_pending(self._active)
             self._active = []
             self._error = None
 

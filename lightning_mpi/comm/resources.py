@@ -28,6 +28,21 @@ if TYPE_CHECKING:
 #: communicators and windows made through a :class:`RunResources` and not yet freed, process-wide
 _LIVE = {"comms": 0, "windows": 0}
 
+#: requests (with their buffers) of nonblocking operations that a failed run left in flight
+_PENDING_FOREVER: list[Any] = []
+
+
+def keep_pending(request_and_buffers: Any) -> None:
+    """Keep a request that a failed run left in flight, and its buffers, for the life of the process.
+
+    The operation may still complete whenever MPI makes progress (the other ranks may have
+    started their side of it), and MPI then writes into its buffers: freed memory, if nothing
+    held them (a heap corruption seen as ``malloc(): unaligned tcache chunk`` in a later run).
+    mpi4py's request holds its buffers, so holding the request is enough; it costs a few bytes
+    per failed run.
+    """
+    _PENDING_FOREVER.append(request_and_buffers)
+
 
 def live_handles() -> dict[str, int]:
     """How many communicators and windows lightning_mpi made for its runs are still alive (tracked

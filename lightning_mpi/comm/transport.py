@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from lightning_mpi.comm.cuda import mpi_is_cuda_aware
-from lightning_mpi.comm.resources import RunResources
+from lightning_mpi.comm.resources import RunResources, keep_pending
 
 _AS_WORDS = {torch.float16: torch.int16, torch.bfloat16: torch.int16}
 
@@ -65,9 +65,11 @@ def wait_request(request: Any, timeout: float | None, what: str, rank: int, size
                 watch()
             except BaseException:
                 if not settle or _never_completes(request, SETTLE_SECONDS):
+                    keep_pending(request)  # MPI may still complete it, into its buffers
                     raise
                 return
         if deadline is not None and time.monotonic() > deadline:
+            keep_pending(request)
             raise CollectiveTimeout(
                 f"lightning_mpi: {what} on rank {rank} waited more than {timeout:g} s for the other "
                 f"{size - 1} rank(s). A rank may have died or hung, or ranks ran different numbers of "

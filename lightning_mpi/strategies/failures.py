@@ -35,7 +35,7 @@ from types import TracebackType
 from typing import Any, Optional
 
 from lightning_mpi.comm.errors import LINGER_SECONDS, ErrorChannel, RankFailedError
-from lightning_mpi.comm.resources import RunResources, reclaim
+from lightning_mpi.comm.resources import keep_pending, RunResources, reclaim
 from lightning_mpi.comm.transport import Transport, wait_request
 
 #: Pause between printing a failing rank's message and ``MPI_Abort`` (see :func:`abort_every_rank`).
@@ -181,6 +181,12 @@ class FailurePropagation:
         if transport is not None:
             transport.resources.abandon()
             _ABANDONED.append(transport.resources)
+        # The rule's buffers may be the targets of operations still in flight (a one-sided get,
+        # a posted receive) that MPI can complete at any later progress: keep them for the life
+        # of the process, or MPI would write into freed memory.
+        bound = getattr(self, "_bound", None)
+        if bound is not None:
+            keep_pending(bound)
         self.close_rule()  # no waits, no frees: everything it holds belongs to the abandoned run
         self.errors.next_generation()
 
@@ -204,5 +210,8 @@ class FailurePropagation:
         try:
             yield
         except BaseException as error:
-            self.fail_run(error)
+            # An exception that every rank raises at the same agreed point (a preemption stop) is
+            # no failure: nobody is left waiting, and the run's communicators stay usable.
+            if not getattr(error, "agreed_by_every_rank", False):
+                self.fail_run(error)
             raise

@@ -42,6 +42,9 @@ PREEMPTED_CHECKPOINT = "preempted.ckpt"
 class Preempted(SystemExit):
     """Raised on every rank after the preemption checkpoint is written; exit code 0."""
 
+    #: every rank raises it after the same vote: not a failure to post (see ``propagate_errors``)
+    agreed_by_every_rank = True
+
     def __init__(self, signum: int, path: str) -> None:
         super().__init__(0)
         self.signum = signum
@@ -92,10 +95,8 @@ class StopVote:
             return
         request, buf = self.in_flight
         if wait:
-            from lightning_mpi.comm.transport import wait_request
-
-            t = self.transport
-            wait_request(request, t.timeout, "the preemption vote", t.rank, t.size)
+            # a watched wait: a rank that failed meanwhile fails this one too, instead of a hang
+            self.transport._wait(request, "the preemption vote")
         elif not request.Test():
             return
         self.in_flight = None
@@ -122,8 +123,14 @@ class StopVote:
         return self.decided
 
     def close(self) -> None:
-        """Free the communicator (after :meth:`finish`; a vote still in flight is abandoned)."""
-        if self.transport is not None and self.in_flight is None:
+        """Free the communicator (after :meth:`finish`; a vote still in flight is abandoned, and
+        kept with its buffer, since the other ranks may still complete it)."""
+        if self.in_flight is not None:
+            from lightning_mpi.comm.resources import keep_pending
+
+            keep_pending(self.in_flight)
+            self.in_flight = None
+        elif self.transport is not None:
             self.transport.free()
         self.transport = None
 

@@ -117,25 +117,34 @@ def newest_common(listings: Sequence[Sequence[Listing]]) -> Optional[str]:
 
 
 class AutoResume:
-    """The strategy's Lightning launcher: resumes ``fit`` on a restart (module docstring)."""
+    """The strategy's Lightning launcher: resumes ``fit`` on a restart (module docstring).
+
+    It wraps the frontend's own launcher (``inner``, which runs the call inside the failure
+    propagation scope), and chooses the checkpoint inside that scope, so that a rank failing
+    while the ranks agree on it fails every rank instead of leaving them waiting."""
 
     is_interactive_compatible = True
 
-    def __init__(self, strategy: Any) -> None:
+    def __init__(self, strategy: Any, inner: Any) -> None:
         self.strategy = strategy
+        self.inner = inner
 
     def launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
         reason = resume_reason()
         if trainer is None or reason is None or trainer.state.fn != self.strategy._api.TrainerFn.FITTING:
-            return function(*args, **kwargs)
+            return self.inner.launch(function, *args, trainer=trainer, **kwargs)
         call = inspect.signature(function).bind(*args, **kwargs)
         user_managed = getattr(getattr(trainer, "_checkpoint_connector", None), "_user_managed", False)
         if "ckpt_path" not in call.signature.parameters or call.arguments.get("ckpt_path") is not None or user_managed:
-            return function(*args, **kwargs)
-        path = self.strategy.resume_checkpoint(trainer, reason)
-        if path is not None:
-            call.arguments["ckpt_path"] = path
-        return function(*call.args, **call.kwargs)
+            return self.inner.launch(function, *args, trainer=trainer, **kwargs)
+
+        def resumed() -> Any:
+            path = self.strategy.resume_checkpoint(trainer, reason)
+            if path is not None:
+                call.arguments["ckpt_path"] = path
+            return function(*call.args, **call.kwargs)
+
+        return self.inner.launch(resumed, trainer=trainer)
 
     def kill(self, signum: int) -> None:
         """Lightning asks its launcher to stop the processes it started; mpiexec started ours."""
@@ -149,13 +158,14 @@ class ResumeOnRestart:
     global_rank: int
 
     def _configure_launcher(self) -> None:
-        self._launcher = AutoResume(self)
+        super()._configure_launcher()  # type: ignore[misc]
+        self._launcher = AutoResume(self, self._launcher)
 
     def resume_checkpoint(self, trainer: Any, reason: str) -> Optional[str]:
         """The newest checkpoint every rank can read, the same on every rank (collective)."""
         dirs = checkpoint_dirs(trainer)
         mine = readable_checkpoints(dirs)
-        listings = self.transport.comm.allgather(mine) if self.world_size > 1 else [mine]
+        listings = self.transport.allgather_object(mine) if self.world_size > 1 else [mine]
         path = newest_common(listings)
         if self.global_rank == 0:
             where = ", ".join(dirs)
