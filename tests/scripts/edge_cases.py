@@ -4,7 +4,7 @@ Usage: ``mpiexec -n W python tests/scripts/edge_cases.py OUT.json CASE[,CASE...]
 ``{"world_size": W, "cases": {CASE: [per-rank result, ...]}}`` to ``OUT.json``. Several cases run in
 one launch because each launch costs 10-20 s of imports on a loaded 2-core machine.
 
-Cases (the test, ``tests/test_reliability.py``, holds the expectations):
+Cases (the test, ``tests/strategies/test_reliability.py``, holds the expectations):
 
 - ``frozen``: a frozen layer (``requires_grad=False``) between trainable ones; ranks start from
   different random weights. Frozen weights must end equal to rank 0's initial ones on every rank,
