@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import csv
 import re
-import subprocess
+import runpy
 import sys
 import textwrap
 import time
@@ -62,14 +62,28 @@ def test_strategy_from_yaml_config_file(tmp_path):
     assert _strategy_line(result.stdout) == "strategy=EASGDStrategy rule=easgd period=2 alpha=0.4"
 
 
-@pytest.mark.timeout(400)
-def test_print_config_shows_strategy_and_arguments(tmp_path):
-    # three single-process runs; each is mostly import time (slow on a loaded 2-core machine)
+def _digits_cli(monkeypatch, capsys, *args: str) -> tuple[int, str, str]:
+    """Run ``examples/digits.py fit ARGS --print_config`` in this process: (exit code, stdout, stderr).
+
+    ``--print_config`` exits before anything is built or launched, so one process is the whole
+    story; running it here saves a Lightning import per call (several seconds each on 2 cores)."""
+    monkeypatch.setattr(sys, "argv", [DIGITS, "fit", *args, "--print_config"])
+    digits = runpy.run_path(DIGITS, run_name="digits_cli")
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as ended:
+        digits["main"]()
+    out = capsys.readouterr()
+    return ended.value.code or 0, out.out, out.err
+
+
+@pytest.mark.timeout(300)
+def test_print_config_shows_strategy_and_arguments(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+
     def print_config(*args: str) -> str:
-        out = subprocess.run([sys.executable, DIGITS, "fit", *args, "--print_config"], capture_output=True, text=True,
-                             env=mpi_env(), cwd=tmp_path, timeout=130)
-        assert out.returncode == 0, out.stderr[-3000:]
-        return out.stdout
+        code, stdout, stderr = _digits_cli(monkeypatch, capsys, *args)
+        assert code == 0, stderr[-3000:]
+        return stdout
 
     by_class = print_config("--trainer.strategy=lightning_mpi.EASGDStrategy", "--trainer.strategy.alpha=0.5")
     assert re.search(r"strategy:\n\s+class_path: lightning_mpi\.EASGDStrategy\n\s+init_args:\n\s+period: 4\n\s+alpha: 0\.5\n",
@@ -161,21 +175,20 @@ def test_exchange_stats_in_csv_and_tensorboard(strategy, expected, tmp_path):
 
 # -- 4. convergence aids (issue 9) from the command line ----------------------------------------------
 @pytest.mark.timeout(300)
-def test_print_config_shows_convergence_aids_through_kwargs(tmp_path):
+def test_print_config_shows_convergence_aids_through_kwargs(tmp_path, monkeypatch, capsys):
     # The strategies pass the common options on with **kwargs; jsonargparse must still see them.
-    def run(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, DIGITS, "fit", *args, "--print_config"], capture_output=True, text=True,
-                              env=mpi_env(), cwd=tmp_path, timeout=130)
-
-    out = run("--trainer.strategy=lightning_mpi.DownpourStrategy", "--trainer.strategy.momentum_correction=true",
-              "--trainer.strategy.lr_scaling=sqrt", "--trainer.strategy.warmup_steps=7",
-              "--trainer.strategy.collective_timeout=60")
-    assert out.returncode == 0, out.stderr[-3000:]
+    monkeypatch.chdir(tmp_path)
+    code, stdout, stderr = _digits_cli(
+        monkeypatch, capsys, "--trainer.strategy=lightning_mpi.DownpourStrategy",
+        "--trainer.strategy.momentum_correction=true", "--trainer.strategy.lr_scaling=sqrt",
+        "--trainer.strategy.warmup_steps=7", "--trainer.strategy.collective_timeout=60")
+    assert code == 0, stderr[-3000:]
     assert re.search(r"class_path: lightning_mpi\.DownpourStrategy\n\s+init_args:\n\s+period: 5\n\s+progress_interval: 0\.0005\n"
                      r"\s+momentum_correction: true\n\s+log_stats: true\n\s+abort_on_exception: false\n"
-                     r"\s+collective_timeout: 60\.0\n\s+lr_scaling: sqrt\n\s+warmup_steps: 7\n", out.stdout), out.stdout[:2000]
-    bad = run("--trainer.strategy=lightning_mpi.SyncStrategy", "--trainer.strategy.lr_scaling=cubic")
-    assert bad.returncode != 0 and "lr_scaling" in bad.stderr and "cubic" in bad.stderr, bad.stderr[-3000:]
+                     r"\s+collective_timeout: 60\.0\n\s+lr_scaling: sqrt\n\s+warmup_steps: 7\n", stdout), stdout[:2000]
+    code, _, stderr = _digits_cli(monkeypatch, capsys, "--trainer.strategy=lightning_mpi.SyncStrategy",
+                                  "--trainer.strategy.lr_scaling=cubic")
+    assert code != 0 and "lr_scaling" in stderr and "cubic" in stderr, stderr[-3000:]
 
 
 @pytest.mark.mpi
