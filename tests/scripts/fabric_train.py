@@ -1,6 +1,7 @@
 """Run on W ranks: lightning_mpi under ``L.Fabric``, compared with one process.
 
-``python fabric_train.py OUT.json PART`` (rank 0 writes OUT.json). PART is one of:
+``python fabric_train.py OUT.json PART[,PART...]`` (rank 0 writes OUT.json: each PART's results
+under its name; several parts share one launch). PART is one of:
 
 - ``equivalence``: for each synchronous name, W ranks x batch B equal one process x batch W·B
   (the ranks start from different random weights: setup must broadcast rank 0's), also with
@@ -182,9 +183,10 @@ def part_resume():
 
 
 if __name__ == "__main__":
-    out, part = sys.argv[1], sys.argv[2]
-    result = {"equivalence": part_equivalence, "every_name": part_every_name, "collectives": part_collectives,
-              "resume": part_resume}[part]()
+    out, parts = sys.argv[1], sys.argv[2].split(",")
+    run = {"equivalence": part_equivalence, "every_name": part_every_name, "collectives": part_collectives,
+           "resume": part_resume}
+    result = {part: run[part]() for part in parts}
     if RANK == 0:
         with open(out, "w") as f:
             json.dump(result, f)

@@ -13,16 +13,23 @@ SCRIPTS = REPO / "tests" / "scripts"
 TOLERANCE = {"mpi_allreduce": 1e-5, "mpi_asa": 1e-5, "mpi_asa16": 5e-3, "mpi_asa_bf16": 5e-3}
 
 
-def _fabric(world: int, part: str, tmp_path, timeout: float = 240) -> dict:
-    out = tmp_path / f"{part}.json"
-    run_mpi(world, [str(SCRIPTS / "fabric_train.py"), str(out), part], timeout=timeout, cwd=tmp_path)
+def _fabric(world: int, parts: str, tmp_path, timeout: float = 240) -> dict:
+    """Run ``fabric_train.py`` on ``world`` ranks: {part: its results} for each of the comma-separated parts."""
+    out = tmp_path / "fabric.json"
+    run_mpi(world, [str(SCRIPTS / "fabric_train.py"), str(out), parts], timeout=timeout, cwd=tmp_path)
     return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def fabric_w3(tmp_path_factory) -> dict:
+    """Every name, and the collectives, in one 3-rank launch (a launch costs seconds of imports)."""
+    return _fabric(3, "every_name,collectives", tmp_path_factory.mktemp("fabric_w3"), timeout=280)
 
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("world", [2, 3])
 def test_fabric_ranks_match_one_process_with_world_batch(world, tmp_path):
-    results = _fabric(world, "equivalence", tmp_path)
+    results = _fabric(world, "equivalence", tmp_path)["equivalence"]
     for name, result in results.items():
         tolerance = TOLERANCE[name.split("+")[0]]
         assert result["diff"] <= tolerance, f"{name} at W={world}: max |Δw| = {result['diff']}"
@@ -32,10 +39,10 @@ def test_fabric_ranks_match_one_process_with_world_batch(world, tmp_path):
 
 
 @pytest.mark.timeout(300)
-def test_every_name_trains_under_fabric_and_ends_on_identical_weights(tmp_path):
+def test_every_name_trains_under_fabric_and_ends_on_identical_weights(fabric_w3):
     import lightning_mpi
 
-    results = _fabric(3, "every_name", tmp_path)
+    results = fabric_w3["every_name"]
     assert set(results) == set(lightning_mpi.STRATEGIES)
     for name, result in results.items():
         assert result["identical"] and result["finite"], (name, result)
@@ -43,9 +50,9 @@ def test_every_name_trains_under_fabric_and_ends_on_identical_weights(tmp_path):
         assert result["class"].startswith("lightning_mpi.fabric."), (name, result)
 
 
-@pytest.mark.timeout(200)
-def test_fabric_collectives_go_over_mpi(tmp_path):
-    results = _fabric(3, "collectives", tmp_path)
+@pytest.mark.timeout(300)
+def test_fabric_collectives_go_over_mpi(fabric_w3):
+    results = fabric_w3["collectives"]
     assert results["mean"] == [1.0, 1.0]
     assert results["sum"] == 3.0
     assert results["gathered"] == [[0, 0], [1, 10], [2, 20]]
@@ -56,7 +63,7 @@ def test_fabric_collectives_go_over_mpi(tmp_path):
 
 @pytest.mark.timeout(300)
 def test_a_fabric_checkpoint_resumes_exactly(tmp_path):
-    results = _fabric(2, "resume", tmp_path)
+    results = _fabric(2, "resume", tmp_path)["resume"]
     for name in ("mpi_allreduce", "mpi_asa_int8", "mpi_topk", "mpi_model_avg"):
         assert results[name]["equal"] and results[name]["diff"] == 0.0, (name, results[name])
     for name, result in results.items():
