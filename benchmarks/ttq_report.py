@@ -126,11 +126,13 @@ def plot(report: dict, setting: str, path: Path) -> None:
     arms = dict(report["settings"][setting])
     if report.get("local") and report["local"]["status"] == "ok":
         arms = {"local": report["local"], **arms}
-    for arm, r in arms.items():
+    palette = plt.get_cmap("tab20").colors  # 13 arms: the default 10-colour cycle would repeat colours
+    for index, (arm, r) in enumerate(arms.items()):
         if r["status"] != "ok":
             continue
         t, loss = zip(*points(r))
-        style = {"local": ("k", ":"), "ddp": ("k", "-")}.get(arm, (None, "--" if arm.startswith("ddp") else "-"))
+        colour = palette[index % len(palette)]
+        style = {"local": ("k", ":"), "ddp": ("k", "-")}.get(arm, (colour, "--" if arm.startswith("ddp") else "-"))
         ax.plot(t, loss, linestyle=style[1], color=style[0], marker=".", label=arm)
     for k in sorted({1, 3, factor}):
         if k <= factor:
