@@ -9,8 +9,11 @@ docstring for what each measure sees). The expectations, per rank and rule:
 
 - threads, open file descriptors and live MPI handles stay exactly constant while the rule runs,
   and return to the values before ``bind`` after ``close()``;
-- blocks held by Python's allocator grow by at most :data:`PY_BLOCKS_TOLERANCE` (one leaked
-  object per step or per commit would be thousands);
+- blocks held by Python's allocator grow by at most :data:`PY_BLOCKS_TOLERANCE` from the 2,000th
+  step to the end (one leaked object per step would be 3,000, one per commit of a period-4 rule
+  750). From the 2,000th step because the rules with a progress thread settle for longer: in one
+  clean-clone CI run ``asa`` grew 307 blocks from step 500 (the limit was 300); run alone, it
+  grew 112-165 (two launches, both ranks), a third to a half of that in its first 1,500 steps;
 - RSS grows by at most :data:`RSS_TOLERANCE_KIB` from the 2,000th step to the end (the first
   steps after warm-up still settle allocator pools), plus, for the parameter-server rules, an
   allowance of :data:`MPICH_ACC_ALLOWANCE` bytes per remote accumulate: MPICH 5.0.2 leaks
@@ -78,7 +81,7 @@ def _table(ranks) -> str:
         r0 = ranks[0]["rules"][name]
         growth = max(_rss_growth(rank["rules"][name])[0] for rank in ranks)
         allow = max(_rss_growth(rank["rules"][name])[1] for rank in ranks)
-        py = max(rank["rules"][name]["samples"][-1]["py_blocks"] - rank["rules"][name]["samples"][0]["py_blocks"] for rank in ranks)
+        py = max(rank["rules"][name]["samples"][-1]["py_blocks"] - rank["rules"][name]["samples"][1]["py_blocks"] for rank in ranks)
         last, base, closed = r0["samples"][-1], r0["baseline"], r0["after_close"]
         handles = f"{_fmt(last['mpi_handles'])} → {_fmt(closed['mpi_handles'])} ({_fmt(base['mpi_handles'])})"
         lines.append(
@@ -140,8 +143,9 @@ def test_memory_does_not_grow(long_run, name):
         r = rank["rules"][name]
         growth, allowance = _rss_growth(r)
         assert growth <= allowance, f"{name}: RSS grew {growth} KiB over {STEPS - WARMUP - EVERY} steps (allowed {allowance:.0f})"
-        blocks = r["samples"][-1]["py_blocks"] - r["samples"][0]["py_blocks"]
-        assert blocks <= PY_BLOCKS_TOLERANCE, f"{name}: Python holds {blocks} more blocks after {STEPS - WARMUP} steps"
+        blocks = r["samples"][-1]["py_blocks"] - r["samples"][1]["py_blocks"]
+        assert blocks <= PY_BLOCKS_TOLERANCE, (
+            f"{name}: Python holds {blocks} more blocks at step {STEPS} than at step {WARMUP + EVERY}")
 
 
 @pytest.mark.mpi
