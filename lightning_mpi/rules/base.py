@@ -49,6 +49,12 @@ def check_choice(name: str, value: Any, choices: Sequence[Any]) -> None:
         raise ValueError(f"{name}={value!r} is not allowed: choose one of {list(choices)}")
 
 
+def check_int(name: str, value: Any, low: int) -> None:
+    """Raise ``ValueError`` naming ``name`` and its value unless it is an int (not a bool) ≥ ``low``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{name}={value!r} is out of range: it must be an integer >= {low}")
+
+
 def check_single_device(params: Sequence[torch.Tensor]) -> None:
     """Raise ``ValueError`` unless every parameter sits on one device.
 

@@ -48,7 +48,7 @@ from lightning_mpi.comm.codecs import get_codec
 from lightning_mpi.comm.engine import Progress
 from lightning_mpi.comm.progress import ProgressThread
 from lightning_mpi.comm.transport import Transport
-from lightning_mpi.rules.base import BoundLocalStepRule, Rule, check_choice, check_range
+from lightning_mpi.rules.base import BoundLocalStepRule, Rule, check_choice, check_int, check_range
 from lightning_mpi.rules.outer_fragment import OuterFragment
 from lightning_mpi.rules.replica_state import ReplicaState
 
@@ -93,12 +93,6 @@ def starts_at(step: int, offset: int, period: int) -> bool:
 def last_start(step: int, offset: int, period: int) -> int:
     """The last step ≤ ``step`` at which that fragment started an exchange (0: none yet)."""
     return 0 if step < offset else offset + (step - offset) // period * period
-
-
-def check_int(name: str, value: Any, low: int) -> None:
-    """Raise ``ValueError`` unless ``value`` is an int (not a bool) ≥ ``low``."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ValueError(f"{name}={value!r} is out of range: it must be an integer >= {low}")
 
 
 def check_outer(period: int, outer_lr: float, outer_momentum: float, wire: str) -> None:

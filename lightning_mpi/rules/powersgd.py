@@ -47,7 +47,7 @@ from lightning_mpi.comm.buffers import make_buckets
 from lightning_mpi.comm.engine import Exchange, Progress
 from lightning_mpi.comm.progress import ProgressThread
 from lightning_mpi.comm.transport import Transport
-from lightning_mpi.rules.base import BoundRule, Rule, check_range
+from lightning_mpi.rules.base import BoundRule, Rule, check_int, check_range
 from lightning_mpi.rules.powersgd_bucket import PowerSGDBucket
 
 
@@ -111,12 +111,6 @@ def random_qs(shapes: Sequence[tuple[int, int]], seed: int, dtype: torch.dtype) 
     every device draws the same values)."""
     generator = torch.Generator(device="cpu").manual_seed(seed)
     return [torch.randn(m, r, generator=generator, dtype=dtype) for m, r in shapes]
-
-
-def check_int(name: str, value: Any, low: int) -> None:
-    """Raise ``ValueError`` unless ``value`` is an int (not a bool) ≥ ``low``."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ValueError(f"{name}={value!r} is out of range: it must be an integer >= {low}")
 
 
 # -- the rule -------------------------------------------------------------------------------------

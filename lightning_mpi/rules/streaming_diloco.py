@@ -41,8 +41,8 @@ from collections.abc import Sequence
 from torch import Tensor
 
 from lightning_mpi.comm.transport import Transport
-from lightning_mpi.rules.base import Rule, check_range
-from lightning_mpi.rules.diloco import BoundDiLoCo, check_int, check_outer
+from lightning_mpi.rules.base import Rule, check_int, check_range
+from lightning_mpi.rules.diloco import BoundDiLoCo, check_outer
 
 
 def split_fragments(sizes: Sequence[int], fragments: int) -> list[int]:
