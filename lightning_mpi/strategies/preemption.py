@@ -31,6 +31,8 @@ from typing import Any, Optional
 
 import numpy as np
 
+from lightning_mpi.strategies.resume import checkpoint_dirs
+
 __all__ = ["PREEMPTION_SIGNALS", "PREEMPTED_CHECKPOINT", "Preempted", "PreemptionCheckpoint", "StopVote"]
 
 #: Signals that ask the ranks to checkpoint and stop.
@@ -219,7 +221,9 @@ class PreemptionCheckpoint:
         # The largest signal number any rank received (the signal may have reached only some).
         signum = self._stop_vote.finish()
         trainer = self.lightning_module.trainer  # type: ignore[attr-defined]
-        path = os.path.join(preemption_dir(trainer), PREEMPTED_CHECKPOINT)
+        # The first directory that a relaunch searches (:func:`.resume.checkpoint_dirs`): the first
+        # ``ModelCheckpoint``'s, resolved at setup, else ``<default_root_dir>/checkpoints``.
+        path = os.path.join(checkpoint_dirs(trainer)[0], PREEMPTED_CHECKPOINT)
         scope = getattr(self, "collective_decisions", None)
         if scope is not None:
             with scope():
@@ -241,12 +245,3 @@ class PreemptionCheckpoint:
             bound.on_train_end()
         raise Preempted(signum, path)
 
-
-def preemption_dir(trainer: Any) -> str:
-    """Where the preemption checkpoint goes: the first ``ModelCheckpoint``'s directory (resolved
-    at setup), else ``<default_root_dir>/checkpoints``."""
-    for callback in getattr(trainer, "checkpoint_callbacks", []):
-        dirpath = getattr(callback, "dirpath", None)
-        if dirpath:
-            return str(dirpath)
-    return os.path.join(str(trainer.default_root_dir), "checkpoints")
