@@ -113,4 +113,5 @@ def lost_hosts(entries: Sequence[HostEntry], hostfile: str | None) -> dict[str, 
 
 def ranks_left(nprocs: int, entries: Sequence[HostEntry], ppn: int | None, lost: Sequence[str]) -> int:
     """How many of the ``nprocs`` ranks hydra placed (:func:`plan_topology`) are on hosts not in ``lost``."""
-    return sum(len(ranks) for host, ranks in plan_topology(nprocs, entries, ppn) if host not in set(lost))
+    gone = set(lost)
+    return sum(len(ranks) for host, ranks in plan_topology(nprocs, entries, ppn) if host not in gone)

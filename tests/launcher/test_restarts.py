@@ -122,6 +122,18 @@ def assert_equal_weights(out, reference) -> dict:
     return final
 
 
+def kill_rank_2_and_drop_its_host(tmp_path, max_restarts: int, *job: str) -> tuple[int, str, str]:
+    """``lightning-mpi -n 3 --min-ranks 2`` with ranks 0-1 on localhost and rank 2 alone on
+    127.0.0.1; the job (``job``: the script's own arguments) SIGKILLs rank 2 and removes its host
+    from the hostfile. Returns (exit code, stdout, stderr) once the launcher ends."""
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("localhost:2\n127.0.0.1:1\n")
+    job = (*job, "--kill-rank", "2", "--drop-host", "127.0.0.1", "--hostfile", hostfile)
+    proc = launch([sys.executable, "-m", "lightning_mpi", "-n", "3", "--hostfile", hostfile, "--max-restarts",
+                   str(max_restarts), "--min-ranks", "2", SCRIPT, tmp_path, *job], REPO)
+    return finish(proc, 220)
+
+
 @pytest.mark.mpi
 @needs_venv_mpiexec
 @pytest.mark.timeout(240)
@@ -129,13 +141,8 @@ def test_max_restarts_resumes_a_rank_killed_mid_epoch_on_the_hosts_left(tmp_path
     # 3 ranks, the third alone on 127.0.0.1; 2 batches per epoch and a checkpoint every 2 epochs
     # (4 steps). In step 6 (mid-epoch 3) the third rank's node "goes away": it leaves the hostfile
     # and the rank is SIGKILLed. The relaunch goes on with localhost's 2 ranks from step 4.
-    hostfile = tmp_path / "hosts"
-    hostfile.write_text("localhost:2\n127.0.0.1:1\n")
-    job = ["--batches-per-epoch", "2", "--epochs", "6", "--every-n-epochs", "2", "--kill-rank", "2",
-           "--kill-at", "6", "--drop-host", "127.0.0.1", "--hostfile", hostfile]
-    proc = launch([sys.executable, "-m", "lightning_mpi", "-n", "3", "--hostfile", hostfile, "--max-restarts", "2",
-                   "--min-ranks", "2", SCRIPT, tmp_path, *job], REPO)
-    code, out, err = finish(proc, 220)
+    code, out, err = kill_rank_2_and_drop_its_host(
+        tmp_path, 2, "--batches-per-epoch", "2", "--epochs", "6", "--every-n-epochs", "2", "--kill-at", "6")
     assert code == 0, err[-3000:]
     # hydra reports the SIGKILL as exit code 9, or 255 when the proxy of the other host fails first
     assert re.search(r"the job failed \(exit code \d+\); restart 1 of 2", err)
@@ -156,13 +163,8 @@ def test_max_restarts_resumes_a_rank_killed_mid_epoch_on_the_hosts_left(tmp_path
 @pytest.mark.timeout(240)
 def test_compressed_rule_resumes_a_w3_checkpoint_at_w2(tmp_path):
     # As above for the compressed rule, whose error-feedback residuals differ per rank.
-    hostfile = tmp_path / "hosts"
-    hostfile.write_text("localhost:2\n127.0.0.1:1\n")
-    job = ["--strategy", "compressed", "--epochs", "6", "--every-n-epochs", "2", "--kill-rank", "2", "--kill-at", "3",
-           "--drop-host", "127.0.0.1", "--hostfile", hostfile]
-    proc = launch([sys.executable, "-m", "lightning_mpi", "-n", "3", "--hostfile", hostfile, "--max-restarts", "1",
-                   "--min-ranks", "2", SCRIPT, tmp_path, *job], REPO)
-    code, out, err = finish(proc, 220)
+    code, out, err = kill_rank_2_and_drop_its_host(
+        tmp_path, 1, "--strategy", "compressed", "--epochs", "6", "--every-n-epochs", "2", "--kill-at", "3")
     assert code == 0, err[-3000:]
     assert "relaunching on 2 of 3 ranks" in err and "epoch=1-step=2.ckpt" in err
     assert "restored on 2: residuals are averaged" in err
