@@ -35,7 +35,7 @@ from types import TracebackType
 from typing import Any, Optional
 
 from lightning_mpi.comm.errors import LINGER_SECONDS, ErrorChannel, RankFailedError
-from lightning_mpi.comm.resources import keep_pending, RunResources, reclaim
+from lightning_mpi.comm.resources import RunResources, keep_pending, reclaim
 from lightning_mpi.comm.transport import Transport, wait_request
 
 #: Pause between printing a failing rank's message and ``MPI_Abort`` (see :func:`abort_every_rank`).

@@ -5,8 +5,8 @@ Every case of one world size runs in one launch (``tests/scripts/rank_failures.p
 the last rank in setup, a training step, a validation step, a checkpoint save, the data loader and
 the rule's progress thread, for a synchronous (``mpi_asa16``, overlapped), a compressed
 (``mpi_asa_int8``), a parameter-server (``mpi_downpour``) and the gossip rule (``mpi_gosgd``, which
-has no progress thread), at W = 2 (and a subset at W = 3, :data:`CASES_W3`); and a raise in a ``lightning_fabric`` training loop
-inside ``fabric.strategy.propagate_errors()``. The W = 2 launch then runs 20 failed-and-retried fits
+has no progress thread), at W = 2 (and a subset at W = 3, :data:`CASES_W3`); and a raise in a
+``lightning_fabric`` training loop inside ``fabric.strategy.propagate_errors()``. The W = 2 launch then runs 20 failed-and-retried fits
 and compares threads, open files, RSS and lightning_mpi's live communicators and windows. Nobody
 catching the exception ends every rank non-zero, with the failing rank's traceback.
 """
