@@ -10,7 +10,7 @@ from __future__ import annotations
 import pickle
 import time
 from collections.abc import Callable, Generator
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from torch import Tensor
@@ -229,6 +229,23 @@ class Transport:
         gathered = np.empty(int(lengths.sum()), dtype=np.uint8)
         request = self.comm.Iallgatherv(payload, [gathered, lengths.tolist(), offsets.tolist(), self.MPI.BYTE])
         self._wait(request, "allgather", settle=settle)
+        return [pickle.loads(gathered[o : o + n].tobytes()) for o, n in zip(offsets.tolist(), lengths.tolist())]
+
+    def gather_object(self, obj: Any, root: int = 0) -> Optional[list[Any]]:
+        """Every rank's picklable ``obj`` in rank order on ``root`` (None elsewhere): ``Igather`` of
+        the lengths, then ``Igatherv`` of the bytes, with the timeout."""
+        import numpy as np
+
+        payload = np.frombuffer(pickle.dumps(obj), dtype=np.uint8)
+        lengths = np.zeros(self.size, dtype=np.int64)
+        self._wait(self.comm.Igather(np.array([payload.size], dtype=np.int64), lengths, root=root), "gather")
+        if self.rank != root:
+            self._wait(self.comm.Igatherv(payload, None, root=root), "gather")
+            return None
+        offsets = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+        gathered = np.empty(int(lengths.sum()), dtype=np.uint8)
+        request = self.comm.Igatherv(payload, [gathered, lengths.tolist(), offsets.tolist(), self.MPI.BYTE], root=root)
+        self._wait(request, "gather")
         return [pickle.loads(gathered[o : o + n].tobytes()) for o, n in zip(offsets.tolist(), lengths.tolist())]
 
     def agree(self, obj: Any) -> list[Any]:

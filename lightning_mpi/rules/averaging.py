@@ -23,7 +23,8 @@ from torch import Tensor
 
 from lightning_mpi.comm.collectives import allreduce_mean_
 from lightning_mpi.comm.transport import Transport
-from lightning_mpi.rules.base import BoundLocalStepRule, Rule, check_range
+from lightning_mpi.options import integer, option, options_class
+from lightning_mpi.rules.base import BoundLocalStepRule, Rule
 from lightning_mpi.rules.easgd import FlatParams
 
 
@@ -39,23 +40,16 @@ def averages_at(step: int, period: int, sync_warmup_steps: int) -> str:
     return "weights" if (step - sync_warmup_steps) % period == 0 else "none"
 
 
+@options_class
 class ModelAveragingRule(Rule):
-    """Local SGD with periodic model averaging.
-
-    Args:
-        period: H, local steps between averages (≥ 1). Default 4.
-        sync_warmup_steps: steps of synchronous gradient averaging first (≥ 0). Default 0.
+    """Periodic model averaging (local SGD): every rank steps on its own gradients, and the ranks
+    average their weights every ``period`` steps. Registered as ``mpi_model_avg``.
     """
 
     name = "model_avg"
 
-    def __init__(self, period: int = 4, sync_warmup_steps: int = 0) -> None:
-        for name, value, low in (("period", period, 1), ("sync_warmup_steps", sync_warmup_steps, 0)):
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise ValueError(f"{name}={value!r} must be an int >= {low}")
-            check_range(name, value, low, float("inf"), high_open=True)
-        self.period = period
-        self.sync_warmup_steps = sync_warmup_steps
+    period: int = option(4, "H, local steps between weight averages (≥ 1).", integer(1))
+    sync_warmup_steps: int = option(0, "first steps with synchronous gradient averaging (≥ 0).", integer(0))
 
     def bind(self, transport: Transport, params: Sequence[Tensor]) -> "BoundModelAveraging":
         return BoundModelAveraging(self, transport, params)

@@ -10,8 +10,6 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
-
 import torch
 from torch import Tensor
 
@@ -28,9 +26,6 @@ from lightning_mpi.comm.engine import Exchange, Progress
 from lightning_mpi.comm.progress import ProgressThread
 from lightning_mpi.comm.transport import Transport
 
-if TYPE_CHECKING:
-    from lightning_mpi.rules.sync import SyncRule
-
 
 class BucketExchanger:
     """Averages padded buckets over ranks, non-blocking, with scratch that is allocated once.
@@ -39,15 +34,16 @@ class BucketExchanger:
     engine; ``poll()`` advances everything in flight; ``finish()`` waits for all of it.
     """
 
-    def __init__(self, transport: Transport, rule: SyncRule) -> None:
+    def __init__(self, transport: Transport, exchange: str, wire: str, segment_mb: float, progress_thread: bool,
+                 topology_aware: bool) -> None:
         self.transport = transport
-        self.exchange = rule.exchange
-        self.codec = get_codec(rule.wire)
-        self.segment_numel = max(1, int(rule.segment_mb * 2**20) // 4)
+        self.exchange = exchange
+        self.codec = get_codec(wire)
+        self.segment_numel = max(1, int(segment_mb * 2**20) // 4)
         self.progress = Progress(transport.timeout, transport.rank, transport.size, watch=transport.watch,
                                  on_driver_error=transport.report_thread_failure)
         self.driver: ProgressThread | None = None
-        if rule.overlap and rule.progress_thread and transport.size > 1:
+        if progress_thread and transport.size > 1:
             # Polls only while exchanges are in flight: started by start(), paused by finish().
             self.driver = ProgressThread(
                 self.progress.try_poll, 2e-4, "SyncRule(progress_thread=True)", running=False,
@@ -60,7 +56,7 @@ class BucketExchanger:
         #: buckets are padded to a multiple of this: every team that cuts them into chunks must
         #: find whole chunks (all ranks; with topology, also the node leaders).
         self.pad_multiple = transport.size
-        if rule.topology_aware and transport.size > 1:
+        if topology_aware and transport.size > 1:
             self.local, self.leaders = transport.node_split()
             num_leaders = sum(transport.allgather_object(self.leaders is not None))
             self.pad_multiple = math.lcm(transport.size, num_leaders)

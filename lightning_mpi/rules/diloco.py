@@ -36,9 +36,10 @@ exchange overlapped with ``overlap_steps`` inner steps, the result mixed in with
 """
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import Tensor
@@ -48,12 +49,12 @@ from lightning_mpi.comm.codecs import get_codec
 from lightning_mpi.comm.engine import Progress
 from lightning_mpi.comm.progress import ProgressThread
 from lightning_mpi.comm.transport import Transport
-from lightning_mpi.rules.base import BoundLocalStepRule, Rule, check_choice, check_int, check_range
+from lightning_mpi.options import integer, number, option, options_class
+from lightning_mpi.rules.base import BoundLocalStepRule, Rule
 from lightning_mpi.rules.outer_fragment import OuterFragment
 from lightning_mpi.rules.replica_state import ReplicaState
 
 #: wire formats of the pseudo-gradient
-WIRES = ("fp32", "bf16", "int8", "int4")
 
 
 # -- pure math ------------------------------------------------------------------------------------
@@ -95,36 +96,34 @@ def last_start(step: int, offset: int, period: int) -> int:
     return 0 if step < offset else offset + (step - offset) // period * period
 
 
-def check_outer(period: int, outer_lr: float, outer_momentum: float, wire: str) -> None:
-    """The checks DiLoCo and Streaming DiLoCo share; each raises ``ValueError`` naming the argument."""
-    check_int("period", period, 1)
-    check_range("outer_lr", outer_lr, 0.0, float("inf"), low_open=True, high_open=True)
-    check_range("outer_momentum", outer_momentum, 0.0, 1.0, high_open=True)
-    check_choice("wire", wire, WIRES)
+@options_class
+class OuterOptions(Rule):
+    """The options DiLoCo and Streaming DiLoCo share: the outer step and how Δ travels."""
+
+    period: int = option(
+        50, "H, inner steps between outer steps (≥ 1); the paper's 500 is made for runs of tens of thousands of "
+        "steps.", integer(1))
+    outer_lr: float = option(0.7, "outer learning rate (> 0); the paper's 0.7.",
+                             number(0.0, math.inf, low_open=True, high_open=True))
+    outer_momentum: float = option(
+        0.9, "outer Nesterov momentum in [0, 1); 0 is plain SGD, and `outer_lr=1, outer_momentum=0` is periodic "
+        "model averaging.", number(0.0, 1.0, high_open=True))
+    wire: Literal["fp32", "bf16", "int8", "int4"] = option(
+        "fp32", "how Δ travels: `\"fp32\"` (one Allreduce), `\"bf16\"`, `\"int8\"` or `\"int4\"` (ASA with error "
+        "feedback).")
 
 
 # -- the rule ---------------------------------------------------------------------------------------
-class DiLoCoRule(Rule):
-    """DiLoCo: ``period`` inner steps, then an outer Nesterov step on the averaged pseudo-gradient.
-
-    Args:
-        period: H, inner steps between outer steps (≥ 1). Default 50 (see the module docstring).
-        outer_lr: the outer learning rate (> 0). Default 0.7 (Douillard et al.).
-        outer_momentum: the outer Nesterov momentum in [0, 1); 0 is plain SGD. Default 0.9.
-        wire: how Δ travels: ``"fp32"`` (Allreduce), ``"bf16"``, ``"int8"`` or ``"int4"`` (ASA with
-            error feedback). Default ``"fp32"``.
+@options_class
+class DiLoCoRule(OuterOptions):
+    """DiLoCo (Douillard et al. 2023): ``period`` steps of your own optimizer (the inner optimizer),
+    then an outer SGD step with Nesterov momentum on the averaged pseudo-gradient
+    Δ = θ_global − θ_local, from which every rank continues. Registered as ``mpi_diloco``.
     """
 
     name = "diloco"
 
-    def __init__(self, period: int = 50, outer_lr: float = 0.7, outer_momentum: float = 0.9, wire: str = "fp32") -> None:
-        check_outer(period, outer_lr, outer_momentum, wire)
-        self.period = period
-        self.outer_lr = float(outer_lr)
-        self.outer_momentum = float(outer_momentum)
-        self.wire = wire
-
-    def bind(self, transport: Transport, params: Sequence[Tensor]) -> "BoundDiLoCo":
+    def bind(self, transport: Transport, params: Sequence[Tensor]) -> BoundDiLoCo:
         return BoundDiLoCo(self, transport, params, groups=[list(params)], offsets=[self.period])
 
 

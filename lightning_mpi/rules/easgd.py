@@ -27,7 +27,11 @@ from torch import Tensor
 
 from lightning_mpi.comm.buffers import make_buckets
 from lightning_mpi.comm.transport import Transport
-from lightning_mpi.rules.base import BoundLocalStepRule, Rule, check_range
+from lightning_mpi.options import integer, number, option, optional, options_class
+from lightning_mpi.rules.base import BoundLocalStepRule, Rule
+
+#: The check of every elastic rule's ``alpha``: None, or a number in (0, 1].
+ALPHA = optional(number(0.0, 1.0, low_open=True))
 
 
 # -- pure math ------------------------------------------------------------------------------------
@@ -61,14 +65,6 @@ def default_alpha(alpha: Optional[float], world_size: int) -> float:
     return float(alpha) if alpha is not None else 0.9 / max(1, world_size)
 
 
-def check_period_alpha(period: int, alpha: Optional[float]) -> None:
-    if isinstance(period, bool) or not isinstance(period, int):
-        raise ValueError(f"period={period!r} must be an int >= 1")
-    check_range("period", period, 1, float("inf"), high_open=True)
-    if alpha is not None:
-        check_range("alpha", alpha, 0.0, 1.0, low_open=True)
-
-
 class FlatParams:
     """All trainable parameters as one padded flat buffer (one dtype, one device)."""
 
@@ -100,20 +96,17 @@ class FlatParams:
 
 
 # -- synchronous EASGD ------------------------------------------------------------------------------
+@options_class
 class EASGDRule(Rule):
-    """Synchronous EASGD: elastic step and center update every ``period`` steps, one allreduce.
-
-    Args:
-        period: τ, local steps between exchanges (≥ 1). Default 4 (Zhang et al. use 1–64).
-        alpha: α = ηρ in (0, 1]; ``None`` means 0.9 / W (Zhang et al.: β = Wα = 0.9).
+    """Synchronous EASGD (Zhang et al. 2015): elastic step and center update every ``period`` steps, one
+    allreduce; the center is replicated on every rank. Registered as ``mpi_easgd``.
     """
 
     name = "easgd"
 
-    def __init__(self, period: int = 4, alpha: Optional[float] = None) -> None:
-        check_period_alpha(period, alpha)
-        self.period = period
-        self.alpha = alpha
+    period: int = option(4, "τ, local steps between elastic exchanges (≥ 1); Zhang et al. use 1 to 64.", integer(1))
+    alpha: Optional[float] = option(
+        None, "elastic moving rate α = ηρ in (0, 1]; None means 0.9 / W (Zhang et al.'s β = Wα = 0.9).", ALPHA)
 
     def bind(self, transport: Transport, params: Sequence[Tensor]) -> "BoundEASGD":
         return BoundEASGD(self, transport, params)

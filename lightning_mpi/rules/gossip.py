@@ -31,7 +31,8 @@ from torch import Tensor
 from lightning_mpi.comm.mailbox import Mailbox
 from lightning_mpi.comm.transport import Transport
 from lightning_mpi.comm.window import DecisionBoard
-from lightning_mpi.rules.base import BoundLocalStepRule, Rule, check_range
+from lightning_mpi.options import integer, number, option, options_class
+from lightning_mpi.rules.base import BoundLocalStepRule, Rule
 from lightning_mpi.rules.easgd import FlatParams
 
 TAG = 7301
@@ -54,20 +55,18 @@ def weighted_consensus(thetas: Sequence[Tensor], weights: Sequence[float]) -> Te
     return sum(w * t for w, t in zip(weights, thetas)) / total
 
 
+@options_class
 class GoSGDRule(Rule):
-    """Gossip: push to a random peer with probability ``p`` per step, weighted merge.
-
-    Args:
-        p: probability of a push after each local step, in (0, 1]. Default 0.1.
-        seed: seed of the per-rank random generator (rank is added), for reproducible gossip.
+    """GoSGD gossip (Blot et al. 2016): after each step a rank pushes its weights to a random peer
+    with probability ``p``; the peer merges them weighted. Registered as ``mpi_gosgd``.
     """
 
     name = "gosgd"
+    asynchronous = True
 
-    def __init__(self, p: float = 0.1, seed: int = 0) -> None:
-        check_range("p", p, 0.0, 1.0, low_open=True)
-        self.p = float(p)
-        self.seed = int(seed)
+    p: float = option(0.1, "probability of a push after each local step, in (0, 1].", number(0.0, 1.0, low_open=True))
+    seed: int = option(0, "seed of each rank's gossip generator (the rank is added), for reproducible gossip (≥ 0).",
+                       integer(0))
 
     def bind(self, transport: Transport, params: Sequence[Tensor]) -> "BoundGoSGD":
         return BoundGoSGD(self, transport, params)

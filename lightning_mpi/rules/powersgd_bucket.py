@@ -31,17 +31,10 @@ from lightning_mpi.comm.buffers import Bucket
 from lightning_mpi.comm.engine import Exchange
 from lightning_mpi.comm.transport import Transport
 from lightning_mpi.rules.base import all_finite
+from lightning_mpi.rules.powersgd_math import orthogonalize_
 
 
-def _orthogonalize_(matrix: Tensor) -> Tensor:
-    """:func:`lightning_mpi.rules.powersgd.orthogonalize_`, looked up on use: that module (the
-    math and the rule) imports this one."""
-    from lightning_mpi.rules.powersgd import orthogonalize_
-
-    return orthogonalize_(matrix)
-
-
-@dataclass(frozen=True)
+@dataclass
 class CompressedMember:
     """A member compressed as an ``n × m`` matrix of rank ``r``, and where its pieces live."""
 
@@ -152,7 +145,7 @@ class PowerSGDBucket:
                 for c, values in zip(self.compressed, randoms):
                     self.q(c, self.q_work).copy_(values)
             for c in self.compressed:
-                q = _orthogonalize_(self.q(c, self.q_work))
+                q = orthogonalize_(self.q(c, self.q_work))
                 torch.mm(self.matrix(c), q, out=self.p(c))
         for u in self.plain:
             self.pu[u.pu_offset : u.pu_offset + u.numel].copy_(flat[u.offset : u.offset + u.numel])
@@ -172,7 +165,7 @@ class PowerSGDBucket:
         if not self.compressed:
             return
         for c in self.compressed:
-            p = _orthogonalize_(self.p(c))
+            p = orthogonalize_(self.p(c))
             torch.mm(self.matrix(c).t(), p, out=self.q(c, self.q_work))
         yield from team.iallreduce_(self.q_work)
         self.q_work.div_(team.size)

@@ -23,6 +23,7 @@ W deltas at lr 0.1·W overshoots.
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any, Optional
 
@@ -30,8 +31,9 @@ import torch
 from torch import Tensor
 
 from lightning_mpi.comm.transport import Transport
-from lightning_mpi.rules.base import all_finite, check_range
-from lightning_mpi.rules.easgd import check_period_alpha, default_alpha, nesterov_gradient_
+from lightning_mpi.options import number, option, options_class, with_default
+from lightning_mpi.rules.base import all_finite
+from lightning_mpi.rules.easgd import EASGDRule, default_alpha, nesterov_gradient_
 from lightning_mpi.rules.server_base import BoundServerRule, ServerRule
 from lightning_mpi.rules.server_commits import adag_commit, aeasgd_exchange, agn_commit, downpour_commit, dynsgd_commit
 
@@ -54,8 +56,10 @@ class BoundDeltaRule(BoundServerRule):
         return True
 
 
+@options_class
 class DownpourRule(ServerRule):
-    """DOWNPOUR: commit the accumulated delta every ``period`` steps (default 5), then pull."""
+    """DOWNPOUR (Dean et al. 2012) against a center sharded over all ranks: commit the accumulated
+    change every ``period`` steps, then pull the center. Registered as ``mpi_downpour``."""
 
     name = "downpour"
 
@@ -68,8 +72,10 @@ class BoundDownpour(BoundDeltaRule):
         return downpour_commit(delta)
 
 
+@options_class
 class AGNRule(ServerRule):
-    """AGN: commit delta / ``period`` every ``period`` steps (default 3), then pull.
+    """Accumulated Gradient Normalization (Hermans 2017): commit delta / ``period`` every ``period``
+    steps, then pull. Registered as ``mpi_agn``.
 
     The normalisation makes one commit worth one step of a λ× larger batch, so the center moves
     ``period``× less per sample than DOWNPOUR's; a short window keeps that loss small (digits,
@@ -78,8 +84,7 @@ class AGNRule(ServerRule):
 
     name = "agn"
 
-    def __init__(self, period: int = 3, progress_interval: float = 5e-4) -> None:
-        super().__init__(period, progress_interval)
+    period: int = with_default(ServerRule, "period", default=3)
 
     def bind(self, transport: Transport, params: Sequence[Tensor]) -> "BoundAGN":
         return BoundAGN(self, transport, params)
@@ -90,8 +95,10 @@ class BoundAGN(BoundDeltaRule):
         return agn_commit(delta, self.rule.period)
 
 
+@options_class
 class DynSGDRule(ServerRule):
-    """DynSGD: commit delta / (staleness + 1) every ``period`` steps (default 5), then pull."""
+    """DynSGD (Jiang et al. 2017): commit delta / (staleness + 1) every ``period`` steps, then pull.
+    Registered as ``mpi_dynsgd``."""
 
     name = "dynsgd"
 
@@ -104,20 +111,17 @@ class BoundDynSGD(BoundDeltaRule):
         return dynsgd_commit(delta, stale)
 
 
+@options_class
 class ADAGRule(ServerRule):
-    """ADAG: commit delta / (‖θ̃ − θ̃_pulled‖²/η + 1) every ``period`` steps (default 5), then pull.
-
-    Args:
-        eta: η > 0, the squared center movement at which a commit is halved. Default 0.1
-            (measured on digits, see the module docstring).
+    """ADAG (Hermans 2017): commit delta / (‖θ̃ − θ̃_pulled‖²/η + 1) every ``period`` steps, then pull;
+    the norm is global. Registered as ``mpi_adag``.
     """
 
     name = "adag"
 
-    def __init__(self, period: int = 5, eta: float = 0.1, progress_interval: float = 5e-4) -> None:
-        super().__init__(period, progress_interval)
-        check_range("eta", eta, 0.0, float("inf"), low_open=True, high_open=True)
-        self.eta = float(eta)
+    eta: float = option(
+        0.1, "η > 0, the squared center movement since the pull at which a commit is halved (measured on digits).",
+        number(0.0, math.inf, low_open=True, high_open=True))
 
     def bind(self, transport: Transport, params: Sequence[Tensor]) -> "BoundADAG":
         return BoundADAG(self, transport, params)
@@ -139,20 +143,16 @@ class BoundADAG(BoundServerRule):
 
 
 # -- the elastic rules: exchange E = α(θ − θ̃) -------------------------------------------------------
+@options_class
 class AEASGDRule(ServerRule):
-    """Asynchronous EASGD: elastic exchange with the sharded center every ``period`` steps.
-
-    Args:
-        period: τ (≥ 1), default 8.
-        alpha: α in (0, 1]; ``None`` means 0.9 / W (Zhang et al.).
+    """Asynchronous EASGD (Zhang et al. 2015): elastic exchange with the center, sharded over all
+    ranks, every ``period`` steps. Registered as ``mpi_aeasgd``.
     """
 
     name = "aeasgd"
 
-    def __init__(self, period: int = 8, alpha: Optional[float] = None, progress_interval: float = 5e-4) -> None:
-        super().__init__(period, progress_interval)
-        check_period_alpha(period, alpha)
-        self.alpha = alpha
+    period: int = with_default(ServerRule, "period", default=8)
+    alpha: Optional[float] = with_default(EASGDRule, "alpha", default=None)
 
     def bind(self, transport: Transport, params: Sequence[Tensor]) -> "BoundAEASGD":
         return BoundAEASGD(self, transport, params)
@@ -178,18 +178,18 @@ class BoundAEASGD(BoundServerRule):
         return True
 
 
+@options_class
 class EAMSGDRule(AEASGDRule):
-    """EAMSGD: AEASGD plus Nesterov momentum δ in [0, 1) on the worker's local steps (default 0.9).
-
-    Use it with plain SGD (no optimizer momentum): the rule supplies the momentum.
+    """EAMSGD (Zhang et al. 2015): asynchronous EASGD plus Nesterov momentum on the worker's local
+    steps. Use it with plain SGD (no optimizer momentum): the rule supplies the momentum.
+    Registered as ``mpi_eamsgd``.
     """
 
     name = "eamsgd"
 
-    def __init__(self, period: int = 8, alpha: Optional[float] = None, momentum: float = 0.9, progress_interval: float = 5e-4) -> None:
-        super().__init__(period, alpha, progress_interval)
-        check_range("momentum", momentum, 0.0, 1.0, high_open=True)
-        self.momentum = float(momentum)
+    momentum: float = option(
+        0.9, "Nesterov momentum δ in [0, 1) (dist-keras; Zhang et al. use 0.99); with `momentum_correction=True` the "
+        "rule runs with max(0, δ - (1 - 1/W)).", number(0.0, 1.0, high_open=True))
 
     def bind(self, transport: Transport, params: Sequence[Tensor]) -> "BoundEAMSGD":
         return BoundEAMSGD(self, transport, params)

@@ -55,24 +55,21 @@ from torch import Tensor
 from lightning_mpi.comm.progress import ProgressThread
 from lightning_mpi.comm.transport import Transport
 from lightning_mpi.comm.window import Counters, DecisionBoard, ShardedVector
-from lightning_mpi.rules.base import BoundLocalStepRule, Rule, all_finite, check_range
-from lightning_mpi.rules.easgd import FlatParams, check_period_alpha
+from lightning_mpi.options import integer, number, option, options_class
+from lightning_mpi.rules.base import BoundLocalStepRule, Rule, all_finite
+from lightning_mpi.rules.easgd import FlatParams
 from lightning_mpi.rules.server_commits import staleness
 
 
+@options_class
 class ServerRule(Rule):
-    """Hyperparameters of a parameter-server rule. Use the subclasses.
+    """Hyperparameters of a parameter-server rule. Use the subclasses."""
 
-    Args:
-        period: local steps between commits (≥ 1).
-        progress_interval: seconds between the progress thread's ``Iprobe`` calls (> 0).
-    """
+    asynchronous = True
 
-    def __init__(self, period: int = 5, progress_interval: float = 5e-4) -> None:
-        check_period_alpha(period, None)
-        check_range("progress_interval", progress_interval, 0.0, 1.0, low_open=True)
-        self.period = period
-        self.progress_interval = float(progress_interval)
+    period: int = option(5, "local steps between commits (≥ 1).", integer(1))
+    progress_interval: float = option(
+        5e-4, "seconds between the progress thread's `Iprobe` calls, in (0, 1].", number(0.0, 1.0, low_open=True))
 
     @abstractmethod
     def bind(self, transport: Transport, params: Sequence[Tensor]) -> "BoundServerRule":
