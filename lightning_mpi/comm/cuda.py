@@ -35,7 +35,7 @@ def mpi_is_cuda_aware() -> bool:
     override = os.environ.get(ENV_OVERRIDE)
     if override is not None:
         return override.strip().lower() in ("1", "true", "yes", "on")
-    from mpi4py import MPI  # noqa: F401  (loads the MPI library whose symbols are queried)
+    from mpi4py import MPI  # noqa: F401  (loads the MPI library queried below; deferred: see lightning_mpi.comm)
 
     candidates = [None, *_loaded_mpi_libraries()]
     for path in candidates:

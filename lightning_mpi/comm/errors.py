@@ -78,7 +78,7 @@ class ErrorChannel:
     """
 
     def __init__(self, comm: Any, linger_seconds: float = LINGER_SECONDS) -> None:
-        from mpi4py import MPI
+        from mpi4py import MPI  # deferred: importing it initialises MPI (see lightning_mpi.comm)
 
         self.MPI = MPI
         self.comm = comm.Dup()

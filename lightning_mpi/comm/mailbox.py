@@ -28,7 +28,7 @@ class Mailbox:
     """
 
     def __init__(self, transport: Transport, numel: int, tag: int = 7301) -> None:
-        from mpi4py import MPI
+        from mpi4py import MPI  # deferred: importing it initialises MPI (see lightning_mpi.comm)
 
         self.MPI = MPI
         self.transport = transport
@@ -111,7 +111,7 @@ class _Probe:
     """A "request" that completes when a message has arrived (``Iprobe``), for :func:`wait_request`."""
 
     def __init__(self, comm: Any, tag: int) -> None:
-        from mpi4py import MPI
+        from mpi4py import MPI  # deferred: importing it initialises MPI (see lightning_mpi.comm)
 
         self.comm, self.tag, self.MPI = comm, tag, MPI
         self.status = MPI.Status()

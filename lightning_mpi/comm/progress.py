@@ -31,7 +31,7 @@ def require_thread_multiple(who: str, remedy: str = "") -> None:
     """Raise ``RuntimeError`` unless MPI runs with ``MPI_THREAD_MULTIPLE`` (a progress thread needs it).
 
     ``who`` names what needs the thread in the message; ``remedy`` adds a way around it."""
-    from mpi4py import MPI
+    from mpi4py import MPI  # deferred: importing it initialises MPI (see lightning_mpi.comm)
 
     level = MPI.Query_thread()
     if level < MPI.THREAD_MULTIPLE:
@@ -89,7 +89,7 @@ class ProgressThread:
         the duplication, blocking), which services one-sided operations aimed at this rank.
         :meth:`close` frees the duplicate (through ``resources``, a
         :class:`~lightning_mpi.comm.resources.RunResources`, when given)."""
-        from mpi4py import MPI
+        from mpi4py import MPI  # deferred: importing it initialises MPI (see lightning_mpi.comm)
 
         private = comm.Dup()
         if resources is not None:

@@ -7,15 +7,18 @@ once per shape and reused. 16-bit tensors travel as ``int16`` words: MPI only mo
 """
 from __future__ import annotations
 
+import os
 import pickle
 import time
 from collections.abc import Callable, Generator
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from lightning_mpi.comm.cuda import mpi_is_cuda_aware
+from lightning_mpi.comm.errors import AbandonedRunError
 from lightning_mpi.comm.resources import RunResources, keep_pending
 
 _AS_WORDS = {torch.float16: torch.int16, torch.bfloat16: torch.int16}
@@ -105,7 +108,7 @@ class Transport:
 
     def __init__(self, comm: Any, timeout: float | None = None, errors: Any = None,
                  resources: RunResources | None = None) -> None:
-        from mpi4py import MPI
+        from mpi4py import MPI  # deferred: importing it initialises MPI (see lightning_mpi.comm)
 
         self.MPI = MPI
         self.timeout = timeout
@@ -126,8 +129,6 @@ class Transport:
         if self.errors is not None:
             self.errors.check()
         if self.resources.abandoned:
-            from lightning_mpi.comm.errors import AbandonedRunError
-
             raise AbandonedRunError(
                 "lightning_mpi: this communicator belongs to a run that failed and was abandoned; start a new "
                 "run (a new fit, or fabric.setup again), which works on fresh communicators."
@@ -208,8 +209,6 @@ class Transport:
 
     def broadcast_object(self, obj: Any, root: int = 0) -> Any:
         """Broadcast a picklable object (two ``Ibcast``s: length, then bytes), with the timeout."""
-        import numpy as np
-
         payload = np.frombuffer(pickle.dumps(obj), dtype=np.uint8) if self.rank == root else None
         length = np.array([payload.size if payload is not None else 0], dtype=np.int64)
         self._wait(self.comm.Ibcast(length, root=root), "broadcast")
@@ -220,8 +219,6 @@ class Transport:
     def allgather_object(self, obj: Any, settle: bool = False) -> list[Any]:
         """Every rank's picklable ``obj``, in rank order (``Iallgather`` of the lengths, then
         ``Iallgatherv`` of the bytes, with the timeout)."""
-        import numpy as np
-
         payload = np.frombuffer(pickle.dumps(obj), dtype=np.uint8)
         lengths = np.zeros(self.size, dtype=np.int64)
         self._wait(self.comm.Iallgather(np.array([payload.size], dtype=np.int64), lengths), "allgather", settle=settle)
@@ -266,8 +263,6 @@ class Transport:
         ``LIGHTNING_MPI_RANKS_PER_NODE=k`` groups consecutive ranks into pretend nodes of ``k``.
         Collective: an agreeing barrier first, since the splits block.
         """
-        import os
-
         self.barrier(agree=True)
         per_node = os.environ.get("LIGHTNING_MPI_RANKS_PER_NODE")
         if per_node:

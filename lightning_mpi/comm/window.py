@@ -77,7 +77,7 @@ class ShardedVector:
 
     def __init__(self, comm: Any, numel: int, dtype: torch.dtype = torch.float32,
                  resources: RunResources | None = None) -> None:
-        from mpi4py import MPI
+        from mpi4py import MPI  # deferred: importing it initialises MPI (see lightning_mpi.comm)
 
         self.MPI = MPI
         self.resources = resources if resources is not None else RunResources()
@@ -159,7 +159,7 @@ class Counters:
     """
 
     def __init__(self, comm: Any, length: int, root: int = 0, resources: RunResources | None = None) -> None:
-        from mpi4py import MPI
+        from mpi4py import MPI  # deferred: importing it initialises MPI (see lightning_mpi.comm)
 
         self.MPI = MPI
         self.resources = resources if resources is not None else RunResources()
