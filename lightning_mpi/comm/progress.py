@@ -4,7 +4,7 @@ MPICH moves data only while some thread of the process is inside an MPI call, an
 spends most of its time in torch kernels that make none. Two things need that movement:
 
 - non-blocking collectives in flight during backward (the synchronous rules): the thread calls
-  :meth:`~lightning_mpi.comm.engine.Progress.try_poll`, which tests every request and starts an
+  :meth:`~lightning_mpi.comm.engine.ExchangeScheduler.try_poll`, which tests every request and starts an
   exchange's next phase (ASA's sum and Allgather) as soon as its previous one completed;
 - one-sided operations aimed at this rank (the parameter-server windows): the thread calls
   ``Iprobe`` on a private communicator (:meth:`ProgressThread.probing`). A 16 MB
