@@ -14,6 +14,7 @@ Classes, by the package they are built on:
 
 Names are resolved on first use, so importing this package stays cheap.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -25,11 +26,26 @@ __version__ = "0.1.0"
 
 #: Classes built on ``pytorch_lightning`` (see :mod:`lightning_mpi.strategies.build`).
 _PYTORCH_LIGHTNING_CLASSES = (
-    "MPIStrategy", "SyncStrategy", "CompressedSyncStrategy", "AsyncMPIStrategy", "EASGDStrategy",
-    "ModelAveragingStrategy", "AEASGDStrategy", "EAMSGDStrategy", "DownpourStrategy", "AGNStrategy",
-    "ADAGStrategy", "DynSGDStrategy", "GoSGDStrategy", "PowerSGDStrategy", "DiLoCoStrategy",
-    "StreamingDiLoCoStrategy", "MPIClusterEnvironment", "AtomicCheckpointIO",
-    "LMSOffload", "PrefetchDataModule",
+    "MPIStrategy",
+    "SyncStrategy",
+    "CompressedSyncStrategy",
+    "AsyncMPIStrategy",
+    "EASGDStrategy",
+    "ModelAveragingStrategy",
+    "AEASGDStrategy",
+    "EAMSGDStrategy",
+    "DownpourStrategy",
+    "AGNStrategy",
+    "ADAGStrategy",
+    "DynSGDStrategy",
+    "GoSGDStrategy",
+    "PowerSGDStrategy",
+    "DiLoCoStrategy",
+    "StreamingDiLoCoStrategy",
+    "MPIClusterEnvironment",
+    "AtomicCheckpointIO",
+    "LMSOffload",
+    "PrefetchDataModule",
 )
 
 #: Lightning-free names -> the module that defines them.

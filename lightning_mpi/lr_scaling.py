@@ -23,6 +23,7 @@ Both are applied by :class:`StepOverrides` for the duration of one update only, 
 like ``OneCycleLR``) keep working on them, and checkpoints store them (a resume at another world
 size scales and corrects afresh).
 """
+
 from __future__ import annotations
 
 import math
@@ -43,7 +44,9 @@ def check_lr_scaling(lr_scaling: Any) -> None:
 def check_warmup_steps(warmup_steps: Any) -> None:
     """``warmup_steps`` must be an int ≥ 0 (optimizer steps)."""
     if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
-        raise ValueError(f"warmup_steps={warmup_steps!r} is out of range: it must be an int in [0, inf) (optimizer steps)")
+        raise ValueError(
+            f"warmup_steps={warmup_steps!r} is out of range: it must be an int in [0, inf) (optimizer steps)"
+        )
 
 
 # -- learning rate ----------------------------------------------------------------------------------
@@ -144,7 +147,9 @@ class StepOverrides:
     the user (or a scheduler) sets inside the closure are the ones overridden afterwards.
     """
 
-    def __init__(self, optimizer: Any, lr_factor: float = 1.0, implicit: float = 0.0, correct_momentum: bool = False) -> None:
+    def __init__(
+        self, optimizer: Any, lr_factor: float = 1.0, implicit: float = 0.0, correct_momentum: bool = False
+    ) -> None:
         self.optimizer = optimizer
         self.lr_factor = float(lr_factor)
         self.implicit = float(implicit)

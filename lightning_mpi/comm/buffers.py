@@ -5,6 +5,7 @@ members' gradients (or values) in, ``unpack`` copies the exchanged result back o
 pads the buffer to a multiple of ``world_size`` is zero and stays zero: summing zeros keeps it
 zero, so ASA can cut the buffer into ``world_size`` equal chunks whatever the parameter shapes.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence

@@ -39,6 +39,7 @@ a short leading dimension (row adds). ``benchmarks/codec_speed.py`` times all of
 Top-k sparsification is not row-wise (it chooses entries across the whole buffer): see
 :mod:`lightning_mpi.comm.sparse`.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -23,6 +23,7 @@ so that, summed over steps, what was sent plus the residual equals what was give
 so the bookkeeping is exact to the last bit; with the other codecs it is exact up to the fp32
 rounding of ``a - decode(wire)``.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -145,7 +146,9 @@ def asa_mean_steps(
         rows[rank].add_(res[rank])
         res[rank].zero_()  # sent exactly (non-zero only after a restore from another world size)
     for a, b in others:
-        encode_with_feedback_(codec, rows[a:b], work.send_wire[a:b], None if res is None else res[a:b], work.decoded[a:b])
+        encode_with_feedback_(
+            codec, rows[a:b], work.send_wire[a:b], None if res is None else res[a:b], work.decoded[a:b]
+        )
     yield from transport.ialltoall(work.send_wire, work.recv_wire)
     for a, b in others:
         codec.decode(work.recv_wire[a:b], work.decoded[a:b])

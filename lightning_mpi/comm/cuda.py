@@ -5,6 +5,7 @@ device pointers may be passed to MPI calls. mpi4py does not wrap it, so it is lo
 ctypes in the MPI library that mpi4py loaded. ``LIGHTNING_MPI_CUDA_AWARE=0|1`` overrides the
 answer (for an MPI that lacks the query, or to force staging while debugging).
 """
+
 from __future__ import annotations
 
 import ctypes

@@ -19,6 +19,7 @@ it on the run's :class:`~lightning_mpi.comm.errors.ErrorChannel`: the other rank
 ``RankFailedError``, and this rank's training thread raises the thread's own exception at its
 next wait).
 """
+
 from __future__ import annotations
 
 import threading
@@ -35,7 +36,11 @@ def require_thread_multiple(who: str, remedy: str = "") -> None:
 
     level = MPI.Query_thread()
     if level < MPI.THREAD_MULTIPLE:
-        names = {MPI.THREAD_SINGLE: "THREAD_SINGLE", MPI.THREAD_FUNNELED: "THREAD_FUNNELED", MPI.THREAD_SERIALIZED: "THREAD_SERIALIZED"}
+        names = {
+            MPI.THREAD_SINGLE: "THREAD_SINGLE",
+            MPI.THREAD_FUNNELED: "THREAD_FUNNELED",
+            MPI.THREAD_SERIALIZED: "THREAD_SERIALIZED",
+        }
         raise RuntimeError(
             f"lightning_mpi: {who} needs MPI_THREAD_MULTIPLE for its progress thread (which calls MPI while "
             f"training runs), but MPI was initialised with {names.get(level, level)}. Do not set mpi4py.rc.thread_level "
@@ -83,8 +88,14 @@ class ProgressThread:
             self.start()
 
     @classmethod
-    def probing(cls, comm: Any, interval: float, who: str, resources: Any = None,
-                on_error: Callable[[BaseException], None] | None = None) -> "ProgressThread":
+    def probing(
+        cls,
+        comm: Any,
+        interval: float,
+        who: str,
+        resources: Any = None,
+        on_error: Callable[[BaseException], None] | None = None,
+    ) -> "ProgressThread":
         """A running thread that calls ``Iprobe`` on a private duplicate of ``comm`` (collective:
         the duplication, blocking), which services one-sided operations aimed at this rank.
         :meth:`close` frees the duplicate (through ``resources``, a
@@ -97,8 +108,13 @@ class ProgressThread:
             free = lambda: resources.free_comm(private)  # noqa: E731
         else:
             free = private.Free
-        return cls(lambda: private.Iprobe(source=MPI.ANY_SOURCE, tag=MPI.ANY_TAG), interval, who, on_close=free,
-                   on_error=on_error)
+        return cls(
+            lambda: private.Iprobe(source=MPI.ANY_SOURCE, tag=MPI.ANY_TAG),
+            interval,
+            who,
+            on_close=free,
+            on_error=on_error,
+        )
 
     def _run(self) -> None:
         while True:

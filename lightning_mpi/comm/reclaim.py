@@ -4,6 +4,7 @@
 abandoned); this module sits above it and above the transport and mailbox it needs to settle and
 free an abandoned run collectively.
 """
+
 from __future__ import annotations
 
 import warnings

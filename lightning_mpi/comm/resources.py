@@ -14,6 +14,7 @@ Requests of nonblocking collectives that a failed run left unmatched can neither
 freed (the MPI standard forbids ``MPI_Request_free`` on them): they are dropped, which leaves one
 small request object inside MPICH per such collective.
 """
+
 from __future__ import annotations
 
 import threading
@@ -127,7 +128,9 @@ class RunResources:
         forget its mailboxes. Collective; for :func:`~lightning_mpi.comm.reclaim.reclaim`, after
         it settled the mailboxes."""
         if not self.abandoned:
-            raise RuntimeError("lightning_mpi: free_abandoned() is for abandoned runs; free a live run's handles one by one")
+            raise RuntimeError(
+                "lightning_mpi: free_abandoned() is for abandoned runs; free a live run's handles one by one"
+            )
         with self._lock:
             windows, comms = self.windows, self.comms
             self.comms, self.windows, self.mailboxes = [], [], []

@@ -11,6 +11,7 @@ With DGC's momentum correction the momentum is accumulated locally before select
 (``u = m·u + g; v = v + u``), ``v`` is what is selected from, and both ``u`` and ``v`` are cleared
 where entries were sent (momentum factor masking).
 """
+
 from __future__ import annotations
 
 import math
@@ -105,7 +106,9 @@ class TopKWorkspace:
     """Send row ``[1, 2k]`` and gathered rows ``[world, 2k]`` for the current ``k``, plus
     selection scratch shaped like the exchanged buffer (kept when ``k`` changes)."""
 
-    def __init__(self, k: int, world: int, device: torch.device, numel: int = 0, dtype: torch.dtype = torch.float32) -> None:
+    def __init__(
+        self, k: int, world: int, device: torch.device, numel: int = 0, dtype: torch.dtype = torch.float32
+    ) -> None:
         self.world, self.device = world, device
         self.magnitude = torch.empty(numel, dtype=dtype, device=device) if numel else None
         self.mask = torch.empty(numel, dtype=torch.bool, device=device) if numel else None

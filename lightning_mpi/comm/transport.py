@@ -5,6 +5,7 @@ interface), so there is no Python-level copy. A CUDA tensor is passed as a devic
 MPI library is CUDA-aware; otherwise it is staged through a pinned host buffer that is allocated
 once per shape and reused. 16-bit tensors travel as ``int16`` words: MPI only moves them.
 """
+
 from __future__ import annotations
 
 import os
@@ -39,8 +40,15 @@ class CollectiveTimeout(RuntimeError):
 SETTLE_SECONDS = 5.0
 
 
-def wait_request(request: Any, timeout: float | None, what: str, rank: int, size: int,
-                 watch: Callable[[], None] | None = None, settle: bool = False) -> None:
+def wait_request(
+    request: Any,
+    timeout: float | None,
+    what: str,
+    rank: int,
+    size: int,
+    watch: Callable[[], None] | None = None,
+    settle: bool = False,
+) -> None:
     """Wait for ``request``; raise :class:`CollectiveTimeout` after ``timeout`` seconds (``None``:
     never), or whatever ``watch()`` raises (another rank failed: see
     :class:`~lightning_mpi.comm.errors.ErrorChannel`).
@@ -106,8 +114,9 @@ class Transport:
             :mod:`lightning_mpi.comm.resources`); transports made by :meth:`dup` share it.
     """
 
-    def __init__(self, comm: Any, timeout: float | None = None, errors: Any = None,
-                 resources: RunResources | None = None) -> None:
+    def __init__(
+        self, comm: Any, timeout: float | None = None, errors: Any = None, resources: RunResources | None = None
+    ) -> None:
         from mpi4py import MPI  # deferred: importing it initialises MPI (see lightning_mpi.comm)
 
         self.MPI = MPI

@@ -38,6 +38,7 @@ not; reproduced in plain C). Through torch's allocator around it, RSS grows by ~
 commit and peer. :attr:`ShardedVector.remote_accumulates` counts those operations so that memory
 tests can tell that growth from a leak of ours.
 """
+
 from __future__ import annotations
 
 import time
@@ -75,8 +76,9 @@ class ShardedVector:
             communicator and window (a failed run's are freed by the next run, not by :meth:`free`).
     """
 
-    def __init__(self, comm: Any, numel: int, dtype: torch.dtype = torch.float32,
-                 resources: RunResources | None = None) -> None:
+    def __init__(
+        self, comm: Any, numel: int, dtype: torch.dtype = torch.float32, resources: RunResources | None = None
+    ) -> None:
         from mpi4py import MPI  # deferred: importing it initialises MPI (see lightning_mpi.comm)
 
         self.MPI = MPI
@@ -194,13 +196,21 @@ class Counters:
         """Overwrite every counter (atomically per element, ``REPLACE``)."""
         v = np.ascontiguousarray(values, dtype=np.int64)
         self.win.Lock(self.root, self.MPI.LOCK_SHARED)
-        self.win.Accumulate([v, v.size, self.MPI.INT64_T], self.root, target=[0, v.size, self.MPI.INT64_T], op=self.MPI.REPLACE)
+        self.win.Accumulate(
+            [v, v.size, self.MPI.INT64_T], self.root, target=[0, v.size, self.MPI.INT64_T], op=self.MPI.REPLACE
+        )
         self.win.Unlock(self.root)
 
     def read(self) -> np.ndarray:
         out = np.zeros(self.length, dtype=np.int64)
         self.win.Lock(self.root, self.MPI.LOCK_SHARED)
-        self.win.Get_accumulate([out, self.length, self.MPI.INT64_T], [out, self.length, self.MPI.INT64_T], self.root, target=[0, self.length, self.MPI.INT64_T], op=self.MPI.NO_OP)
+        self.win.Get_accumulate(
+            [out, self.length, self.MPI.INT64_T],
+            [out, self.length, self.MPI.INT64_T],
+            self.root,
+            target=[0, self.length, self.MPI.INT64_T],
+            op=self.MPI.NO_OP,
+        )
         self.win.Unlock(self.root)
         return out
 

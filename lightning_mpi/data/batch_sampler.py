@@ -7,6 +7,7 @@ sampler that keeps the sequences of a batch contiguous, like Lightning's demo
 the same inner sampler, which must yield the same batches in the same order on every rank (the
 same seed and epoch); rank ``r`` of ``W`` keeps batches ``r, r + W, r + 2W, ...``.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator

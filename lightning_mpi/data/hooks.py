@@ -7,6 +7,7 @@ implementation serve every Lightning frontend (``pytorch_lightning``, ``lightnin
 each frontend's DataModule is this mixin plus that frontend's ``LightningDataModule``
 (:mod:`lightning_mpi.data.module`).
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable

@@ -8,6 +8,7 @@ loads comes from :func:`~lightning_mpi.data.sharding.shard_indices`. :class:`Pre
 training loop. It reaches the loader only through :meth:`PrefetchLoader.open_epoch`,
 :meth:`PrefetchLoader.close_epoch` and :meth:`PrefetchLoader.batch_delivered`.
 """
+
 from __future__ import annotations
 
 import threading

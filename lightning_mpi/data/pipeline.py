@@ -27,6 +27,7 @@ workers, which are ``fork``\\ ed from the MPI process. Neither is needed here, a
 Memory is bounded: at most ``prefetch`` loaded batches wait ahead of the one the training step
 holds, whatever ``num_threads`` is.
 """
+
 from __future__ import annotations
 
 import threading

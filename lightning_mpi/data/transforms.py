@@ -15,6 +15,7 @@ loader (no seed installed), a random transform draws from its own generator, see
 The global torch RNG is never touched: loader threads run concurrently with the training step,
 and drawing from the shared global generator there would make both sides nondeterministic.
 """
+
 from __future__ import annotations
 
 import contextlib

@@ -2,6 +2,7 @@
 belongs to, whether mpi4py loads its MPI library (probed in a subprocess, so that the launcher
 never loads MPI itself), and whether the two match.
 """
+
 from __future__ import annotations
 
 import json

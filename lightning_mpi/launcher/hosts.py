@@ -1,6 +1,7 @@
 """Hosts: ``--hosts`` entries and hostfiles (MPICH or Open MPI syntax) parsed into
 :class:`HostEntry` values, and the check that every host name resolves.
 """
+
 from __future__ import annotations
 
 import socket
@@ -115,9 +116,7 @@ def parse_hostfile(text: str, source: str = "hostfile") -> Hostfile:
     if not entries:
         raise ValueError(f"{source} lists no hosts")
     if len(seen) > 1:
-        raise ValueError(
-            f"{source} mixes MPICH 'host:slots' and Open MPI 'host slots=K' lines; use one syntax"
-        )
+        raise ValueError(f"{source} mixes MPICH 'host:slots' and Open MPI 'host slots=K' lines; use one syntax")
     syntax = seen.pop() if seen else "plain"
     return Hostfile(tuple(entries), syntax)  # type: ignore[arg-type]
 

@@ -5,6 +5,7 @@ every process of the job, ranks included, killed after a grace period; SIGUSR1 (
 :func:`run_job` runs the job once and says how it ended (:class:`JobOutcome`); :func:`run_command`
 returns just the exit code. Whether to run it again is the caller's decision (:mod:`.restarts`).
 """
+
 from __future__ import annotations
 
 import os

@@ -14,6 +14,7 @@ Before a relaunch the hosts are checked again: the hostfile is re-read (a schedu
 may have removed a dead node from it) and every host must still resolve. The ranks hydra had placed
 on a lost host are dropped; the job goes on with the rest when at least ``min_ranks`` remain.
 """
+
 from __future__ import annotations
 
 import signal

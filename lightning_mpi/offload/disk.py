@@ -15,6 +15,7 @@ released as soon as the write is done. That release is what lowers peak RSS on a
 machine, provided the allocator gives the memory back: see
 :func:`lightning_mpi.offload.allocator.return_freed_memory_to_os`.
 """
+
 from __future__ import annotations
 
 import os
@@ -36,7 +37,9 @@ _ALIGN = 4096
 class DiskTier:
     """Tensors -> one unlinked spill file per step in ``directory``."""
 
-    def __init__(self, directory: str, max_inflight: int, pool: HostBufferPool | None = None, name: str = "lms") -> None:
+    def __init__(
+        self, directory: str, max_inflight: int, pool: HostBufferPool | None = None, name: str = "lms"
+    ) -> None:
         self.directory = directory
         self.max_inflight = max_inflight
         self.pool = pool  # pinned staging buffers; only CUDA tensors need them

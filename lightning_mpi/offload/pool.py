@@ -19,6 +19,7 @@ blocks back to the driver (``torch._C._host_emptyCache``): dropping a pinned ten
 it to torch's cache, not to the OS. That call frees every unused cached pinned block of the
 process, not only the pool's.
 """
+
 from __future__ import annotations
 
 import threading

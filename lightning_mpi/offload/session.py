@@ -30,6 +30,7 @@ Policy, in the order it is applied to each saved tensor:
 A tensor that was modified in place after it was saved cannot be restored; plain autograd raises
 for that ("modified by an inplace operation"), and so does the session, at unpack.
 """
+
 from __future__ import annotations
 
 import threading
@@ -271,8 +272,10 @@ class OffloadSession:
 
     def _in_use_on_device(self) -> int:
         """Taken tensors the device may still be using (the one being used now not counted)."""
-        while self._unused and self._unused[0][1] is not _UNMARKED and (
-            self._unused[0][1] is None or self._unused[0][1].query()
+        while (
+            self._unused
+            and self._unused[0][1] is not _UNMARKED
+            and (self._unused[0][1] is None or self._unused[0][1].query())
         ):
             self._unused.popleft()  # markers complete in stream order: the oldest first
         return sum(1 for _, marker in self._unused if marker is not _UNMARKED)

@@ -16,6 +16,7 @@ The host never waits on the device here: back-pressure is the compute stream wai
 ``cuda`` (default ``torch.cuda``) is a parameter so that the order of these calls can be checked
 without a GPU, against a recording stand-in.
 """
+
 from __future__ import annotations
 
 import threading

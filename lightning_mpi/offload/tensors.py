@@ -6,6 +6,7 @@ kernels see exactly the layout they would have seen without offloading; that is 
 weights bitwise identical. Other tensors (strided slices) travel as a contiguous copy; the
 offload session keeps those resident instead.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -20,6 +20,7 @@ A tier moves bytes and nothing else; which tensors to move and when is decided b
 
 The CUDA stream rules both tiers follow are in :mod:`lightning_mpi.offload.streams`.
 """
+
 from __future__ import annotations
 
 from collections import deque
