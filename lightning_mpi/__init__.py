@@ -20,7 +20,10 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from lightning_mpi.strategies.registry import STRATEGIES, install_registration_hooks, register_strategies
+# ``X as X``: re-exported public names (``__all__`` below is built, so linters cannot read it)
+from lightning_mpi.strategies.registry import STRATEGIES as STRATEGIES
+from lightning_mpi.strategies.registry import install_registration_hooks
+from lightning_mpi.strategies.registry import register_strategies as register_strategies
 
 __version__ = "0.1.0"
 

@@ -61,7 +61,7 @@ class ASAWorkspace:
     mine_wire: Tensor  # [1, wire(c)]
 
     @classmethod
-    def for_buffer(cls, flat: Tensor, world_size: int, codec: Codec) -> "ASAWorkspace":
+    def for_buffer(cls, flat: Tensor, world_size: int, codec: Codec) -> ASAWorkspace:
         if flat.numel() % world_size:
             raise ValueError(f"buffer of {flat.numel()} elements is not padded to a multiple of {world_size}")
         chunk = flat.numel() // world_size

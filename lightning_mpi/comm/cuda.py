@@ -41,7 +41,7 @@ def mpi_is_cuda_aware() -> bool:
     candidates = [None, *_loaded_mpi_libraries()]
     for path in candidates:
         try:
-            query = getattr(ctypes.CDLL(path), "MPIX_Query_cuda_support")
+            query = ctypes.CDLL(path).MPIX_Query_cuda_support
         except (OSError, AttributeError):
             continue
         query.restype = ctypes.c_int

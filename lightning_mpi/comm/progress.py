@@ -43,8 +43,9 @@ def require_thread_multiple(who: str, remedy: str = "") -> None:
         }
         raise RuntimeError(
             f"lightning_mpi: {who} needs MPI_THREAD_MULTIPLE for its progress thread (which calls MPI while "
-            f"training runs), but MPI was initialised with {names.get(level, level)}. Do not set mpi4py.rc.thread_level "
-            f"(its default is 'multiple'), and use an MPI library built with thread support{remedy}."
+            f"training runs), but MPI was initialised with {names.get(level, level)}. Do not set "
+            f"mpi4py.rc.thread_level (its default is 'multiple'), and use an MPI library built with thread "
+            f"support{remedy}."
         )
 
 
@@ -95,7 +96,7 @@ class ProgressThread:
         who: str,
         resources: Any = None,
         on_error: Callable[[BaseException], None] | None = None,
-    ) -> "ProgressThread":
+    ) -> ProgressThread:
         """A running thread that calls ``Iprobe`` on a private duplicate of ``comm`` (collective:
         the duplication, blocking), which services one-sided operations aimed at this rank.
         :meth:`close` frees the duplicate (through ``resources``, a

@@ -5,10 +5,10 @@ A run that failed on some rank cannot release its handles the usual way: freeing
 collective that synchronises, and the failed rank may be far away in its own error handling (or
 the others may be). So a failed run's :class:`RunResources` is *abandoned*: every free through it
 becomes a no-op (the handles stay referenced here), and waits on its transports raise at once.
-The next run reclaims it (:func:`~lightning_mpi.comm.reclaim.reclaim`) on a fresh communicator, where every rank is known to
-be present: mailboxes are settled (every message of the failed run is received, so every send
-completes and no stale message can match later traffic), windows are freed in creation order, and
-communicators are freed.
+The next run reclaims it (:func:`~lightning_mpi.comm.reclaim.reclaim`) on a fresh communicator,
+where every rank is known to be present: mailboxes are settled (every message of the failed run is
+received, so every send completes and no stale message can match later traffic), windows are freed
+in creation order, and communicators are freed.
 
 Requests of nonblocking collectives that a failed run left unmatched can neither complete nor be
 freed (the MPI standard forbids ``MPI_Request_free`` on them): they are dropped, which leaves one
@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import threading
 from typing import Any, Protocol
-
 
 #: communicators and windows made through a :class:`RunResources` and not yet freed, process-wide
 _LIVE = {"comms": 0, "windows": 0}

@@ -55,13 +55,14 @@ def topk_select(values: Tensor, k: int, magnitude: Tensor | None = None, mask: T
 
     On CPU, ``torch.topk`` over millions of entries costs as much as ~80 passes over them. For
     large inputs with ``k`` at most a quarter of them, this instead finds a threshold that a little
-    over ``k`` entries reach (``1.2 k`` at 1%), from a fixed sample of ``|values|``; keeps the entries at or above it (one compare, one
-    ``nonzero``); and cuts those candidates at their exact k-th largest magnitude (``kthvalue``),
-    taking the lowest indices among ties. The result is exact, and comes in ascending order, which
-    helps the gathers and scatters that follow. When fewer than ``k`` entries reach the threshold
-    (rare: it sits four standard deviations of the sample above the expected one), it falls back
-    to ``torch.topk``, as it does for small or dense selections (indices then unordered). Ties at
-    the k-th magnitude may be broken differently from ``torch.topk``.
+    over ``k`` entries reach (``1.2 k`` at 1%), from a fixed sample of ``|values|``; keeps the
+    entries at or above it (one compare, one ``nonzero``); and cuts those candidates at their exact
+    k-th largest magnitude (``kthvalue``), taking the lowest indices among ties. The result is
+    exact, and comes in ascending order, which helps the gathers and scatters that follow. When
+    fewer than ``k`` entries reach the threshold (rare: it sits four standard deviations of the
+    sample above the expected one), it falls back to ``torch.topk``, as it does for small or dense
+    selections (indices then unordered). Ties at the k-th magnitude may be broken differently from
+    ``torch.topk``.
 
     ``magnitude`` (float, like ``values``) and ``mask`` (bool, like ``values``) are optional scratch.
     Counting the candidates reads a size on the host (``nonzero`` does so on a GPU anyway).
@@ -115,7 +116,7 @@ class TopKWorkspace:
         self.k = -1
         self.resize(k)
 
-    def resize(self, k: int) -> "TopKWorkspace":
+    def resize(self, k: int) -> TopKWorkspace:
         """Wire buffers for ``k`` pairs (reallocated only when ``k`` changes: ratio warm-up)."""
         if k != self.k:
             self.k = k

@@ -235,7 +235,9 @@ class Transport:
         gathered = np.empty(int(lengths.sum()), dtype=np.uint8)
         request = self.comm.Iallgatherv(payload, [gathered, lengths.tolist(), offsets.tolist(), self.MPI.BYTE])
         self._wait(request, "allgather", settle=settle)
-        return [pickle.loads(gathered[o : o + n].tobytes()) for o, n in zip(offsets.tolist(), lengths.tolist())]
+        return [
+            pickle.loads(gathered[o : o + n].tobytes()) for o, n in zip(offsets.tolist(), lengths.tolist(), strict=True)
+        ]
 
     def agree(self, obj: Any) -> list[Any]:
         """:meth:`allgather_object` that completes on every rank once it completed on one, so that
@@ -247,7 +249,7 @@ class Transport:
             self.watch()
         wait_request(request, self.timeout, what, self.rank, self.size, self.watch, settle=settle)
 
-    def dup(self) -> "Transport":
+    def dup(self) -> Transport:
         """A transport over a duplicate communicator (collective over this one: a watched ``Idup``).
 
         Non-blocking collectives on one communicator must be started in the same order on every
@@ -265,7 +267,7 @@ class Transport:
         if comm is not None and comm != self.MPI.COMM_NULL and comm not in (self.MPI.COMM_WORLD, self.MPI.COMM_SELF):
             self.resources.free_comm(comm)
 
-    def node_split(self) -> tuple["Transport", "Transport | None"]:
+    def node_split(self) -> tuple[Transport, Transport | None]:
         """Transports for this node's ranks and for the node leaders (``None`` unless local rank 0).
 
         Nodes are MPI's shared-memory domains (``COMM_TYPE_SHARED``). For tests on one machine,

@@ -92,7 +92,8 @@ class ShardedVector:
         shard_bounds(numel, self.size, self.rank)
         itemsize = np.dtype(self.np_dtype).itemsize
         self.win = self.resources.window(MPI.Win.Allocate(self.shard * itemsize, itemsize, comm=self.comm))
-        self.local = np.frombuffer(self.win.tomemory(), dtype=self.np_dtype, count=self.shard)
+        # this rank's shard, a view of the window's memory (dropped before the window is freed)
+        self.local: np.ndarray | None = np.frombuffer(self.win.tomemory(), dtype=self.np_dtype, count=self.shard)
         self.bytes_sent = 0
         self.wait_seconds = 0.0
         self.remote_accumulates = 0  # accumulate-with-op calls aimed at other ranks (see module docs)
@@ -118,6 +119,7 @@ class ShardedVector:
     def init_local(self, full: Tensor) -> None:
         """Set this rank's shard from ``full`` (local store under an exclusive lock). Follow with a barrier."""
         lo, hi = self.rank * self.shard, (self.rank + 1) * self.shard
+        assert self.local is not None, "init_local() after free()"
         self.win.Lock(self.rank, self.MPI.LOCK_EXCLUSIVE)
         self.local[:] = self._np(full)[lo:hi]
         self.win.Unlock(self.rank)

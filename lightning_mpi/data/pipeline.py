@@ -132,7 +132,8 @@ def _apply_transform(transform: Callable[[Any], Any], sample: Any) -> Any:
     # Same convention as torchvision datasets' ``transform``: it sees the input, not the target.
     if isinstance(sample, tuple) and sample:
         if hasattr(sample, "_fields"):  # namedtuple: keep the type
-            return sample._replace(**{sample._fields[0]: transform(sample[0])})
+            named: Any = sample  # a NamedTuple, which the tuple type does not spell
+            return named._replace(**{named._fields[0]: transform(sample[0])})
         return (transform(sample[0]), *sample[1:])
     if isinstance(sample, list) and sample:
         return [transform(sample[0]), *sample[1:]]

@@ -11,8 +11,8 @@ import re
 import shutil
 import subprocess
 import sys
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Mapping
 
 from .command import FLAVOR_NAMES, Flavor
 from .errors import PROG, LaunchError

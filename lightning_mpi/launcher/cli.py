@@ -43,8 +43,8 @@ import shlex
 import shutil
 import signal
 import sys
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Mapping, Sequence
 
 from .checks import (
     check_mpi4py,

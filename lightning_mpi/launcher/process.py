@@ -12,9 +12,11 @@ import os
 import signal
 import subprocess
 import threading
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping, Sequence
+from types import FrameType
+from typing import Any
 
 __all__ = ["KILL_GRACE_S", "FORWARDED_ONLY", "JobOutcome", "run_command", "run_job"]
 
@@ -164,7 +166,8 @@ def run_job(
     # once, in order, and own the escalation.
     proc = subprocess.Popen(list(cmd), start_new_session=True, env=None if env is None else dict(env))
     stopper = _Stopper(proc, grace_s, sigint_as)
-    previous: dict[int, object] = {}
+    # what signal.signal() returned: a handler, SIG_DFL or SIG_IGN, or None (not set from Python)
+    previous: dict[signal.Signals, Callable[[int, FrameType | None], Any] | int | signal.Handlers | None] = {}
     if threading.current_thread() is threading.main_thread():
         for signum in (signal.SIGINT, signal.SIGTERM):
             previous[signum] = signal.signal(signum, stopper.on_signal)
@@ -175,7 +178,7 @@ def run_job(
     finally:
         # Handlers first, so that no new forwarding starts while finish() sweeps.
         for signum, handler in previous.items():
-            signal.signal(signum, signal.SIG_DFL if handler is None else handler)  # type: ignore[arg-type]
+            signal.signal(signum, signal.SIG_DFL if handler is None else handler)
         stopper.finish()
     if stopper.signum is not None:
         code = 128 + stopper.signum

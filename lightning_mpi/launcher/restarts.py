@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import signal
 import socket
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 from .errors import LaunchError
 from .hosts import HostEntry, parse_hostfile

@@ -4,7 +4,7 @@ summary printed before a launch.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from .hosts import HostEntry
 

@@ -137,7 +137,7 @@ class LMSOffloadHooks:
         self._owned_dir: str | None = None
         self._warned: set[str] = set()  # messages already given
 
-    # --- Lightning Callback hooks (same names and signatures) --------------------------------------------------------------------
+    # --- Lightning Callback hooks (same names and signatures) ---------------------------------------
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         if stage != "fit":
             return
@@ -244,6 +244,7 @@ class LMSOffloadHooks:
                     "GLIBC_TUNABLES=glibc.malloc.hugetlb=1 to cut it (both are read at startup).",
                 )
         directory = self._owned_dir or self.directory
+        assert directory is not None, "setup() prepares the directory before the first step"
         return DiskTier(directory, self.max_inflight, name=f"lms-rank{trainer.global_rank}")
 
     def _prepare_directory(self, trainer: Any) -> None:

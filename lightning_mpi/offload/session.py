@@ -36,8 +36,9 @@ from __future__ import annotations
 import threading
 import weakref
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -85,8 +86,8 @@ class _Handle:
 
     __slots__ = ("tensor", "ticket", "restored", "source", "version", "session", "__weakref__")
 
-    def __init__(self, tensor: torch.Tensor, source: torch.Tensor, session: "OffloadSession") -> None:
-        self.tensor = tensor  # detached alias while resident (no cycle through grad_fn)
+    def __init__(self, tensor: torch.Tensor, source: torch.Tensor, session: OffloadSession) -> None:
+        self.tensor: torch.Tensor | None = tensor  # detached alias while resident (no cycle through grad_fn)
         self.ticket: Ticket | None = None
         self.restored: torch.Tensor | None = None
         self.source = weakref.ref(source)  # to detect in-place changes after saving
@@ -247,10 +248,11 @@ class OffloadSession:
         return True
 
     def _swap_out(self, handle: _Handle) -> None:
-        tensor, handle.tensor = handle.tensor, None
+        tensor = handle.tensor
+        assert tensor is not None, "only resident tensors wait in the window"
         if handle.version != tensor._version:
-            handle.tensor = tensor  # keep it; unpack reports the in-place change
-            return
+            return  # keep it; unpack reports the in-place change
+        handle.tensor = None
         ticket = self.tier.swap_out(tensor, layout_of(tensor), handle.version)
         ticket.order = len(self._order)
         handle.ticket = ticket
