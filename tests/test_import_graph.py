@@ -7,10 +7,12 @@ sees is still two modules that cannot be read, or moved, one without the other. 
 functions do not count as cycle edges (Python runs them after both modules are loaded), but they
 do count for the layering: a deferred upward import is still an upward dependency.
 """
+
 from __future__ import annotations
 
 import ast
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 
 PACKAGE = "lightning_mpi"
@@ -31,10 +33,12 @@ ALLOWED_DEPENDENCIES: dict[str, tuple[str, ...]] = {
 
 #: Known upward imports, (importer, imported). Issue 22: the lead removes these with
 #: ``strategies/build.py``; then this set is empty.
-UPWARD_IMPORTS_TO_REMOVE: frozenset[tuple[str, str]] = frozenset({
-    (f"{PACKAGE}.data.module", f"{PACKAGE}.strategies.build"),
-    (f"{PACKAGE}.offload.callback", f"{PACKAGE}.strategies.build"),
-})
+UPWARD_IMPORTS_TO_REMOVE: frozenset[tuple[str, str]] = frozenset(
+    {
+        (f"{PACKAGE}.data.module", f"{PACKAGE}.strategies.build"),
+        (f"{PACKAGE}.offload.callback", f"{PACKAGE}.strategies.build"),
+    }
+)
 
 
 @dataclass(frozen=True)
@@ -81,7 +85,8 @@ def _module_level(tree: ast.Module) -> set[int]:
     return found
 
 
-def edges() -> list[Edge]:
+@lru_cache(maxsize=1)
+def edges() -> tuple[Edge, ...]:
     """Every import of one of this package's modules by another, with where it is."""
     known = modules()
     found: list[Edge] = []
@@ -100,7 +105,7 @@ def edges() -> list[Edge]:
             for target in targets:
                 if target in known and target != name:
                     found.append(Edge(name, target, node.lineno, id(node) in top))
-    return found
+    return tuple(found)
 
 
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:

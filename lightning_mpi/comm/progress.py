@@ -27,6 +27,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from lightning_mpi.comm.resources import RunResources
+
 
 def require_thread_multiple(who: str, remedy: str = "") -> None:
     """Raise ``RuntimeError`` unless MPI runs with ``MPI_THREAD_MULTIPLE`` (a progress thread needs it).
@@ -94,7 +96,7 @@ class ProgressThread:
         comm: Any,
         interval: float,
         who: str,
-        resources: Any = None,
+        resources: RunResources | None = None,
         on_error: Callable[[BaseException], None] | None = None,
     ) -> ProgressThread:
         """A running thread that calls ``Iprobe`` on a private duplicate of ``comm`` (collective:

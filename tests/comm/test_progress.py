@@ -98,3 +98,15 @@ def test_progress_thread_polls_only_while_running_and_closes_once():
     thread.close()
     thread.close()
     assert not thread.alive and closed == [1]
+
+
+def test_a_probing_thread_frees_its_private_communicator_through_the_run(MPI):
+    from lightning_mpi.comm.progress import ProgressThread
+    from lightning_mpi.comm.resources import RunResources, live_handles
+
+    before = live_handles()
+    run = RunResources()
+    thread = ProgressThread.probing(MPI.COMM_SELF, 1e-3, "this test", resources=run)
+    assert thread.alive and run.counts()[1] == 1
+    thread.close()
+    assert not thread.alive and run.counts()[1] == 0 and live_handles() == before
