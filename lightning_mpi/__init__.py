@@ -77,6 +77,8 @@ __all__ = sorted([*_PYTORCH_LIGHTNING_CLASSES, *_MODULES, "STRATEGIES", "registe
 
 def __getattr__(name: str) -> Any:
     if name in _PYTORCH_LIGHTNING_CLASSES:
+        # deferred: building the classes imports pytorch_lightning and torch, which
+        # ``import lightning_mpi`` must not
         from lightning_mpi.strategies.build import trainer_classes
 
         return trainer_classes("pytorch_lightning")[name]
