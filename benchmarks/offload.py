@@ -307,6 +307,7 @@ def main() -> None:
     parser.add_argument("--max-side", type=int, default=None, help="stop the search here (default 128 on CPU, 320 on CUDA)")
     parser.add_argument("--side-step", type=int, default=None, help="search granularity (default 8 on CPU, 16 on CUDA)")
     parser.add_argument("--no-search", action="store_true", help="skip the largest-input search")
+    parser.add_argument("--search-start", type=int, default=32, help="first side the search tries")
     parser.add_argument("--timeout", type=float, default=900, help="seconds per run")
     parser.add_argument("--model", choices=["unet", "mlp", "gpt"], default="unet",
                         help="unet: the 3D U-Net; mlp: a deep MLP (--depth Linear+ReLU layers, --width wide, "
@@ -329,7 +330,10 @@ def main() -> None:
     args.batch = args.batch or (8 if gpt else 16384)
     args.arms = list(GPU_ARMS) if args.arms == ["gpu"] else args.arms
     for arm in args.arms:
-        parse_arm(arm)  # a bad arm fails here, not in a worker
+        try:
+            parse_arm(arm)  # a bad arm fails here, not in a worker
+        except ValueError as error:
+            parser.error(str(error))
     if args.device is None:
         import torch
 
@@ -379,8 +383,8 @@ def _benchmark(args: argparse.Namespace, gpu: bool) -> None:
     search = {}
     if not args.no_search and args.model == "unet":
         print(f"largest side under {args.cap_mb:.0f} MiB:", flush=True)
-        search["none"], trials_none = largest_side("none", args, start=32)
-        search["LMSOffload"], trials_lms = largest_side("LMSOffload", args, start=max(search["none"], 32))
+        search["none"], trials_none = largest_side("none", args, start=args.search_start)
+        search["LMSOffload"], trials_lms = largest_side("LMSOffload", args, start=max(search["none"], args.search_start))
         search["trials"] = trials_none + trials_lms
 
     print()
