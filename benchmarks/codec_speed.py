@@ -342,7 +342,7 @@ def cuda_impls() -> tuple[list[Impl], str]:
     torch_impl = Impl.current()
     torch_impl.name, torch_impl.cupy = "torch", False
     if cupy_kernels.cupy_module() is None:
-        return [torch_impl], f"skipped: cupy not installed ({cupy_kernels._STATE.get('why')})"
+        return [torch_impl], f"skipped: cupy not installed ({cupy_kernels.why_not()})"
     cupy_impl = Impl.current()
     cupy_impl.name, cupy_impl.cupy = "cupy", True
     return [torch_impl, cupy_impl], f"cupy {cupy_kernels.cupy_module().__version__}"

@@ -168,7 +168,7 @@ def env_info() -> dict:
     from lightning_mpi.comm import cupy_kernels
 
     cupy = cupy_kernels.cupy_module()
-    info["cupy"] = cupy.__version__ if cupy is not None else f"skipped: cupy not installed ({cupy_kernels._STATE.get('why')})"
+    info["cupy"] = cupy.__version__ if cupy is not None else f"skipped: cupy not installed ({cupy_kernels.why_not()})"
     info["torchtune"] = info.get("pkg:torchtune", "skipped: torchtune not installed")
     return info
 

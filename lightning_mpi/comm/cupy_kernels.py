@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import os
 import threading
+import warnings
 from typing import Any
 
 import torch
@@ -210,8 +211,24 @@ def kernels_for(t: Tensor) -> "Kernels | None":
         with _LOCK:
             kernels = _STATE.get(key)
             if kernels is None:
-                kernels = _STATE[key] = Kernels(cupy, device)
-    return kernels
+                try:
+                    kernels = Kernels(cupy, device)
+                except Exception as error:  # a compiler or driver that cannot build them: torch's path
+                    kernels = False
+                    _STATE["why"] = f"cupy kernels not built on cuda:{device}: {type(error).__name__}: {error}"
+                    warnings.warn(f"lightning_mpi: {_STATE['why']}; the codecs use torch's code", RuntimeWarning, stacklevel=3)
+                _STATE[key] = kernels
+    return kernels or None
+
+
+def total_launches() -> int:
+    """Kernel launches so far in this process, all devices together (0 without cupy)."""
+    return sum(sum(k.launches.values()) for key, k in list(_STATE.items()) if isinstance(key, tuple) and k)
+
+
+def why_not() -> str | None:
+    """Why the kernels are not in use (cupy's import error or the build error), if known."""
+    return _STATE.get("why")
 
 
 def _rows_ok(*tensors: Tensor) -> bool:

@@ -74,7 +74,7 @@ def encode_both(codec, src, torch_path):
 
 
 def test_kernels_are_found_for_cuda_tensors_only(cupy):
-    assert cupy_kernels.kernels_for(torch.zeros(2, device="cuda")) is not None
+    assert cupy_kernels.kernels_for(torch.zeros(2, device="cuda")) is not None, cupy_kernels.why_not()
     assert cupy_kernels.kernels_for(torch.zeros(2)) is None
 
 
@@ -83,6 +83,7 @@ def test_kernels_are_found_for_cuda_tensors_only(cupy):
 def test_encode_is_bit_exact_against_torch(cupy, torch_path, name, shape):
     codec = codecs.get_codec(name)
     kernels = cupy_kernels.kernels_for(torch.zeros(1, device="cuda"))
+    assert kernels is not None, cupy_kernels.why_not()
     before = sum(kernels.launches.values())
     kernel_wire, torch_wire = encode_both(codec, rows_for(*shape, seed=shape[1]), torch_path)
     assert sum(kernels.launches.values()) > before, "the kernels did not run"

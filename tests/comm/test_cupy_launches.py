@@ -178,6 +178,17 @@ def test_cpu_tensors_never_reach_the_kernels(monkeypatch):
     assert codecs.cuda_kernels(torch.zeros(3)) is None
 
 
+def test_kernels_that_cannot_be_built_leave_the_codecs_on_torch(monkeypatch):
+    """A compiler or driver that cannot build the kernels: one warning, then torch's path."""
+    broken = SimpleNamespace(cuda=SimpleNamespace(Device=lambda d: nullcontext()), RawModule=lambda **kw: 1 / 0)
+    monkeypatch.setattr(cupy_kernels, "_STATE", {"cupy": broken})
+    cuda_tensor = SimpleNamespace(is_cuda=True, device=torch.device("cuda", 0))
+    with pytest.warns(RuntimeWarning, match="ZeroDivisionError"):
+        assert cupy_kernels.kernels_for(cuda_tensor) is None
+    assert cupy_kernels.kernels_for(cuda_tensor) is None  # decided once
+    assert "cuda:0" in cupy_kernels.why_not() and cupy_kernels.total_launches() == 0
+
+
 def test_the_switch_turns_the_kernels_off(monkeypatch):
     monkeypatch.setenv(cupy_kernels.ENV_SWITCH, "0")
     assert not cupy_kernels.enabled()
