@@ -5,8 +5,9 @@ An arm is a ``+``-joined list of parts, each optionally with ``:key=value`` argu
 * ``none``: plain training.
 * ``save_on_cpu``: ``torch.autograd.graph.save_on_cpu(pin_memory=True)`` around each training batch.
 * ``torchtune``: torchtune's ``OffloadActivations()`` (its defaults: pinned memory, a side stream)
-  around each training batch. Needs ``torchtune`` (and its ``torchao``); without it the arm is
-  reported as skipped.
+  around each training batch. Needs the ``torchtune`` and ``torchao`` packages (torchtune's own
+  dependencies only if present: see :func:`torchtune_offload_activations`); without them the arm
+  is reported as skipped.
 * ``LMSOffload``: ``LMSOffload(target="cpu")`` on CUDA, ``target="disk"`` on CPU; arguments go to
   the constructor, e.g. ``LMSOffload:prefetch=4`` (the prefetch sweep).
 * ``checkpoint``: non-reentrant activation checkpointing of every block (U-Net: each convolution
@@ -17,8 +18,10 @@ covers forward and backward of each step.
 """
 from __future__ import annotations
 
+import importlib.util
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -87,9 +90,8 @@ def offloader_callbacks(arm: Arm, device: str, directory: str | None, pl):
         lms = LMSOffload(**target, **arm.kwargs)
         return [lms], lms
     if arm.offloader == "torchtune":
-        from torchtune.training import OffloadActivations
-
-        make = lambda: OffloadActivations(**arm.kwargs)  # noqa: E731
+        offload_activations = torchtune_offload_activations()
+        make = lambda: offload_activations(**arm.kwargs)  # noqa: E731
     else:
         make = lambda: torch.autograd.graph.save_on_cpu(pin_memory=True, **arm.kwargs)  # noqa: E731
 
@@ -104,6 +106,30 @@ def offloader_callbacks(arm: Arm, device: str, directory: str | None, pl):
             self.ctx.__exit__(None, None, None)
 
     return [AroundEachBatch()], None
+
+
+def torchtune_offload_activations():
+    """torchtune's ``OffloadActivations`` class; ``ImportError`` when torchtune is not installed.
+
+    ``import torchtune`` imports its datasets, models and tokenizers (``datasets``, ``omegaconf``,
+    ``kagglehub``, ...). When those are missing (a GPU machine given only the torchtune and
+    torchao wheels), the class is loaded from its own module file, which needs only torch,
+    torchao and psutil: the same code, without the package's ``__init__``."""
+    try:
+        from torchtune.training import OffloadActivations
+
+        return OffloadActivations
+    except ImportError:
+        spec = importlib.util.find_spec("torchtune")  # finds the package without running its __init__
+        if spec is None or not spec.submodule_search_locations:
+            raise
+        path = Path(list(spec.submodule_search_locations)[0]) / "training" / "_activation_offloading.py"
+        if not path.exists():
+            raise
+        module_spec = importlib.util.spec_from_file_location("_torchtune_activation_offloading", path)
+        module = importlib.util.module_from_spec(module_spec)
+        module_spec.loader.exec_module(module)  # ImportError here when torchao or psutil is missing
+        return module.OffloadActivations
 
 
 # --- a plain GPT-like transformer ---------------------------------------------------------------
