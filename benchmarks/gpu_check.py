@@ -100,7 +100,8 @@ def build_stages(out: Path, specs: list[str]) -> list[Stage]:
               [py, str(HERE / "codec_speed.py"), "--device", "cuda", "--sizes", "1", "25", "--repeat", "7",
                "--json", str(out / "codecs.json")], 120, ["codecs.json"]),
         Stage("offload-unet", "LMSOffload arms on the 3D U-Net, largest volume under a 16 GB cap",
-              [*offload, "--side", "128", "--cap-mb", "16384", "--search-start", "128", "--side-step", "32", "--max-side", "320"],
+              # arms at 160^3; search 192..448: none should stop near 256-288, and 2x that volume is ~350
+              [*offload, "--side", "160", "--cap-mb", "16384", "--search-start", "192", "--side-step", "32", "--max-side", "448"],
               240, ["offload/offload_cuda.json", "offload/offload_cuda.png"]),
         Stage("offload-gpt", "LMSOffload arms on a GPT-like model in bf16-mixed",
               [*offload, "--model", "gpt", "--precision", "bf16-mixed", "--no-search"],
