@@ -239,12 +239,21 @@ def main(argv: list[str] | None = None) -> int:
     from gpu_report import PASSED
 
     out.mkdir(parents=True, exist_ok=True)
+    for stage in build_stages(out, specs):  # a report shows this run's results only
+        for artifact in stage.artifacts:
+            (out / artifact).unlink(missing_ok=True)
     deadline = time.perf_counter() + args.budget
     context = {"budget_s": args.budget, "command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
                "specs": specs, "missing_strategies": missing}
     env = stages[0]
     run_stage(env, out, env.timeout_s)
-    machine = json.loads((out / "env.json").read_text()) if (out / "env.json").exists() else {"cuda": False, "error": env.status}
+    if not (out / "env.json").exists():
+        for stage in stages[1:]:
+            stage.status = "skipped: the env stage failed"
+        report(out, {"cuda": False}, stages, context)
+        print(f"gpu_check: the env stage {env.status}; see {out / env.log}")
+        return 1
+    machine = json.loads((out / "env.json").read_text())
     if not machine.get("cuda"):
         for stage in stages[1:]:
             stage.status = "skipped: no CUDA device"
