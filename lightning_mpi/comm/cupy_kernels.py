@@ -273,7 +273,7 @@ class Kernels:
     def half_encode(self, codec: Any, src: Tensor, dst: Tensor) -> bool:
         """:meth:`HalfCodec.encode` for scaled fp16; False when the call does not fit the kernels."""
         n, chunk = src.shape
-        if src.dtype != torch.float32 or chunk == 0 or not _rows_ok(src, dst) or dst.shape[1] != chunk + 1:
+        if src.dtype != torch.float32 or dst.dtype != torch.int16 or chunk == 0 or not _rows_ok(src, dst) or dst.shape[1] != chunk + 1:
             return False
         lo, hi = self._row_minmax(src, None)
         e = codec._exponents_from(hi.squeeze(1), lo.squeeze(1))
