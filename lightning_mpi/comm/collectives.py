@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from lightning_mpi.comm.codecs import Codec
+from lightning_mpi.comm.codecs import Codec, Int8Codec, cuda_kernels
 from lightning_mpi.comm.engine import Exchange
 from lightning_mpi.comm.transport import Transport
 
@@ -85,8 +85,13 @@ def encode_with_feedback_(codec: Codec, rows: Tensor, wire: Tensor, residual: Te
 
     ``rows`` (``[r, c]``) is overwritten with ``rows + residual``; ``scratch`` is ``[r, c]`` float
     scratch and holds the decoded wire afterwards. ``residual=None`` encodes ``rows`` as is (no
-    feedback).
+    feedback). On CUDA with cupy, int8 runs all of it as two fused kernels (bit-exact; see
+    :mod:`lightning_mpi.comm.cupy_kernels`).
     """
+    if residual is not None and rows.is_cuda and type(codec) is Int8Codec:
+        kernels = cuda_kernels(rows)
+        if kernels is not None and kernels.int8_encode(codec, rows, wire, residual, scratch):
+            return
     if residual is not None:
         rows.add_(residual)
     codec.encode(rows, wire)
