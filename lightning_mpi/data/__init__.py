@@ -22,6 +22,7 @@ One job per module, from the bottom up:
 hooks on ``pytorch_lightning``'s ``LightningDataModule``, built by
 :mod:`lightning_mpi.strategies.build`: nothing in this package imports Lightning.
 """
+
 from __future__ import annotations
 
 from typing import Any

@@ -22,6 +22,7 @@ The modules, each with one job (none imports Lightning: ``lightning_mpi.LMSOfflo
 * :mod:`.tensors`: tensors as bytes plus a layout.
 * :mod:`.allocator`: glibc's mmap threshold, so freed activations leave the process.
 """
+
 from __future__ import annotations
 
 from typing import Any
