@@ -12,14 +12,16 @@ A rule's hyperparameters and the options every strategy takes are dataclass fiel
 
 No torch, no MPI, no Lightning: rules and strategies both build on it.
 """
+
 from __future__ import annotations
 
 import dataclasses
 import inspect
 import math
+import types
 import typing
 from collections.abc import Callable, Sequence
-from typing import Any, Literal, Optional, TypeVar, Union, get_args, get_origin
+from typing import Any, Literal, TypeVar, Union, get_args, get_origin
 
 from typing_extensions import dataclass_transform
 
@@ -29,9 +31,13 @@ Check = Callable[[str, Any], Any]
 
 _T = TypeVar("_T")
 
+#: ``Optional[X]``/``Union[X, Y]`` and ``X | Y`` (which is another type at run time).
+_UNIONS = (Union, types.UnionType)
 
-def option(default: Any, doc: str, check: Optional[Check] = None) -> Any:
-    """A dataclass field with its default, one line of doc and its check.
+
+def option(*, default: Any, doc: str, check: Check | None = None) -> Any:
+    """A dataclass field with its default, one line of doc and its check (keywords: type checkers
+    see the default only as ``default=``).
 
     Without ``check``, the annotation decides: a ``Literal`` accepts its values, ``bool`` accepts
     ``True``/``False``; anything else is not checked.
@@ -101,14 +107,14 @@ def optional(inner: Check) -> Check:
     return check
 
 
-def check_for(annotation: Any) -> Optional[Check]:
+def check_for(annotation: Any) -> Check | None:
     """The check an annotation implies: ``Literal`` values, ``bool``, ``Optional`` of either."""
     origin, args = get_origin(annotation), get_args(annotation)
     if origin is Literal:
         return choice(args)
     if annotation is bool:
         return choice([True, False])
-    if origin is Union and type(None) in args:
+    if origin in _UNIONS and type(None) in args:
         rest = tuple(a for a in args if a is not type(None))
         if len(rest) == 1 and get_origin(rest[0]) is Literal:  # the choices, None among them
             return choice([*get_args(rest[0]), None])
@@ -126,7 +132,7 @@ class Documented:
     annotation: Any
     default: Any
     doc: str
-    check: Optional[Check]
+    check: Check | None
 
 
 def documented(cls: type) -> list[Documented]:
@@ -144,15 +150,26 @@ def documented(cls: type) -> list[Documented]:
         for name in vars(klass).get("__annotations__", {}):
             if name in fields:
                 origin.setdefault(name, klass)
-    names = [name for klass in cls.__mro__ for name in vars(klass).get("__annotations__", {})
-             if name in fields and origin[name] is klass]
+    names = [
+        name
+        for klass in cls.__mro__
+        for name in vars(klass).get("__annotations__", {})
+        if name in fields and origin[name] is klass
+    ]
     found = []
     for name in names:
         field = fields[name]
         if "doc" in field.metadata and field.init:
             annotation = hints[name]
-            found.append(Documented(name, annotation, field.default, field.metadata["doc"],
-                                    field.metadata["check"] or check_for(annotation)))
+            found.append(
+                Documented(
+                    name,
+                    annotation,
+                    field.default,
+                    field.metadata["doc"],
+                    field.metadata["check"] or check_for(annotation),
+                )
+            )
     return found
 
 
@@ -175,8 +192,10 @@ def check_one(cls: type, name: str, value: Any) -> Any:
 
 def parameters(options: Sequence[Documented]) -> list[inspect.Parameter]:
     """Keyword-only signature parameters for ``options`` (LightningCLI reads these)."""
-    return [inspect.Parameter(o.name, inspect.Parameter.KEYWORD_ONLY, default=o.default, annotation=o.annotation)
-            for o in options]
+    return [
+        inspect.Parameter(o.name, inspect.Parameter.KEYWORD_ONLY, default=o.default, annotation=o.annotation)
+        for o in options
+    ]
 
 
 def args_section(options: Sequence[Documented], indent: str = "    ") -> str:
@@ -198,7 +217,7 @@ def format_annotation(annotation: Any) -> str:
     origin, args = get_origin(annotation), get_args(annotation)
     if origin is Literal:
         return " or ".join(repr(a).replace("'", '"') for a in args)
-    if origin is Union:
+    if origin in _UNIONS:
         return " or ".join(format_annotation(a) for a in args)
     if annotation is type(None):
         return "None"

@@ -1,5 +1,6 @@
 """lightning_mpi.options: one definition per option, shown everywhere (constructor, checks, signature,
 docstring, the docs' tables)."""
+
 from __future__ import annotations
 
 import inspect
@@ -29,8 +30,8 @@ from tests.mpi_utils import REPO
 class Base:
     """A base."""
 
-    period: int = option(5, "steps between exchanges (≥ 1).", integer(1))
-    wire: Literal["fp32", "bf16"] = option("fp32", "the wire format.")
+    period: int = option(default=5, doc="steps between exchanges (≥ 1).", check=integer(1))
+    wire: Literal["fp32", "bf16"] = option(default="fp32", doc="the wire format.")
 
     def __post_init__(self) -> None:
         validate(self)
@@ -40,7 +41,9 @@ class Base:
 class Derived(Base):
     """A derived class."""
 
-    alpha: Optional[float] = option(None, "a rate in (0, 1]; None: automatic.", optional(number(0, 1, low_open=True)))
+    alpha: Optional[float] = option(
+        default=None, doc="a rate in (0, 1]; None: automatic.", check=optional(number(0, 1, low_open=True))
+    )
     period: int = with_default(Base, "period", default=3)
 
 
@@ -74,19 +77,25 @@ def test_one_definition_gives_order_signature_docstring_and_table():
     period = documented(Derived)[1]
     assert (period.default, period.doc) == (3, "steps between exchanges (≥ 1).")
     signature = inspect.Signature(parameters(documented(Derived)))
-    assert str(signature) == "(*, alpha: Optional[float] = None, period: int = 3, wire: Literal['fp32', 'bf16'] = 'fp32')"
+    assert (
+        str(signature) == "(*, alpha: Optional[float] = None, period: int = 3, wire: Literal['fp32', 'bf16'] = 'fp32')"
+    )
     assert "    period: steps between exchanges (≥ 1). Default: ``3``." in Derived.__doc__
     table = markdown_table(documented(Derived))
     assert '| `wire` | "fp32" or "bf16" | `"fp32"` | the wire format. |' in table
-    assert '| `alpha` | float or None | `None` |' in table
+    assert "| `alpha` | float or None | `None` |" in table
 
 
 def test_the_docs_tables_are_the_code():
     from lightning_mpi.strategies import reference
 
     page = REPO / "docs" / "strategies.md"
-    assert reference.main([str(page), "--check"]) == 0, "run: python -m lightning_mpi.strategies.reference docs/strategies.md"
-    keys = set(reference._TABLE.findall(page.read_text()) and [m[1] for m in reference._TABLE.findall(page.read_text())])
+    assert reference.main([str(page), "--check"]) == 0, (
+        "run: python -m lightning_mpi.strategies.reference docs/strategies.md"
+    )
+    keys = set(
+        reference._TABLE.findall(page.read_text()) and [m[1] for m in reference._TABLE.findall(page.read_text())]
+    )
     from lightning_mpi.strategies.build import STRATEGY_RULES
 
     assert keys == {*STRATEGY_RULES, "common"}  # every strategy has its table

@@ -33,6 +33,7 @@ own memory pool is never used. A call that does not fit the kernels (not float32
 that is not contiguous within the row, misaligned headers) returns ``False``/``None`` and the
 caller runs torch's code.
 """
+
 from __future__ import annotations
 
 import os
@@ -175,7 +176,7 @@ extern "C" __global__ void onebit_pack(
 """
 
 _LOCK = threading.Lock()
-_STATE: dict[str, Any] = {}
+_STATE: dict[Any, Any] = {}
 
 
 def enabled() -> bool:
@@ -189,7 +190,7 @@ def cupy_module() -> Any | None:
         with _LOCK:
             if "cupy" not in _STATE:
                 try:
-                    import cupy
+                    import cupy  # type: ignore[import-not-found]  # optional: the [cuda] extra
                 except Exception as error:  # ImportError, or a cupy built for another CUDA
                     _STATE["cupy"], _STATE["why"] = None, f"{type(error).__name__}: {error}"
                 else:
@@ -197,7 +198,7 @@ def cupy_module() -> Any | None:
     return _STATE["cupy"]
 
 
-def kernels_for(t: Tensor) -> "Kernels | None":
+def kernels_for(t: Tensor) -> Kernels | None:
     """The kernels for ``t``'s device, or None: a CPU tensor, cupy missing, or switched off."""
     if not t.is_cuda or not enabled():
         return None
@@ -216,9 +217,11 @@ def kernels_for(t: Tensor) -> "Kernels | None":
                 except Exception as error:  # a compiler or driver that cannot build them: torch's path
                     kernels = False
                     _STATE["why"] = f"cupy kernels not built on cuda:{device}: {type(error).__name__}: {error}"
-                    warnings.warn(f"lightning_mpi: {_STATE['why']}; the codecs use torch's code", RuntimeWarning, stacklevel=3)
+                    warnings.warn(
+                        f"lightning_mpi: {_STATE['why']}; the codecs use torch's code", RuntimeWarning, stacklevel=3
+                    )
                 _STATE[key] = kernels
-    return kernels or None
+    return kernels if isinstance(kernels, Kernels) else None  # False: they could not be built here
 
 
 def total_launches() -> int:
@@ -244,7 +247,10 @@ class Kernels:
         self._cupy, self.device = cupy, device
         with cupy.cuda.Device(device):
             module = cupy.RawModule(code=_SOURCE, options=("--std=c++14", "--fmad=false"))
-            self._fn = {name: module.get_function(name) for name in ("row_minmax", "half_scale_cast", "int8_quantize", "onebit_pack")}
+            self._fn = {
+                name: module.get_function(name)
+                for name in ("row_minmax", "half_scale_cast", "int8_quantize", "onebit_pack")
+            }
         #: kernel launches so far, per kernel name (tests check that the kernels really ran)
         self.launches = dict.fromkeys(self._fn, 0)
 
@@ -265,36 +271,62 @@ class Kernels:
         lo = _buffer("cupy.lo", (n, nblk), torch.float32, rows.device)
         hi = _buffer("cupy.hi", (n, nblk), torch.float32, rows.device)
         res_ptr, res_stride = (0, 0) if residual is None else (residual.data_ptr(), residual.stride(0))
-        self._launch("row_minmax", (nblk, n),
-                     (rows.data_ptr(), res_ptr, rows.stride(0), res_stride, chunk, _TILE, lo.data_ptr(), hi.data_ptr(), nblk))
+        self._launch(
+            "row_minmax",
+            (nblk, n),
+            (rows.data_ptr(), res_ptr, rows.stride(0), res_stride, chunk, _TILE, lo.data_ptr(), hi.data_ptr(), nblk),
+        )
         return lo.amin(dim=1, keepdim=True), hi.amax(dim=1, keepdim=True)
 
     # --- fp16 ---------------------------------------------------------------------------------------
     def half_encode(self, codec: Any, src: Tensor, dst: Tensor) -> bool:
         """:meth:`HalfCodec.encode` for scaled fp16; False when the call does not fit the kernels."""
         n, chunk = src.shape
-        if src.dtype != torch.float32 or dst.dtype != torch.int16 or chunk == 0 or not _rows_ok(src, dst) or dst.shape[1] != chunk + 1:
+        if (
+            src.dtype != torch.float32
+            or dst.dtype != torch.int16
+            or chunk == 0
+            or not _rows_ok(src, dst)
+            or dst.shape[1] != chunk + 1
+        ):
             return False
         lo, hi = self._row_minmax(src, None)
         e = codec._exponents_from(hi.squeeze(1), lo.squeeze(1))
         dst[:, 0].copy_(e)
         scale = torch.exp2(e.to(src.dtype)).contiguous()
-        self._launch("half_scale_cast", (-(-chunk // _TILE), n),
-                     (src.data_ptr(), src.stride(0), dst.data_ptr(), dst.stride(0), chunk, _TILE, scale.data_ptr()))
+        self._launch(
+            "half_scale_cast",
+            (-(-chunk // _TILE), n),
+            (src.data_ptr(), src.stride(0), dst.data_ptr(), dst.stride(0), chunk, _TILE, scale.data_ptr()),
+        )
         return True
 
     # --- int8 ---------------------------------------------------------------------------------------
-    def int8_encode(self, codec: Any, src: Tensor, dst: Tensor, residual: Tensor | None = None, decoded: Tensor | None = None) -> bool:
+    def int8_encode(
+        self, codec: Any, src: Tensor, dst: Tensor, residual: Tensor | None = None, decoded: Tensor | None = None
+    ) -> bool:
         """:meth:`Int8Codec.encode` of ``src``; with ``residual`` (and ``decoded``, the caller's
         scratch) also ``encode_with_feedback_``: ``src += residual`` first, then ``decoded`` gets
         the decoded wire and ``residual = src - decoded``. False when the call does not fit."""
         n, chunk = src.shape
-        tensors = [src, dst] + ([] if residual is None else [residual, decoded])
-        if (src.dtype != torch.float32 or chunk == 0 or dst.dtype != torch.uint8 or not _rows_ok(*tensors)
-                or dst.stride(0) % 4 or dst.data_ptr() % 4 or dst.shape[1] < 8 + chunk):
+        tensors = [src, dst] + ([] if residual is None or decoded is None else [residual, decoded])
+        if (
+            src.dtype != torch.float32
+            or chunk == 0
+            or dst.dtype != torch.uint8
+            or not _rows_ok(*tensors)
+            or dst.stride(0) % 4
+            or dst.data_ptr() % 4
+            or dst.shape[1] < 8 + chunk
+        ):
             return False
-        if residual is not None and (decoded is None or residual.dtype != torch.float32 or decoded.dtype != torch.float32
-                                     or residual.shape != src.shape or decoded.shape != src.shape):
+        if residual is not None and (
+            decoded is None
+            or residual.dtype != torch.float32
+            or decoded.dtype != torch.float32
+            or residual.shape != src.shape
+            or decoded.shape != src.shape
+        ):
             return False
         lo, hi = self._row_minmax(src, residual)
         m, s, inv, offset = codec._grid_from(lo, hi)
@@ -307,11 +339,28 @@ class Kernels:
         m_dec = header[:, 0:1].to(torch.float32).contiguous()
         scale = codec._scale_of(header[:, 1:2]).contiguous() if residual is not None else inv
         res_ptr, res_stride = (0, 0) if residual is None else (residual.data_ptr(), residual.stride(0))
-        dec_ptr, dec_stride = (0, 0) if residual is None else (decoded.data_ptr(), decoded.stride(0))
+        dec_ptr, dec_stride = (0, 0) if residual is None or decoded is None else (decoded.data_ptr(), decoded.stride(0))
         inv, offset = inv.contiguous(), offset.contiguous()
-        self._launch("int8_quantize", (-(-chunk // _TILE), n),
-                     (src.data_ptr(), src.stride(0), dst.data_ptr(), dst.stride(0), res_ptr, res_stride, dec_ptr, dec_stride,
-                      chunk, _TILE, inv.data_ptr(), offset.data_ptr(), m_dec.data_ptr(), scale.data_ptr()))
+        self._launch(
+            "int8_quantize",
+            (-(-chunk // _TILE), n),
+            (
+                src.data_ptr(),
+                src.stride(0),
+                dst.data_ptr(),
+                dst.stride(0),
+                res_ptr,
+                res_stride,
+                dec_ptr,
+                dec_stride,
+                chunk,
+                _TILE,
+                inv.data_ptr(),
+                offset.data_ptr(),
+                m_dec.data_ptr(),
+                scale.data_ptr(),
+            ),
+        )
         return True
 
     # --- 1-bit --------------------------------------------------------------------------------------
@@ -321,12 +370,21 @@ class Kernels:
         does not fit the kernels."""
         n, chunk = src.shape
         nbytes = -(-chunk // 8)
-        if src.dtype != torch.float32 or chunk == 0 or dst.dtype != torch.uint8 or not _rows_ok(src, dst) or dst.shape[1] < 8 + nbytes:
+        if (
+            src.dtype != torch.float32
+            or chunk == 0
+            or dst.dtype != torch.uint8
+            or not _rows_ok(src, dst)
+            or dst.shape[1] < 8 + nbytes
+        ):
             return None
         from lightning_mpi.comm.codecs import _buffer
 
         counts = _buffer("cupy.counts", (n,), torch.int32, src.device)
         counts.zero_()
-        self._launch("onebit_pack", (-(-chunk // _THREADS), n),
-                     (src.data_ptr(), src.stride(0), dst.data_ptr(), dst.stride(0), chunk, nbytes, counts.data_ptr()))
+        self._launch(
+            "onebit_pack",
+            (-(-chunk // _THREADS), n),
+            (src.data_ptr(), src.stride(0), dst.data_ptr(), dst.stride(0), chunk, nbytes, counts.data_ptr()),
+        )
         return counts.to(torch.float32)

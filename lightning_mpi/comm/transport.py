@@ -12,7 +12,7 @@ import os
 import pickle
 import time
 from collections.abc import Callable, Generator
-from typing import Any, Optional
+from typing import Any
 
 import numpy as np
 import torch
@@ -239,7 +239,7 @@ class Transport:
             pickle.loads(gathered[o : o + n].tobytes()) for o, n in zip(offsets.tolist(), lengths.tolist(), strict=True)
         ]
 
-    def gather_object(self, obj: Any, root: int = 0) -> Optional[list[Any]]:
+    def gather_object(self, obj: Any, root: int = 0) -> list[Any] | None:
         """Every rank's picklable ``obj`` in rank order on ``root`` (None elsewhere): ``Igather`` of
         the lengths, then ``Igatherv`` of the bytes, with the timeout."""
         import numpy as np
@@ -254,7 +254,9 @@ class Transport:
         gathered = np.empty(int(lengths.sum()), dtype=np.uint8)
         request = self.comm.Igatherv(payload, [gathered, lengths.tolist(), offsets.tolist(), self.MPI.BYTE], root=root)
         self._wait(request, "gather")
-        return [pickle.loads(gathered[o : o + n].tobytes()) for o, n in zip(offsets.tolist(), lengths.tolist())]
+        return [
+            pickle.loads(gathered[o : o + n].tobytes()) for o, n in zip(offsets.tolist(), lengths.tolist(), strict=True)
+        ]
 
     def agree(self, obj: Any) -> list[Any]:
         """:meth:`allgather_object` that completes on every rank once it completed on one, so that

@@ -20,12 +20,13 @@ averaging, parameter server, gossip) reject a step whose local gradients hold in
 :class:`LocalStepGuard`, so that a NaN loss on one rank never reaches the weights, the center or
 the other ranks.
 """
+
 from __future__ import annotations
 
 import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from typing import Any, ClassVar, Optional
+from typing import Any, ClassVar
 
 import torch
 from torch.optim import Optimizer
@@ -67,8 +68,11 @@ def grads_finite(params: Sequence[torch.Tensor]) -> bool:
     of them, so that a GPU synchronises once per step, not once per parameter.
     """
     # 16-bit gradients are summed in float32: a finite fp16 gradient can sum past 65504
-    sums = [p.grad.sum(dtype=torch.float64 if p.grad.dtype == torch.float64 else torch.float32)
-            for p in params if p.grad is not None]
+    sums = [
+        p.grad.sum(dtype=torch.float64 if p.grad.dtype == torch.float64 else torch.float32)
+        for p in params
+        if p.grad is not None
+    ]
     if not sums:
         return True
     return bool(torch.isfinite(torch.stack([s.double() for s in sums])).all())
@@ -147,7 +151,7 @@ class BoundRule:
 
     sync_enabled: bool = True
     training: bool = False
-    board: Optional[Any] = None
+    board: Any | None = None
 
     def __init__(self, transport: Transport, params: Sequence[torch.Tensor]) -> None:
         self.transport = transport
@@ -232,7 +236,7 @@ class Rule(ABC):
         validate(self)
         self.check_together()
 
-    def check_together(self) -> None:
+    def check_together(self) -> None:  # noqa: B027  (a hook: most rules have nothing to check together)
         """Checks that involve several options (each option's own check has run already)."""
 
     @abstractmethod

@@ -5,11 +5,13 @@ communicator, starts each bucket's exchange (Allreduce or ASA with the rule's wi
 optionally topology-aware) on a :class:`~lightning_mpi.comm.engine.ExchangeScheduler`, and runs
 a :class:`~lightning_mpi.comm.progress.ProgressThread` while exchanges are in flight.
 """
+
 from __future__ import annotations
 
 import math
 import time
 from collections.abc import Callable, Sequence
+
 import torch
 from torch import Tensor
 
@@ -34,20 +36,36 @@ class BucketExchanger:
     engine; ``poll()`` advances everything in flight; ``finish()`` waits for all of it.
     """
 
-    def __init__(self, transport: Transport, exchange: str, wire: str, segment_mb: float, progress_thread: bool,
-                 topology_aware: bool) -> None:
+    def __init__(
+        self,
+        transport: Transport,
+        exchange: str,
+        wire: str,
+        segment_mb: float,
+        progress_thread: bool,
+        topology_aware: bool,
+    ) -> None:
         self.transport = transport
         self.exchange = exchange
         self.codec = get_codec(wire)
         self.segment_numel = max(1, int(segment_mb * 2**20) // 4)
-        self.progress = ExchangeScheduler(transport.timeout, transport.rank, transport.size, watch=transport.watch,
-                                          on_driver_error=transport.report_thread_failure)
+        self.progress = ExchangeScheduler(
+            transport.timeout,
+            transport.rank,
+            transport.size,
+            watch=transport.watch,
+            on_driver_error=transport.report_thread_failure,
+        )
         self.driver: ProgressThread | None = None
         if progress_thread and transport.size > 1:
             # Polls only while exchanges are in flight: started by start(), paused by finish().
             self.driver = ProgressThread(
-                self.progress.try_poll, 2e-4, "SyncRule(progress_thread=True)", running=False,
-                remedy=", or pass progress_thread=False", on_error=transport.report_thread_failure,
+                self.progress.try_poll,
+                2e-4,
+                "SyncRule(progress_thread=True)",
+                running=False,
+                remedy=", or pass progress_thread=False",
+                on_error=transport.report_thread_failure,
             )
         self._workspaces: dict[tuple[int, int], ASAWorkspace] = {}
         self._slots: dict[int, tuple[Transport | None, list[Tensor], list[Transport]]] = {}  # by id(bucket)
@@ -126,7 +144,7 @@ class BucketExchanger:
             if pending[0] == 0 and on_done is not None:
                 on_done()
 
-        for team, segment in zip(teams[1:], parts[1:]):
+        for team, segment in zip(teams[1:], parts[1:], strict=True):  # one team per segment (prepare)
             self.progress.start(counted(self._segment_steps(team, segment)))
         yield from counted(self._segment_steps(teams[0], parts[0]))
 

@@ -5,6 +5,7 @@ are ready first in backward). :class:`Buckets` holds the options of that bucketi
 :class:`~lightning_mpi.rules.sync.SyncRule`, :class:`~lightning_mpi.rules.compressed.CompressedSyncRule`
 and :class:`~lightning_mpi.rules.powersgd.PowerSGDRule` define them once.
 """
+
 from __future__ import annotations
 
 import math
@@ -20,15 +21,22 @@ class Buckets(Rule):
     """Options of the bucketed exchange (a base of the every-step rules, not a rule of its own)."""
 
     bucket_mb: float = option(
-        25.0, "exchange bucket size in MiB (> 0); a bucket closes once it holds this much, so it ends on a "
+        default=25.0,
+        doc="exchange bucket size in MiB (> 0); a bucket closes once it holds this much, so it ends on a "
         "whole tensor: smaller buckets start exchanging earlier in backward, larger ones pay less latency.",
-        _POSITIVE)
+        check=_POSITIVE,
+    )
     first_bucket_mb: float = option(
-        1.0, "size of the first bucket (the last layers' gradients) in MiB (> 0; at most `bucket_mb`): small, as "
-        "in DDP, so that the link gets busy after the last layer or two of backward.", _POSITIVE)
+        default=1.0,
+        doc="size of the first bucket (the last layers' gradients) in MiB (> 0; at most `bucket_mb`): small, as "
+        "in DDP, so that the link gets busy after the last layer or two of backward.",
+        check=_POSITIVE,
+    )
     overlap: bool = option(
-        True, "start each bucket's exchange from the gradient hooks as soon as its gradients are ready, so it "
-        "runs behind the rest of backward.")
+        default=True,
+        doc="start each bucket's exchange from the gradient hooks as soon as its gradients are ready, so it "
+        "runs behind the rest of backward.",
+    )
 
     def bucket_bytes(self) -> int:
         """:attr:`bucket_mb` in bytes (at least 1)."""
@@ -44,5 +52,8 @@ class SegmentedBuckets(Buckets):
     """Bucket options of the ASA-based rules, whose buckets travel as a pipeline of segments."""
 
     segment_mb: float = option(
-        4.0, "each bucket is exchanged as a pipeline of segments of this many MiB (> 0): one segment is cast and "
-        "summed while the next is on the wire.", _POSITIVE)
+        default=4.0,
+        doc="each bucket is exchanged as a pipeline of segments of this many MiB (> 0): one segment is cast and "
+        "summed while the next is on the wire.",
+        check=_POSITIVE,
+    )

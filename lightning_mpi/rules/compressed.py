@@ -18,6 +18,7 @@ first steps (DGC's exponential warm-up, per step).
 
 At world size 1 nothing crosses a wire, so nothing is compressed.
 """
+
 from __future__ import annotations
 
 import warnings
@@ -39,6 +40,7 @@ from lightning_mpi.options import integer, number, option, options_class
 from lightning_mpi.rules.bucket_exchanger import BucketExchanger
 from lightning_mpi.rules.sync import BoundSync, SyncRule
 
+
 @options_class
 class CompressedSyncRule(SyncRule):
     """Average gradients every step with a lossy wire format and error feedback (see the module docstring).
@@ -49,18 +51,31 @@ class CompressedSyncRule(SyncRule):
     name = "compressed"
 
     codec: Literal["int8", "topk", "onebit"] = option(
-        "int8", "`\"int8\"` (ASA with per-chunk min-max 8-bit quantization, fp32 sums), `\"topk\"` (each rank sends "
-        "its `ratio` largest-magnitude entries as (index, value) pairs) or `\"onebit\"` (ASA with signs and two "
-        "per-chunk scales).")
-    ratio: float = option(0.01, "fraction of entries `\"topk\"` sends, in (0, 1].", number(0.0, 1.0, low_open=True))
+        default="int8",
+        doc='`"int8"` (ASA with per-chunk min-max 8-bit quantization, fp32 sums), `"topk"` (each rank sends '
+        'its `ratio` largest-magnitude entries as (index, value) pairs) or `"onebit"` (ASA with signs and two '
+        "per-chunk scales).",
+    )
+    ratio: float = option(
+        default=0.01, doc='fraction of entries `"topk"` sends, in (0, 1].', check=number(0.0, 1.0, low_open=True)
+    )
     error_feedback: bool = option(
-        True, "keep what was not sent and add it to the next step's gradient; the residuals are saved in checkpoints.")
+        default=True,
+        doc="keep what was not sent and add it to the next step's gradient; the residuals are saved in checkpoints.",
+    )
     momentum_correction: bool = option(
-        False, "Deep Gradient Compression's momentum correction (`codec=\"topk\"` only): momentum is applied locally "
-        "before sparsification, so use an optimizer without momentum.")
-    momentum: float = option(0.9, "the momentum of `momentum_correction`, in [0, 1).", number(0.0, 1.0, high_open=True))
+        default=False,
+        doc='Deep Gradient Compression\'s momentum correction (`codec="topk"` only): momentum is applied locally '
+        "before sparsification, so use an optimizer without momentum.",
+    )
+    momentum: float = option(
+        default=0.9, doc="the momentum of `momentum_correction`, in [0, 1).", check=number(0.0, 1.0, high_open=True)
+    )
     ratio_warmup_steps: int = option(
-        0, "steps over which the top-k ratio falls geometrically from 1 to `ratio` (0: none).", integer(0))
+        default=0,
+        doc="steps over which the top-k ratio falls geometrically from 1 to `ratio` (0: none).",
+        check=integer(0),
+    )
 
     # Fixed for the lossy codecs: ASA carries their chunks, the codec is the wire, gradients are averaged.
     exchange: Literal["allreduce", "asa"] = field(default="asa", init=False)
@@ -99,8 +114,14 @@ class CompressedExchanger(BucketExchanger):
     """:class:`BucketExchanger` whose exchanges compress, with error feedback buffers per bucket."""
 
     def __init__(self, transport: Transport, rule: CompressedSyncRule) -> None:
-        super().__init__(transport, exchange="asa", wire="fp32", segment_mb=rule.segment_mb,
-                         progress_thread=rule.overlap and rule.progress_thread, topology_aware=False)
+        super().__init__(
+            transport,
+            exchange="asa",
+            wire="fp32",
+            segment_mb=rule.segment_mb,
+            progress_thread=rule.overlap and rule.progress_thread,
+            topology_aware=False,
+        )
         self.rule = rule
         self.topk = rule.codec == "topk"
         if not self.topk:
@@ -165,11 +186,13 @@ class CompressedExchanger(BucketExchanger):
         state = self._states[key]
         if self.topk:
             k = topk_count(state.numel, self.current_ratio())
-            work = self._topk_work.get(key)
-            if work is None:
-                work = self._topk_work[key] = TopKWorkspace(k, team.size, segment.device, segment.numel(), segment.dtype)
-            work.resize(k)  # new wire buffers only while the warm-up changes k
-            return topk_mean_steps(team, segment, k, work, state.residual, state.momentum, self.rule.momentum)
+            topk_work = self._topk_work.get(key)
+            if topk_work is None:
+                topk_work = self._topk_work[key] = TopKWorkspace(
+                    k, team.size, segment.device, segment.numel(), segment.dtype
+                )
+            topk_work.resize(k)  # new wire buffers only while the warm-up changes k
+            return topk_mean_steps(team, segment, k, topk_work, state.residual, state.momentum, self.rule.momentum)
         work = self._workspaces.get(key)
         if work is None:
             work = self._workspaces[key] = ASAWorkspace.for_buffer(segment, team.size, self.codec)
@@ -278,7 +301,9 @@ class BoundCompressedSync(BoundSync):
             for name in ("residuals", "owner_residuals", "momenta"):
                 for dst, src in zip(getattr(ex, name), mine[name], strict=True):
                     if dst.shape != src.shape:
-                        raise ValueError(f"checkpoint {name} of shape {tuple(src.shape)} do not fit buffers of {tuple(dst.shape)}")
+                        raise ValueError(
+                            f"checkpoint {name} of shape {tuple(src.shape)} do not fit buffers of {tuple(dst.shape)}"
+                        )
                     dst.copy_(src)
             return
         # Another world size: the pending mass of the mean update is mean(residuals); every rank

@@ -34,6 +34,7 @@ The running part, :class:`BoundDiLoCo`, also runs Streaming DiLoCo
 (:mod:`lightning_mpi.rules.streaming_diloco`): several fragments on staggered schedules, each
 exchange overlapped with ``overlap_steps`` inner steps, the result mixed in with ``mix_alpha``.
 """
+
 from __future__ import annotations
 
 import math
@@ -101,16 +102,25 @@ class OuterOptions(Rule):
     """The options DiLoCo and Streaming DiLoCo share: the outer step and how Δ travels."""
 
     period: int = option(
-        50, "H, inner steps between outer steps (≥ 1); the paper's 500 is made for runs of tens of thousands of "
-        "steps.", integer(1))
-    outer_lr: float = option(0.7, "outer learning rate (> 0); the paper's 0.7.",
-                             number(0.0, math.inf, low_open=True, high_open=True))
+        default=50,
+        doc="H, inner steps between outer steps (≥ 1); the paper's 500 is made for runs of tens of thousands of steps.",
+        check=integer(1),
+    )
+    outer_lr: float = option(
+        default=0.7,
+        doc="outer learning rate (> 0); the paper's 0.7.",
+        check=number(0.0, math.inf, low_open=True, high_open=True),
+    )
     outer_momentum: float = option(
-        0.9, "outer Nesterov momentum in [0, 1); 0 is plain SGD, and `outer_lr=1, outer_momentum=0` is periodic "
-        "model averaging.", number(0.0, 1.0, high_open=True))
+        default=0.9,
+        doc="outer Nesterov momentum in [0, 1); 0 is plain SGD, and `outer_lr=1, outer_momentum=0` is periodic "
+        "model averaging.",
+        check=number(0.0, 1.0, high_open=True),
+    )
     wire: Literal["fp32", "bf16", "int8", "int4"] = option(
-        "fp32", "how Δ travels: `\"fp32\"` (one Allreduce), `\"bf16\"`, `\"int8\"` or `\"int4\"` (ASA with error "
-        "feedback).")
+        default="fp32",
+        doc='how Δ travels: `"fp32"` (one Allreduce), `"bf16"`, `"int8"` or `"int4"` (ASA with error feedback).',
+    )
 
 
 # -- the rule ---------------------------------------------------------------------------------------
@@ -140,8 +150,16 @@ class BoundDiLoCo(BoundLocalStepRule):
         mix_alpha: α, how much of the local fragment survives the arriving global one.
     """
 
-    def __init__(self, rule: Any, transport: Transport, params: Sequence[Tensor], groups: Sequence[Sequence[Tensor]],
-                 offsets: Sequence[int], overlap_steps: int = 0, mix_alpha: float = 0.0) -> None:
+    def __init__(
+        self,
+        rule: Any,
+        transport: Transport,
+        params: Sequence[Tensor],
+        groups: Sequence[Sequence[Tensor]],
+        offsets: Sequence[int],
+        overlap_steps: int = 0,
+        mix_alpha: float = 0.0,
+    ) -> None:
         super().__init__(transport, params, rule.name)
         self.rule = rule
         self.offsets = list(offsets)
@@ -157,7 +175,9 @@ class BoundDiLoCo(BoundLocalStepRule):
         self.driver: ProgressThread | None = None
         if overlap_steps > 0 and transport.size > 1:
             # MPICH moves a non-blocking exchange only inside MPI calls: poll while one is in flight.
-            self.driver = ProgressThread(self.progress.try_poll, 2e-4, f"{rule.name} (overlap_steps > 0)", running=False)
+            self.driver = ProgressThread(
+                self.progress.try_poll, 2e-4, f"{rule.name} (overlap_steps > 0)", running=False
+            )
         self.steps = 0
         self.outer_steps = 0
         self.peak_exchange_bytes = 0
@@ -230,7 +250,7 @@ class BoundDiLoCo(BoundLocalStepRule):
         for index, fragment in enumerate(self.fragments):
             if fragment.status != "idle":
                 self._finish(index, 0.0)
-        for index, (fragment, offset) in enumerate(zip(self.fragments, self.offsets)):
+        for index, (fragment, offset) in enumerate(zip(self.fragments, self.offsets, strict=True)):
             if last_start(self.steps, offset, self.rule.period) < self.steps:
                 self._start(index)
                 self._finish(index, 0.0)
@@ -253,23 +273,30 @@ class BoundDiLoCo(BoundLocalStepRule):
         for fragment in self.fragments:
             n = fragment.numel
             buffer = self.outer.state.get(fragment.theta_global, {}).get("momentum_buffer")
-            fragments.append({
-                "theta_global": fragment.theta_global[:n].clone(),
-                "momentum": None if buffer is None else buffer[:n].clone(),
-                "arrived": fragment.delta[:n].clone() if fragment.status == "arrived" else None,
-                "due": fragment.due,
-                "started": fragment.started,
-            })
+            fragments.append(
+                {
+                    "theta_global": fragment.theta_global[:n].clone(),
+                    "momentum": None if buffer is None else buffer[:n].clone(),
+                    "arrived": fragment.delta[:n].clone() if fragment.status == "arrived" else None,
+                    "due": fragment.due,
+                    "started": fragment.started,
+                }
+            )
         residuals = [None if f.residual is None else f.residual.clone() for f in self.fragments]
         owner = [None if f.owner_residual is None else f.owner_residual.clone() for f in self.fragments]
         ranks = self.replicas.gather()
         if self.transport.size > 1:
             extras = self.transport.allgather_object({"residuals": residuals, "owner_residuals": owner})
-            ranks = [{**r, **e} for r, e in zip(ranks, extras)]
+            ranks = [{**r, **e} for r, e in zip(ranks, extras, strict=True)]
         else:
             ranks[0].update(residuals=residuals, owner_residuals=owner)
-        return {"steps": self.steps, "outer_steps": self.outer_steps, "fragments": fragments,
-                "world_size": self.transport.size, "ranks": ranks}
+        return {
+            "steps": self.steps,
+            "outer_steps": self.outer_steps,
+            "fragments": fragments,
+            "world_size": self.transport.size,
+            "ranks": ranks,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if len(state["fragments"]) != len(self.fragments):
@@ -279,7 +306,7 @@ class BoundDiLoCo(BoundLocalStepRule):
             )
         self.steps = int(state["steps"])
         self.outer_steps = int(state.get("outer_steps", 0))
-        for fragment, saved in zip(self.fragments, state["fragments"]):
+        for fragment, saved in zip(self.fragments, state["fragments"], strict=True):
             n = fragment.numel
             fragment.theta_global.zero_()
             fragment.theta_global[:n].copy_(saved["theta_global"])

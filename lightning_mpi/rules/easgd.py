@@ -17,11 +17,12 @@ that), and run τ ∈ {1, 4, 16, 64}; we take τ = 4, the shortest that still cu
 Their EAMSGD runs use momentum δ = 0.99; dist-keras (Hermans) defaults to 0.9, which we take
 because it is stable with the plain-SGD learning rates users already have.
 """
+
 from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from typing import Any, Optional
+from typing import Any
 
 from torch import Tensor
 
@@ -60,7 +61,7 @@ def nesterov_gradient_(grad: Tensor, buf: Tensor, delta: float) -> Tensor:
     return grad
 
 
-def default_alpha(alpha: Optional[float], world_size: int) -> float:
+def default_alpha(alpha: float | None, world_size: int) -> float:
     """``alpha`` if given, else Zhang et al.'s β/p with β = 0.9."""
     return float(alpha) if alpha is not None else 0.9 / max(1, world_size)
 
@@ -88,7 +89,7 @@ class FlatParams:
         self.bucket.pack()
         return self.flat
 
-    def push(self, values: Optional[Tensor] = None) -> None:
+    def push(self, values: Tensor | None = None) -> None:
         """Copy ``values`` (default :attr:`flat`) into the parameters."""
         if values is not None and values is not self.flat:
             self.flat.copy_(values)
@@ -104,11 +105,16 @@ class EASGDRule(Rule):
 
     name = "easgd"
 
-    period: int = option(4, "τ, local steps between elastic exchanges (≥ 1); Zhang et al. use 1 to 64.", integer(1))
-    alpha: Optional[float] = option(
-        None, "elastic moving rate α = ηρ in (0, 1]; None means 0.9 / W (Zhang et al.'s β = Wα = 0.9).", ALPHA)
+    period: int = option(
+        default=4, doc="τ, local steps between elastic exchanges (≥ 1); Zhang et al. use 1 to 64.", check=integer(1)
+    )
+    alpha: float | None = option(
+        default=None,
+        doc="elastic moving rate α = ηρ in (0, 1]; None means 0.9 / W (Zhang et al.'s β = Wα = 0.9).",
+        check=ALPHA,
+    )
 
-    def bind(self, transport: Transport, params: Sequence[Tensor]) -> "BoundEASGD":
+    def bind(self, transport: Transport, params: Sequence[Tensor]) -> BoundEASGD:
         return BoundEASGD(self, transport, params)
 
 
@@ -162,5 +168,8 @@ class BoundEASGD(BoundLocalStepRule):
         self._loaded = True
 
     def stats(self) -> dict[str, float]:
-        return {"exchange_seconds": self._seconds, "wire_bytes": float(self._bytes),
-                "skipped_steps": float(self.guard.skipped_steps)}
+        return {
+            "exchange_seconds": self._seconds,
+            "wire_bytes": float(self._bytes),
+            "skipped_steps": float(self.guard.skipped_steps),
+        }

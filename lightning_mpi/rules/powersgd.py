@@ -32,13 +32,14 @@ Defaults, cited: rank 1, ``min_compression_rate`` 2, warm start and error feedba
 for a reason of its own, DDP's bucket rebuild; its docs suggest ~10% of training when accuracy
 suffers).
 """
+
 from __future__ import annotations
 
 import math
 import time
 import warnings
 from collections.abc import Sequence
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -79,21 +80,33 @@ class PowerSGDRule(Buckets):
     name = "powersgd"
 
     rank: int = option(
-        1, "r, the rank of the approximation (≥ 1); a matrix gets min(n, m, rank). Torch suggests 1, then 2, 4, ... "
-        "until the accuracy is good enough.", integer(1))
+        default=1,
+        doc="r, the rank of the approximation (≥ 1); a matrix gets min(n, m, rank). Torch suggests 1, then 2, 4, ... "
+        "until the accuracy is good enough.",
+        check=integer(1),
+    )
     start_step: int = option(
-        0, "updating steps of plain averaging before compression starts (≥ 0); torch suggests about 10% of training "
-        "when compressing from the start costs accuracy.", integer(0))
+        default=0,
+        doc="updating steps of plain averaging before compression starts (≥ 0); torch suggests about 10% of training "
+        "when compressing from the start costs accuracy.",
+        check=integer(0),
+    )
     min_compression_rate: float = option(
-        2.0, "compress a matrix only if (n + m)·r is smaller than n·m by more than this factor (≥ 0; 0 compresses "
-        "every matrix).", number(0.0, math.inf, high_open=True))
+        default=2.0,
+        doc="compress a matrix only if (n + m)·r is smaller than n·m by more than this factor (≥ 0; 0 compresses "
+        "every matrix).",
+        check=number(0.0, math.inf, high_open=True),
+    )
     warm_start: bool = option(
-        True, "start each step's power iteration from the previous step's Q (else a fresh random Q every step).")
+        default=True,
+        doc="start each step's power iteration from the previous step's Q (else a fresh random Q every step).",
+    )
     use_error_feedback: bool = option(
-        True, "add what the approximation missed on this rank to its next gradient.")
-    seed: int = option(0, "seed of the random Q's (≥ 0), the same on every rank.", integer(0))
+        default=True, doc="add what the approximation missed on this rank to its next gradient."
+    )
+    seed: int = option(default=0, doc="seed of the random Q's (≥ 0), the same on every rank.", check=integer(0))
 
-    def bind(self, transport: Transport, params: Sequence[Tensor]) -> "BoundPowerSGD":
+    def bind(self, transport: Transport, params: Sequence[Tensor]) -> BoundPowerSGD:
         return BoundPowerSGD(self, transport, params)
 
 
@@ -114,7 +127,7 @@ class BoundPowerSGD(BoundRule):
         self._index = {id(p): i for i, p in enumerate(self.params)}  # checkpoint keys
         self.buckets: list[PowerSGDBucket] = []
         self.progress = ExchangeScheduler(transport.timeout, transport.rank, transport.size)
-        self.driver: Optional[ProgressThread] = None
+        self.driver: ProgressThread | None = None
         self._hooks: list[Any] = []
         self._last: dict[str, float] = {}
         self._seconds = 0.0
@@ -125,7 +138,9 @@ class BoundPowerSGD(BoundRule):
             return compression_rank(shape, rule.rank, rule.min_compression_rate)
 
         plain_buckets = make_buckets(
-            self.params, 1, bucket_bytes=rule.bucket_bytes(),
+            self.params,
+            1,
+            bucket_bytes=rule.bucket_bytes(),
             first_bucket_bytes=rule.first_bucket_bytes(),
         )
         # Each bucket on its own communicator: hooks may start them in any order on each rank.
@@ -135,8 +150,13 @@ class BoundPowerSGD(BoundRule):
         self._replayed = False  # a gradient arrived after its bucket left: redo in before_step
         self._arrived: list[int] = []
         if rule.overlap:
-            self.driver = ProgressThread(self.progress.try_poll, 2e-4, "PowerSGDRule(overlap=True)", running=False,
-                                         remedy=", or pass overlap=False")
+            self.driver = ProgressThread(
+                self.progress.try_poll,
+                2e-4,
+                "PowerSGDRule(overlap=True)",
+                running=False,
+                remedy=", or pass overlap=False",
+            )
             for index, bucket in enumerate(self.buckets):
                 for tensor in bucket.bucket.tensors:
                     self._hooks.append(tensor.register_post_accumulate_grad_hook(self._make_hook(index)))
@@ -264,10 +284,10 @@ class BoundPowerSGD(BoundRule):
     def stats(self) -> dict[str, float]:
         return dict(self._last)
 
-    def _by_parameter(self, tensor_of) -> list[Optional[Tensor]]:
+    def _by_parameter(self, tensor_of) -> list[Tensor | None]:
         """``tensor_of(bucket, member)`` for every compressed parameter, by its position in
         ``params`` (``None`` elsewhere): a layout that does not depend on the buckets."""
-        out: list[Optional[Tensor]] = [None] * len(self.params)
+        out: list[Tensor | None] = [None] * len(self.params)
         for bucket in self.buckets:
             for c in bucket.compressed:
                 value = tensor_of(bucket, c)
@@ -279,8 +299,13 @@ class BoundPowerSGD(BoundRule):
         """Collective on every rank (Lightning saves on every rank; rank 0 writes): the step count,
         the warm Q's (the same on every rank) and, gathered to rank 0 only, every rank's residuals
         (``"ranks"`` is ``None`` on the other ranks)."""
-        state: dict[str, Any] = {"steps": self.steps, "skipped_steps": self.skipped_steps,
-                                 "world_size": self.transport.size, "q": [], "ranks": None}
+        state: dict[str, Any] = {
+            "steps": self.steps,
+            "skipped_steps": self.skipped_steps,
+            "world_size": self.transport.size,
+            "q": [],
+            "ranks": None,
+        }
         if self.transport.size == 1:
             return state
         state["q"] = self._by_parameter(lambda b, c: b.q(c, b.q_state) if b.q_ready else None)
@@ -296,15 +321,19 @@ class BoundPowerSGD(BoundRule):
         saved_q = state.get("q") or [None] * len(self.params)
         ranks = state.get("ranks")
         if len(saved_q) != len(self.params):
-            warnings.warn("lightning_mpi: the checkpoint's PowerSGD state is for another model; starting afresh.",
-                          RuntimeWarning, stacklevel=2)
+            warnings.warn(
+                "lightning_mpi: the checkpoint's PowerSGD state is for another model; starting afresh.",
+                RuntimeWarning,
+                stacklevel=2,
+            )
             return
         same_world = int(state.get("world_size", 0)) == self.transport.size
         if ranks and not same_world:
             warnings.warn(
                 f"lightning_mpi: PowerSGD residuals from {state.get('world_size')} ranks restored on "
                 f"{self.transport.size}: every rank gets their mean (which keeps the pending mean update).",
-                RuntimeWarning, stacklevel=2,
+                RuntimeWarning,
+                stacklevel=2,
             )
         for bucket in self.buckets:
             restored = bool(bucket.compressed)
@@ -317,8 +346,11 @@ class BoundPowerSGD(BoundRule):
                     restored = False
                 if bucket.residual is not None and ranks:
                     parts = [r[index] for r in ranks if r[index] is not None]
-                    residual = parts[self.transport.rank] if same_world and len(parts) == len(ranks) else (
-                        torch.stack(parts).mean(dim=0) if parts else None)
+                    residual = (
+                        parts[self.transport.rank]
+                        if same_world and len(parts) == len(ranks)
+                        else (torch.stack(parts).mean(dim=0) if parts else None)
+                    )
                     if residual is not None and tuple(residual.shape) == (c.n, c.m):
                         bucket.residual_of(c).copy_(residual)
             bucket.q_ready = restored

@@ -18,11 +18,11 @@ writes ``P̂ Q̄ᵀ`` and the averages into the gradients and updates the residu
 Nothing that outlives the step (residual, ``q_state``) changes before :meth:`commit`, so an
 exchange started from hooks can be dropped and redone.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 from torch import Tensor
@@ -69,15 +69,16 @@ class PowerSGDBucket:
         error_feedback: keep this rank's residual ``M − P̂ Q̄ᵀ`` for the next step.
     """
 
-    def __init__(self, bucket: Bucket, team: Optional[Transport], compress: Callable[[torch.Size], int],
-                 error_feedback: bool) -> None:
+    def __init__(
+        self, bucket: Bucket, team: Transport | None, compress: Callable[[torch.Size], int], error_feedback: bool
+    ) -> None:
         self.bucket = bucket
         self.team = team
         self.compressed: list[CompressedMember] = []
         self.plain: list[PlainMember] = []
         p_total = q_total = 0
         plain_shapes = []
-        for member, (tensor, offset) in enumerate(zip(bucket.tensors, bucket.offsets)):
+        for member, (tensor, offset) in enumerate(zip(bucket.tensors, bucket.offsets, strict=True)):
             r = compress(tensor.shape)
             if r:
                 n = tensor.shape[0]
@@ -122,7 +123,7 @@ class PowerSGDBucket:
         return self.pu.numel() + self.q_work.numel()
 
     # -- the three stages --------------------------------------------------------------------------
-    def begin(self, compressing: bool, fresh_q: Optional[Callable[[list[tuple[int, int]]], list[Tensor]]]) -> None:
+    def begin(self, compressing: bool, fresh_q: Callable[[list[tuple[int, int]]], list[Tensor]] | None) -> None:
         """Pack the gradients; when ``compressing``, add the residual and compute every ``P = M Q``.
 
         ``fresh_q(shapes)`` gives new random ``(m, r)`` Q's (the same on every rank); it is used
@@ -142,7 +143,7 @@ class PowerSGDBucket:
             else:
                 assert fresh_q is not None
                 randoms = fresh_q([(c.m, c.r) for c in self.compressed])
-                for c, values in zip(self.compressed, randoms):
+                for c, values in zip(self.compressed, randoms, strict=True):
                     self.q(c, self.q_work).copy_(values)
             for c in self.compressed:
                 q = orthogonalize_(self.q(c, self.q_work))

@@ -3,16 +3,16 @@
 :mod:`lightning_mpi.rules.powersgd` has the algorithm in its docstring and the rule;
 :mod:`lightning_mpi.rules.powersgd_bucket` one bucket's exchange. Both use these functions.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Optional
 
 import torch
 from torch import Tensor
 
 
-def matrix_shape(shape: Sequence[int]) -> Optional[tuple[int, int]]:
+def matrix_shape(shape: Sequence[int]) -> tuple[int, int] | None:
     """``(n, m)``: a tensor of ``shape`` viewed as ``(shape[0], rest)``; ``None`` for 0-D and 1-D."""
     if len(shape) < 2:
         return None

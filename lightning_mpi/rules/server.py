@@ -11,21 +11,22 @@ epoch on their own ("asynchrony begets momentum", Mitliagkas et al. 2016); do no
 with W (Goyal et al.'s rule is for averaged gradients). The same holds for EAMSGD, whose Nesterov
 momentum δ = 0.9 already multiplies the step by 10. The other rules here take the linear-scaled lr.
 
-Defaults, cited: dist-keras' trainers use ``communication_window=5`` for DOWNPOUR and ADAG and
-32 for AEASGD/EAMSGD (with ρ=5, η=0.1, i.e. α = 0.5, and momentum 0.9); Zhang et al. use
-α = 0.9/W. We keep period 5 for DOWNPOUR/ADAG/DynSGD, 3 for AGN (measured, see :class:`AGNRule`), α = 0.9/W, δ = 0.9, and use period
-8 instead of 32 for the elastic rules, because small jobs (a few hundred steps per epoch) would
-otherwise exchange only a handful of times per epoch. ``eta`` for ADAG is not given numerically
-in the sources we could check. We measured it (``tests/scripts/rules_train.py``: digits MLP, 8 epochs,
-linear-scaled lr 0.1·W): at W = 3, η = 1 → 0.838, η = 0.1 → 0.947, η = 0.01 → 0.896 (one process
-0.913), so the default is η = 0.1: η = 1 barely damps a stale commit, and a DOWNPOUR-like sum of
-W deltas at lr 0.1·W overshoots.
+Defaults, cited: dist-keras' trainers use ``communication_window=5`` for DOWNPOUR and ADAG and 32
+for AEASGD/EAMSGD (with ρ=5, η=0.1, i.e. α = 0.5, and momentum 0.9); Zhang et al. use α = 0.9/W. We
+keep period 5 for DOWNPOUR/ADAG/DynSGD, 3 for AGN (measured, see :class:`AGNRule`), α = 0.9/W, δ =
+0.9, and use period 8 instead of 32 for the elastic rules, because small jobs (a few hundred steps
+per epoch) would otherwise exchange only a handful of times per epoch. ``eta`` for ADAG is not given
+numerically in the sources we could check. We measured it (``tests/scripts/rules_train.py``: digits
+MLP, 8 epochs, linear-scaled lr 0.1·W): at W = 3, η = 1 → 0.838, η = 0.1 → 0.947, η = 0.01 → 0.896
+(one process 0.913), so the default is η = 0.1: η = 1 barely damps a stale commit, and a
+DOWNPOUR-like sum of W deltas at lr 0.1·W overshoots.
 """
+
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -51,7 +52,8 @@ class BoundDeltaRule(BoundServerRule):
         update = self.update(theta - self.ref, stale)
         if not all_finite([update]):
             return False
-        self.center.add(update, old=self.scratch)  # fetch-and-add: the center just before ours
+        center, _ = self.windows()
+        center.add(update, old=self.scratch)  # fetch-and-add: the center just before ours
         self.pull_(self.scratch + update)
         return True
 
@@ -63,7 +65,7 @@ class DownpourRule(ServerRule):
 
     name = "downpour"
 
-    def bind(self, transport: Transport, params: Sequence[Tensor]) -> "BoundDownpour":
+    def bind(self, transport: Transport, params: Sequence[Tensor]) -> BoundDownpour:
         return BoundDownpour(self, transport, params)
 
 
@@ -86,7 +88,7 @@ class AGNRule(ServerRule):
 
     period: int = with_default(ServerRule, "period", default=3)
 
-    def bind(self, transport: Transport, params: Sequence[Tensor]) -> "BoundAGN":
+    def bind(self, transport: Transport, params: Sequence[Tensor]) -> BoundAGN:
         return BoundAGN(self, transport, params)
 
 
@@ -102,7 +104,7 @@ class DynSGDRule(ServerRule):
 
     name = "dynsgd"
 
-    def bind(self, transport: Transport, params: Sequence[Tensor]) -> "BoundDynSGD":
+    def bind(self, transport: Transport, params: Sequence[Tensor]) -> BoundDynSGD:
         return BoundDynSGD(self, transport, params)
 
 
@@ -120,10 +122,12 @@ class ADAGRule(ServerRule):
     name = "adag"
 
     eta: float = option(
-        0.1, "η > 0, the squared center movement since the pull at which a commit is halved (measured on digits).",
-        number(0.0, math.inf, low_open=True, high_open=True))
+        default=0.1,
+        doc="η > 0, the squared center movement since the pull at which a commit is halved (measured on digits).",
+        check=number(0.0, math.inf, low_open=True, high_open=True),
+    )
 
-    def bind(self, transport: Transport, params: Sequence[Tensor]) -> "BoundADAG":
+    def bind(self, transport: Transport, params: Sequence[Tensor]) -> BoundADAG:
         return BoundADAG(self, transport, params)
 
 
@@ -133,11 +137,12 @@ class BoundADAG(BoundServerRule):
     rule: ADAGRule
 
     def exchange(self, theta: Tensor, stale: int) -> bool:
-        center_now = self.center.read(self.scratch)
+        center, _ = self.windows()
+        center_now = center.read(self.scratch)
         update = adag_commit(theta - self.ref, center_now, self.ref, self.rule.eta)
         if not all_finite([update]):
             return False
-        self.center.add(update)
+        center.add(update)
         self.pull_(center_now + update)
         return True
 
@@ -152,9 +157,9 @@ class AEASGDRule(ServerRule):
     name = "aeasgd"
 
     period: int = with_default(ServerRule, "period", default=8)
-    alpha: Optional[float] = with_default(EASGDRule, "alpha", default=None)
+    alpha: float | None = with_default(EASGDRule, "alpha", default=None)
 
-    def bind(self, transport: Transport, params: Sequence[Tensor]) -> "BoundAEASGD":
+    def bind(self, transport: Transport, params: Sequence[Tensor]) -> BoundAEASGD:
         return BoundAEASGD(self, transport, params)
 
 
@@ -168,11 +173,12 @@ class BoundAEASGD(BoundServerRule):
         self.alpha = default_alpha(rule.alpha, transport.size)
 
     def exchange(self, theta: Tensor, stale: int) -> bool:
-        center_now = self.center.read(self.scratch)
+        center, _ = self.windows()
+        center_now = center.read(self.scratch)
         new_theta, e = aeasgd_exchange(theta, center_now, self.alpha)
         if not all_finite([e]):  # finite θ and θ̃ can still overflow their difference
             return False
-        self.center.add(e)
+        center.add(e)
         self.flat.push(new_theta)
         self.ref.copy_(center_now).add_(e)
         return True
@@ -188,10 +194,13 @@ class EAMSGDRule(AEASGDRule):
     name = "eamsgd"
 
     momentum: float = option(
-        0.9, "Nesterov momentum δ in [0, 1) (dist-keras; Zhang et al. use 0.99); with `momentum_correction=True` the "
-        "rule runs with max(0, δ - (1 - 1/W)).", number(0.0, 1.0, high_open=True))
+        default=0.9,
+        doc="Nesterov momentum δ in [0, 1) (dist-keras; Zhang et al. use 0.99); with `momentum_correction=True` the "
+        "rule runs with max(0, δ - (1 - 1/W)).",
+        check=number(0.0, 1.0, high_open=True),
+    )
 
-    def bind(self, transport: Transport, params: Sequence[Tensor]) -> "BoundEAMSGD":
+    def bind(self, transport: Transport, params: Sequence[Tensor]) -> BoundEAMSGD:
         return BoundEAMSGD(self, transport, params)
 
 
@@ -209,7 +218,7 @@ class BoundEAMSGD(BoundAEASGD):
         or the weights; the step still counts towards the next commit); else Nesterov momentum."""
         if not super().before_step(optimizer):
             return False
-        for p, buf in zip(self.params, self.momentum_bufs):
+        for p, buf in zip(self.params, self.momentum_bufs, strict=True):
             if p.grad is not None:
                 nesterov_gradient_(p.grad, buf, self.rule.momentum)
         return True

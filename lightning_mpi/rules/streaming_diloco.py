@@ -33,6 +33,7 @@ Defaults, cited: the paper uses α = 0.5, τ of 1 to 5 inner steps and 4-bit out
 we take ``mix_alpha=0.5``, ``overlap_steps=1``, ``wire="int4"``, ``fragments=4`` (the paper's
 models have 3 to 9 fragments), and DiLoCo's ``period=50``, outer_lr 0.7 and momentum 0.9.
 """
+
 from __future__ import annotations
 
 import warnings
@@ -92,20 +93,30 @@ class StreamingDiLoCoRule(OuterOptions):
     name = "streaming_diloco"
 
     fragments: int = option(
-        4, "P, the number of fragments (≥ 1, ≤ period); a model with fewer trainable tensors runs with one "
-        "fragment per tensor (and a warning).", integer(1))
+        default=4,
+        doc="P, the number of fragments (≥ 1, ≤ period); a model with fewer trainable tensors runs with one "
+        "fragment per tensor (and a warning).",
+        check=integer(1),
+    )
     overlap_steps: int = option(
-        1, "τ, inner steps between the start of a fragment's exchange and its use (0: blocking); below "
-        "period // fragments.", integer(0))
+        default=1,
+        doc="τ, inner steps between the start of a fragment's exchange and its use (0: blocking); below "
+        "period // fragments.",
+        check=integer(0),
+    )
     mix_alpha: float = option(
-        0.5, "α in [0, 1): the arriving fragment sets θ_local ← α·θ_local + (1 − α)·θ_global (the paper's 0.5).",
-        number(0.0, 1.0, high_open=True))
+        default=0.5,
+        doc="α in [0, 1): the arriving fragment sets θ_local ← α·θ_local + (1 − α)·θ_global (the paper's 0.5).",
+        check=number(0.0, 1.0, high_open=True),
+    )
     wire: Literal["fp32", "bf16", "int8", "int4"] = with_default(OuterOptions, "wire", default="int4")
 
     def check_together(self) -> None:
         if self.fragments > self.period:
-            raise ValueError(f"fragments={self.fragments!r} is more than period={self.period!r}: each fragment needs "
-                             "its own step in the period; lower fragments or raise period")
+            raise ValueError(
+                f"fragments={self.fragments!r} is more than period={self.period!r}: each fragment needs "
+                "its own step in the period; lower fragments or raise period"
+            )
         if self.overlap_steps >= self.period // self.fragments:
             raise ValueError(
                 f"overlap_steps={self.overlap_steps!r} is out of range: it must be < period // fragments = "
@@ -127,7 +138,14 @@ class StreamingDiLoCoRule(OuterOptions):
             fragments = len(params)
         assignment = split_fragments([p.numel() for p in params], fragments) if params else []
         groups: list[list[Tensor]] = [[] for _ in range(fragments)]
-        for param, group in zip(params, assignment):
+        for param, group in zip(params, assignment, strict=True):
             groups[group].append(param)
-        return BoundDiLoCo(self, transport, params, groups, fragment_offsets(self.period, fragments),
-                           overlap_steps=self.overlap_steps, mix_alpha=self.mix_alpha)
+        return BoundDiLoCo(
+            self,
+            transport,
+            params,
+            groups,
+            fragment_offsets(self.period, fragments),
+            overlap_steps=self.overlap_steps,
+            mix_alpha=self.mix_alpha,
+        )

@@ -11,6 +11,7 @@ The exchange is either one ``MPI_Allreduce`` or Theano-MPI's Alltoall-sum-Allgat
 fp32, fp16 or bf16 on the wire. A step whose exchanged gradients contain inf or NaN is skipped on
 every rank (they all see the same values), counted in ``skipped_steps`` and warned about.
 """
+
 from __future__ import annotations
 
 import warnings
@@ -39,26 +40,36 @@ class SyncRule(SegmentedBuckets):
     name = "sync"
 
     exchange: Literal["allreduce", "asa"] = option(
-        "allreduce", "`\"allreduce\"`: one MPI_Allreduce per bucket; `\"asa\"`: Theano-MPI's Alltoall, local "
-        "fp32 sum, Allgather.")
+        default="allreduce",
+        doc='`"allreduce"`: one MPI_Allreduce per bucket; `"asa"`: Theano-MPI\'s Alltoall, local fp32 sum, Allgather.',
+    )
     wire: Literal["fp32", "fp16", "bf16"] = option(
-        "fp32", "the format on the wire; 16-bit formats need `exchange=\"asa\"`, which sums in fp32: half the "
-        "bytes, one rounding of the sum.")
+        default="fp32",
+        doc='the format on the wire; 16-bit formats need `exchange="asa"`, which sums in fp32: half the '
+        "bytes, one rounding of the sum.",
+    )
     average: Literal["gradients", "weights", "weights+momentum"] = option(
-        "gradients", "`\"gradients\"` (W ranks x batch B = one process x batch W*B), `\"weights\"` (Theano-MPI's "
-        "AWAGD: local step, then average weights) or `\"weights+momentum\"` (also average the optimizer's "
-        "momentum and moment buffers).")
+        default="gradients",
+        doc='`"gradients"` (W ranks x batch B = one process x batch W*B), `"weights"` (Theano-MPI\'s '
+        'AWAGD: local step, then average weights) or `"weights+momentum"` (also average the optimizer\'s '
+        "momentum and moment buffers).",
+    )
     topology_aware: bool = option(
-        False, "reduce within each node over shared memory, exchange among node leaders only, then broadcast "
-        "within the node (PowerAI DDL's scheme).")
+        default=False,
+        doc="reduce within each node over shared memory, exchange among node leaders only, then broadcast "
+        "within the node (PowerAI DDL's scheme).",
+    )
     progress_thread: bool = option(
-        True, "with `overlap`, a light thread drives MPI progress while backward runs in torch kernels (MPICH "
-        "moves data only inside MPI calls) and moves each exchange to its next phase.")
+        default=True,
+        doc="with `overlap`, a light thread drives MPI progress while backward runs in torch kernels (MPICH "
+        "moves data only inside MPI calls) and moves each exchange to its next phase.",
+    )
 
     def check_together(self) -> None:
         if self.wire != "fp32" and self.exchange != "asa":
             raise ValueError(
-                f"wire={self.wire!r} needs exchange='asa' (ASA sums 16-bit chunks in fp32); got exchange={self.exchange!r}"
+                f"wire={self.wire!r} needs exchange='asa' (ASA sums 16-bit chunks in fp32); "
+                f"got exchange={self.exchange!r}"
             )
 
     def bind(self, transport: Transport, params: Sequence[Tensor]) -> BoundSync:
@@ -90,15 +101,19 @@ class BoundSync(BoundRule):
         self._launched = [False] * len(self.buckets)
         self._replayed = False  # a gradient arrived after its bucket left: redo blocking
         self._arrived: list[Bucket] = []  # exchanged buckets not yet unpacked, in arrival order
-        self._hooks = []
+        self._hooks: list[torch.utils.hooks.RemovableHandle] = []
         if rule.overlap and rule.average == "gradients" and transport.size > 1:
             self._attach_hooks()
 
     def make_exchanger(self, transport: Transport, rule: SyncRule) -> BucketExchanger:
         """The exchanger for this rule's buckets; subclasses return their own (compressed rules)."""
         return BucketExchanger(
-            transport, exchange=rule.exchange, wire=rule.wire, segment_mb=rule.segment_mb,
-            progress_thread=rule.overlap and rule.progress_thread, topology_aware=rule.topology_aware,
+            transport,
+            exchange=rule.exchange,
+            wire=rule.wire,
+            segment_mb=rule.segment_mb,
+            progress_thread=rule.overlap and rule.progress_thread,
+            topology_aware=rule.topology_aware,
         )
 
     def _attach_hooks(self) -> None:
@@ -183,8 +198,9 @@ class BoundSync(BoundRule):
             finite = bool(self.transport.allreduce_(flag, "min").item() == 1.0)
         if not finite:
             self.skipped_steps += 1
+            wire = getattr(self.rule, "codec", self.rule.wire)
             warnings.warn(
-                f"lightning_mpi: non-finite gradients after the exchange (wire={getattr(self.rule, 'codec', self.rule.wire)}); "
+                f"lightning_mpi: non-finite gradients after the exchange (wire={wire}); "
                 f"skipping this optimizer step on every rank ({self.skipped_steps} skipped so far).",
                 RuntimeWarning,
                 stacklevel=2,

@@ -19,15 +19,15 @@ A named strategy (``EASGDStrategy``) is the frontend's ``MPIStrategy`` (``AsyncM
 asynchronous rules) whose arguments are its rule's options (:func:`.signatures.named_strategy`):
 no strategy is written twice, and no argument either.
 """
+
 from __future__ import annotations
 
 import importlib
-from functools import lru_cache
-from typing import Any, Optional
+from functools import cache
+from typing import Any
 
 from lightning_mpi.data.hooks import PrefetchDataHooks
 from lightning_mpi.offload.hooks import LMSOffloadHooks
-
 from lightning_mpi.rules.averaging import ModelAveragingRule
 from lightning_mpi.rules.base import Rule
 from lightning_mpi.rules.compressed import CompressedSyncRule
@@ -76,7 +76,7 @@ decisions are answered without per-step barriers, and ``momentum_correction`` is
 Otherwise the same as ``MPIStrategy``."""
 
 
-def _make(name: str, bases: tuple[type, ...], module: str, doc: Optional[str], **attributes: Any) -> type:
+def _make(name: str, bases: tuple[type, ...], module: str, doc: str | None, **attributes: Any) -> type:
     """A class named ``name`` that reports ``module`` as its home (so pickling, ``repr`` and
     LightningCLI class paths find it there) and carries ``doc`` (LightningCLI reads it)."""
     return type(name, bases, {"__module__": module, "__qualname__": name, "__doc__": doc, **attributes})
@@ -89,16 +89,22 @@ def _exported(cls: type, module: str) -> type:
     return cls
 
 
-@lru_cache(maxsize=None)
+@cache
 def _fabric_support(package: str) -> dict[str, type]:
     """The cluster environment and checkpoint IO on Fabric package ``package``."""
     api = fabric_api(package)
     module = EXPORTS[package]
     return {
-        "MPIClusterEnvironment": _make("MPIClusterEnvironment", (MPIClusterMixin, api.MPIEnvironment), module,
-                                       MPIClusterMixin.__doc__),
-        "AtomicCheckpointIO": _make("AtomicCheckpointIO", (AtomicWriteMixin, api.TorchCheckpointIO), module,
-                                    AtomicWriteMixin.__doc__, get_filesystem=staticmethod(api.get_filesystem)),
+        "MPIClusterEnvironment": _make(
+            "MPIClusterEnvironment", (MPIClusterMixin, api.MPIEnvironment), module, MPIClusterMixin.__doc__
+        ),
+        "AtomicCheckpointIO": _make(
+            "AtomicCheckpointIO",
+            (AtomicWriteMixin, api.TorchCheckpointIO),
+            module,
+            AtomicWriteMixin.__doc__,
+            get_filesystem=staticmethod(api.get_filesystem),
+        ),
     }
 
 
@@ -128,7 +134,7 @@ def fabric_classes(package: str) -> dict[str, type]:
     return _build_fabric_classes(package)
 
 
-@lru_cache(maxsize=None)
+@cache
 def _build_trainer_classes(package: str) -> dict[str, type]:
     api = trainer_api(package)
     support = _fabric_support(api.fabric.package)
@@ -140,13 +146,14 @@ def _build_trainer_classes(package: str) -> dict[str, type]:
 def _trainer_extras(api: Any, module: str) -> dict[str, type]:
     """The DataModule and the callback, on the Trainer package's bases."""
     return {
-        "PrefetchDataModule": _make("PrefetchDataModule", (PrefetchDataHooks, api.LightningDataModule), module,
-                                    PrefetchDataHooks.__doc__),
+        "PrefetchDataModule": _make(
+            "PrefetchDataModule", (PrefetchDataHooks, api.LightningDataModule), module, PrefetchDataHooks.__doc__
+        ),
         "LMSOffload": _make("LMSOffload", (LMSOffloadHooks, api.Callback), module, LMSOffloadHooks.__doc__),
     }
 
 
-@lru_cache(maxsize=None)
+@cache
 def _build_fabric_classes(package: str) -> dict[str, type]:
     api = fabric_api(package)
     support = _fabric_support(package)

@@ -5,17 +5,26 @@ Functions of a transport; the strategies' methods of the same names call them. E
 spans all ranks: a ``group`` other than ``None`` is refused, since lightning_mpi makes no
 process groups.
 """
+
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from torch import Tensor
+from torchmetrics import Metric
 
 from lightning_mpi.comm.transport import Transport
 
-_REDUCE_OPS = {"avg": "mean", "mean": "mean", "sum": "sum", "max": "max", "min": "min", "product": "prod",
-               "prod": "prod"}
+_REDUCE_OPS = {
+    "avg": "mean",
+    "mean": "mean",
+    "sum": "sum",
+    "max": "max",
+    "min": "min",
+    "product": "prod",
+    "prod": "prod",
+}
 
 
 def reduce_op_name(reduce_op: Any) -> str:
@@ -36,7 +45,7 @@ def check_group(group: Any) -> None:
         )
 
 
-def reduce(transport: Transport, tensor: Any, reduce_op: Optional[Any] = "mean") -> Any:
+def reduce(transport: Transport, tensor: Any, reduce_op: Any | None = "mean") -> Any:
     """Reduce a tensor over all ranks (``mean`` by default, in float64 for floating tensors and
     means); non-tensors pass through unchanged."""
     if not isinstance(tensor, Tensor):
@@ -65,8 +74,10 @@ def all_gather(transport: Transport, tensor: Tensor, sync_grads: bool = False) -
     ``sync_grads=True`` is not supported: gradients do not flow back through MPI.
     """
     if sync_grads:
-        raise ValueError("sync_grads=True is not supported by lightning_mpi's all_gather: gradients do not flow "
-                         "through MPI; pass sync_grads=False")
+        raise ValueError(
+            "sync_grads=True is not supported by lightning_mpi's all_gather: gradients do not flow "
+            "through MPI; pass sync_grads=False"
+        )
     if transport.size == 1:
         return tensor.unsqueeze(0)
     src = tensor.detach().contiguous()
@@ -93,7 +104,6 @@ def connect_metrics(module: torch.nn.Module, world_size: int, transport_of: Any)
     ``transport_of()`` returns the current run's transport (a retry after a failure gets a new
     one); it is asked only when a metric syncs.
     """
-    from torchmetrics import Metric  # a dependency; imported here because only a module with metrics needs it
 
     def gather(tensor: Tensor, group: Any = None) -> list[Tensor]:
         # torchmetrics' dist_sync_fn: every rank's tensor; shapes may differ between ranks

@@ -6,11 +6,12 @@ do. ``lr_scaling`` and ``warmup_steps`` are on every strategy; ``momentum_correc
 asynchronous ones. A strategy holds one :class:`ConvergenceAids` and asks it, around each update,
 for the :class:`~lightning_mpi.lr_scaling.StepOverrides` to apply.
 """
+
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
-from typing import Any, Optional
+from typing import Any
 
 from torch.optim import Optimizer
 
@@ -38,8 +39,15 @@ class ConvergenceAids:
         ValueError: ``momentum_correction=True`` with a synchronous rule.
     """
 
-    def __init__(self, lr_scaling: Optional[str], warmup_steps: int, momentum_correction: bool, rule: Rule,
-                 info: Callable[..., Any], warn: Callable[..., Any]) -> None:
+    def __init__(
+        self,
+        lr_scaling: str | None,
+        warmup_steps: int,
+        momentum_correction: bool,
+        rule: Rule,
+        info: Callable[..., Any],
+        warn: Callable[..., Any],
+    ) -> None:
         if momentum_correction and not rule.asynchronous:
             raise ValueError(
                 f"momentum_correction=True needs an asynchronous rule (it removes the implicit momentum that "
@@ -60,19 +68,24 @@ class ConvergenceAids:
                 category=UserWarning,
             )
 
+    def _rule_momentum(self) -> float | None:
+        """The asynchronous rule's own momentum (EAMSGD's δ), or None when it has none."""
+        momentum = getattr(self.rule, "momentum", None)
+        return momentum if isinstance(momentum, float) and self.rule.asynchronous else None
+
     def _rule_has_momentum(self) -> bool:
-        return isinstance(getattr(self.rule, "momentum", None), float) and self.rule.asynchronous
+        return self._rule_momentum() is not None
 
     def rule_to_bind(self, world_size: int) -> Rule:
         """The rule to train with: with ``momentum_correction``, a rule with its own momentum runs on
         a corrected copy; :attr:`rule` keeps the user's value (a later fit, or a resume at another
         W, starts from it)."""
-        if not (self.momentum_correction and self._rule_has_momentum()):
+        momentum = self._rule_momentum()
+        if not self.momentum_correction or momentum is None:
             return self.rule
-        momentum = getattr(self.rule, "momentum")
         return dataclasses.replace(self.rule, momentum=corrected_momentum(momentum, world_size))  # type: ignore[type-var]  # rules are dataclasses
 
-    def overrides(self, optimizer: Optimizer, world_size: int, step: int) -> Optional[StepOverrides]:
+    def overrides(self, optimizer: Optimizer, world_size: int, step: int) -> StepOverrides | None:
         """What to change in the param groups for this update (optimizer step ``step``), or None
         when nothing is opted in."""
         implicit = None
@@ -82,7 +95,9 @@ class ConvergenceAids:
         if self.lr_scaling is None and implicit is None:
             return None
         factor = lr_factor(self.lr_scaling, world_size, step, self.warmup_steps)
-        return StepOverrides(optimizer, lr_factor=factor, implicit=implicit or 0.0, correct_momentum=implicit is not None)
+        return StepOverrides(
+            optimizer, lr_factor=factor, implicit=implicit or 0.0, correct_momentum=implicit is not None
+        )
 
     def record(self, overrides: StepOverrides) -> None:
         """Keep what ``overrides`` applied in :attr:`stats`."""
@@ -102,13 +117,15 @@ class ConvergenceAids:
     def _announce_momentum(self, world_size: int, optimizers: Sequence[Optimizer]) -> None:
         implicit = implicit_momentum(world_size)
         owner, values = self._momentum_values(optimizers)
-        head = (f"lightning_mpi: momentum_correction: {world_size} asynchronous workers add an implicit momentum "
-                f"of 1 - 1/W = {implicit:.4g} (Mitliagkas et al. 2016)")
+        head = (
+            f"lightning_mpi: momentum_correction: {world_size} asynchronous workers add an implicit momentum "
+            f"of 1 - 1/W = {implicit:.4g} (Mitliagkas et al. 2016)"
+        )
         if not values:
             self._warn(f"{head}, but {owner} has no momentum to correct: nothing changed.", category=UserWarning)
             return
         corrected = [corrected_momentum(mu, world_size) for mu in values]
-        pairs = ", ".join(f"{mu:.4g} -> {c:.4g}" for mu, c in sorted(set(zip(values, corrected))))
+        pairs = ", ".join(f"{mu:.4g} -> {c:.4g}" for mu, c in sorted(set(zip(values, corrected, strict=True))))
         self._info(f"{head}; {owner} momentum {pairs} (logged as mpi/momentum_explicit, mpi/momentum_implicit)")
         if self._rule_has_momentum():  # fixed for the whole fit; the optimizer's is recorded per update
             self.stats["mpi/momentum_explicit"] = corrected[0]
@@ -124,9 +141,11 @@ class ConvergenceAids:
 
     def _momentum_values(self, optimizers: Sequence[Optimizer]) -> tuple[str, list[float]]:
         """Who owns the corrected momentum (``"SGD"``, ``"EAMSGDRule"``), and its nonzero values at train start."""
-        if self._rule_has_momentum():
-            mu = float(getattr(self.rule, "momentum"))
-            return type(self.rule).__name__, [mu] if mu > 0 else []
+        rule_momentum = self._rule_momentum()
+        if rule_momentum is not None:
+            return type(self.rule).__name__, [rule_momentum] if rule_momentum > 0 else []
         owner = "/".join(sorted({type(opt).__name__ for opt in optimizers})) or "the optimizer"
-        values = [mu for opt in optimizers for group in opt.param_groups if (mu := get_momentum(group))]
+        values = [
+            mu for opt in optimizers for group in opt.param_groups if (mu := get_momentum(group)) is not None and mu
+        ]
         return owner, values

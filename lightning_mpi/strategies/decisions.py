@@ -18,12 +18,13 @@ rank saves at the same step), so their questions stay collective. The protocol i
 while the rule trains every hook of the trainer's checkpoint callbacks runs inside it.
 Non-bool broadcasts and calls outside training are always collective.
 """
+
 from __future__ import annotations
 
 import functools
 from collections.abc import Generator
 from contextlib import contextmanager
-from typing import Any, Optional
+from typing import Any
 
 from lightning_mpi.comm.window import DecisionBoard
 from lightning_mpi.rules.base import BoundRule
@@ -50,7 +51,7 @@ class StopDecisions:
         finally:
             self._collective_depth -= 1
 
-    def board(self, bound: Optional[BoundRule]) -> Optional[DecisionBoard]:
+    def board(self, bound: BoundRule | None) -> DecisionBoard | None:
         """The board for stop votes, or ``None`` when the answer must be a collective (in a
         collective scope, or when no rule with a board is training)."""
         if self._collective_depth or bound is None or not bound.training:

@@ -30,12 +30,13 @@ step, a checkpoint) fails the run on every rank: it is posted to the other ranks
 strategy: wrap the loop in ``with fabric.strategy.propagate_errors():`` to catch and retry on every
 rank, or leave it uncaught and every rank is aborted.
 """
+
 from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Generator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from typing import Any, Optional, TypeVar
+from typing import Any, TypeVar
 
 import torch
 from torch.nn import Module
@@ -60,7 +61,7 @@ _Method = TypeVar("_Method", bound=Callable[..., Any])
 #: The Fabric strategy's own arguments (beside the common options), documented once.
 FABRIC_ARGUMENTS = {
     "rule": "what to exchange and when (a lightning_mpi `Rule`); None is `SyncRule()`: average gradients with one "
-            "Allreduce every step. The named strategies build it from their arguments.",
+    "Allreduce every step. The named strategies build it from their arguments.",
     "accelerator": "as for any Fabric strategy; normally left to Fabric.",
     "checkpoint_io": "as for any Fabric strategy; by default checkpoint files are written atomically.",
     "precision": "as for any Fabric strategy; normally left to Fabric.",
@@ -104,25 +105,40 @@ def fabric_strategy(api: FabricAPI, environment_class: type, checkpoint_io_class
 
         def __init__(
             self,
-            rule: Optional[Rule] = None,
-            accelerator: Optional[Any] = None,
-            checkpoint_io: Optional[Any] = None,
-            precision: Optional[Any] = None,
+            rule: Rule | None = None,
+            accelerator: Any | None = None,
+            checkpoint_io: Any | None = None,
+            precision: Any | None = None,
             **options: Any,
         ) -> None:
             # Every argument is checked before the environment's first collective (it splits COMM_WORLD).
             rule = check_rule(rule) or SyncRule()
             self.options = CommonOptions(**options)
-            self._aids = ConvergenceAids(self.options.lr_scaling, self.options.warmup_steps,
-                                         self.options.momentum_correction, rule, api.rank_zero_info, api.rank_zero_warn)
+            self._aids = ConvergenceAids(
+                self.options.lr_scaling,
+                self.options.warmup_steps,
+                self.options.momentum_correction,
+                rule,
+                api.rank_zero_info,
+                api.rank_zero_warn,
+            )
             environment = environment_class()
-            super().__init__(accelerator=accelerator, parallel_devices=None, cluster_environment=environment,
-                             checkpoint_io=checkpoint_io if checkpoint_io is not None else checkpoint_io_class(),
-                             precision=precision)
+            super().__init__(
+                accelerator=accelerator,
+                parallel_devices=None,
+                cluster_environment=environment,
+                checkpoint_io=checkpoint_io if checkpoint_io is not None else checkpoint_io_class(),
+                precision=precision,
+            )
             self._runner = RuleRunner(rule)
-            self._failures = RunFailures(environment.comm, self.global_rank, self.world_size,
-                                         self.options.collective_timeout, self.options.abort_on_exception,
-                                         on_abandon=self._runner.abandon)
+            self._failures = RunFailures(
+                environment.comm,
+                self.global_rank,
+                self.world_size,
+                self.options.collective_timeout,
+                self.options.abort_on_exception,
+                on_abandon=self._runner.abandon,
+            )
             self._backward_sync_control = NoBackwardSync(self._runner)
             self._optimizers: list[Optimizer] = []
             self._steps_seen = 0
@@ -135,7 +151,7 @@ def fabric_strategy(api: FabricAPI, environment_class: type, checkpoint_io_class
             return self._runner.rule
 
         @property
-        def bound_rule(self) -> Optional[BoundRule]:
+        def bound_rule(self) -> BoundRule | None:
             """The running rule while training (None before it is bound)."""
             return self._runner.bound
 
@@ -145,11 +161,11 @@ def fabric_strategy(api: FabricAPI, environment_class: type, checkpoint_io_class
             return self._failures.transport
 
         @property
-        def collective_timeout(self) -> Optional[float]:
+        def collective_timeout(self) -> float | None:
             return self._failures.timeout
 
         @collective_timeout.setter
-        def collective_timeout(self, value: Optional[float]) -> None:
+        def collective_timeout(self, value: float | None) -> None:
             self.options.collective_timeout = check_one(CommonOptions, "collective_timeout", value)
             self._failures.timeout = self.options.collective_timeout
 
@@ -239,8 +255,9 @@ def fabric_strategy(api: FabricAPI, environment_class: type, checkpoint_io_class
             return optimizer
 
         @override
-        def setup_module_and_optimizers(self, module: Module, optimizers: list[Optimizer],
-                                        scheduler: Optional[Any] = None) -> Any:
+        def setup_module_and_optimizers(
+            self, module: Module, optimizers: list[Optimizer], scheduler: Any | None = None
+        ) -> Any:
             module = self.setup_module(module)
             optimizers = [self.setup_optimizer(optimizer) for optimizer in optimizers]
             return module, optimizers, scheduler
@@ -248,7 +265,7 @@ def fabric_strategy(api: FabricAPI, environment_class: type, checkpoint_io_class
         # -- a step ----------------------------------------------------------------------------------------
         @override
         @_fails_the_run
-        def backward(self, tensor: Any, module: Optional[Module], *args: Any, **kwargs: Any) -> None:
+        def backward(self, tensor: Any, module: Module | None, *args: Any, **kwargs: Any) -> None:
             super().backward(tensor, module, *args, **kwargs)
 
         @override
@@ -301,13 +318,13 @@ def fabric_strategy(api: FabricAPI, environment_class: type, checkpoint_io_class
         # -- collectives -----------------------------------------------------------------------------------
         @override
         @_fails_the_run
-        def all_reduce(self, tensor: Any, group: Optional[Any] = None, reduce_op: Optional[Any] = "mean") -> Any:
+        def all_reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any | None = "mean") -> Any:
             collectives.check_group(group)
             return collectives.reduce(self.transport, tensor, reduce_op)
 
         @override
         @_fails_the_run
-        def all_gather(self, tensor: Any, group: Optional[Any] = None, sync_grads: bool = False) -> Any:
+        def all_gather(self, tensor: Any, group: Any | None = None, sync_grads: bool = False) -> Any:
             collectives.check_group(group)
             return collectives.all_gather(self.transport, tensor, sync_grads)
 
@@ -318,14 +335,19 @@ def fabric_strategy(api: FabricAPI, environment_class: type, checkpoint_io_class
 
         @override
         @_fails_the_run
-        def barrier(self, name: Optional[str] = None) -> None:
+        def barrier(self, name: str | None = None) -> None:
             collectives.barrier(self.transport)
 
         # -- checkpoints -----------------------------------------------------------------------------------
         @override
         @_fails_the_run
-        def save_checkpoint(self, path: Any, state: dict[str, Any], storage_options: Optional[Any] = None,
-                            filter: Optional[dict[str, Any]] = None) -> None:
+        def save_checkpoint(
+            self,
+            path: Any,
+            state: dict[str, Any],
+            storage_options: Any | None = None,
+            filter: dict[str, Any] | None = None,
+        ) -> None:
             """Rank 0 writes ``state`` plus the rule's state; every rank takes part (sharded rule
             state is gathered here). After :meth:`finish_training` no rule is bound, so the file holds
             the consensus weights and no rule state: save before it to resume training."""
@@ -336,8 +358,9 @@ def fabric_strategy(api: FabricAPI, environment_class: type, checkpoint_io_class
 
         @override
         @_fails_the_run
-        def load_checkpoint(self, path: Any, state: Optional[Any] = None, strict: bool = True,
-                            weights_only: Optional[bool] = None) -> dict[str, Any]:
+        def load_checkpoint(
+            self, path: Any, state: Any | None = None, strict: bool = True, weights_only: bool | None = None
+        ) -> dict[str, Any]:
             """Fabric's load, and the rule's state restored from the ``"lightning_mpi"`` entry.
 
             With ``state`` a dictionary (or ``None``) the rule's state comes back too; loading into a

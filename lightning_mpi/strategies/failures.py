@@ -17,11 +17,12 @@ inside a strategy call or a :meth:`~RunFailures.propagate_errors` block):
 3. the exception propagates. The other ranks raise ``RankFailedError`` from whatever wait they
    are in, or at their next batch or optimizer step, and go through the same steps.
 
-``abort_on_exception=True`` keeps the former behaviour instead: the failing rank prints its
+``abort_on_exception=True`` ends the job instead: the failing rank prints its
 traceback and calls ``MPI_Abort`` at once. And whatever the option, an exception that reaches the
 top of the program aborts every rank (:func:`install_abort_hook`, as ``python -m mpi4py`` does), so
 an unhandled failure still ends the job within seconds.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -33,11 +34,11 @@ import weakref
 from collections.abc import Callable, Generator
 from contextlib import contextmanager
 from types import TracebackType
-from typing import Any, Optional
+from typing import Any
 
 from lightning_mpi.comm.errors import LINGER_SECONDS, ErrorChannel, RankFailedError
 from lightning_mpi.comm.reclaim import reclaim
-from lightning_mpi.comm.resources import RunResources, keep_pending
+from lightning_mpi.comm.resources import RunResources
 from lightning_mpi.comm.transport import Transport, wait_request
 
 #: Pause between printing a failing rank's message and ``MPI_Abort`` (see :func:`abort_every_rank`).
@@ -57,7 +58,7 @@ def abort_every_rank(message: str) -> None:
     # kill every proxy at once, which can drop lines still in flight (a CI run lost a traceback
     # this way). A short pause on a path that is ending the job anyway lets them through.
     time.sleep(ABORT_FLUSH_SECONDS)
-    from mpi4py import MPI
+    from mpi4py import MPI  # initialises MPI on import: only on this path (see lightning_mpi.comm)
 
     MPI.COMM_WORLD.Abort(1)
     os._exit(1)  # not reached: Abort does not return
@@ -75,7 +76,7 @@ def install_abort_hook(rank: int, world_size: int) -> None:
     if getattr(previous, "_lightning_mpi_abort", False):
         return
 
-    def abort_on_uncaught(kind: type[BaseException], value: BaseException, tb: Optional[TracebackType]) -> None:
+    def abort_on_uncaught(kind: type[BaseException], value: BaseException, tb: TracebackType | None) -> None:
         previous(kind, value, tb)  # prints the traceback
         if issubclass(kind, KeyboardInterrupt):
             return
@@ -84,7 +85,7 @@ def install_abort_hook(rank: int, world_size: int) -> None:
             time.sleep(ABORT_DEFER_SECONDS)
         abort_every_rank(f"lightning_mpi: rank {rank} of {world_size} failed (traceback above); aborting every rank.\n")
 
-    abort_on_uncaught._lightning_mpi_abort = True  # type: ignore[attr-defined]
+    abort_on_uncaught._lightning_mpi_abort = True  # type: ignore[attr-defined]  # a marker: installed once
     sys.excepthook = abort_on_uncaught
 
 
@@ -123,8 +124,15 @@ class RunFailures:
             (the rule's threads, windows and buffers) without a collective.
     """
 
-    def __init__(self, comm: Any, rank: int, world_size: int, collective_timeout: Optional[float],
-                 abort_on_exception: bool, on_abandon: Callable[[], None]) -> None:
+    def __init__(
+        self,
+        comm: Any,
+        rank: int,
+        world_size: int,
+        collective_timeout: float | None,
+        abort_on_exception: bool,
+        on_abandon: Callable[[], None],
+    ) -> None:
         self._base_comm = comm  # used only to duplicate each run's communicator from
         self.rank = rank
         self.world_size = world_size
@@ -132,17 +140,17 @@ class RunFailures:
         self.abort_on_exception = abort_on_exception
         self._on_abandon = on_abandon
         self.errors = error_channel(comm)  # the first is collective: every rank builds its strategy together
-        self._transport: Optional[Transport] = None
-        self._pending_dup: Optional[tuple[Any, Any]] = None  # an Idup another rank never joined
-        self._handled: Optional[BaseException] = None
+        self._transport: Transport | None = None
+        self._pending_dup: tuple[Any, Any] | None = None  # an Idup another rank never joined
+        self._handled: BaseException | None = None
 
     @property
-    def timeout(self) -> Optional[float]:
+    def timeout(self) -> float | None:
         """Seconds any wait may take (``None``: forever); setting it applies to the current run too."""
         return self._timeout
 
     @timeout.setter
-    def timeout(self, value: Optional[float]) -> None:
+    def timeout(self, value: float | None) -> None:
         self._timeout = value
         if self._transport is not None:
             self._transport.timeout = value
@@ -164,8 +172,9 @@ class RunFailures:
         if self._pending_dup is None:
             self._pending_dup = self._base_comm.Idup()
         comm, request = self._pending_dup
-        wait_request(request, self._timeout, "starting a run", self.rank, self.world_size,
-                     self.errors.check, settle=True)
+        wait_request(
+            request, self._timeout, "starting a run", self.rank, self.world_size, self.errors.check, settle=True
+        )
         self._pending_dup = None
         resources = RunResources(next(_RUN_SERIALS))
         transport = Transport(resources.comm(comm), self._timeout, self.errors, resources)
@@ -192,7 +201,9 @@ class RunFailures:
         if not isinstance(error, RankFailedError):
             if self.abort_on_exception and not isinstance(error, KeyboardInterrupt):
                 text = "".join(traceback.format_exception(type(error), error, error.__traceback__))
-                abort_every_rank(f"lightning_mpi: rank {self.rank} of {self.world_size} failed; aborting every rank.\n{text}")
+                abort_every_rank(
+                    f"lightning_mpi: rank {self.rank} of {self.world_size} failed; aborting every rank.\n{text}"
+                )
             self.errors.post(error)  # once per run: a progress thread may have posted it already
         if self.errors.posted is not None:
             self.errors.linger()

@@ -21,6 +21,7 @@ A relaunch with ``lightning-mpi --resume`` (or a Slurm requeue) resumes from it
 ``on_train_start``; Lightning's own SIGTERM handler, which needs ``torch.distributed``, is replaced
 meanwhile); outside it the signals keep their previous behaviour.
 """
+
 from __future__ import annotations
 
 import os
@@ -28,10 +29,10 @@ import signal
 import sys
 import threading
 from collections.abc import Callable
-from typing import Any, ContextManager, NoReturn, Optional
+from contextlib import AbstractContextManager
+from typing import Any, NoReturn
 
 import numpy as np
-from mpi4py import MPI
 
 from lightning_mpi.comm.resources import keep_pending
 from lightning_mpi.strategies.resume import checkpoint_dirs
@@ -80,12 +81,14 @@ class StopVote:
         self.lockstep = lockstep
         # A communicator of its own: the votes never match a collective of the exchange rule.
         self.transport = transport.dup() if transport.size > 1 else None
-        self.in_flight: Optional[tuple[Any, np.ndarray]] = None
+        self.in_flight: tuple[Any, np.ndarray] | None = None
         self.started = 0
         self.decided = 0
         self.all_finishing = False
 
     def _start(self, value: int, finishing: bool = False) -> None:
+        from mpi4py import MPI  # initialises MPI on import: only when a strategy runs (see lightning_mpi.comm)
+
         assert self.transport is not None
         # One MAX reduces both: the signal, and "finishing" as -1 (the max is -1 only if all are).
         buf = np.array([value, -1 if finishing else 0], dtype=np.int64)
@@ -98,6 +101,7 @@ class StopVote:
             return
         request, buf = self.in_flight
         if wait:
+            assert self.transport is not None  # a vote is in flight only with a transport
             # a watched wait: a rank that failed meanwhile fails this one too, instead of a hang
             self.transport._wait(request, "the preemption vote")
         elif not request.Test():
@@ -140,7 +144,7 @@ class _SignalFlag:
     """Records the first preemption signal; installed only from the main thread."""
 
     def __init__(self) -> None:
-        self.signum: Optional[int] = None
+        self.signum: int | None = None
         self._previous: dict[int, Any] = {}
 
     def _on_signal(self, signum: int, frame: Any) -> None:
@@ -168,8 +172,8 @@ class PreemptionWatch:
     """
 
     def __init__(self) -> None:
-        self._vote: Optional[StopVote] = None
-        self._flag: Optional[_SignalFlag] = None
+        self._vote: StopVote | None = None
+        self._flag: _SignalFlag | None = None
 
     def start(self, transport: Any, lockstep: bool) -> None:
         """Start voting (``lockstep`` for synchronous rules; asynchronous ones must not wait) and
@@ -196,8 +200,13 @@ class PreemptionWatch:
             self._vote.close()
         self._vote = self._flag = None
 
-    def checkpoint_and_exit(self, trainer: Any, rank: int, collective_scope: Callable[[], ContextManager[Any]],
-                            end_training: Callable[[], None]) -> NoReturn:
+    def checkpoint_and_exit(
+        self,
+        trainer: Any,
+        rank: int,
+        collective_scope: Callable[[], AbstractContextManager[Any]],
+        end_training: Callable[[], None],
+    ) -> NoReturn:
         """Drain the votes, write the checkpoint on every rank (rank 0 writes), end the rule's
         training together, raise :class:`Preempted`.
 

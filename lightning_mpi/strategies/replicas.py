@@ -3,10 +3,11 @@
 Torch and a transport, no Lightning: the strategies call :func:`prepare_module` when they set a
 model up.
 """
+
 from __future__ import annotations
 
 import hashlib
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -19,7 +20,7 @@ def module_signature(module: torch.nn.Module) -> list[tuple[str, tuple[int, ...]
     return [(name, tuple(t.shape), str(t.dtype)) for name, t in module.state_dict(keep_vars=True).items()]
 
 
-def first_difference(signatures: list[list[Any]]) -> Optional[str]:
+def first_difference(signatures: list[list[Any]]) -> str | None:
     """A message naming the first tensor where some rank's signature differs from rank 0's, or None."""
     for rank, theirs in enumerate(signatures):
         if theirs == signatures[0]:

@@ -17,24 +17,32 @@ The hook is the strategy's Lightning *launcher*: ``Trainer.fit`` hands the call 
 there and launches nothing (mpiexec started the processes). A ``ckpt_path`` passed to ``fit``, or
 set with ``trainer.ckpt_path = ...``, always wins. ``validate``/``test``/``predict`` are untouched.
 """
+
 from __future__ import annotations
 
 import glob
 import inspect
 import os
 import sys
-from collections.abc import Mapping, Sequence
-from typing import Any, Callable, Optional
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 from lightning_mpi.launcher.restarts import RESTART_ENV, RESUME_ENV
 
-__all__ = ["AutoResume", "checkpoint_dirs", "newest_common", "readable_checkpoints", "resume_checkpoint", "resume_reason"]
+__all__ = [
+    "AutoResume",
+    "checkpoint_dirs",
+    "newest_common",
+    "readable_checkpoints",
+    "resume_checkpoint",
+    "resume_reason",
+]
 
 #: One rank's view of one checkpoint file: (absolute path, size in bytes, modification time in ns).
 Listing = tuple[str, int, int]
 
 
-def resume_reason(environ: Mapping[str, str] = os.environ) -> Optional[str]:
+def resume_reason(environ: Mapping[str, str] = os.environ) -> str | None:
     """Why this run should resume (``"restart 2"``, ...), or ``None`` for a fresh run."""
     restart = environ.get(RESTART_ENV, "")
     if restart.isdigit() and int(restart) > 0:
@@ -92,7 +100,7 @@ def readable_checkpoints(dirs: Sequence[str]) -> list[Listing]:
     return found
 
 
-def newest_common(listings: Sequence[Sequence[Listing]]) -> Optional[str]:
+def newest_common(listings: Sequence[Sequence[Listing]]) -> str | None:
     """The newest checkpoint that every rank listed with the same size, or ``None``.
 
     ``listings[r]`` is rank r's :func:`readable_checkpoints`. Newest means the latest modification
@@ -129,7 +137,7 @@ class AutoResume:
 
     is_interactive_compatible = True
 
-    def __init__(self, inner: Any, fitting: Any, choose: Callable[[Any, str], Optional[str]]) -> None:
+    def __init__(self, inner: Any, fitting: Any, choose: Callable[[Any, str], str | None]) -> None:
         self.inner = inner
         self.fitting = fitting
         self.choose = choose
@@ -155,7 +163,7 @@ class AutoResume:
         """Lightning asks its launcher to stop the processes it started; mpiexec started ours."""
 
 
-def resume_checkpoint(trainer: Any, transport: Any, rank: int, world_size: int, reason: str) -> Optional[str]:
+def resume_checkpoint(trainer: Any, transport: Any, rank: int, world_size: int, reason: str) -> str | None:
     """The newest checkpoint every rank can read, the same on every rank (collective); rank 0 says
     which, and why."""
     dirs = checkpoint_dirs(trainer)

@@ -5,12 +5,13 @@ training starts (a state restored from a checkpoint before that is kept and load
 while gradients accumulate, closed at teardown, and dropped without a collective when a run is
 abandoned after a failure.
 """
+
 from __future__ import annotations
 
+import warnings
 from collections.abc import Generator
 from contextlib import contextmanager
-from typing import Any, Optional
-import warnings
+from typing import Any
 
 import torch
 
@@ -28,10 +29,10 @@ class RuleRunner:
 
     def __init__(self, rule: Rule) -> None:
         self.rule = rule
-        self.bound: Optional[BoundRule] = None
-        self._pending_state: Optional[dict[str, Any]] = None
+        self.bound: BoundRule | None = None
+        self._pending_state: dict[str, Any] | None = None
 
-    def bind(self, transport: Transport, module: torch.nn.Module, rule: Optional[Rule] = None) -> BoundRule:
+    def bind(self, transport: Transport, module: torch.nn.Module, rule: Rule | None = None) -> BoundRule:
         """Bind ``rule`` (default: :attr:`rule`) to the module's trainable parameters, closing a
         previous binding first, and load a state restored before it was bound."""
         self.close()
@@ -74,14 +75,14 @@ class RuleRunner:
         finally:
             bound.sync_enabled = previous
 
-    def checkpoint(self, world_size: int) -> Optional[dict[str, Any]]:
+    def checkpoint(self, world_size: int) -> dict[str, Any] | None:
         """The rule's state for a checkpoint, or None when no rule is bound. Called on every rank:
         a rule with sharded state gathers it here."""
         if self.bound is None:
             return None
         return {"rule": type(self.rule).__name__, "state": self.bound.state_dict(), "world_size": world_size}
 
-    def restore(self, saved: Optional[dict[str, Any]], world_size: int) -> None:
+    def restore(self, saved: dict[str, Any] | None, world_size: int) -> None:
         """Load what :meth:`checkpoint` saved: now if the rule is bound, else when it is bound."""
         if saved is None:
             return
@@ -90,6 +91,7 @@ class RuleRunner:
                 f"lightning_mpi: checkpoint was written at world size {saved.get('world_size')}, "
                 f"resuming at {world_size}; sharded rule state is re-sharded.",
                 RuntimeWarning,
+                stacklevel=2,
             )
         if self.bound is not None:
             self.bound.load_state_dict(saved["state"])

@@ -16,13 +16,15 @@ To take the decision over, :meth:`LoaderSharding.take_over` turns the Trainer's
 decides whether :meth:`LoaderSharding.shard` shards at all. ``predict`` is left to
 Lightning (its predict loop wraps batch samplers itself to track indices).
 """
+
 from __future__ import annotations
 
 import copy
-from typing import Any, Optional
+from typing import Any, cast
 
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, IterableDataset
 
+from lightning_mpi.data.batch_sampler import BatchSampler as SizedBatches
 from lightning_mpi.data.batch_sampler import ShardedBatchSampler
 
 
@@ -44,8 +46,10 @@ def with_sharded_batches(loader: DataLoader, num_replicas: int, rank: int) -> Da
     DataLoader refuses a new ``batch_sampler`` after construction, and rebuilding it from its
     arguments is what cannot be done for a custom batch sampler, so the attribute is set directly.
     """
+    # needs_batch_sharding said the loader has one, sized (a DataLoader's batch sampler always is)
+    batches = cast(SizedBatches, loader.batch_sampler)
     sharded = copy.copy(loader)
-    object.__setattr__(sharded, "batch_sampler", ShardedBatchSampler(loader.batch_sampler, num_replicas, rank))
+    object.__setattr__(sharded, "batch_sampler", ShardedBatchSampler(batches, num_replicas, rank))
     return sharded
 
 
@@ -59,7 +63,7 @@ class LoaderSharding:
 
     def __init__(self, api: Any) -> None:
         self._api = api
-        self._shard_loaders: Optional[bool] = None  # the user's use_distributed_sampler, kept for every stage
+        self._shard_loaders: bool | None = None  # the user's use_distributed_sampler, kept for every stage
 
     def take_over(self, trainer: Any) -> None:
         """Before Lightning builds this stage's loaders: keep the user's ``use_distributed_sampler``
@@ -81,7 +85,12 @@ class LoaderSharding:
         # Lightning's own rule: training loaders are shuffled, evaluation loaders as the user made them.
         shuffle = True if training else self._api.is_dataloader_shuffled(dataloader)
         sampler = self._api.get_distributed_sampler(
-            dataloader, shuffle, mode=stage, overfit_batches=trainer.overfit_batches, num_replicas=world_size, rank=rank,
+            dataloader,
+            shuffle,
+            mode=stage,
+            overfit_batches=trainer.overfit_batches,
+            num_replicas=world_size,
+            rank=rank,
         )
         return self._api.update_dataloader(dataloader, sampler, mode=stage)
 

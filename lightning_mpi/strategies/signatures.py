@@ -7,12 +7,13 @@ options too. Python cannot see through ``**``, so the classes carry an explicit 
 (LightningCLI, ``help()`` and IDEs at run time read it) and a generated ``Args:`` section, both
 built here from the definitions: nothing is written twice.
 """
+
 from __future__ import annotations
 
 import inspect
 import typing
 from collections.abc import Mapping
-from typing import Any, Optional
+from typing import Any
 
 from lightning_mpi.options import Documented, args_section, documented, parameters
 from lightning_mpi.rules.base import Rule
@@ -24,14 +25,14 @@ _RULE_FAMILY = ("momentum_correction",)
 _PLUMBING = ("accelerator", "checkpoint_io", "precision_plugin", "precision")
 
 
-def check_rule(rule: Any) -> Optional[Rule]:
+def check_rule(rule: Any) -> Rule | None:
     """``rule`` when it is ``None`` or a :class:`Rule`, else ``ValueError`` naming it and the fix."""
     if rule is not None and not isinstance(rule, Rule):
         raise ValueError(f"rule={rule!r} must be a lightning_mpi Rule instance (e.g. SyncRule())")
     return rule
 
 
-def _summary(doc: Optional[str]) -> str:
+def _summary(doc: str | None) -> str:
     """A docstring without its ``Args:`` section."""
     text = inspect.cleandoc(doc or "")
     return text.split("\nArgs:\n", 1)[0].rstrip()
@@ -47,34 +48,43 @@ def document_frontend(cls: type, own: Mapping[str, str]) -> None:
     init = cls.__init__  # type: ignore[misc]  # the class's own function, made once per package
     hints = typing.get_type_hints(init)
     signature = inspect.signature(init)
-    mine = [Documented(p.name, hints.get(p.name, Any), p.default, own[p.name], None)
-            for p in signature.parameters.values() if p.name in own]
+    mine = [
+        Documented(p.name, hints.get(p.name, Any), p.default, own[p.name], None)
+        for p in signature.parameters.values()
+        if p.name in own
+    ]
     common = documented(CommonOptions)
     # The rule, the rule family's option (momentum_correction: asynchronous rules), this frontend's
     # own, every strategy's, then what Lightning fills in.
     family = [a for a in common if a.name in _RULE_FAMILY]
-    arguments = [a for a in mine if a.name == "rule"] + family + \
-                [a for a in mine if a.name != "rule" and a.name not in _PLUMBING] + \
-                [a for a in common if a.name not in _RULE_FAMILY] + [a for a in mine if a.name in _PLUMBING]
+    arguments = (
+        [a for a in mine if a.name == "rule"]
+        + family
+        + [a for a in mine if a.name != "rule" and a.name not in _PLUMBING]
+        + [a for a in common if a.name not in _RULE_FAMILY]
+        + [a for a in mine if a.name in _PLUMBING]
+    )
     self_parameter = next(iter(signature.parameters.values()))
     init.__signature__ = inspect.Signature([self_parameter, *parameters(arguments)])
     cls.__doc__ = _with_args(_summary(cls.__doc__), arguments)
     cls._documented_arguments = arguments  # type: ignore[attr-defined]  # read by named_strategy
 
 
-def strategy_arguments(rule_class: type[Rule], base: type) -> list[Documented]:
+def strategy_arguments(rule_class: type[Rule], base: Any) -> list[Documented]:
     """Every argument of the strategy that trains ``rule_class`` on ``base``: the rule's options,
     then the base's arguments other than ``rule`` (``momentum_correction`` only for asynchronous
     rules; a rule option of the same name wins: CompressedSync's ``momentum_correction`` is DGC's)."""
     rule_options = documented(rule_class)
     names = {o.name for o in rule_options}
-    rest = [a for a in base._documented_arguments  # type: ignore[attr-defined]  # set by document_frontend
-            if a.name != "rule" and a.name not in names
-            and (a.name != "momentum_correction" or rule_class.asynchronous)]
+    rest = [
+        a
+        for a in base._documented_arguments  # set by document_frontend
+        if a.name != "rule" and a.name not in names and (a.name != "momentum_correction" or rule_class.asynchronous)
+    ]
     return rule_options + rest
 
 
-def named_strategy(name: str, rule_class: type[Rule], base: type, module: str) -> type:
+def named_strategy(name: str, rule_class: type[Rule], base: Any, module: str) -> type:
     """The strategy class ``name`` on ``base`` (a frontend's ``MPIStrategy`` or ``AsyncMPIStrategy``):
     it builds a ``rule_class`` from its arguments and passes the rest to ``base``.
 
@@ -91,8 +101,18 @@ def named_strategy(name: str, rule_class: type[Rule], base: type, module: str) -
         rule = rule_class(**{k: v for k, v in kwargs.items() if k in rule_names})
         base.__init__(self, rule=rule, **{k: v for k, v in kwargs.items() if k not in rule_names})
 
-    __init__.__signature__ = signature  # type: ignore[attr-defined]
+    __init__.__signature__ = signature  # type: ignore[attr-defined]  # inspect (and so LightningCLI) reads it
     __init__.__qualname__ = f"{name}.__init__"
     doc = _with_args(_summary(rule_class.__doc__), arguments)
-    return type(name, (base,), {"__init__": __init__, "__module__": module, "__qualname__": name, "__doc__": doc,
-                                "rule_class": rule_class, "_documented_arguments": arguments})
+    return type(
+        name,
+        (base,),
+        {
+            "__init__": __init__,
+            "__module__": module,
+            "__qualname__": name,
+            "__doc__": doc,
+            "rule_class": rule_class,
+            "_documented_arguments": arguments,
+        },
+    )

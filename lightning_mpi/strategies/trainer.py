@@ -34,19 +34,20 @@ The lifecycle, top to bottom:
 - ``on_exception``: the run fails on every rank (other ranks raise ``RankFailedError``);
 - ``teardown``: the rule's threads and windows are released.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable, Generator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_mpi.comm.transport import Transport
-from lightning_mpi.options import check_one
 from lightning_mpi.lr_scaling import StepOverrides
+from lightning_mpi.options import check_one
 from lightning_mpi.rules.base import BoundRule, Rule
 from lightning_mpi.rules.sync import SyncRule
 from lightning_mpi.strategies import collectives, replicas
@@ -67,9 +68,9 @@ CHECKPOINT_KEY = "lightning_mpi"
 #: The Trainer strategy's own arguments (beside the common options), documented once.
 TRAINER_ARGUMENTS = {
     "rule": "what to exchange and when (a lightning_mpi `Rule`); None is `SyncRule()`: average gradients with one "
-            "Allreduce every step. The named strategies build it from their arguments.",
+    "Allreduce every step. The named strategies build it from their arguments.",
     "log_stats": "log the rule's per-step numbers (exchange time, bytes, skipped steps, ...) and the convergence "
-                 "aids' values to the trainer's loggers under `mpi/`.",
+    "aids' values to the trainer's loggers under `mpi/`.",
     "accelerator": "as for any Lightning strategy; normally left to the Trainer.",
     "checkpoint_io": "as for any Lightning strategy; by default checkpoint files are written atomically.",
     "precision_plugin": "as for any Lightning strategy; normally left to the Trainer.",
@@ -87,7 +88,7 @@ class _InProcessLauncher:
     def __init__(self, failures: RunFailures) -> None:
         self._failures = failures
 
-    def launch(self, function: Callable[..., Any], *args: Any, trainer: Optional[Any] = None, **kwargs: Any) -> Any:
+    def launch(self, function: Callable[..., Any], *args: Any, trainer: Any | None = None, **kwargs: Any) -> Any:
         with self._failures.propagate_errors():
             return function(*args, **kwargs)
 
@@ -115,30 +116,46 @@ def trainer_strategy(api: TrainerAPI, environment_class: type, checkpoint_io_cla
         bookkeeping: rank ``r`` uses accelerator device ``local_rank % devices_on_this_host``.
         """
 
+        model: Any  # Lightning's property (the wrapped module); declared for the type checker only
+
         def __init__(
             self,
-            rule: Optional[Rule] = None,
+            rule: Rule | None = None,
             log_stats: bool = True,
-            accelerator: Optional[Any] = None,
-            checkpoint_io: Optional[Any] = None,
-            precision_plugin: Optional[Any] = None,
+            accelerator: Any | None = None,
+            checkpoint_io: Any | None = None,
+            precision_plugin: Any | None = None,
             **options: Any,
         ) -> None:
             # Every argument is checked before the environment's first collective (it splits COMM_WORLD).
             rule = check_rule(rule) or SyncRule()
             self.options = CommonOptions(**options)
-            self._aids = ConvergenceAids(self.options.lr_scaling, self.options.warmup_steps,
-                                         self.options.momentum_correction, rule,
-                                         api.fabric.rank_zero_info, api.fabric.rank_zero_warn)
+            self._aids = ConvergenceAids(
+                self.options.lr_scaling,
+                self.options.warmup_steps,
+                self.options.momentum_correction,
+                rule,
+                api.fabric.rank_zero_info,
+                api.fabric.rank_zero_warn,
+            )
             environment = environment_class()
-            super().__init__(accelerator=accelerator, parallel_devices=None, cluster_environment=environment,
-                             checkpoint_io=checkpoint_io if checkpoint_io is not None else checkpoint_io_class(),
-                             precision_plugin=precision_plugin)
+            super().__init__(
+                accelerator=accelerator,
+                parallel_devices=None,
+                cluster_environment=environment,
+                checkpoint_io=checkpoint_io if checkpoint_io is not None else checkpoint_io_class(),
+                precision_plugin=precision_plugin,
+            )
             self.log_stats = log_stats
             self._runner = RuleRunner(rule)
-            self._failures = RunFailures(environment.comm, self.global_rank, self.world_size,
-                                         self.options.collective_timeout, self.options.abort_on_exception,
-                                         on_abandon=self._runner.abandon)
+            self._failures = RunFailures(
+                environment.comm,
+                self.global_rank,
+                self.world_size,
+                self.options.collective_timeout,
+                self.options.abort_on_exception,
+                on_abandon=self._runner.abandon,
+            )
             self._decisions = StopDecisions(api.Callback)
             self._preemption = PreemptionWatch()
             self._sharding = LoaderSharding(api)
@@ -152,7 +169,7 @@ def trainer_strategy(api: TrainerAPI, environment_class: type, checkpoint_io_cla
             return self._runner.rule
 
         @property
-        def bound_rule(self) -> Optional[BoundRule]:
+        def bound_rule(self) -> BoundRule | None:
             """The running rule while training (None before it is bound; the closed one after)."""
             return self._runner.bound
 
@@ -162,11 +179,11 @@ def trainer_strategy(api: TrainerAPI, environment_class: type, checkpoint_io_cla
             return self._failures.transport
 
         @property
-        def collective_timeout(self) -> Optional[float]:
+        def collective_timeout(self) -> float | None:
             return self._failures.timeout
 
         @collective_timeout.setter
-        def collective_timeout(self, value: Optional[float]) -> None:
+        def collective_timeout(self, value: float | None) -> None:
             self.options.collective_timeout = check_one(CommonOptions, "collective_timeout", value)
             self._failures.timeout = self.options.collective_timeout
 
@@ -229,7 +246,7 @@ def trainer_strategy(api: TrainerAPI, environment_class: type, checkpoint_io_cla
         def _configure_launcher(self) -> None:
             self._launcher = AutoResume(_InProcessLauncher(self._failures), api.TrainerFn.FITTING, self._resume_from)
 
-        def _resume_from(self, trainer: Any, reason: str) -> Optional[str]:
+        def _resume_from(self, trainer: Any, reason: str) -> str | None:
             return resume_checkpoint(trainer, self.transport, self.global_rank, self.world_size, reason)
 
         @override
@@ -244,17 +261,18 @@ def trainer_strategy(api: TrainerAPI, environment_class: type, checkpoint_io_cla
             self._sharding.take_over(trainer)  # before Lightning builds this stage's loaders
             assert self.accelerator is not None and self.model is not None
             self.accelerator.setup(trainer)
-            self.model = self.precision_plugin.convert_module(self.model)
+            model: torch.nn.Module = self.precision_plugin.convert_module(self.model)
+            self.model = model
             self.model_to_device()
-            replicas.prepare_module(self.transport, self.model)
+            replicas.prepare_module(self.transport, model)
             fitting = trainer.state.fn == api.TrainerFn.FITTING
             if fitting:
                 self.setup_optimizers(trainer)
             self.setup_precision_plugin()
             if fitting:
                 api.fabric.optimizers_to_device(self.optimizers, self.root_device)
-                self._runner.bind(self.transport, self.model, self._aids.rule_to_bind(self.world_size))
-            collectives.connect_metrics(self.model, self.world_size, lambda: self.transport)
+                self._runner.bind(self.transport, model, self._aids.rule_to_bind(self.world_size))
+            collectives.connect_metrics(model, self.world_size, lambda: self.transport)
 
         @override
         def model_to_device(self) -> None:
@@ -281,7 +299,7 @@ def trainer_strategy(api: TrainerAPI, environment_class: type, checkpoint_io_cla
                 self._decisions.scope_checkpoint_hooks(self.lightning_module.trainer)
 
         @override
-        def batch_to_device(self, batch: Any, device: Optional[Any] = None, dataloader_idx: int = 0) -> Any:
+        def batch_to_device(self, batch: Any, device: Any | None = None, dataloader_idx: int = 0) -> Any:
             self._failures.check_peers()  # every batch of every loop: stop within a batch of another rank's failure
             return super().batch_to_device(batch, device, dataloader_idx)
 
@@ -299,8 +317,9 @@ def trainer_strategy(api: TrainerAPI, environment_class: type, checkpoint_io_cla
                 yield
 
         @override
-        def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Optional[Any] = None,
-                           **kwargs: Any) -> Any:
+        def optimizer_step(
+            self, optimizer: Optimizer, closure: Callable[[], Any], model: Any | None = None, **kwargs: Any
+        ) -> Any:
             # The aids wrap the whole ``optimizer.step`` (LBFGS reads its lr before it calls the
             # closure) and are lifted while the closure runs (SGD/Adam call it first, then read the lr),
             # so only the update sees them; ``with`` puts the user's values back on every exit: a
@@ -321,8 +340,14 @@ def trainer_strategy(api: TrainerAPI, environment_class: type, checkpoint_io_cla
             trainer = getattr(self._lightning_module, "_trainer", None) if self._lightning_module is not None else None
             return int(trainer.global_step) if trainer is not None else self._steps_seen
 
-        def _exchange_and_step(self, optimizer: Optimizer, closure: Callable[[], Any],
-                               overrides: Optional[StepOverrides], model: Optional[Any] = None, **kwargs: Any) -> Any:
+        def _exchange_and_step(
+            self,
+            optimizer: Optimizer,
+            closure: Callable[[], Any],
+            overrides: StepOverrides | None,
+            model: Any | None = None,
+            **kwargs: Any,
+        ) -> Any:
             """Backward (the closure), the rule's exchange, the update, the rule's ``after_step``."""
             lift = overrides.wrap_closure if overrides is not None else (lambda f: f)
             bound = self._runner.bound
@@ -372,7 +397,9 @@ def trainer_strategy(api: TrainerAPI, environment_class: type, checkpoint_io_cla
             """Every rank writes the preemption checkpoint and stops (raises ``Preempted``)."""
             bound = self._runner.bound
             self._preemption.checkpoint_and_exit(
-                self.lightning_module.trainer, self.global_rank, self._decisions.collective_decisions,
+                self.lightning_module.trainer,
+                self.global_rank,
+                self._decisions.collective_decisions,
                 end_training=bound.on_train_end if bound is not None else (lambda: None),
             )
 
@@ -393,17 +420,17 @@ def trainer_strategy(api: TrainerAPI, environment_class: type, checkpoint_io_cla
 
         # -- collectives (Lightning's, and its stop decisions) -------------------------------------------
         @override
-        def reduce(self, tensor: Any, group: Optional[Any] = None, reduce_op: Optional[Any] = "mean") -> Any:
+        def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any | None = "mean") -> Any:
             collectives.check_group(group)
             return collectives.reduce(self.transport, tensor, reduce_op)
 
         @override
-        def all_gather(self, tensor: torch.Tensor, group: Optional[Any] = None, sync_grads: bool = False) -> torch.Tensor:
+        def all_gather(self, tensor: torch.Tensor, group: Any | None = None, sync_grads: bool = False) -> torch.Tensor:
             collectives.check_group(group)
             return collectives.all_gather(self.transport, tensor, sync_grads)
 
         @override
-        def barrier(self, name: Optional[str] = None) -> None:
+        def barrier(self, name: str | None = None) -> None:
             collectives.barrier(self.transport)
 
         @override
@@ -422,7 +449,7 @@ def trainer_strategy(api: TrainerAPI, environment_class: type, checkpoint_io_cla
                 return bool(board.reduce_flag(bool(decision), all))
             return bool(super().reduce_boolean_decision(decision, all))
 
-        def _decision_board(self) -> Optional[Any]:
+        def _decision_board(self) -> Any | None:
             board = self._decisions.board(self._runner.bound)
             if board is not None:
                 self._failures.check_peers()  # a board read waits for no rank: look for a failure first
@@ -434,8 +461,9 @@ def trainer_strategy(api: TrainerAPI, environment_class: type, checkpoint_io_cla
 
         # -- checkpoints -----------------------------------------------------------------------------------
         @override
-        def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any,
-                            storage_options: Optional[Any] = None) -> None:
+        def save_checkpoint(
+            self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
+        ) -> None:
             """Rank 0 writes; the rule's state (center, clocks, ...) is added to the checkpoint first.
 
             Called on every rank, so a rule with sharded state may gather it here.
@@ -446,7 +474,7 @@ def trainer_strategy(api: TrainerAPI, environment_class: type, checkpoint_io_cla
             super().save_checkpoint(checkpoint, filepath, storage_options)
 
         @override
-        def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
             """Every rank reads the checkpoint; the rule's state is restored when the rule is bound.
             The file holds the rule's own objects, so it is read with ``weights_only=False`` unless
             you say otherwise."""

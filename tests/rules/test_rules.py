@@ -17,7 +17,13 @@ from lightning_mpi import (
     ModelAveragingStrategy,
 )
 from lightning_mpi.rules.averaging import ModelAveragingRule, averages_at, model_average
-from lightning_mpi.rules.easgd import EASGDRule, default_alpha, easgd_sync_update, elastic_difference, nesterov_gradient_
+from lightning_mpi.rules.easgd import (
+    EASGDRule,
+    default_alpha,
+    easgd_sync_update,
+    elastic_difference,
+    nesterov_gradient_,
+)
 from lightning_mpi.rules.gossip import GoSGDRule, gossip_merge, gossip_push_weight, weighted_consensus
 from lightning_mpi.rules.server import (
     ADAGRule,
