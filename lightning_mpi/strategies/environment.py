@@ -11,7 +11,16 @@ singleton of world size 1.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
+
+import torch
+
+
+def rank_device(devices: Sequence[torch.device] | None, local_rank: int) -> torch.device:
+    """The device of the rank with ``local_rank`` on its host: ``devices[local_rank % len(devices)]``,
+    or the CPU when the accelerator gave no devices."""
+    return devices[local_rank % len(devices)] if devices else torch.device("cpu")
 
 
 class MPIClusterMixin:

@@ -50,6 +50,7 @@ from lightning_mpi.rules.sync import SyncRule
 from lightning_mpi.strategies import collectives, replicas
 from lightning_mpi.strategies.common_options import CommonOptions
 from lightning_mpi.strategies.convergence import ConvergenceAids
+from lightning_mpi.strategies.environment import rank_device
 from lightning_mpi.strategies.failures import RunFailures, install_abort_hook
 from lightning_mpi.strategies.lightning_api import FabricAPI
 from lightning_mpi.strategies.rule_runner import RuleRunner
@@ -166,8 +167,7 @@ def fabric_strategy(api: FabricAPI, environment_class: type, checkpoint_io_class
 
         @collective_timeout.setter
         def collective_timeout(self, value: float | None) -> None:
-            self.options.collective_timeout = check_one(CommonOptions, "collective_timeout", value)
-            self._failures.timeout = self.options.collective_timeout
+            self._failures.timeout = check_one(CommonOptions, "collective_timeout", value)
 
         @property
         def abort_on_exception(self) -> bool:
@@ -185,12 +185,7 @@ def fabric_strategy(api: FabricAPI, environment_class: type, checkpoint_io_class
         def stats(self) -> dict[str, float]:
             """The rule's numbers for the last step (``mpi/<rule>/...``, world size > 1) and the
             convergence aids' values: log them with ``fabric.log_dict(fabric.strategy.stats())``."""
-            metrics: dict[str, float] = {}
-            bound = self._runner.bound
-            if bound is not None and self.world_size > 1:
-                metrics.update({f"mpi/{self.rule.name}/{k}": v for k, v in bound.stats().items()})
-            metrics.update(self._aids.stats)
-            return metrics
+            return {**self._runner.stats(self.world_size), **self._aids.stats}
 
         @contextmanager
         def propagate_errors(self) -> Generator[None, None, None]:
@@ -203,8 +198,7 @@ def fabric_strategy(api: FabricAPI, environment_class: type, checkpoint_io_class
         @override
         def root_device(self) -> torch.device:
             """Rank ``r`` uses device ``local_rank % devices_on_this_host`` (the CPU without devices)."""
-            devices = self.parallel_devices
-            return devices[self.local_rank % len(devices)] if devices else torch.device("cpu")
+            return rank_device(self.parallel_devices, self.local_rank)
 
         @property
         def num_nodes(self) -> int:

@@ -75,6 +75,13 @@ class RuleRunner:
         finally:
             bound.sync_enabled = previous
 
+    def stats(self, world_size: int) -> dict[str, float]:
+        """The bound rule's numbers for the last step as ``mpi/<rule>/<name>`` (none at world size 1,
+        where nothing is exchanged)."""
+        if self.bound is None or world_size == 1:
+            return {}
+        return {f"mpi/{self.rule.name}/{key}": value for key, value in self.bound.stats().items()}
+
     def checkpoint(self, world_size: int) -> dict[str, Any] | None:
         """The rule's state for a checkpoint, or None when no rule is bound. Called on every rank:
         a rule with sharded state gathers it here."""

@@ -54,6 +54,7 @@ from lightning_mpi.strategies import collectives, replicas
 from lightning_mpi.strategies.common_options import CommonOptions
 from lightning_mpi.strategies.convergence import ConvergenceAids
 from lightning_mpi.strategies.decisions import StopDecisions
+from lightning_mpi.strategies.environment import rank_device
 from lightning_mpi.strategies.failures import RunFailures, install_abort_hook
 from lightning_mpi.strategies.lightning_api import TrainerAPI
 from lightning_mpi.strategies.preemption import PreemptionWatch
@@ -184,8 +185,7 @@ def trainer_strategy(api: TrainerAPI, environment_class: type, checkpoint_io_cla
 
         @collective_timeout.setter
         def collective_timeout(self, value: float | None) -> None:
-            self.options.collective_timeout = check_one(CommonOptions, "collective_timeout", value)
-            self._failures.timeout = self.options.collective_timeout
+            self._failures.timeout = check_one(CommonOptions, "collective_timeout", value)
 
         @property
         def abort_on_exception(self) -> bool:
@@ -198,12 +198,7 @@ def trainer_strategy(api: TrainerAPI, environment_class: type, checkpoint_io_cla
         def stats(self) -> dict[str, float]:
             """What ``log_stats`` logs: the rule's numbers for the last step (``mpi/<rule>/...``, world
             size > 1) and the convergence aids' values (``mpi/lr_scale``, ``mpi/momentum_*``)."""
-            metrics: dict[str, float] = {}
-            bound = self._runner.bound
-            if bound is not None and self.world_size > 1:
-                metrics.update({f"mpi/{self.rule.name}/{k}": v for k, v in bound.stats().items()})
-            metrics.update(self._aids.stats)
-            return metrics
+            return {**self._runner.stats(self.world_size), **self._aids.stats}
 
         @contextmanager
         def propagate_errors(self) -> Generator[None, None, None]:
@@ -216,8 +211,7 @@ def trainer_strategy(api: TrainerAPI, environment_class: type, checkpoint_io_cla
         @override
         def root_device(self) -> torch.device:
             """Rank ``r`` uses device ``local_rank % devices_on_this_host`` (the CPU without devices)."""
-            devices = self.parallel_devices
-            return devices[self.local_rank % len(devices)] if devices else torch.device("cpu")
+            return rank_device(self.parallel_devices, self.local_rank)
 
         @property
         def num_nodes(self) -> int:
