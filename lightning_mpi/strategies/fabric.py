@@ -43,6 +43,7 @@ from lightning_mpi.rules.base import Rule
 from lightning_mpi.strategies.aids import ConvergenceAids
 from lightning_mpi.strategies.core import CHECKPOINT_KEY, MPIStrategyCore
 from lightning_mpi.strategies.failures import install_abort_hook
+from lightning_mpi.strategies.flags import check_num_nodes, checked_parallel_devices  # issue 27: devices=/num_nodes= against MPI
 
 _Method = TypeVar("_Method", bound=Callable[..., Any])
 
@@ -130,9 +131,10 @@ class FabricMPIStrategy(ConvergenceAids, MPIStrategyCore):
     @_num_nodes.setter
     def _num_nodes(self, value: int) -> None:
         # Fabric assigns its num_nodes flag; MPI knows better, so the flag is ignored.
-        pass
+        check_num_nodes(value, self.cluster_environment)  # issue 27: refuse a num_nodes= that MPI contradicts
 
     def _set_world_ranks(self) -> None:
+        self.parallel_devices = checked_parallel_devices(self.parallel_devices, self.accelerator, self.cluster_environment)  # issue 27: refuse a devices= that MPI contradicts; one device per local rank
         self._fabric_api.rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
 
     @property
