@@ -23,6 +23,8 @@ from typing import Any
 
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, IterableDataset
 
+from lightning_mpi.strategies.uneven_evaluation import warn_if_batches_dropped, warn_if_samples_repeat  # issue 27: ddp's uneven-evaluation warning
+
 
 def needs_batch_sharding(loader: DataLoader) -> bool:
     """True when ``loader`` has a batch sampler that Lightning cannot rebuild around a new sampler."""
@@ -72,6 +74,7 @@ class LoaderSharding:
         if not self._should_shard(dataloader, trainer):
             return dataloader
         if needs_batch_sharding(dataloader):
+            warn_if_batches_dropped(dataloader.batch_sampler, self.world_size, trainer.state.fn, self._api.fabric.package)  # issue 27: validate/test leave batches out
             return with_sharded_batches(dataloader, self.world_size, self.global_rank)
         stage = trainer.state.stage
         training = stage == self._api.RunningStage.TRAINING
@@ -81,6 +84,7 @@ class LoaderSharding:
             dataloader, shuffle, mode=stage, overfit_batches=trainer.overfit_batches,
             **self.distributed_sampler_kwargs,  # type: ignore[attr-defined]
         )
+        warn_if_samples_repeat(sampler, trainer.state.fn, self._api.fabric.package)  # issue 27: validate/test repeat padding samples, as ddp warns
         return self._api.update_dataloader(dataloader, sampler, mode=stage)
 
     def _should_shard(self, dataloader: Any, trainer: Any) -> bool:
