@@ -29,6 +29,7 @@ from lightning_mpi.strategies.decisions import StopDecisions
 from lightning_mpi.strategies.environment import MPIClusterMixin
 from lightning_mpi.strategies.fabric import FabricMPIStrategy, _NoBackwardSync
 from lightning_mpi.strategies.lightning_api import fabric_api, trainer_api
+from lightning_mpi.strategies.packages import guarded_trainer_attribute  # issue 27: DataModule of the other package
 from lightning_mpi.strategies.preemption import PreemptionCheckpoint
 from lightning_mpi.strategies.resume import ResumeOnRestart
 from lightning_mpi.strategies.sharding import LoaderSharding
@@ -128,7 +129,8 @@ def _trainer_extras(api: Any, module: str) -> dict[str, type]:
 
     return {
         "PrefetchDataModule": _make("PrefetchDataModule", (PrefetchDataHooks, api.LightningDataModule), module,
-                                    PrefetchDataHooks.__doc__),
+                                    PrefetchDataHooks.__doc__,
+                                    trainer=guarded_trainer_attribute(api.package)),  # issue 27: a Trainer of the other package names the right class
         "LMSOffload": _make("LMSOffload", (LMSOffloadHooks, api.Callback), module, LMSOffloadHooks.__doc__),
     }
 

@@ -42,8 +42,15 @@ FABRIC_PACKAGES = ("lightning_fabric", "lightning.fabric")
 
 def register_strategies(package: Optional[str] = None) -> None:
     """Register every name in :data:`STRATEGIES` with ``package``'s registry (idempotent), or with
-    every Lightning package already imported when ``package`` is None."""
-    from lightning_mpi.strategies import build, lightning_api
+    every Lightning package already imported when ``package`` is None.
+
+    Also gives ``package`` this process's rank from the MPI launcher's environment (see
+    :mod:`.launch_rank`), so that its rank-zero messages before any strategy exists (``No seed
+    found``) print once, and puts a hint in its "invalid strategy" error when the strategy was
+    meant for lightning_mpi (a mistyped ``mpi_*`` name, a class of another package; see
+    :mod:`.connector_hints`).
+    """
+    from lightning_mpi.strategies import build, connector_hints, launch_rank, lightning_api
 
     if package is None:
         for imported in TRAINER_PACKAGES + FABRIC_PACKAGES:
@@ -57,6 +64,8 @@ def register_strategies(package: Optional[str] = None) -> None:
     else:
         raise ValueError(f"package={package!r} is not a Lightning package: choose one of "
                          f"{list(TRAINER_PACKAGES + FABRIC_PACKAGES)}")
+    launch_rank.tell_lightning(package)
+    connector_hints.install(package)
     for name, (class_name, params, description) in STRATEGIES.items():
         registry.register(name, classes[class_name], description=description, override=True, **params)
 
