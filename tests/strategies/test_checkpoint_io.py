@@ -70,3 +70,20 @@ def test_fabric_saves_have_plain_fabrics_mode(tmp_path, umask):
         model = fabric.setup(torch.nn.Linear(2, 2))
         fabric.save(tmp_path / f"{strategy}.ckpt", {"model": model})
     assert mode(tmp_path / "mpi_gosgd.ckpt") == mode(tmp_path / "auto.ckpt") == 0o666 & ~umask
+
+
+def test_a_fabric_save_before_finish_training_has_the_rules_state_and_one_after_it_has_not(tmp_path):
+    # What the README's Fabric snippet and docs/checkpoints.md say.
+    import lightning as L
+
+    fabric = L.Fabric(strategy="mpi_easgd", accelerator="cpu", devices=1)
+    fabric.launch()
+    net = torch.nn.Linear(2, 2)
+    model, optimizer = fabric.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    fabric.backward(model(torch.randn(4, 2)).sum())
+    optimizer.step()
+    fabric.save(tmp_path / "last.ckpt", {"model": model, "optimizer": optimizer})
+    fabric.strategy.finish_training()
+    fabric.save(tmp_path / "final.ckpt", {"model": model, "optimizer": optimizer})
+    assert "lightning_mpi" in torch.load(tmp_path / "last.ckpt", weights_only=False)
+    assert set(torch.load(tmp_path / "final.ckpt", weights_only=False)) == {"model", "optimizer"}
