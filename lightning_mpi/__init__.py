@@ -15,22 +15,41 @@ Classes, by the package they are built on:
 Names (and those three modules, ``lightning_mpi.lightning`` ...) are resolved on first use, so
 importing this package stays cheap: it imports neither torch nor any Lightning package.
 """
+
 from __future__ import annotations
 
 import importlib
 from typing import Any
 
-from lightning_mpi.strategies.registry import STRATEGIES, install_registration_hooks, register_strategies
+# ``X as X``: re-exported public names (``__all__`` below is built, so linters cannot read it)
+from lightning_mpi.strategies.registry import STRATEGIES as STRATEGIES
+from lightning_mpi.strategies.registry import install_registration_hooks
+from lightning_mpi.strategies.registry import register_strategies as register_strategies
 
 __version__ = "0.1.0"
 
 #: Classes built on ``pytorch_lightning`` (see :mod:`lightning_mpi.strategies.build`).
 _PYTORCH_LIGHTNING_CLASSES = (
-    "MPIStrategy", "SyncStrategy", "CompressedSyncStrategy", "AsyncMPIStrategy", "EASGDStrategy",
-    "ModelAveragingStrategy", "AEASGDStrategy", "EAMSGDStrategy", "DownpourStrategy", "AGNStrategy",
-    "ADAGStrategy", "DynSGDStrategy", "GoSGDStrategy", "PowerSGDStrategy", "DiLoCoStrategy",
-    "StreamingDiLoCoStrategy", "MPIClusterEnvironment", "AtomicCheckpointIO",
-    "LMSOffload", "PrefetchDataModule",
+    "MPIStrategy",
+    "SyncStrategy",
+    "CompressedSyncStrategy",
+    "AsyncMPIStrategy",
+    "EASGDStrategy",
+    "ModelAveragingStrategy",
+    "AEASGDStrategy",
+    "EAMSGDStrategy",
+    "DownpourStrategy",
+    "AGNStrategy",
+    "ADAGStrategy",
+    "DynSGDStrategy",
+    "GoSGDStrategy",
+    "PowerSGDStrategy",
+    "DiLoCoStrategy",
+    "StreamingDiLoCoStrategy",
+    "MPIClusterEnvironment",
+    "AtomicCheckpointIO",
+    "LMSOffload",
+    "PrefetchDataModule",
 )
 
 #: Lightning-free names -> the module that defines them.
@@ -63,6 +82,8 @@ _SUBMODULES = ("lightning", "fabric", "lightning_fabric")
 
 def __getattr__(name: str) -> Any:
     if name in _PYTORCH_LIGHTNING_CLASSES:
+        # deferred: building the classes imports pytorch_lightning and torch, which
+        # ``import lightning_mpi`` must not
         from lightning_mpi.strategies.build import trainer_classes
         from lightning_mpi.strategies.packages import warn_if_other_package
 

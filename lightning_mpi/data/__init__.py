@@ -22,6 +22,7 @@ One job per module, from the bottom up:
   ``pytorch_lightning``'s ``LightningDataModule``: what users hand to ``Trainer.fit``, and the
   only module here that imports Lightning.
 """
+
 from __future__ import annotations
 
 from typing import Any

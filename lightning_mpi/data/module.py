@@ -6,6 +6,7 @@ lightning_mpi, and is the same object as ``lightning_mpi.PrefetchDataModule``; t
 package's is ``lightning_mpi.lightning.PrefetchDataModule``. Importing this module imports
 ``pytorch_lightning``.
 """
+
 from __future__ import annotations
 
 from lightning_mpi.strategies.build import trainer_classes

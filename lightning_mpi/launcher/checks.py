@@ -2,6 +2,7 @@
 belongs to, whether mpi4py loads its MPI library (probed in a subprocess, so that the launcher
 never loads MPI itself), and whether the two match.
 """
+
 from __future__ import annotations
 
 import json
@@ -10,8 +11,8 @@ import re
 import shutil
 import subprocess
 import sys
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Mapping
 
 from .command import FLAVOR_NAMES, Flavor
 from .errors import PROG, LaunchError

@@ -5,15 +5,18 @@ every process of the job, ranks included, killed after a grace period; SIGUSR1 (
 :func:`run_job` runs the job once and says how it ended (:class:`JobOutcome`); :func:`run_command`
 returns just the exit code. Whether to run it again is the caller's decision (:mod:`.restarts`).
 """
+
 from __future__ import annotations
 
 import os
 import signal
 import subprocess
 import threading
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping, Sequence
+from types import FrameType
+from typing import Any
 
 __all__ = ["KILL_GRACE_S", "FORWARDED_ONLY", "JobOutcome", "run_command", "run_job"]
 
@@ -163,7 +166,8 @@ def run_job(
     # once, in order, and own the escalation.
     proc = subprocess.Popen(list(cmd), start_new_session=True, env=None if env is None else dict(env))
     stopper = _Stopper(proc, grace_s, sigint_as)
-    previous: dict[int, object] = {}
+    # what signal.signal() returned: a handler, SIG_DFL or SIG_IGN, or None (not set from Python)
+    previous: dict[signal.Signals, Callable[[int, FrameType | None], Any] | int | signal.Handlers | None] = {}
     if threading.current_thread() is threading.main_thread():
         for signum in (signal.SIGINT, signal.SIGTERM):
             previous[signum] = signal.signal(signum, stopper.on_signal)
@@ -174,7 +178,7 @@ def run_job(
     finally:
         # Handlers first, so that no new forwarding starts while finish() sweeps.
         for signum, handler in previous.items():
-            signal.signal(signum, signal.SIG_DFL if handler is None else handler)  # type: ignore[arg-type]
+            signal.signal(signum, signal.SIG_DFL if handler is None else handler)
         stopper.finish()
     if stopper.signum is not None:
         code = 128 + stopper.signum

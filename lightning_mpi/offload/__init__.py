@@ -21,6 +21,7 @@ The modules, each with one job (only :mod:`.callback` imports Lightning):
 * :mod:`.tensors`: tensors as bytes plus a layout.
 * :mod:`.allocator`: glibc's mmap threshold, so freed activations leave the process.
 """
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any

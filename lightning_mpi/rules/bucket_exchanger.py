@@ -2,7 +2,7 @@
 
 A :class:`BucketExchanger` gives every bucket (and every pipelined segment of it) its own
 communicator, starts each bucket's exchange (Allreduce or ASA with the rule's wire format,
-optionally topology-aware) on a :class:`~lightning_mpi.comm.engine.Progress` scheduler, and runs
+optionally topology-aware) on a :class:`~lightning_mpi.comm.engine.ExchangeScheduler`, and runs
 a :class:`~lightning_mpi.comm.progress.ProgressThread` while exchanges are in flight.
 """
 from __future__ import annotations
@@ -24,7 +24,7 @@ from lightning_mpi.comm.collectives import (
     hierarchical_mean_steps,
     segments,
 )
-from lightning_mpi.comm.engine import Exchange, Progress
+from lightning_mpi.comm.engine import Exchange, ExchangeScheduler
 from lightning_mpi.comm.progress import ProgressThread
 from lightning_mpi.comm.transport import Transport
 
@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 class BucketExchanger:
     """Averages padded buckets over ranks, non-blocking, with scratch that is allocated once.
 
-    ``start(bucket)`` launches a bucket's exchange (segmented for ASA) on the :class:`Progress`
+    ``start(bucket)`` launches a bucket's exchange (segmented for ASA) on the :class:`ExchangeScheduler`
     engine; ``poll()`` advances everything in flight; ``finish()`` waits for all of it.
     """
 
@@ -44,8 +44,8 @@ class BucketExchanger:
         self.exchange = rule.exchange
         self.codec = get_codec(rule.wire)
         self.segment_numel = max(1, int(rule.segment_mb * 2**20) // 4)
-        self.progress = Progress(transport.timeout, transport.rank, transport.size, watch=transport.watch,
-                                 on_driver_error=transport.report_thread_failure)
+        self.progress = ExchangeScheduler(transport.timeout, transport.rank, transport.size, watch=transport.watch,
+                                          on_driver_error=transport.report_thread_failure)
         self.driver: ProgressThread | None = None
         if rule.overlap and rule.progress_thread and transport.size > 1:
             # Polls only while exchanges are in flight: started by start(), paused by finish().

@@ -45,7 +45,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_mpi.comm.codecs import get_codec
-from lightning_mpi.comm.engine import Progress
+from lightning_mpi.comm.engine import ExchangeScheduler
 from lightning_mpi.comm.progress import ProgressThread
 from lightning_mpi.comm.transport import Transport
 from lightning_mpi.rules.base import BoundLocalStepRule, Rule, check_choice, check_int, check_range
@@ -154,7 +154,7 @@ class BoundDiLoCo(BoundLocalStepRule):
         self.replicas = ReplicaState(transport, self.params)
         # A private communicator: an exchange in flight must not interleave with other collectives.
         self.team = transport.dup() if transport.size > 1 else transport
-        self.progress = Progress(transport.timeout, transport.rank, transport.size)
+        self.progress = ExchangeScheduler(transport.timeout, transport.rank, transport.size)
         self.driver: ProgressThread | None = None
         if overlap_steps > 0 and transport.size > 1:
             # MPICH moves a non-blocking exchange only inside MPI calls: poll while one is in flight.

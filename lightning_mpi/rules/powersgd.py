@@ -44,7 +44,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_mpi.comm.buffers import make_buckets
-from lightning_mpi.comm.engine import Exchange, Progress
+from lightning_mpi.comm.engine import Exchange, ExchangeScheduler
 from lightning_mpi.comm.progress import ProgressThread
 from lightning_mpi.comm.transport import Transport
 from lightning_mpi.rules.base import BoundRule, Rule, check_int, check_range
@@ -185,7 +185,7 @@ class BoundPowerSGD(BoundRule):
         self.hook_launches = 0
         self._index = {id(p): i for i, p in enumerate(self.params)}  # checkpoint keys
         self.buckets: list[PowerSGDBucket] = []
-        self.progress = Progress(transport.timeout, transport.rank, transport.size)
+        self.progress = ExchangeScheduler(transport.timeout, transport.rank, transport.size)
         self.driver: Optional[ProgressThread] = None
         self._hooks: list[Any] = []
         self._last: dict[str, float] = {}

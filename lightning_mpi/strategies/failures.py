@@ -12,7 +12,7 @@ inside a strategy call or a :meth:`~FailurePropagation.propagate_errors` block):
 2. the run is abandoned: its transport and everything made over it (communicators, windows,
    mailboxes, requests in flight) are never used or freed by a collective again, the rule's
    threads stop, and the next collective starts a fresh transport, which first reclaims what the
-   failed run left (:func:`~lightning_mpi.comm.resources.reclaim`);
+   failed run left (:func:`~lightning_mpi.comm.reclaim.reclaim`);
 3. the exception propagates. The other ranks raise ``RankFailedError`` from whatever wait they
    are in, or at their next batch or optimizer step, and go through the same steps.
 
@@ -35,7 +35,8 @@ from types import TracebackType
 from typing import Any, Optional
 
 from lightning_mpi.comm.errors import LINGER_SECONDS, ErrorChannel, RankFailedError
-from lightning_mpi.comm.resources import RunResources, keep_pending, reclaim
+from lightning_mpi.comm.reclaim import reclaim
+from lightning_mpi.comm.resources import RunResources, keep_pending
 from lightning_mpi.comm.transport import Transport, wait_request
 
 #: Pause between printing a failing rank's message and ``MPI_Abort`` (see :func:`abort_every_rank`).
