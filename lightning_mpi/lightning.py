@@ -4,6 +4,7 @@ The same strategies, with the same arguments, as ``lightning_mpi.SyncStrategy`` 
 are built on ``pytorch_lightning``), built on ``lightning.pytorch``. The ``mpi_*`` names need no import
 from here: ``import lightning_mpi`` registers them with every Lightning package.
 """
+
 from lightning_mpi.strategies.packages import warn_if_other_package
 
 warn_if_other_package("lightning.pytorch")  # before the import below loads lightning.pytorch

@@ -6,6 +6,7 @@ must accept the batch script's options (``--dry-run``). The whole flow -- a SIGU
 limit, ``preempted.ckpt``, ``scontrol requeue``, the requeued job resuming -- was run by hand with a
 stub ``scontrol`` (docs/checkpoints.md, "Slurm").
 """
+
 from __future__ import annotations
 
 import re
@@ -64,7 +65,14 @@ def test_the_launcher_accepts_the_batch_scripts_options():
     words = launcher_line()
     args = ["2" if word == '"$SLURM_NTASKS"' or word == "$SLURM_NTASKS" else word for word in words[1:]]
     args = [re.sub(r"\$\{SLURM_CPUS_PER_TASK:-1\}", "1", word) for word in args]
-    result = subprocess.run([sys.executable, "-m", "lightning_mpi", "--dry-run", *args], cwd=REPO, env=mpi_env(),
-                            capture_output=True, text=True, timeout=60, check=False)
+    result = subprocess.run(
+        [sys.executable, "-m", "lightning_mpi", "--dry-run", *args],
+        cwd=REPO,
+        env=mpi_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "examples/digits.py fit --config examples/slurm/digits.yaml" in result.stdout + result.stderr

@@ -14,13 +14,14 @@ as an overwrite by ``open`` would.
 :mod:`lightning_mpi.strategies.build` puts the mixin on the ``TorchCheckpointIO`` of each Fabric
 package as ``AtomicCheckpointIO``; Trainer and Fabric saves both go through it.
 """
+
 from __future__ import annotations
 
 import os
 import secrets
 import stat
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -36,7 +37,7 @@ def create_temporary_beside(target: Path, attempts: int = 100) -> tuple[int, Pat
     (the kernel applies it, so no thread ever changes the process umask to read it).
     """
     try:
-        existing_mode: Optional[int] = stat.S_IMODE(os.stat(target).st_mode)
+        existing_mode: int | None = stat.S_IMODE(os.stat(target).st_mode)
     except FileNotFoundError:
         existing_mode = None
     for _ in range(attempts):
@@ -64,7 +65,7 @@ class AtomicWriteMixin:
 
     get_filesystem: Any
 
-    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Optional[Any] = None) -> None:
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
         if storage_options is not None:
             raise TypeError(
                 f"storage_options={storage_options!r} is not supported by AtomicCheckpointIO; "

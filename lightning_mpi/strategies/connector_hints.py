@@ -11,6 +11,7 @@ front of Lightning's own message. The exception keeps its type, its traceback an
 and nothing that Lightning accepts or refuses changes. If a Lightning version renames the method,
 :func:`install` does nothing and the errors are Lightning's own.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -18,10 +19,14 @@ from typing import Any
 
 #: Lightning package -> (its connector's module, the method that checks the strategy flag).
 CONNECTORS = {
-    "pytorch_lightning": ("pytorch_lightning.trainer.connectors.accelerator_connector",
-                          "_AcceleratorConnector._check_config_and_set_final_flags"),
-    "lightning.pytorch": ("lightning.pytorch.trainer.connectors.accelerator_connector",
-                          "_AcceleratorConnector._check_config_and_set_final_flags"),
+    "pytorch_lightning": (
+        "pytorch_lightning.trainer.connectors.accelerator_connector",
+        "_AcceleratorConnector._check_config_and_set_final_flags",
+    ),
+    "lightning.pytorch": (
+        "lightning.pytorch.trainer.connectors.accelerator_connector",
+        "_AcceleratorConnector._check_config_and_set_final_flags",
+    ),
     "lightning_fabric": ("lightning_fabric.connector", "_Connector._check_config_and_set_final_flags"),
     "lightning.fabric": ("lightning.fabric.connector", "_Connector._check_config_and_set_final_flags"),
 }

@@ -22,10 +22,12 @@ so every rank raises or none does: no rank is left waiting in a collective for o
 
 Pure functions of plain values; :func:`layout_of` reads them from the MPI cluster environment.
 """
+
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -40,19 +42,26 @@ class MPILayout:
         """``"MPI started 2 ranks on 1 node (2 on this host)"``."""
         ranks = "rank" if self.world_size == 1 else "ranks"
         nodes = "node" if self.num_nodes == 1 else "nodes"
-        return (f"MPI started {self.world_size} {ranks} on {self.num_nodes} {nodes} "
-                f"({self.ranks_on_this_node} on this host)")
+        return (
+            f"MPI started {self.world_size} {ranks} on {self.num_nodes} {nodes} "
+            f"({self.ranks_on_this_node} on this host)"
+        )
 
 
 def layout_of(environment: Any) -> MPILayout:
     """The layout of ``environment``, an MPI cluster environment (``comm``, ``local_comm``, ``num_nodes``)."""
-    return MPILayout(world_size=environment.comm.Get_size(), num_nodes=environment.num_nodes,
-                     ranks_on_this_node=environment.local_comm.Get_size())
+    return MPILayout(
+        world_size=environment.comm.Get_size(),
+        num_nodes=environment.num_nodes,
+        ranks_on_this_node=environment.local_comm.Get_size(),
+    )
 
 
 #: The first half of every fix: where the number of ranks comes from.
-_LAUNCHER = ("With an mpi_* strategy the launcher decides how many ranks run and where: choose them with "
-             "`mpiexec -n N` (or `lightning-mpi -n N`, `srun`)")
+_LAUNCHER = (
+    "With an mpi_* strategy the launcher decides how many ranks run and where: choose them with "
+    "`mpiexec -n N` (or `lightning-mpi -n N`, `srun`)"
+)
 
 
 def check_devices_flag(count: int, auto_count: int, layout: MPILayout) -> None:
@@ -61,8 +70,11 @@ def check_devices_flag(count: int, auto_count: int, layout: MPILayout) -> None:
     if count == auto_count or count * layout.num_nodes == layout.world_size:
         return
     per_node = layout.world_size / layout.num_nodes
-    hint = (f"set `devices={int(per_node)}`" if per_node.is_integer() else
-            "the ranks are spread unevenly over the nodes, so no devices= value fits")
+    hint = (
+        f"set `devices={int(per_node)}`"
+        if per_node.is_integer()
+        else "the ranks are spread unevenly over the nodes, so no devices= value fits"
+    )
     raise ValueError(
         f"You set `devices={count}` (processes per node, as for ddp), but {layout.describe()}. "
         f"{_LAUNCHER}, and leave `devices=` out or {hint}."
@@ -94,7 +106,7 @@ def auto_device_count(accelerator: Any) -> int:
     return int(accelerator.auto_device_count()) if accelerator is not None else 1
 
 
-def checked_parallel_devices(devices: Optional[Sequence[Any]], accelerator: Any, environment: Any) -> Optional[list[Any]]:
+def checked_parallel_devices(devices: Sequence[Any] | None, accelerator: Any, environment: Any) -> list[Any] | None:
     """The strategy's ``parallel_devices`` once Lightning has filled them in from ``devices=``:
     checked against MPI (:func:`check_devices_flag`), then one entry per rank on this host.
 

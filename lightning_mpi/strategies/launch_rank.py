@@ -19,27 +19,27 @@ registered (:mod:`.registry` calls it on import):
 The environment is trusted only when it carries an MPI launcher's variables; a process without
 them (plain ``python train.py``, ``torchrun``) is left to Lightning.
 """
+
 from __future__ import annotations
 
 import importlib
 import logging
 import os
 from collections.abc import Mapping
-from typing import Optional
 
 #: The launchers' rank variables, most specific first. ``mpiexec`` inside a Slurm allocation
 #: leaves the batch step's ``SLURM_PROCID`` (0 on every rank) in the environment, so the MPI
 #: launchers' own variables come before Slurm's.
 RANK_VARIABLES = (
-    "PMI_RANK",              # MPICH / Intel MPI (Hydra), MVAPICH with PMI
-    "PMIX_RANK",             # PMIx: Open MPI 5, srun --mpi=pmix
+    "PMI_RANK",  # MPICH / Intel MPI (Hydra), MVAPICH with PMI
+    "PMIX_RANK",  # PMIx: Open MPI 5, srun --mpi=pmix
     "OMPI_COMM_WORLD_RANK",  # Open MPI
-    "MV2_COMM_WORLD_RANK",   # MVAPICH2's own launcher
-    "SLURM_PROCID",          # srun
+    "MV2_COMM_WORLD_RANK",  # MVAPICH2's own launcher
+    "SLURM_PROCID",  # srun
 )
 
 
-def rank_from_environment(environ: Mapping[str, str] = os.environ) -> Optional[int]:
+def rank_from_environment(environ: Mapping[str, str] = os.environ) -> int | None:
     """This process's rank as its MPI launcher (or ``srun``) announced it, or ``None`` when no
     launcher variable is set (or none holds an integer)."""
     for name in RANK_VARIABLES:
@@ -63,7 +63,7 @@ class RankPrefix(logging.Filter):
         return True
 
 
-def tell_lightning(package: str, environ: Mapping[str, str] = os.environ) -> Optional[int]:
+def tell_lightning(package: str, environ: Mapping[str, str] = os.environ) -> int | None:
     """Give Lightning package ``package`` (a Trainer or Fabric package, already imported) the rank
     from the launch environment; returns it, or ``None`` (nothing changed) outside an MPI launch.
 

@@ -13,10 +13,11 @@ that holds none of the ``mpi_*`` names. :func:`strategy_hint` says what the user
 
 Pure functions of the flag and of the package whose Trainer or Fabric refused it.
 """
+
 from __future__ import annotations
 
 import difflib
-from typing import Any, Optional
+from typing import Any
 
 from lightning_mpi.strategies.packages import EXPORTS, other_package_message, twin_path
 from lightning_mpi.strategies.registry import STRATEGIES
@@ -30,13 +31,13 @@ def mpi_names() -> list[str]:
     return sorted(STRATEGIES)
 
 
-def closest_mpi_name(name: str) -> Optional[str]:
+def closest_mpi_name(name: str) -> str | None:
     """The ``mpi_*`` name closest to ``name`` (case-insensitive), or ``None`` if none is close."""
     matches = difflib.get_close_matches(name.lower().replace("-", "_"), mpi_names(), n=1, cutoff=CLOSENESS)
     return matches[0] if matches else None
 
 
-def unknown_name_hint(name: str) -> Optional[str]:
+def unknown_name_hint(name: str) -> str | None:
     """For an unregistered strategy name that looks like one of ours (it starts with ``mpi`` or is
     close to an ``mpi_*`` name): the closest name and the list; else ``None``."""
     if name.lower() in STRATEGIES:
@@ -45,15 +46,17 @@ def unknown_name_hint(name: str) -> Optional[str]:
     if closest is None and not name.lower().startswith("mpi"):
         return None
     guess = f" Did you mean {closest!r}?" if closest is not None else ""
-    return (f"Unknown strategy name {name!r}.{guess} lightning_mpi's names are: {', '.join(mpi_names())} "
-            "(every name and its arguments: docs/strategies.md).")
+    return (
+        f"Unknown strategy name {name!r}.{guess} lightning_mpi's names are: {', '.join(mpi_names())} "
+        "(every name and its arguments: docs/strategies.md)."
+    )
 
 
 def _strategy_class_names() -> list[str]:
     return sorted({class_name for class_name, _, _ in STRATEGIES.values()} | {"MPIStrategy", "AsyncMPIStrategy"})
 
 
-def class_path_hint(name: str, package: str) -> Optional[str]:
+def class_path_hint(name: str, package: str) -> str | None:
     """For a lightning_mpi class path used as a strategy name (``"lightning_mpi.easgdstrategy"``), the
     class built on ``package`` and a name that builds it; else ``None``."""
     module, _, class_name = name.rpartition(".")
@@ -62,15 +65,19 @@ def class_path_hint(name: str, package: str) -> Optional[str]:
     by_lower = {known.lower(): known for known in _strategy_class_names()}
     known = by_lower.get(class_name.lower())
     if known is None:
-        return (f"{name!r} is not a lightning_mpi strategy class. The strategy classes for {package} are "
-                f"{EXPORTS[package]}.<class>, <class> one of: {', '.join(_strategy_class_names())}.")
+        return (
+            f"{name!r} is not a lightning_mpi strategy class. The strategy classes for {package} are "
+            f"{EXPORTS[package]}.<class>, <class> one of: {', '.join(_strategy_class_names())}."
+        )
     names = [mpi for mpi, (class_of_name, _, _) in STRATEGIES.items() if class_of_name == known]
     by_name = f", or the name {names[0]!r}" if names else ""
-    return (f"{name!r} was taken as a strategy name: the class `{name}` is not built on {package}. Use "
-            f"`{twin_path(known, package)}` (with LightningCLI: --trainer.strategy={twin_path(known, package)}){by_name}.")
+    return (
+        f"{name!r} was taken as a strategy name: the class `{name}` is not built on {package}. Use "
+        f"`{twin_path(known, package)}` (with LightningCLI: --trainer.strategy={twin_path(known, package)}){by_name}."
+    )
 
 
-def strategy_hint(strategy: Any, package: str) -> Optional[str]:
+def strategy_hint(strategy: Any, package: str) -> str | None:
     """What to add to the error of ``package``'s Trainer or Fabric about ``strategy``, or ``None``."""
     if isinstance(strategy, str):
         return class_path_hint(strategy, package) or unknown_name_hint(strategy)

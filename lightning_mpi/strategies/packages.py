@@ -19,11 +19,12 @@ These functions name the class the user wanted instead:
 
 Nothing here imports Lightning: classes are recognised by their modules' names.
 """
+
 from __future__ import annotations
 
 import sys
 import warnings
-from typing import Any, Optional
+from typing import Any
 
 #: Lightning package -> where lightning_mpi exports its classes built on it.
 EXPORTS = {
@@ -42,7 +43,7 @@ FRONTENDS = {
 }
 
 
-def package_of_module(module: str) -> Optional[str]:
+def package_of_module(module: str) -> str | None:
     """The Lightning package that module ``module`` belongs to (``"lightning.pytorch.trainer"`` ->
     ``"lightning.pytorch"``), or ``None``."""
     for package in EXPORTS:
@@ -51,7 +52,7 @@ def package_of_module(module: str) -> Optional[str]:
     return None
 
 
-def package_of(cls: type) -> Optional[str]:
+def package_of(cls: type) -> str | None:
     """The Lightning package ``cls`` is built on: that of the first Lightning class in its MRO."""
     for klass in getattr(cls, "__mro__", ()):
         package = package_of_module(getattr(klass, "__module__", "") or "")
@@ -70,7 +71,7 @@ def twin_path(class_name: str, package: str) -> str:
     return f"{EXPORTS[package]}.{class_name}"
 
 
-def other_package_message(obj: Any, package: str) -> Optional[str]:
+def other_package_message(obj: Any, package: str) -> str | None:
     """What to tell a user who gave ``obj``, a lightning_mpi object built on one Lightning package,
     to a Trainer or Fabric of ``package``; ``None`` for any other object (or one built on ``package``)."""
     cls = type(obj)
@@ -109,7 +110,7 @@ def guarded_trainer_attribute(package: str) -> property:
     return property(get, set_, doc="The Trainer this DataModule is attached to (``None`` before).")
 
 
-def warn_if_other_package(package: str, class_name: Optional[str] = None) -> None:
+def warn_if_other_package(package: str, class_name: str | None = None) -> None:
     """Warn when lightning_mpi's ``class_name`` (or, with ``None``, its module) built on ``package``
     is looked up by a program that uses another Lightning package of the same kind and has not
     imported ``package`` itself, so that the class could only be refused there. Call it before the
@@ -121,8 +122,11 @@ def warn_if_other_package(package: str, class_name: Optional[str] = None) -> Non
     used = [other for other in kind if other != package and other in sys.modules]
     if not used:
         return
-    asked, instead = ((twin_path(class_name, package), twin_path(class_name, used[0])) if class_name is not None
-                      else (EXPORTS[package], EXPORTS[used[0]]))
+    asked, instead = (
+        (twin_path(class_name, package), twin_path(class_name, used[0]))
+        if class_name is not None
+        else (EXPORTS[package], EXPORTS[used[0]])
+    )
     warnings.warn(
         f"lightning_mpi: `{asked}` is built on {package}, which this program has not imported; it uses "
         f"{used[0]}, so use `{instead}`. {used[0]} refuses strategies and DataModules built on {package}.",

@@ -15,10 +15,12 @@ at a time and its last ``len % world_size`` batches are dropped (see
 :class:`~lightning_mpi.data.batch_sampler.ShardedBatchSampler`): :func:`warn_if_batches_dropped`
 says so in the same situations.
 """
+
 from __future__ import annotations
 
 import importlib
-from typing import Any, Optional
+from collections.abc import Sized
+from typing import Any, cast
 
 #: The Trainer functions during which Lightning warns (``TrainerFn.VALIDATING``/``TESTING`` values).
 EVALUATING = ("validate", "test")
@@ -31,7 +33,7 @@ def _function_name(trainer_fn: Any) -> str:
     return str(getattr(trainer_fn, "value", trainer_fn))
 
 
-def repeated_samples_message(num_samples: int, total_size: int, num_replicas: int, trainer_fn: Any) -> Optional[str]:
+def repeated_samples_message(num_samples: int, total_size: int, num_replicas: int, trainer_fn: Any) -> str | None:
     """Lightning's ``ddp`` warning for a ``DistributedSampler`` over ``num_samples`` samples that
     hands out ``total_size`` in all to ``num_replicas`` ranks during ``trainer_fn``, or ``None``
     where Lightning says nothing (one replica, or not ``validate``/``test``)."""
@@ -46,8 +48,10 @@ def repeated_samples_message(num_samples: int, total_size: int, num_replicas: in
     )
     if total_size > num_samples:
         repeated = total_size - num_samples
-        message += (f" Here {num_samples} samples are padded to {total_size} for {num_replicas} ranks:"
-                    f" {repeated} of them {_is_are(repeated)} evaluated twice.")
+        message += (
+            f" Here {num_samples} samples are padded to {total_size} for {num_replicas} ranks:"
+            f" {repeated} of them {_is_are(repeated)} evaluated twice."
+        )
     elif total_size < num_samples:
         dropped = num_samples - total_size
         message += f" Here {dropped} of {num_samples} samples {_is_are(dropped)} dropped (drop_last=True)."
@@ -58,7 +62,7 @@ def _is_are(count: int) -> str:
     return "is" if count == 1 else "are"
 
 
-def dropped_batches_message(num_batches: int, num_replicas: int, trainer_fn: Any) -> Optional[str]:
+def dropped_batches_message(num_batches: int, num_replicas: int, trainer_fn: Any) -> str | None:
     """The same warning for a custom batch sampler of ``num_batches`` batches dealt to
     ``num_replicas`` ranks, or ``None`` when every batch is evaluated (or not ``validate``/``test``)."""
     fn = _function_name(trainer_fn)
@@ -73,7 +77,7 @@ def dropped_batches_message(num_batches: int, num_replicas: int, trainer_fn: Any
     )
 
 
-def _warn(message: Optional[str], fabric_package: str) -> None:
+def _warn(message: str | None, fabric_package: str) -> None:
     if message is None:
         return
     rank_zero = importlib.import_module(f"{fabric_package}.utilities.rank_zero")
@@ -88,8 +92,9 @@ def warn_if_samples_repeat(sampler: Any, trainer_fn: Any, fabric_package: str) -
     from torch.utils.data import DistributedSampler
 
     if isinstance(sampler, DistributedSampler):
-        _warn(repeated_samples_message(len(sampler.dataset), sampler.total_size, sampler.num_replicas, trainer_fn),
-              fabric_package)
+        num_samples = len(cast(Sized, sampler.dataset))  # a DistributedSampler needs a sized dataset
+        message = repeated_samples_message(num_samples, sampler.total_size, sampler.num_replicas, trainer_fn)
+        _warn(message, fabric_package)
 
 
 def warn_if_batches_dropped(batch_sampler: Any, num_replicas: int, trainer_fn: Any, fabric_package: str) -> None:

@@ -10,12 +10,14 @@
   each rank recorded, for 301 samples (a ``DistributedSampler`` pads them) and for a custom batch
   sampler of 5 batches (dealt whole, the last one dropped).
 """
+
 import json
 import sys
 import warnings
 
-import lightning_mpi  # registers the names, and tells Lightning the rank from PMI_RANK
 import pytorch_lightning as pl
+
+import lightning_mpi  # registers the names, and tells Lightning the rank from PMI_RANK
 
 pl.seed_everything()  # before any Trainer exists: "No seed found" once, "Seed set to 0" labelled per rank
 
@@ -38,8 +40,11 @@ def outcome(make):
     except ValueError as error:
         return {"error": str(error)}
     strategy = made.strategy
-    return {"num_devices": getattr(made, "num_devices", len(strategy.parallel_devices)),
-            "num_nodes": getattr(made, "num_nodes", strategy.num_nodes), "world_size": made.world_size}
+    return {
+        "num_devices": getattr(made, "num_devices", len(strategy.parallel_devices)),
+        "num_nodes": getattr(made, "num_nodes", strategy.num_nodes),
+        "world_size": made.world_size,
+    }
 
 
 def trainer(**flags):
@@ -59,8 +64,9 @@ def flag_cases():
         "num_nodes=1": outcome(trainer(num_nodes=1)),
         "devices=4": outcome(trainer(devices=4)),
         "num_nodes=3": outcome(trainer(num_nodes=3)),
-        "instance devices=4": outcome(lambda: pl.Trainer(strategy=lightning_mpi.SyncStrategy(), accelerator="cpu",
-                                                         devices=4, **QUIET)),
+        "instance devices=4": outcome(
+            lambda: pl.Trainer(strategy=lightning_mpi.SyncStrategy(), accelerator="cpu", devices=4, **QUIET)
+        ),
         "fabric unset": outcome(fabric()),
         "fabric devices=4": outcome(fabric(devices=4)),
         "fabric num_nodes=3": outcome(fabric(num_nodes=3)),
@@ -109,12 +115,17 @@ def evaluation_cases():
     data = TensorDataset(torch.randn(301, 4))
     return {
         "test 301": evaluate(lambda t, m, d: t.test(m, dataloaders=d, verbose=False), DataLoader(data, batch_size=16)),
-        "validate 301": evaluate(lambda t, m, d: t.validate(m, dataloaders=d, verbose=False),
-                                 DataLoader(data, batch_size=16)),
-        "test 300": evaluate(lambda t, m, d: t.test(m, dataloaders=d, verbose=False),
-                             DataLoader(TensorDataset(torch.randn(300, 4)), batch_size=16)),
-        "test custom batches": evaluate(lambda t, m, d: t.test(m, dataloaders=d, verbose=False),
-                                        DataLoader(TensorDataset(torch.randn(15, 4)), batch_sampler=ThreeAtATime(15))),
+        "validate 301": evaluate(
+            lambda t, m, d: t.validate(m, dataloaders=d, verbose=False), DataLoader(data, batch_size=16)
+        ),
+        "test 300": evaluate(
+            lambda t, m, d: t.test(m, dataloaders=d, verbose=False),
+            DataLoader(TensorDataset(torch.randn(300, 4)), batch_size=16),
+        ),
+        "test custom batches": evaluate(
+            lambda t, m, d: t.test(m, dataloaders=d, verbose=False),
+            DataLoader(TensorDataset(torch.randn(15, 4)), batch_sampler=ThreeAtATime(15)),
+        ),
     }
 
 

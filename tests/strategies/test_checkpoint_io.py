@@ -5,6 +5,7 @@ teammates and from evaluation jobs running as another account. Trainer and Fabri
 ``AtomicCheckpointIO``; both must leave ``0o666 & ~umask`` for a new file, exactly what plain
 Lightning leaves in the same directory, and keep the mode of a file they overwrite.
 """
+
 import os
 import stat
 

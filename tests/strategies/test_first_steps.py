@@ -9,6 +9,7 @@
 - item 6: before any Trainer exists, "No seed found" prints once and "Seed set to 0" once per rank,
   labelled ``[rank: r]``.
 """
+
 import inspect
 import json
 
@@ -40,13 +41,16 @@ def test_devices_and_num_nodes_that_agree_report_what_mpi_started(first_steps):
 
 @pytest.mark.mpi
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("case, flag, fix", [
-    ("devices=4", "`devices=4`", "`devices=2`"),
-    ("instance devices=4", "`devices=4`", "`devices=2`"),
-    ("fabric devices=4", "`devices=4`", "`devices=2`"),
-    ("num_nodes=3", "`num_nodes=3`", "`num_nodes=1`"),
-    ("fabric num_nodes=3", "`num_nodes=3`", "`num_nodes=1`"),
-])
+@pytest.mark.parametrize(
+    "case, flag, fix",
+    [
+        ("devices=4", "`devices=4`", "`devices=2`"),
+        ("instance devices=4", "`devices=4`", "`devices=2`"),
+        ("fabric devices=4", "`devices=4`", "`devices=2`"),
+        ("num_nodes=3", "`num_nodes=3`", "`num_nodes=1`"),
+        ("fabric num_nodes=3", "`num_nodes=3`", "`num_nodes=1`"),
+    ],
+)
 def test_devices_and_num_nodes_that_contradict_mpi_are_refused(first_steps, case, flag, fix):
     error = first_steps[0]["flags"][case]["error"]
     assert flag in error and "MPI started 2 ranks on 1 node" in error and fix in error and "mpiexec -n" in error
@@ -54,11 +58,14 @@ def test_devices_and_num_nodes_that_contradict_mpi_are_refused(first_steps, case
 
 @pytest.mark.mpi
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("case, seen, extra", [
-    ("test 301", 302, "Here 301 samples are padded to 302 for 2 ranks: 1 of them is evaluated twice."),
-    ("validate 301", 302, "1 of them is evaluated twice."),
-    ("test 300", 300, None),  # Lightning warns whenever it shards an evaluation over ranks; so do we
-])
+@pytest.mark.parametrize(
+    "case, seen, extra",
+    [
+        ("test 301", 302, "Here 301 samples are padded to 302 for 2 ranks: 1 of them is evaluated twice."),
+        ("validate 301", 302, "1 of them is evaluated twice."),
+        ("test 300", 300, None),  # Lightning warns whenever it shards an evaluation over ranks; so do we
+    ],
+)
 def test_evaluation_on_several_ranks_warns_as_ddp_does(first_steps, case, seen, extra):
     result = first_steps[0]["evaluation"][case]
     assert result["seen"] == seen
@@ -87,14 +94,20 @@ def test_the_warning_keeps_lightnings_text():
     lightning_source = " ".join(inspect.getsource(_DataConnector._resolve_sampler).replace('"', "").split())
     ours = repeated_samples_message(301, 302, 2, "test")
     before, after = ours.split(" it is recommended to run on one rank (`mpiexec -n 1`, or plain `python`) ")
-    assert "Using `DistributedSampler` with the dataloaders. During `trainer.{trainer_fn.value}()`, it is" in \
-        lightning_source
-    lightning_after = "to ensure each sample/batch gets evaluated exactly once. Otherwise, multi-device settings use " \
-        "`DistributedSampler` that replicates some samples to make sure all devices have same batch size in case of " \
+    assert (
+        "Using `DistributedSampler` with the dataloaders. During `trainer.{trainer_fn.value}()`, it is"
+        in lightning_source
+    )
+    lightning_after = (
+        "to ensure each sample/batch gets evaluated exactly once. Otherwise, multi-device settings use "
+        "`DistributedSampler` that replicates some samples to make sure all devices have same batch size in case of "
         "uneven inputs."
+    )
     assert lightning_after in " ".join(lightning_source.split())
     assert after.startswith(lightning_after)
-    assert repeated_samples_message(301, 302, 2, "fit") is None and repeated_samples_message(301, 301, 1, "test") is None
+    assert (
+        repeated_samples_message(301, 302, 2, "fit") is None and repeated_samples_message(301, 301, 1, "test") is None
+    )
 
 
 @pytest.mark.mpi

@@ -1,5 +1,6 @@
 """``devices=`` and ``num_nodes=`` against what MPI started (issue 27, item 2): the rules, and
 world size 1 in this process. Under ``mpiexec -n 2``: ``tests/strategies/test_first_steps.py``."""
+
 import pytest
 
 from lightning_mpi.strategies.flags import (
@@ -17,13 +18,16 @@ FOUR_ON_TWO_HOSTS = MPILayout(world_size=4, num_nodes=2, ranks_on_this_node=2)
 UNEVEN = MPILayout(world_size=3, num_nodes=2, ranks_on_this_node=2)
 
 
-@pytest.mark.parametrize("layout, count, auto", [
-    (TWO_RANKS, 2, 1),          # devices=2: the ranks per node
-    (TWO_RANKS, 1, 1),          # devices="auto" (or 1) on the CPU
-    (FOUR_ON_TWO_HOSTS, 2, 4),  # devices=2 on hosts with 4 GPUs each
-    (FOUR_ON_TWO_HOSTS, 4, 4),  # devices="auto": every visible GPU
-    (UNEVEN, 1, 1),             # "auto" with ranks spread unevenly
-])
+@pytest.mark.parametrize(
+    "layout, count, auto",
+    [
+        (TWO_RANKS, 2, 1),  # devices=2: the ranks per node
+        (TWO_RANKS, 1, 1),  # devices="auto" (or 1) on the CPU
+        (FOUR_ON_TWO_HOSTS, 2, 4),  # devices=2 on hosts with 4 GPUs each
+        (FOUR_ON_TWO_HOSTS, 4, 4),  # devices="auto": every visible GPU
+        (UNEVEN, 1, 1),  # "auto" with ranks spread unevenly
+    ],
+)
 def test_devices_that_agree_with_mpi_or_auto_pass(layout, count, auto):
     check_devices_flag(count, auto, layout)
 

@@ -1,6 +1,7 @@
 """Errors that say what the user meant (issue 27, items 3 and 4): a mistyped ``mpi_*`` name, a
 lightning_mpi class of the other Lightning package (strategy, DataModule, LightningCLI class path),
 and the submodules reachable as ``lightning_mpi.lightning`` etc. without importing them."""
+
 from __future__ import annotations
 
 import importlib
@@ -27,12 +28,24 @@ FRONTENDS = {  # package -> how to build its Trainer or Fabric with a strategy
     "lightning.fabric": lambda s: importlib.import_module("lightning.fabric").Fabric(strategy=s, accelerator="cpu"),
 }
 #: package -> the module of lightning_mpi's classes built on it
-CLASSES = {"pytorch_lightning": "lightning_mpi", "lightning.pytorch": "lightning_mpi.lightning",
-           "lightning_fabric": "lightning_mpi.lightning_fabric", "lightning.fabric": "lightning_mpi.fabric"}
+CLASSES = {
+    "pytorch_lightning": "lightning_mpi",
+    "lightning.pytorch": "lightning_mpi.lightning",
+    "lightning_fabric": "lightning_mpi.lightning_fabric",
+    "lightning.fabric": "lightning_mpi.fabric",
+}
 
 
-@pytest.mark.parametrize("typo, meant", [("mpi_asa61", "mpi_asa16"), ("MPI_GOSSGD", "mpi_gosgd"),
-                                         ("asa16", "mpi_asa16"), ("mpi-easgd", "mpi_easgd"), ("mpi_diloko", "mpi_diloco")])
+@pytest.mark.parametrize(
+    "typo, meant",
+    [
+        ("mpi_asa61", "mpi_asa16"),
+        ("MPI_GOSSGD", "mpi_gosgd"),
+        ("asa16", "mpi_asa16"),
+        ("mpi-easgd", "mpi_easgd"),
+        ("mpi_diloko", "mpi_diloco"),
+    ],
+)
 def test_the_closest_name(typo, meant):
     assert closest_mpi_name(typo) == meant
 
@@ -81,15 +94,21 @@ def test_lightning_cli_with_the_other_packages_class_path_names_the_right_one():
     from lightning.pytorch.demos.boring_classes import BoringModel
 
     with pytest.raises(ValueError, match=r"--trainer.strategy=lightning_mpi\.lightning\.EASGDStrategy"):
-        LightningCLI(BoringModel, run=False, save_config_callback=None,
-                     args=["--trainer.strategy=lightning_mpi.EASGDStrategy", "--trainer.logger=false"])
+        LightningCLI(
+            BoringModel,
+            run=False,
+            save_config_callback=None,
+            args=["--trainer.strategy=lightning_mpi.EASGDStrategy", "--trainer.logger=false"],
+        )
 
 
-@pytest.mark.parametrize("trainer_package, built_on", [("lightning.pytorch", "pytorch_lightning"),
-                                                       ("pytorch_lightning", "lightning.pytorch")])
+@pytest.mark.parametrize(
+    "trainer_package, built_on",
+    [("lightning.pytorch", "pytorch_lightning"), ("pytorch_lightning", "lightning.pytorch")],
+)
 def test_a_datamodule_of_the_other_package_names_the_class_to_use(trainer_package, built_on):
-    from pytorch_lightning.demos.boring_classes import BoringModel as PLBoring
     from lightning.pytorch.demos.boring_classes import BoringModel as LBoring
+    from pytorch_lightning.demos.boring_classes import BoringModel as PLBoring
 
     data = TensorDataset(torch.randn(8, 32))
     datamodule = importlib.import_module(CLASSES[built_on]).PrefetchDataModule(data, data, batch_size=4)
@@ -133,8 +152,15 @@ PROGRAM = textwrap.dedent("""
 
 
 def test_a_lightning_program_reaches_the_submodules_and_hears_about_a_wrong_class_path():
-    result = subprocess.run([sys.executable, "-c", PROGRAM], cwd=REPO, env=mpi_env(), capture_output=True,
-                            text=True, timeout=100, check=False)
+    result = subprocess.run(
+        [sys.executable, "-c", PROGRAM],
+        cwd=REPO,
+        env=mpi_env(),
+        capture_output=True,
+        text=True,
+        timeout=100,
+        check=False,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     seen = json.loads(result.stdout.strip().splitlines()[-1])
     assert seen["before"] == []  # import lightning_mpi imports neither torch nor Lightning

@@ -1,5 +1,6 @@
 """The rank from the MPI launcher's environment, for Lightning's output before any strategy
 exists (issue 27, item 6). Under ``mpiexec -n 2``: ``tests/strategies/test_first_steps.py``."""
+
 import logging
 
 import pytest
@@ -7,16 +8,19 @@ import pytest
 from lightning_mpi.strategies.launch_rank import RankPrefix, rank_from_environment, tell_lightning
 
 
-@pytest.mark.parametrize("environ, rank", [
-    ({"PMI_RANK": "3"}, 3),                               # MPICH / Intel MPI (Hydra)
-    ({"OMPI_COMM_WORLD_RANK": "2", "PMIX_RANK": "2"}, 2),  # Open MPI
-    ({"PMIX_RANK": "5"}, 5),                              # srun --mpi=pmix
-    ({"SLURM_PROCID": "7"}, 7),                           # srun
-    ({"SLURM_PROCID": "0", "PMI_RANK": "1"}, 1),          # mpiexec inside an allocation: the batch step's 0 is stale
-    ({}, None),                                           # plain python
-    ({"RANK": "1"}, None),                                # torchrun: Lightning reads RANK itself
-    ({"PMI_RANK": ""}, None),
-])
+@pytest.mark.parametrize(
+    "environ, rank",
+    [
+        ({"PMI_RANK": "3"}, 3),  # MPICH / Intel MPI (Hydra)
+        ({"OMPI_COMM_WORLD_RANK": "2", "PMIX_RANK": "2"}, 2),  # Open MPI
+        ({"PMIX_RANK": "5"}, 5),  # srun --mpi=pmix
+        ({"SLURM_PROCID": "7"}, 7),  # srun
+        ({"SLURM_PROCID": "0", "PMI_RANK": "1"}, 1),  # mpiexec inside an allocation: the batch step's 0 is stale
+        ({}, None),  # plain python
+        ({"RANK": "1"}, None),  # torchrun: Lightning reads RANK itself
+        ({"PMI_RANK": ""}, None),
+    ],
+)
 def test_rank_from_environment(environ, rank):
     assert rank_from_environment(environ) == rank
 
