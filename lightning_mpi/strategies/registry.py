@@ -64,8 +64,8 @@ def register_strategies(package: Optional[str] = None) -> None:
     else:
         raise ValueError(f"package={package!r} is not a Lightning package: choose one of "
                          f"{list(TRAINER_PACKAGES + FABRIC_PACKAGES)}")
-    launch_rank.tell_lightning(package)
-    connector_hints.install(package)
+    launch_rank.tell_lightning(package)  # issue 27: rank-zero output before any strategy exists
+    connector_hints.install(package)  # issue 27: hints in Lightning's "invalid strategy" error
     for name, (class_name, params, description) in STRATEGIES.items():
         registry.register(name, classes[class_name], description=description, override=True, **params)
 
