@@ -60,7 +60,8 @@ def class_path_hint(name: str, package: str) -> str | None:
     """For a lightning_mpi class path used as a strategy name (``"lightning_mpi.easgdstrategy"``), the
     class built on ``package`` and a name that builds it; else ``None``."""
     module, _, class_name = name.rpartition(".")
-    if module.lower() not in {exported.lower() for exported in EXPORTS.values()}:
+    modules = {exported.lower(): exported for exported in EXPORTS.values()}
+    if module.lower() not in modules:
         return None
     by_lower = {known.lower(): known for known in _strategy_class_names()}
     known = by_lower.get(class_name.lower())
@@ -69,11 +70,15 @@ def class_path_hint(name: str, package: str) -> str | None:
             f"{name!r} is not a lightning_mpi strategy class. The strategy classes for {package} are "
             f"{EXPORTS[package]}.<class>, <class> one of: {', '.join(_strategy_class_names())}."
         )
+    given = f"{modules[module.lower()]}.{known}"  # Lightning lower-cases the flag: give it its case back
     names = [mpi for mpi, (class_of_name, _, _) in STRATEGIES.items() if class_of_name == known]
     by_name = f", or the name {names[0]!r}" if names else ""
+    right = twin_path(known, package)
+    if given == right:  # the right class, passed as a string in Python
+        return f"{name!r} is a class path, not a strategy name: pass an instance, `{right}(...)`{by_name}."
     return (
-        f"{name!r} was taken as a strategy name: the class `{name}` is not built on {package}. Use "
-        f"`{twin_path(known, package)}` (with LightningCLI: --trainer.strategy={twin_path(known, package)}){by_name}."
+        f"{name!r} was taken as a strategy name: the class `{given}` is not built on {package}. "
+        f"Use `{right}` (with LightningCLI: --trainer.strategy={right}){by_name}."
     )
 
 

@@ -87,19 +87,24 @@ def test_a_class_path_taken_as_a_name_names_the_class_and_the_name():
     hint = strategy_hint("lightning_mpi.easgdstrategy", "lightning.pytorch")  # Lightning lower-cases it
     assert "--trainer.strategy=lightning_mpi.lightning.EASGDStrategy" in hint and "'mpi_easgd'" in hint
     assert "lightning_mpi.lightning.<class>" in strategy_hint("lightning_mpi.EASGDStrategie", "lightning.pytorch")
+    own = strategy_hint("lightning_mpi.lightning.easgdstrategy", "lightning.pytorch")  # a string in Python
+    assert "is a class path, not a strategy name" in own and "`lightning_mpi.lightning.EASGDStrategy(...)`" in own
 
 
-def test_lightning_cli_with_the_other_packages_class_path_names_the_right_one():
-    from lightning.pytorch.cli import LightningCLI
-    from lightning.pytorch.demos.boring_classes import BoringModel
-
-    with pytest.raises(ValueError, match=r"--trainer.strategy=lightning_mpi\.lightning\.EASGDStrategy"):
-        LightningCLI(
-            BoringModel,
-            run=False,
-            save_config_callback=None,
-            args=["--trainer.strategy=lightning_mpi.EASGDStrategy", "--trainer.logger=false"],
-        )
+@pytest.mark.parametrize(
+    "cli_package, given, right",
+    [
+        ("lightning.pytorch", "lightning_mpi.EASGDStrategy", "lightning_mpi.lightning.EASGDStrategy"),
+        ("pytorch_lightning", "lightning_mpi.lightning.EASGDStrategy", "lightning_mpi.EASGDStrategy"),
+    ],
+)
+def test_lightning_cli_with_the_other_packages_class_path_names_the_right_one(cli_package, given, right):
+    cli = importlib.import_module(f"{cli_package}.cli").LightningCLI
+    model = importlib.import_module(f"{cli_package}.demos.boring_classes").BoringModel
+    with pytest.raises(ValueError) as error:
+        cli(model, run=False, save_config_callback=None, args=[f"--trainer.strategy={given}", "--trainer.logger=false"])
+    assert f"the class `{given}` is not built on {cli_package}" in str(error.value)
+    assert f"--trainer.strategy={right}" in str(error.value) and "'mpi_easgd'" in str(error.value)
 
 
 @pytest.mark.parametrize(
