@@ -7,10 +7,12 @@
 What lightning_mpi does in this loop: ``fabric.setup`` gives every rank rank 0's weights and binds
 the exchange rule; ``fabric.backward`` starts the synchronous exchanges during backward (not
 inside ``fabric.no_backward_sync``); ``optimizer.step()`` finishes them and updates;
-``fabric.all_reduce`` averages the accuracy over MPI; ``fabric.save`` writes the rule's state with
-the model; and ``fabric.strategy.finish_training()`` leaves the rule's consensus weights on every
-rank (the center for elastic and parameter-server rules, the gossip consensus), since a Fabric
-loop has no ``on_train_end``. Rank 0 prints one line per epoch and ``final accuracy <value>``.
+``fabric.all_reduce`` averages the accuracy over MPI; and ``fabric.strategy.finish_training()`` leaves
+the rule's consensus weights on every rank (the center for elastic and parameter-server rules, the
+gossip consensus), since a Fabric loop has no ``on_train_end``. ``--checkpoint`` saves that final
+model after it, with no rule state (a save inside the loop, before ``finish_training``, would carry
+the rule's state to resume training: docs/checkpoints.md). Rank 0 prints one line per epoch and
+``final accuracy <value>``.
 """
 from __future__ import annotations
 
@@ -52,7 +54,8 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=4)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--accumulate", type=int, default=1, help="micro-batches per optimizer step")
-    parser.add_argument("--checkpoint", default=None, help="fabric.save the model and rule state here at the end")
+    parser.add_argument("--checkpoint", default=None,
+                        help="fabric.save the final (consensus) model and the optimizer here, after finish_training")
     args = parser.parse_args()
 
     fabric = L.Fabric(strategy=args.strategy, accelerator="cpu")

@@ -12,7 +12,8 @@ Classes, by the package they are built on:
 - ``lightning.fabric`` (``L.Fabric``): :mod:`lightning_mpi.fabric`;
 - ``lightning_fabric``: :mod:`lightning_mpi.lightning_fabric`.
 
-Names are resolved on first use, so importing this package stays cheap.
+Names (and those three modules, ``lightning_mpi.lightning`` ...) are resolved on first use, so
+importing this package stays cheap: it imports neither torch nor any Lightning package.
 """
 
 from __future__ import annotations
@@ -75,20 +76,28 @@ _MODULES = {
 __all__ = sorted([*_PYTORCH_LIGHTNING_CLASSES, *_MODULES, "STRATEGIES", "register_strategies"])
 
 
+#: The modules of classes built on the other Lightning packages, reachable as attributes.
+_SUBMODULES = ("lightning", "fabric", "lightning_fabric")
+
+
 def __getattr__(name: str) -> Any:
     if name in _PYTORCH_LIGHTNING_CLASSES:
         # deferred: building the classes imports pytorch_lightning and torch, which
         # ``import lightning_mpi`` must not
         from lightning_mpi.strategies.build import trainer_classes
+        from lightning_mpi.strategies.packages import warn_if_other_package
 
+        warn_if_other_package("pytorch_lightning", name)
         return trainer_classes("pytorch_lightning")[name]
+    if name in _SUBMODULES:
+        return importlib.import_module(f"lightning_mpi.{name}")
     if name in _MODULES:
         return getattr(importlib.import_module(_MODULES[name]), name)
     raise AttributeError(f"module 'lightning_mpi' has no attribute {name!r}")
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+    return sorted(set(globals()) | set(__all__) | set(_SUBMODULES))
 
 
 install_registration_hooks()

@@ -6,7 +6,11 @@ are built on ``pytorch_lightning``), built on ``lightning.pytorch``. The ``mpi_*
 from here: ``import lightning_mpi`` registers them with every Lightning package.
 """
 
-from lightning_mpi.strategies.build import trainer_classes
+from lightning_mpi.strategies.packages import warn_if_other_package
+
+warn_if_other_package("lightning.pytorch")  # before the import below loads lightning.pytorch
+
+from lightning_mpi.strategies.build import trainer_classes  # noqa: E402
 
 globals().update(trainer_classes("lightning.pytorch"))
 __all__ = sorted(trainer_classes("lightning.pytorch"))

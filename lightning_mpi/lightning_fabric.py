@@ -5,7 +5,11 @@ are built on ``pytorch_lightning``), built on ``lightning_fabric``. The ``mpi_*`
 from here: ``import lightning_mpi`` registers them with every Lightning package.
 """
 
-from lightning_mpi.strategies.build import fabric_classes
+from lightning_mpi.strategies.packages import warn_if_other_package
+
+warn_if_other_package("lightning_fabric")  # before the import below loads lightning_fabric
+
+from lightning_mpi.strategies.build import fabric_classes  # noqa: E402
 
 globals().update(fabric_classes("lightning_fabric"))
 __all__ = sorted(fabric_classes("lightning_fabric"))

@@ -42,6 +42,7 @@ from lightning_mpi.strategies.checkpoint_io import AtomicWriteMixin
 from lightning_mpi.strategies.environment import MPIClusterMixin
 from lightning_mpi.strategies.fabric import fabric_strategy
 from lightning_mpi.strategies.lightning_api import fabric_api, trainer_api
+from lightning_mpi.strategies.packages import guarded_trainer_attribute
 from lightning_mpi.strategies.signatures import named_strategy
 from lightning_mpi.strategies.trainer import trainer_strategy
 
@@ -147,7 +148,12 @@ def _trainer_extras(api: Any, module: str) -> dict[str, type]:
     """The DataModule and the callback, on the Trainer package's bases."""
     return {
         "PrefetchDataModule": _make(
-            "PrefetchDataModule", (PrefetchDataHooks, api.LightningDataModule), module, PrefetchDataHooks.__doc__
+            "PrefetchDataModule",
+            (PrefetchDataHooks, api.LightningDataModule),
+            module,
+            PrefetchDataHooks.__doc__,
+            # a Trainer of the other Lightning package gets an error naming the right class
+            trainer=guarded_trainer_attribute(api.package),
         ),
         "LMSOffload": _make("LMSOffload", (LMSOffloadHooks, api.Callback), module, LMSOffloadHooks.__doc__),
     }

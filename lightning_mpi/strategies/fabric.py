@@ -52,6 +52,7 @@ from lightning_mpi.strategies.common_options import CommonOptions
 from lightning_mpi.strategies.convergence import ConvergenceAids
 from lightning_mpi.strategies.environment import rank_device
 from lightning_mpi.strategies.failures import RunFailures, install_abort_hook
+from lightning_mpi.strategies.flags import check_num_nodes, checked_parallel_devices
 from lightning_mpi.strategies.lightning_api import FabricAPI
 from lightning_mpi.strategies.rule_runner import RuleRunner
 from lightning_mpi.strategies.signatures import check_rule, document_frontend
@@ -103,6 +104,8 @@ def fabric_strategy(api: FabricAPI, environment_class: type, checkpoint_io_class
         ``local_rank % devices_on_this_host``. Call ``fabric.strategy.finish_training()`` after the
         training loop (see the module docstring of ``lightning_mpi.strategies.fabric``).
         """
+
+        parallel_devices: list[torch.device] | None  # Lightning's property, declared for the type checker
 
         def __init__(
             self,
@@ -210,10 +213,15 @@ def fabric_strategy(api: FabricAPI, environment_class: type, checkpoint_io_class
 
         @_num_nodes.setter
         def _num_nodes(self, value: int) -> None:
-            # Fabric assigns its num_nodes flag; MPI knows better, so the flag is ignored.
-            pass
+            # Fabric assigns its num_nodes flag; MPI decides, and a flag that contradicts it is refused.
+            check_num_nodes(value, self.cluster_environment)
 
         def _set_world_ranks(self) -> None:
+            # Fabric has set parallel_devices from devices= by now: refuse one that MPI contradicts,
+            # and keep one device per rank on this host.
+            self.parallel_devices = checked_parallel_devices(
+                self.parallel_devices, self.accelerator, self.cluster_environment
+            )
             api.rank_zero_only.rank = self.global_rank
 
         @override

@@ -75,10 +75,17 @@ FABRIC_PACKAGES = ("lightning_fabric", "lightning.fabric")
 
 def register_strategies(package: str | None = None) -> None:
     """Register every name in :data:`STRATEGIES` with ``package``'s registry (idempotent), or with
-    every Lightning package already imported when ``package`` is None."""
+    every Lightning package already imported when ``package`` is None.
+
+    Also gives ``package`` this process's rank from the MPI launcher's environment (see
+    :mod:`.launch_rank`), so that its rank-zero messages before any strategy exists (``No seed
+    found``) print once, and puts a hint in its "invalid strategy" error when the strategy was
+    meant for lightning_mpi (a mistyped ``mpi_*`` name, a class of another package; see
+    :mod:`.connector_hints`).
+    """
     # Here, not at the top: ``import lightning_mpi`` imports this module and must stay free of torch
     # and Lightning; the classes are built only once a Lightning package is imported.
-    from lightning_mpi.strategies import build, lightning_api
+    from lightning_mpi.strategies import build, connector_hints, launch_rank, lightning_api
 
     if package is None:
         for imported in TRAINER_PACKAGES + FABRIC_PACKAGES:
@@ -93,6 +100,8 @@ def register_strategies(package: str | None = None) -> None:
         raise ValueError(
             f"package={package!r} is not a Lightning package: choose one of {list(TRAINER_PACKAGES + FABRIC_PACKAGES)}"
         )
+    launch_rank.tell_lightning(package)  # rank-zero output before any strategy exists
+    connector_hints.install(package)  # hints in Lightning's "invalid strategy" error
     for name, (class_name, params, description) in STRATEGIES.items():
         registry.register(name, classes[class_name], description=description, override=True, **params)
 

@@ -26,6 +26,7 @@ from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, Itera
 
 from lightning_mpi.data.batch_sampler import BatchSampler as SizedBatches
 from lightning_mpi.data.batch_sampler import ShardedBatchSampler
+from lightning_mpi.strategies.uneven_evaluation import warn_if_batches_dropped, warn_if_samples_repeat
 
 
 def needs_batch_sharding(loader: DataLoader) -> bool:
@@ -79,6 +80,8 @@ class LoaderSharding:
         if not self._should_shard(dataloader, trainer, world_size):
             return dataloader
         if needs_batch_sharding(dataloader):
+            # validate/test leave batches out (each rank takes whole batches): say so, as ddp does
+            warn_if_batches_dropped(dataloader.batch_sampler, world_size, trainer.state.fn, self._api.fabric.package)
             return with_sharded_batches(dataloader, world_size, rank)
         stage = trainer.state.stage
         training = stage == self._api.RunningStage.TRAINING
@@ -92,6 +95,8 @@ class LoaderSharding:
             num_replicas=world_size,
             rank=rank,
         )
+        # validate/test count padding samples twice: say so, as ddp does
+        warn_if_samples_repeat(sampler, trainer.state.fn, self._api.fabric.package)
         return self._api.update_dataloader(dataloader, sampler, mode=stage)
 
     def _should_shard(self, dataloader: Any, trainer: Any, world_size: int) -> bool:

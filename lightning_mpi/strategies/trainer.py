@@ -56,6 +56,7 @@ from lightning_mpi.strategies.convergence import ConvergenceAids
 from lightning_mpi.strategies.decisions import StopDecisions
 from lightning_mpi.strategies.environment import rank_device
 from lightning_mpi.strategies.failures import RunFailures, install_abort_hook
+from lightning_mpi.strategies.flags import check_num_nodes, checked_parallel_devices
 from lightning_mpi.strategies.lightning_api import TrainerAPI
 from lightning_mpi.strategies.preemption import PreemptionWatch
 from lightning_mpi.strategies.resume import AutoResume, resume_checkpoint
@@ -117,7 +118,9 @@ def trainer_strategy(api: TrainerAPI, environment_class: type, checkpoint_io_cla
         bookkeeping: rank ``r`` uses accelerator device ``local_rank % devices_on_this_host``.
         """
 
-        model: Any  # Lightning's property (the wrapped module); declared for the type checker only
+        # Lightning's properties, declared for the type checker only (the base is known at run time)
+        model: Any
+        parallel_devices: list[torch.device] | None
 
         def __init__(
             self,
@@ -219,8 +222,8 @@ def trainer_strategy(api: TrainerAPI, environment_class: type, checkpoint_io_cla
 
         @num_nodes.setter
         def num_nodes(self, value: int) -> None:
-            # The Trainer assigns its num_nodes flag; MPI knows better, so the flag is ignored.
-            pass
+            # The Trainer assigns its num_nodes flag; MPI decides, and a flag that contradicts it is refused.
+            check_num_nodes(value, self.cluster_environment)
 
         @property
         @override
@@ -233,6 +236,11 @@ def trainer_strategy(api: TrainerAPI, environment_class: type, checkpoint_io_cla
             return self.world_size > 1
 
         def set_world_ranks(self) -> None:
+            # Lightning has set parallel_devices from devices= by now: refuse one that MPI contradicts,
+            # and keep one device per rank on this host (so trainer.num_devices is true).
+            self.parallel_devices = checked_parallel_devices(
+                self.parallel_devices, self.accelerator, self.cluster_environment
+            )
             # Lightning decides "rank zero only" output (progress bar, model summary, warnings) from these.
             api.rank_zero_only.rank = api.fabric.rank_zero_only.rank = self.global_rank
 
