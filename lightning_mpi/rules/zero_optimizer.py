@@ -157,24 +157,31 @@ class ShardedOptimizer:
 
         Returns each piece's loaded state in optimizer order (``_``-keys included, for the caller).
         """
-        if is_shard_state(saved):
-            saved = [saved]
-        if isinstance(saved, Mapping):
+        if isinstance(saved, Mapping) and not is_shard_state(saved):
             self._load_groups(saved["param_groups"])
             full = {int(k): v for k, v in saved["state"].items()}
             loaded = [slice_param_state(full[i], s, n, t) if full.get(i) else {}
                       for (i, s, n), t in zip(self.slots, self.tensors)]
         else:
-            shards = list(saved)
-            if len(shards) == 1 and self._same_layout(shards[0]):
-                loaded = [{k: v.clone() if isinstance(v, Tensor) else v for k, v in st.items()} for st in shards[0]["state"]]
-                loaded = [{k: _placed(v, t, k) for k, v in st.items()} for st, t in zip(loaded, self.tensors)]
+            own = saved if is_shard_state(saved) else None
+            if own is None and len(saved) == self.world_size and self._same_layout(saved[self.rank]):
+                own = saved[self.rank]  # the same layout: this rank's own file is all it reads
+            if own is not None and self._same_layout(own):
+                loaded = [{k: _placed(v, t, k) for k, v in st.items()} for st, t in zip(own["state"], self.tensors)]
+                groups = own["param_groups"]
+            elif own is not None:
+                raise ValueError(
+                    "this shard state was saved with another layout (world size or bucket size); resharding needs "
+                    "the shard states of every rank of that save"
+                )
             else:
+                shards = list(saved)
                 check_shard_set(shards)
                 sources = index_sources(shards)
                 loaded = [gather_range(sources.get(i, []), s, n, t, what=f"parameter {i}")
                           for (i, s, n), t in zip(self.slots, self.tensors)]
-            self._load_groups(shards[0]["param_groups"])
+                groups = shards[0]["param_groups"]
+            self._load_groups(groups)
         state = self.optimizer.state
         state.clear()
         for tensor, piece_state in zip(self.tensors, loaded):
@@ -200,6 +207,9 @@ class ShardedOptimizer:
 
 
 def _placed(value: Any, like: Tensor, key: str) -> Any:
-    if isinstance(value, Tensor) and key != "step" and value.device != like.device:
-        return value.to(like.device)
-    return value
+    """A loaded value as the optimizer's own (a copy: a memory-mapped file's pages are read now)."""
+    if not isinstance(value, Tensor):
+        return value
+    if key == "step":
+        return value.clone()
+    return value.to(device=like.device, copy=True)
