@@ -91,8 +91,15 @@ class BoundZeroRule(BoundRule):
         plans = plan_buckets(specs, transport.size, max(1, int(rule.bucket_mb * 2**20)))
         # every bucket on its own communicator: hooks may start them in another order than a peer
         teams = [transport.dup() if transport.size > 1 else transport for _ in plans]
-        self.buckets = [ShardBucket(plan, self.params, specs, transport.rank, team, self.codec)
+        last_bucket = {seg.param: plan.index for plan in plans for seg in plan.segments}  # buckets go in order
+        last_segment = {(bucket, param) for param, bucket in last_bucket.items()}
+        self.buckets = [ShardBucket(plan, self.params, transport.rank, team, self.codec, last_segment)
                         for plan, team in zip(plans, teams)]
+        #: the buckets each parameter has elements in (a cut parameter has several)
+        self._buckets_of: dict[int, list[int]] = {}
+        for plan in plans:
+            for member in plan.members:
+                self._buckets_of.setdefault(member, []).append(plan.index)
         self._pools: dict[tuple[torch.dtype, torch.device], StagingPool] = {}
         for b in self.buckets:
             key = (b.plan.dtype, b.plan.device)
@@ -117,9 +124,9 @@ class BoundZeroRule(BoundRule):
         self._closed = False
         self._hooks = []
         if rule.overlap:
-            for index, bucket in enumerate(self.buckets):
-                for param in bucket.members:
-                    self._hooks.append(param.register_post_accumulate_grad_hook(self._make_hook(index)))
+            for param_index, buckets in self._buckets_of.items():
+                hook = self._make_hook([self.buckets[b] for b in buckets])
+                self._hooks.append(self.params[param_index].register_post_accumulate_grad_hook(hook))
 
     # -- the optimizer ---------------------------------------------------------------------------
     def shard_optimizer(self, optimizer: Optimizer) -> Optimizer:
@@ -158,17 +165,16 @@ class BoundZeroRule(BoundRule):
             )
 
     # -- reduce-scatter ---------------------------------------------------------------------------
-    def _make_hook(self, index: int):
+    def _make_hook(self, buckets: list[ShardBucket]):
         def on_grad_ready(_param: Tensor) -> None:
             if not self.sync_enabled:
                 return
-            bucket = self.buckets[index]
-            if bucket.launched:
+            if any(bucket.launched for bucket in buckets):
                 self._replayed = True  # a second backward before the step: redone in before_step
                 return
-            bucket.ready += 1
-            if bucket.ready == len(bucket.members):
-                self._launch_ready()
+            for bucket in buckets:
+                bucket.ready += 1
+            self._launch_ready()
             self.progress.poll()  # MPICH moves data only inside MPI calls
 
         return on_grad_ready

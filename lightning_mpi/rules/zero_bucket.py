@@ -28,7 +28,7 @@ from lightning_mpi.comm.codecs import FP32, Codec
 from lightning_mpi.comm.engine import Exchange
 from lightning_mpi.comm.shard_exchange import Staging, allgather_steps, reduce_scatter_mean_steps
 from lightning_mpi.comm.transport import Transport
-from lightning_mpi.rules.zero_layout import BucketPlan, ParamSpec, bucket_pieces
+from lightning_mpi.rules.zero_layout import BucketPlan, bucket_pieces
 
 
 def needs_master(members: Sequence[Tensor], dtype: torch.dtype, codec: Codec) -> bool:
@@ -39,14 +39,16 @@ def needs_master(members: Sequence[Tensor], dtype: torch.dtype, codec: Codec) ->
 class ShardBucket:
     """Bucket ``plan`` of ``params`` on ``rank``, exchanged over ``team`` with ``codec`` on the wire."""
 
-    def __init__(self, plan: BucketPlan, params: Sequence[Tensor], specs: Sequence[ParamSpec], rank: int,
-                 team: Transport, codec: Codec) -> None:
+    def __init__(self, plan: BucketPlan, params: Sequence[Tensor], rank: int, team: Transport, codec: Codec,
+                 last_segment: set[tuple[int, int]]) -> None:
         self.plan = plan
         self.members = [params[i] for i in plan.members]
-        self._member_of = {index: params[index] for index in plan.members}
         self.team = team
         self.codec = codec
-        self.pieces = bucket_pieces(plan, specs, rank)
+        self.pieces = bucket_pieces(plan, rank)
+        # (tensor, segment, whether the parameter's gradient may be freed once this segment is packed)
+        self._segments = [(params[seg.param], seg, (plan.index, seg.param) in last_segment) for seg in plan.segments]
+        self._param = {index: params[index] for index in plan.members}
         self.grad = torch.zeros(plan.chunk, dtype=plan.dtype, device=plan.device)
         self.master: Tensor | None = None
         if needs_master(self.members, plan.dtype, codec):
@@ -57,7 +59,7 @@ class ShardBucket:
             self.piece_tensors = [params[p.param].detach().view(-1)[p.start : p.start + p.length] for p in self.pieces]
         self.piece_grads = [self.grad[p.offset : p.offset + p.length] for p in self.pieces]
         self._storage = [p.data_ptr() for p in self.members]
-        # gradient hooks' bookkeeping for the current step
+        # gradient hooks' bookkeeping for the current step: members that reported, launched yet
         self.ready = 0
         self.launched = False
 
@@ -66,7 +68,7 @@ class ShardBucket:
         """Write this rank's chunk of the members' current values into ``out`` (``[chunk]``)."""
         end = 0
         for piece in self.pieces:
-            param = self._member_of[piece.param]
+            param = self._param[piece.param]
             out[piece.offset : piece.offset + piece.length].copy_(param.detach().reshape(-1)[piece.start : piece.start + piece.length])
             end = piece.offset + piece.length
         out[end:].zero_()
@@ -83,13 +85,17 @@ class ShardBucket:
     # -- exchanges -------------------------------------------------------------------------------
     def pack_grads(self, flat: Tensor) -> None:
         """Copy the members' gradients into ``flat`` (padded layout; a missing one gives zeros) and
-        free them: the reduced chunk is all this rank keeps."""
-        for param, offset in zip(self.members, self.plan.offsets):
-            view = flat[offset : offset + param.numel()].view(param.shape)
+        free each once its last segment is packed: the reduced chunk is all this rank keeps."""
+        for param, seg, last in self._segments:
+            view = flat[seg.offset : seg.offset + seg.length]
             if param.grad is None:
                 view.zero_()
+                continue
+            if seg.length == param.numel():
+                view.view(param.shape).copy_(param.grad)  # whole: any memory layout
             else:
-                view.copy_(param.grad)
+                view.copy_(param.grad.reshape(-1)[seg.start : seg.start + seg.length])
+            if last:
                 param.grad = None
         flat[self.plan.numel :].zero_()
 
@@ -127,12 +133,16 @@ class ShardBucket:
             yield from allgather_steps(self.team, mine, gathered, codec, staging)
             flat = gathered.view(-1)
             with torch.no_grad():
-                for param, offset in zip(self.members, self.plan.offsets):
-                    view = flat[offset : offset + param.numel()].view(param.shape)
-                    if delta:
-                        param.add_(view)
+                for param, seg, _ in self._segments:
+                    view = flat[seg.offset : seg.offset + seg.length]
+                    if seg.length == param.numel():
+                        target, view = param, view.view(param.shape)  # whole: any memory layout
                     else:
-                        param.copy_(view)
+                        target = param.view(-1)[seg.start : seg.start + seg.length]  # cut: contiguous
+                    if delta:
+                        target.add_(view)
+                    else:
+                        target.copy_(view)
         finally:
             on_done(staging)
 

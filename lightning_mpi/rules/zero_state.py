@@ -94,11 +94,15 @@ def gather_range(sources: Sequence[Source], start: int, length: int, like: Tenso
     overlapping = sorted((s for s in sources if s[0] < start + length and s[0] + s[1] > start), key=lambda s: s[0])
     if not overlapping:
         return {}  # never stepped (no state saved for it)
-    keys = set(overlapping[0][2])
-    parts: dict[str, list[Tensor]] = {k: [] for k, v in overlapping[0][2].items() if is_elementwise(k, v)}
+    # lightning_mpi's own ``_`` entries (master weights) exist only where a bucket keeps them: kept
+    # when every overlapping piece has them, else left out (the loader takes them from the weights)
+    keys = {k for k in overlapping[0][2] if not k.startswith("_")}
+    private = set.intersection(*({k for k in s[2] if k.startswith("_")} for s in overlapping))
+    parts: dict[str, list[Tensor]] = {k: [] for k, v in overlapping[0][2].items()
+                                      if is_elementwise(k, v) and (k in keys or k in private)}
     cursor = start
     for piece_start, piece_length, state in overlapping:
-        if set(state) != keys:
+        if {k for k in state if not k.startswith("_")} != keys:
             raise ValueError(f"saved pieces of {what} disagree on their state keys: {sorted(keys)} vs {sorted(state)}")
         if piece_start > cursor:
             break
@@ -113,6 +117,8 @@ def gather_range(sources: Sequence[Source], start: int, length: int, like: Tenso
         )
     out: dict[str, Any] = {}
     for key, value in overlapping[0][2].items():
+        if key.startswith("_") and key not in private:
+            continue
         joined = (parts[key][0] if len(parts[key]) == 1 else torch.cat(parts[key])) if key in parts else value
         out[key] = _to_place(key, joined, like)
     return out

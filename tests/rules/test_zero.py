@@ -36,18 +36,20 @@ def test_pieces_cover_every_element_once(world, bucket_bytes):
     plans = plan_buckets(specs, world, bucket_bytes)
     owned = [[0] * n for n in numels]
     for rank in range(world):
-        pieces = rank_pieces(plans, specs, rank)
+        pieces = rank_pieces(plans, rank)
         for piece in pieces:
             for e in range(piece.start, piece.start + piece.length):
                 owned[piece.param][e] += 1
             plan = plans[piece.bucket]
             # the piece sits where the bucket's layout puts it, inside this rank's chunk
-            layout_start = plan.offsets[plan.members.index(piece.param)] + piece.start
-            assert layout_start == rank * plan.chunk + piece.offset
-            assert piece.offset + piece.length <= plan.chunk
+            seg = next(s for s in plan.segments if s.param == piece.param and s.start <= piece.start < s.start + s.length)
+            assert seg.offset + piece.start - seg.start == rank * plan.chunk + piece.offset
+            assert piece.offset + piece.length <= plan.chunk and piece.start + piece.length <= seg.start + seg.length
     assert all(count == 1 for counts in owned for count in counts)
     for plan in plans:
         assert plan.padded % world == 0 and plan.padded - plan.numel < world
+        if bucket_bytes is not None and plan is not plans[-1]:
+            assert plan.numel * 4 == bucket_bytes  # every bucket but the last holds exactly bucket_bytes
     # each rank owns 1/W of the elements, up to the padding (< W per bucket)
     assert shard_numel(plans) * world - sum(numels) < world * max(1, len(plans))
 
@@ -65,6 +67,16 @@ def test_buckets_follow_make_buckets_rule():
     assert [[next(i for i, t in enumerate(tensors) if t is m) for m in b.tensors] for b in theirs] == [list(p.members) for p in plans]
 
 
+def test_a_large_parameter_is_cut_across_buckets_unless_not_contiguous():
+    specs = specs_of([3, 20, 2])
+    plans = plan_buckets(specs, 2, 32)  # 8 floats per bucket
+    assert [[(s.param, s.start, s.length) for s in p.segments] for p in plans] == [
+        [(2, 0, 2), (1, 0, 6)], [(1, 6, 8)], [(1, 14, 6), (0, 0, 2)], [(0, 2, 1)]]
+    strided = [specs[0], ParamSpec(20, torch.float32, CPU, contiguous=False), specs[2]]
+    plans = plan_buckets(strided, 2, 32)
+    assert [[(s.param, s.start, s.length) for s in p.segments] for p in plans] == [[(2, 0, 2), (1, 0, 20)], [(0, 0, 3)]]
+
+
 def full_adam_state(shapes, seed=0):
     g = torch.Generator().manual_seed(seed)
     return {i: {"step": torch.tensor(3.0), "exp_avg": torch.randn(s, generator=g), "exp_avg_sq": torch.rand(s, generator=g)}
@@ -78,7 +90,7 @@ def cut(full, shapes, world, bucket_bytes):
     groups = [{"lr": 0.1, "params": list(range(len(shapes)))}]
     shards = []
     for rank in range(world):
-        pieces = rank_pieces(plans, specs, rank)
+        pieces = rank_pieces(plans, rank)
         shards.append({
             "format": SHARD_FORMAT, "world_size": world, "rank": rank, "param_groups": groups,
             "param_shapes": [list(s) for s in shapes],
@@ -144,7 +156,7 @@ def test_rebuild_in_place_keeps_object_groups_and_sliced_state():
     params = [a, b]
     specs = [ParamSpec.of(p) for p in params]
     plans = plan_buckets(specs, 2, None)
-    pieces = rank_pieces(plans, specs, 1)
+    pieces = rank_pieces(plans, 1)
     tensors = [params[p.param].detach().view(-1)[p.start : p.start + p.length] for p in pieces]
     sharded = ShardedOptimizer(optimizer, params, pieces, tensors, 2, 1)
     assert optimizer.param_groups is groups and optimizer.state is state

@@ -33,7 +33,8 @@ B = 4
 
 
 class Net(nn.Module):
-    """Odd sizes (so chunks cut parameters apart), a 0-dim parameter and a frozen one."""
+    """Odd sizes (buckets and chunks cut parameters apart), a 0-dim parameter, a frozen one and one
+    that is not contiguous (its bucket keeps fp32 master weights)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -42,9 +43,11 @@ class Net(nn.Module):
         self.b = nn.Linear(13, 5)
         self.scale = nn.Parameter(torch.tensor(1.3))
         self.frozen = nn.Parameter(torch.randn(3), requires_grad=False)
+        self.strided = nn.Parameter(torch.randn(4, 5).t() * 0.1)
 
     def forward(self, x):
-        return self.b(torch.tanh(self.a(x))) * self.scale + self.frozen.sum()
+        out = self.b(torch.tanh(self.a(x))) * self.scale + self.frozen.sum()
+        return out + (out @ self.strided).sum(-1, keepdim=True)
 
 
 def batch(step: int, micro: int = 0):
@@ -175,7 +178,7 @@ def adam(model):
 def adamw_groups(model):
     return torch.optim.AdamW(
         [{"params": list(model.a.parameters()) + [model.frozen], "lr": 3e-2, "weight_decay": 0.1},
-         {"params": list(model.b.parameters()) + [model.scale], "lr": 5e-3}],
+         {"params": list(model.b.parameters()) + [model.scale, model.strided], "lr": 5e-3}],
         lr=1e-2, weight_decay=0.01,
     )
 
