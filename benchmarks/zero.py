@@ -13,9 +13,11 @@ run's alone; ranks share this machine's memory (MPICH's shared-memory transport)
   ``ZeroRedundancyOptimizer``), ``asa``/``asa_bf16`` (``SyncRule``) and ``zero``/``zero_bf16``
   (``ZeroRule``), the rules driven directly as the strategies drive them.
 - ``capacity``: the widest MLP (of ``--depth`` layers) whose peak RSS stays under ``--cap-mib`` per
-  rank, for ``ddp``, ``ddp_zero``, ``asa`` and ``zero``, at each of ``--worlds``. Peak RSS is linear
-  in the parameter count, so two probe widths give the line; the predicted width (a multiple of
-  64) is then run, and narrowed by 64 until a run stays under the cap.
+  rank, for ``ddp``, ``ddp_zero``, ``asa`` and ``zero``, at each of ``--worlds``. Peak RSS is about
+  linear in the parameter count: two probe widths give a line, the width where it meets the cap
+  (a multiple of 64) is run, and secant steps through the two largest runs refine it
+  (``--search-runs``). A run fits when the kernel's peak RSS of every rank stays under the cap
+  (measured after the fact, which is what a hard RSS limit would enforce).
 - ``checkpoint``: time to save and load the training state: Lightning's rank-0 save of ``asa``'s
   replicated state and of ``ddp_zero``'s (consolidated onto rank 0 first, as Lightning's
   ``Strategy.optimizer_state`` does), against ``zero``'s sharded save (one file per rank) and an
@@ -118,25 +120,43 @@ def capacity(args: argparse.Namespace) -> list[dict]:
             if len(probes) < 2:
                 rows.append({"arm": arm, "world_size": world, "error": "probe runs failed"})
                 continue
-            (p1, m1), (p2, m2) = probes[:2]
-            slope = (m2 - m1) / (p2 - p1)
-            predicted = p1 + (args.cap_mib - m1) / slope
-            width = int(math.sqrt(max(predicted, 1) / args.depth)) // 64 * 64
-            fitted = None
-            for _ in range(4):
-                result = run_arm(arm, world, width, args.depth, args.batch, steps=2, warmup=1)
-                print(f"  capacity W={world} {arm} at {width}: {_brief(result)}", flush=True)
-                if "error" not in result and max(result["peak_rss_mib"]) <= args.cap_mib:
-                    fitted = result
-                    break
-                width -= 64
+            fitted, slope, fixed = search_width(arm, world, probes, args)
             rows.append({
                 "arm": arm, "world_size": world, "cap_mib": args.cap_mib, "mib_per_mparam": slope * 1e6,
-                "fixed_mib": m1 - slope * p1, "width": fitted["width"] if fitted else None,
+                "fixed_mib": fixed, "width": fitted["width"] if fitted else None,
                 "params": fitted["params"] if fitted else None,
                 "peak_rss_mib": max(fitted["peak_rss_mib"]) if fitted else None,
             })
     return rows
+
+
+def search_width(arm: str, world: int, points: list[tuple[int, float]], args: argparse.Namespace):
+    """The widest run under the cap: the width where the line through the two largest measured
+    runs meets the cap, run, and again (secant steps, a multiple of 64, at most ``--search-runs``),
+    between the widest run that fit and the narrowest that did not."""
+    fitted, fits, fails = None, 0, None
+    slope = fixed = 0.0
+    for _ in range(args.search_runs):
+        (p1, m1), (p2, m2) = sorted(points)[-2:]
+        slope = max((m2 - m1) / (p2 - p1), 1e-9)  # RSS is noisy: never a flat or falling line
+        fixed = m1 - slope * p1
+        width = int(math.sqrt(max((args.cap_mib - fixed) / slope, 1) / args.depth)) // 64 * 64
+        width = min(width, fails - 64) if fails else width
+        if width <= fits:
+            break
+        result = run_arm(arm, world, width, args.depth, args.batch, steps=2, warmup=1)
+        print(f"  capacity W={world} {arm} at {width}: {_brief(result)}", flush=True)
+        if "error" in result:
+            fails = width
+            continue
+        points.append((result["params"], max(result["peak_rss_mib"])))
+        if max(result["peak_rss_mib"]) <= args.cap_mib:
+            fitted, fits = result, width
+        else:
+            fails = width
+        if fails and fits and fails - fits <= 64:
+            break
+    return fitted, slope, fixed
 
 
 def checkpoints(args: argparse.Namespace) -> list[dict]:
@@ -261,6 +281,7 @@ def main() -> None:
     parser.add_argument("--worlds", type=int, nargs="+", default=[2])
     parser.add_argument("--cap-mib", type=float, default=1200.0)
     parser.add_argument("--probe-widths", type=int, nargs=2, default=[1024, 2048])
+    parser.add_argument("--search-runs", type=int, default=4, help="runs per arm to find the widest under the cap")
     parser.add_argument("--checkpoint-dir", default=None, help="where checkpoints go (default: a temporary "
                         "directory under benchmarks/, on the repository's file system)")
     args = parser.parse_args()

@@ -93,7 +93,8 @@ class BoundZeroRule(BoundRule):
         teams = [transport.dup() if transport.size > 1 else transport for _ in plans]
         last_bucket = {seg.param: plan.index for plan in plans for seg in plan.segments}  # buckets go in order
         last_segment = {(bucket, param) for param, bucket in last_bucket.items()}
-        self.buckets = [ShardBucket(plan, self.params, transport.rank, team, self.codec, last_segment)
+        self._taken: dict[int, Tensor] = {}
+        self.buckets = [ShardBucket(plan, self.params, transport.rank, team, self.codec, last_segment, self._taken)
                         for plan, team in zip(plans, teams)]
         #: the buckets each parameter has elements in (a cut parameter has several)
         self._buckets_of: dict[int, list[int]] = {}
@@ -226,9 +227,11 @@ class BoundZeroRule(BoundRule):
         for bucket in self.buckets:
             bucket.ready, bucket.launched = 0, False
         self._next, self._replayed = 0, False
+        self._taken.clear()
         for tensor, grad in self._piece_grads:
             tensor.grad = grad
-        total = self._global_sum(lambda g: torch.linalg.vector_norm(g, 2, dtype=torch.float64).square(), "sum")
+        # per-bucket norms in the gradients' dtype (no float64 copy of the shard), summed in float64
+        total = self._global_sum(lambda g: torch.linalg.vector_norm(g).double().square(), "sum")
         self._norm_sq = (total, self._grad_versions())
         self._seconds += time.perf_counter() - begin
         finite = math.isfinite(total)
@@ -274,7 +277,7 @@ class BoundZeroRule(BoundRule):
         elif math.isinf(norm_type):
             total = self._global_sum(lambda g: g.abs().max() if g.numel() else g.new_zeros(()), "max")
         else:
-            total = self._global_sum(lambda g: torch.linalg.vector_norm(g, norm_type, dtype=torch.float64) ** norm_type, "sum")
+            total = self._global_sum(lambda g: torch.linalg.vector_norm(g, norm_type).double() ** norm_type, "sum")
             total = total ** (1.0 / norm_type)
         if error_if_nonfinite and not math.isfinite(total):
             raise RuntimeError(

@@ -40,8 +40,10 @@ class ShardBucket:
     """Bucket ``plan`` of ``params`` on ``rank``, exchanged over ``team`` with ``codec`` on the wire."""
 
     def __init__(self, plan: BucketPlan, params: Sequence[Tensor], rank: int, team: Transport, codec: Codec,
-                 last_segment: set[tuple[int, int]]) -> None:
+                 last_segment: set[tuple[int, int]], taken: dict[int, Tensor]) -> None:
         self.plan = plan
+        #: gradients of cut parameters whose first segments are packed, shared by the buckets
+        self._taken = taken
         self.members = [params[i] for i in plan.members]
         self.team = team
         self.codec = codec
@@ -85,18 +87,25 @@ class ShardBucket:
     # -- exchanges -------------------------------------------------------------------------------
     def pack_grads(self, flat: Tensor) -> None:
         """Copy the members' gradients into ``flat`` (padded layout; a missing one gives zeros) and
-        free each once its last segment is packed: the reduced chunk is all this rank keeps."""
+        free them: the reduced chunk is all this rank keeps.
+
+        A parameter cut over several buckets gives up its gradient when its first segment is packed:
+        the tensor is kept aside for the other segments (no copy), and ``.grad`` is ``None`` again,
+        so that what a further backward adds before the step starts from zero and is exchanged in
+        a second pass, never twice."""
         for param, seg, last in self._segments:
             view = flat[seg.offset : seg.offset + seg.length]
-            if param.grad is None:
+            grad = self._taken.pop(seg.param, None) if last else self._taken.get(seg.param)
+            if grad is None:
+                grad, param.grad = param.grad, None
+                if grad is not None and not last:
+                    self._taken[seg.param] = grad
+            if grad is None:
                 view.zero_()
-                continue
-            if seg.length == param.numel():
-                view.view(param.shape).copy_(param.grad)  # whole: any memory layout
+            elif seg.length == param.numel():
+                view.view(param.shape).copy_(grad)  # whole: any memory layout
             else:
-                view.copy_(param.grad.reshape(-1)[seg.start : seg.start + seg.length])
-            if last:
-                param.grad = None
+                view.copy_(grad.reshape(-1)[seg.start : seg.start + seg.length])
         flat[self.plan.numel :].zero_()
 
     def reduce_steps(self, staging: Staging, accumulate: bool, on_done: Callable[[Staging], None]) -> Exchange:

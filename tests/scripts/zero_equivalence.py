@@ -84,7 +84,7 @@ def max_state_diff(full_a, full_b, frozen) -> float:
 
 
 def run(make_optimizer, steps=6, clip=None, clip_type=2.0, accumulate=1, wire="fp32", scheduler=None,
-        bucket_mb=0.0002, overlap=True, poison_step=None, inflight=2, reload_at=None):
+        bucket_mb=0.0002, overlap=True, poison_step=None, inflight=2, reload_at=None, sync_every_backward=False):
     model_a = Net()
     model_b = copy.deepcopy(model_a)
     rule_a = SyncRule(exchange="asa", wire=wire).bind(T, trainable(model_a))
@@ -99,7 +99,7 @@ def run(make_optimizer, steps=6, clip=None, clip_type=2.0, accumulate=1, wire="f
     for step in range(steps):
         for model, rule, opt, k in ((model_a, rule_a, opt_a, 0), (model_b, rule_b, opt_b, 1)):
             for micro in range(accumulate):
-                rule.sync_enabled = micro == accumulate - 1
+                rule.sync_enabled = sync_every_backward or micro == accumulate - 1
                 x, y = batch(step, micro)
                 loss = nn.functional.mse_loss(model(x), y) / accumulate
                 if step == poison_step and RANK == W - 1:
@@ -192,6 +192,8 @@ cases = {
     "scheduler": lambda: run(sgd, scheduler=lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=2, gamma=0.5)),
     "accumulate": lambda: run(adam, accumulate=2),
     "no_overlap": lambda: run(adamw_groups, overlap=False),
+    # a second backward before the step with the exchange on (manual optimization without no_sync)
+    "two_backwards": lambda: run(adam, accumulate=2, sync_every_backward=True),
     "one_bucket": lambda: run(adam, bucket_mb=25.0),
     "pool_of_one": lambda: run(sgd, inflight=1),
     "rmsprop": lambda: run(lambda m: torch.optim.RMSprop(m.parameters(), lr=1e-2, momentum=0.5)),
