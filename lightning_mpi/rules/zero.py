@@ -89,13 +89,16 @@ class BoundZeroRule(BoundRule):
         self.codec = get_codec(rule.wire if transport.size > 1 else "fp32")
         specs = [ParamSpec.of(p) for p in self.params]
         plans = plan_buckets(specs, transport.size, max(1, int(rule.bucket_mb * 2**20)))
-        # every bucket on its own communicator: hooks may start them in another order than a peer
-        teams = [transport.dup() if transport.size > 1 else transport for _ in plans]
+        # One communicator for every bucket's exchanges: non-blocking collectives must start in the
+        # same order on every rank, and buckets start strictly in index order (_launch_ready), so
+        # one suffices where SyncRule, whose hooks start buckets as they become ready, needs one per
+        # bucket (MPICH has a few thousand communicator ids; a 10 GB model has 2,500 buckets).
+        self.team = transport.dup() if transport.size > 1 else transport
         last_bucket = {seg.param: plan.index for plan in plans for seg in plan.segments}  # buckets go in order
         last_segment = {(bucket, param) for param, bucket in last_bucket.items()}
         self._taken: dict[int, Tensor] = {}
-        self.buckets = [ShardBucket(plan, self.params, transport.rank, team, self.codec, last_segment, self._taken)
-                        for plan, team in zip(plans, teams)]
+        self.buckets = [ShardBucket(plan, self.params, transport.rank, self.team, self.codec, last_segment, self._taken)
+                        for plan in plans]
         #: the buckets each parameter has elements in (a cut parameter has several)
         self._buckets_of: dict[int, list[int]] = {}
         for plan in plans:
@@ -378,8 +381,7 @@ class BoundZeroRule(BoundRule):
         if self.driver is not None:
             self.driver.close()
             self.driver = None
-        if self.transport.size > 1:
-            for bucket in self.buckets:
-                bucket.free()
+        if self.team is not self.transport:
+            self.team.free()
         for pool in self._pools.values():
             pool.drop()

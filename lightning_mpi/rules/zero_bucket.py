@@ -154,7 +154,3 @@ class ShardBucket:
                         target.copy_(view)
         finally:
             on_done(staging)
-
-    def free(self) -> None:
-        """Free this bucket's communicator (when it has its own)."""
-        self.team.free()
