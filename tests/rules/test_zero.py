@@ -199,6 +199,6 @@ def test_zero_equals_asa_with_the_full_optimizer(world, tmp_path):
         assert sum(r["held"]) == r["full"], (name, r)
         slack = r["per_key"] * r["buckets"] * (world - 1)
         assert all(abs(h - r["full"] / world) <= slack for h in r["held"]), (name, r)
-    assert results["nonfinite"]["skipped"] == [1, 1]
+    assert results["nonfinite"]["skipped"] == [1, 1] and results["nonfinite"]["nan_filled"] == [True]
     assert results["sgd_momentum"]["diff"] == 0.0 and results["adam"]["diff"] == 0.0  # bitwise: same sums, same order
     assert results["no_overlap"]["hook_launches"] == 0 and results["adam"]["hook_launches"] > 0

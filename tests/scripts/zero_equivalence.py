@@ -96,6 +96,7 @@ def run(make_optimizer, steps=6, clip=None, clip_type=2.0, accumulate=1, wire="f
     rule_a.on_train_start()
     rule_b.on_train_start()
     skipped = [0, 0]
+    nan_filled = []
     for step in range(steps):
         for model, rule, opt, k in ((model_a, rule_a, opt_a, 0), (model_b, rule_b, opt_b, 1)):
             for micro in range(accumulate):
@@ -109,6 +110,8 @@ def run(make_optimizer, steps=6, clip=None, clip_type=2.0, accumulate=1, wire="f
             ok = rule.before_step(opt)
             if not ok:
                 skipped[k] += 1
+                if k == 1:  # every rank's gradients are NaN, so that a GradScaler skips everywhere too
+                    nan_filled.append(all(bool(torch.isnan(t.grad).all()) for g in opt.param_groups for t in g["params"]))
                 opt.zero_grad()
                 continue
             if clip is not None:
@@ -162,6 +165,7 @@ def run(make_optimizer, steps=6, clip=None, clip_type=2.0, accumulate=1, wire="f
         "chunk_total": chunks,
         "buckets": len(rule_b.buckets),
         "skipped": skipped,
+        "nan_filled": nan_filled,
         "lr": [g["lr"] for g in opt_b.param_groups],
         "hook_launches": rule_b.hook_launches,
     }
