@@ -126,6 +126,20 @@ class ExchangeScheduler:
             if between is not None:
                 between()
 
+    def wait_for(self, done: Callable[[], bool]) -> None:
+        """Block until ``done()`` holds or nothing is in flight, waiting on the oldest request first
+        (a bounded pool of buffers waits here for one to come back)."""
+        while not done():
+            with self._lock:
+                self._raise_driver_error()
+                if not self._active:
+                    return
+                exchange, request = self._active.pop(0)
+            wait_request(request, self.timeout, "gradient exchange", *self._where, watch=self._watch)
+            with self._lock:
+                self._advance(exchange)
+                self._poll()
+
     def abandon(self) -> None:
         """Forget every exchange in flight without waiting (the run failed). They are kept with their
         buffers, not dropped: the other ranks may have joined them, and MPI may still complete them

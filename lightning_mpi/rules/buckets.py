@@ -57,3 +57,8 @@ class SegmentedBuckets(Buckets):
         "summed while the next is on the wire.",
         check=_POSITIVE,
     )
+    progress_thread: bool = option(
+        default=True,
+        doc="with `overlap`, a light thread drives MPI progress while backward runs in torch kernels (MPICH "
+        "moves data only inside MPI calls) and moves each exchange to its next phase.",
+    )

@@ -82,6 +82,9 @@ class CompressedSyncRule(SyncRule):
     wire: Literal["fp32", "fp16", "bf16"] = field(default="fp32", init=False)
     average: Literal["gradients", "weights", "weights+momentum"] = field(default="gradients", init=False)
     topology_aware: bool = field(default=False, init=False)
+    # Not offered: an error-feedback residual is a full-size gradient copy per rank, the very memory
+    # that sharding frees (see lightning_mpi.rules.zero).
+    shard_optimizer: bool = field(default=False, init=False)
 
     def check_together(self) -> None:
         if self.momentum_correction and self.codec != "topk":

@@ -28,6 +28,7 @@ from lightning_mpi.options import option, options_class
 from lightning_mpi.rules.base import BoundRule, all_finite, grads_finite
 from lightning_mpi.rules.bucket_exchanger import BucketExchanger
 from lightning_mpi.rules.buckets import SegmentedBuckets
+from lightning_mpi.rules.zero import ZeroRule
 
 
 @options_class
@@ -59,20 +60,34 @@ class SyncRule(SegmentedBuckets):
         doc="reduce within each node over shared memory, exchange among node leaders only, then broadcast "
         "within the node (PowerAI DDL's scheme).",
     )
-    progress_thread: bool = option(
-        default=True,
-        doc="with `overlap`, a light thread drives MPI progress while backward runs in torch kernels (MPICH "
-        "moves data only inside MPI calls) and moves each exchange to its next phase.",
+
+    shard_optimizer: bool = option(
+        default=False,
+        doc='ZeRO stages 1 and 2 (needs `exchange="asa"`): ASA\'s Alltoall and sum are a reduce-scatter, so each '
+        "rank steps only its shard of the parameters with optimizer state only for it, and the Allgather carries "
+        "the weights: the same bytes, optimizer state and kept gradients / W. One optimizer, element-wise (SGD, "
+        "Adam, AdamW, RMSprop, Adagrad, ...); checkpoints are sharded directories.",
     )
 
     def check_together(self) -> None:
+        if self.shard_optimizer and (self.exchange != "asa" or self.average != "gradients" or self.topology_aware):
+            raise ValueError(
+                f"shard_optimizer=True needs exchange='asa', average='gradients' and topology_aware=False (ASA's "
+                f"Alltoall and sum is the reduce-scatter it steps the shards after); got exchange={self.exchange!r}, "
+                f"average={self.average!r}, topology_aware={self.topology_aware!r}"
+            )
         if self.wire != "fp32" and self.exchange != "asa":
             raise ValueError(
                 f"wire={self.wire!r} needs exchange='asa' (ASA sums 16-bit chunks in fp32); "
                 f"got exchange={self.exchange!r}"
             )
 
-    def bind(self, transport: Transport, params: Sequence[Tensor]) -> BoundSync:
+    def bind(self, transport: Transport, params: Sequence[Tensor]) -> BoundRule:
+        if self.shard_optimizer:
+            zero = ZeroRule(
+                wire=self.wire, bucket_mb=self.bucket_mb, overlap=self.overlap, progress_thread=self.progress_thread
+            )
+            return zero.bind(transport, params)
         return BoundSync(self, transport, params)
 
 

@@ -25,6 +25,8 @@ from typing import Any
 
 import torch
 
+from lightning_mpi.checkpoint.sharded import is_sharded_checkpoint, load_sharded
+
 #: ``os.open`` flags of a new file written once: fail rather than reuse a name, no leak into children.
 _CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_BINARY", 0)
 
@@ -88,3 +90,11 @@ class AtomicWriteMixin:
             if os.path.exists(tmp):
                 os.unlink(tmp)
             raise
+
+    def load_checkpoint(self, path: Any, map_location: Any = None, weights_only: bool | None = None) -> dict[str, Any]:
+        """A checkpoint file as Lightning reads it, or a sharded checkpoint directory
+        (``mpi_zero``'s) with each optimizer shard slot holding all ranks' shards, read lazily."""
+        if is_sharded_checkpoint(path):
+            return load_sharded(path, weights_only=bool(weights_only))
+        kwargs = {} if map_location is None else {"map_location": map_location}
+        return super().load_checkpoint(path, weights_only=weights_only, **kwargs)  # type: ignore[misc]  # TorchCheckpointIO's

@@ -43,6 +43,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_mpi.checkpoint.sharded import is_sharded_checkpoint, save_sharded
 from lightning_mpi.comm.transport import Transport
 from lightning_mpi.options import check_one
 from lightning_mpi.rules.base import BoundRule, Rule
@@ -54,6 +55,7 @@ from lightning_mpi.strategies.environment import rank_device
 from lightning_mpi.strategies.failures import RunFailures, install_abort_hook
 from lightning_mpi.strategies.flags import check_num_nodes, checked_parallel_devices
 from lightning_mpi.strategies.lightning_api import FabricAPI
+from lightning_mpi.strategies.optimizer_sharding import OptimizerSharding
 from lightning_mpi.strategies.rule_runner import RuleRunner
 from lightning_mpi.strategies.signatures import check_rule, document_frontend
 from lightning_mpi.strategies.trainer import CHECKPOINT_KEY
@@ -143,6 +145,8 @@ def fabric_strategy(api: FabricAPI, environment_class: type, checkpoint_io_class
                 self.options.abort_on_exception,
                 on_abandon=self._runner.abandon,
             )
+            self._optimizer_sharding = OptimizerSharding()
+            self._exchanged: bool | None = None  # an exchange run early, for clipping (sharded optimizer)
             self._backward_sync_control = NoBackwardSync(self._runner)
             self._optimizers: list[Optimizer] = []
             self._steps_seen = 0
@@ -245,6 +249,7 @@ def fabric_strategy(api: FabricAPI, environment_class: type, checkpoint_io_class
         def setup_module(self, module: Module) -> Module:
             """Same model everywhere, rank 0's weights, the rule bound and started."""
             replicas.prepare_module(self.transport, module)
+            self._optimizers = []  # a new training: the optimizers set up next are its own
             bound = self._runner.bind(self.transport, module, self._aids.rule_to_bind(self.world_size))
             bound.on_train_start()
             collectives.connect_metrics(module, self.world_size, lambda: self.transport)
@@ -254,6 +259,8 @@ def fabric_strategy(api: FabricAPI, environment_class: type, checkpoint_io_class
         def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
             self._optimizers.append(optimizer)
             self._aids.announce(self.world_size, self._optimizers)
+            # a sharded optimizer (shard_optimizer=True) is rebuilt over this rank's shard here
+            self._optimizer_sharding.attach(self._runner.bound, [optimizer])
             return optimizer
 
         @override
@@ -286,7 +293,9 @@ def fabric_strategy(api: FabricAPI, environment_class: type, checkpoint_io_class
                         return super().optimizer_step(optimizer, **kwargs)
                     # A GradScaler already skips steps with inf gradients and lowers its scale: it must see them.
                     scaler_handles_inf = getattr(self.precision, "scaler", None) is not None
-                    if not bound.before_step(optimizer) and not scaler_handles_inf:
+                    accepted = self._exchanged if self._exchanged is not None else bound.before_step(optimizer)
+                    self._exchanged = None
+                    if not accepted and not scaler_handles_inf:
                         return None
                     output = super().optimizer_step(optimizer, **kwargs)
                     bound.after_step(optimizer)
@@ -295,6 +304,42 @@ def fabric_strategy(api: FabricAPI, environment_class: type, checkpoint_io_class
                 self._steps_seen += 1
                 if overrides is not None:
                     self._aids.record(overrides)
+
+        def _exchange_before_clipping(self, optimizer: Optimizer) -> None:
+            """Run the rule's exchange (``before_step``) now, once, so that clipping sees what the
+            update will use, the averaged gradients, as under ``ddp``; ``optimizer.step()`` then takes
+            its result instead of exchanging again."""
+            bound = self._runner.bound
+            if bound is not None and self._exchanged is None:
+                self._exchanged = bound.before_step(optimizer)
+
+        @override
+        @_fails_the_run
+        def clip_gradients_norm(
+            self,
+            module: Module,
+            optimizer: Optimizer,
+            max_norm: float,
+            norm_type: float = 2.0,
+            error_if_nonfinite: bool = True,
+        ) -> torch.Tensor:
+            """Fabric's clipping, after the exchange; a sharded optimizer clips by the global norm over
+            the shards."""
+            self._exchange_before_clipping(optimizer)
+            if not self._optimizer_sharding.owns(optimizer):
+                norm: torch.Tensor = super().clip_gradients_norm(
+                    module, optimizer, max_norm, norm_type, error_if_nonfinite
+                )
+                return norm
+            self.precision.unscale_gradients(optimizer)
+            return self._optimizer_sharding.clip_grad_norm_(max_norm, norm_type, error_if_nonfinite)
+
+        @override
+        @_fails_the_run
+        def clip_gradients_value(self, module: Module, optimizer: Optimizer, clip_val: float) -> None:
+            """Fabric's clipping by value, after the exchange (element-wise: shards clip alike)."""
+            self._exchange_before_clipping(optimizer)
+            super().clip_gradients_value(module, optimizer, clip_val)
 
         @_fails_the_run
         def finish_training(self) -> None:
@@ -311,6 +356,7 @@ def fabric_strategy(api: FabricAPI, environment_class: type, checkpoint_io_class
             bound.on_train_end()
             self._runner.close()
             self._runner.bound = None
+            self._optimizer_sharding.detach()
 
         @override
         def teardown(self) -> None:
@@ -356,7 +402,18 @@ def fabric_strategy(api: FabricAPI, environment_class: type, checkpoint_io_class
             entry = self._runner.checkpoint(self.world_size)
             if entry is not None:
                 state = {**state, CHECKPOINT_KEY: entry}
-            super().save_checkpoint(path, state, storage_options=storage_options, filter=filter)
+            if self._optimizer_sharding.active:  # every rank writes its optimizer shard; nothing is gathered
+                save_sharded(path, self._convert_stateful_objects_in_state(state, filter=filter or {}), self.transport)
+            else:
+                super().save_checkpoint(path, state, storage_options=storage_options, filter=filter)
+
+        @override
+        def get_optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+            """This rank's shard when the optimizer is sharded, else Fabric's."""
+            if self._optimizer_sharding.owns(optimizer):
+                return self._optimizer_sharding.optimizer_state()
+            state: dict[str, Any] = super().get_optimizer_state(optimizer)
+            return state
 
         @override
         @_fails_the_run
@@ -369,9 +426,17 @@ def fabric_strategy(api: FabricAPI, environment_class: type, checkpoint_io_class
             bare module or optimizer restores only that object. The file holds the rule's own objects,
             so it is read with ``weights_only=False`` unless you say otherwise.
             """
+            # A sharded checkpoint's optimizer entries hold every rank's shard: each optimizer is
+            # loaded here (through the rule when it is sharded), the rest as Fabric loads it.
+            optimizers = {}
+            if isinstance(state, dict) and is_sharded_checkpoint(path):
+                optimizers = {name: obj for name, obj in state.items() if isinstance(obj, Optimizer)}
+                state = {name: obj for name, obj in state.items() if name not in optimizers}
             remainder: dict[str, Any] = super().load_checkpoint(
                 path, state=state, strict=strict, weights_only=False if weights_only is None else weights_only
             )
+            for name, optimizer in optimizers.items():
+                self._optimizer_sharding.load_into(optimizer, remainder.pop(name))
             self._runner.restore(remainder.pop(CHECKPOINT_KEY, None), self.world_size)
             return remainder
 

@@ -67,6 +67,16 @@ STRATEGIES: dict[str, tuple[str, dict[str, Any], str]] = {
         {},
         "Streaming DiLoCo: fragments synced in turn, overlapped, 4-bit",
     ),
+    "mpi_zero": (
+        "SyncStrategy",
+        {"exchange": "asa", "shard_optimizer": True, "bucket_mb": 4.0},
+        "Synchronous ASA with the optimizer state sharded over the ranks (ZeRO stages 1 and 2), fp32 wire",
+    ),
+    "mpi_zero_bf16": (
+        "SyncStrategy",
+        {"exchange": "asa", "wire": "bf16", "shard_optimizer": True, "bucket_mb": 4.0},
+        "Synchronous ASA with the optimizer state sharded over the ranks (ZeRO stages 1 and 2), bf16 wire",
+    ),
 }
 
 TRAINER_PACKAGES = ("pytorch_lightning", "lightning.pytorch")

@@ -27,6 +27,7 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from lightning_mpi.checkpoint.sharded import MANIFEST, is_sharded_checkpoint
 from lightning_mpi.launcher.restarts import RESTART_ENV, RESUME_ENV
 
 __all__ = [
@@ -78,7 +79,8 @@ def checkpoint_dirs(trainer: Any) -> list[str]:
 
 
 def readable_checkpoints(dirs: Sequence[str]) -> list[Listing]:
-    """The non-empty ``*.ckpt`` files in ``dirs`` that this process can open and read."""
+    """The non-empty ``*.ckpt`` files in ``dirs`` that this process can open and read, and the
+    complete sharded checkpoints (``mpi_zero``'s directories) whose manifest it can read."""
     found: list[Listing] = []
     for directory in dirs:
         try:
@@ -87,12 +89,16 @@ def readable_checkpoints(dirs: Sequence[str]) -> list[Listing]:
             continue
         for name in names:
             path = os.path.join(directory, name)
-            if not name.endswith(".ckpt") or not os.path.isfile(path):
+            if not name.endswith(".ckpt"):
+                continue
+            # a sharded checkpoint is its manifest: written last, so its presence means complete
+            probe = os.path.join(path, MANIFEST) if os.path.isdir(path) and is_sharded_checkpoint(path) else path
+            if not os.path.isfile(probe):
                 continue
             try:
-                with open(path, "rb") as handle:  # readable, not just listed
+                with open(probe, "rb") as handle:  # readable, not just listed
                     handle.read(1)
-                stat = os.stat(path)
+                stat = os.stat(probe)
             except OSError:
                 continue
             if stat.st_size > 0:

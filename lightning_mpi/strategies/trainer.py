@@ -16,6 +16,7 @@ collaborator                      its job
 :class:`.preemption.PreemptionWatch`  a consistent checkpoint on SIGTERM/SIGUSR1, exit 0
 :class:`.resume.AutoResume`       ``fit`` resumes by itself after a restart
 :class:`.sharding.LoaderSharding`  every loader sharded over the ranks
+:class:`.optimizer_sharding.OptimizerSharding`  ZeRO's optimizer shard, global-norm clipping, sharded files
 ================================  ========================================================
 
 The lifecycle, top to bottom:
@@ -45,6 +46,7 @@ import torch
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_mpi.checkpoint.sharded import save_sharded
 from lightning_mpi.comm.transport import Transport
 from lightning_mpi.lr_scaling import StepOverrides
 from lightning_mpi.options import check_one
@@ -58,6 +60,7 @@ from lightning_mpi.strategies.environment import rank_device
 from lightning_mpi.strategies.failures import RunFailures, install_abort_hook
 from lightning_mpi.strategies.flags import check_num_nodes, checked_parallel_devices
 from lightning_mpi.strategies.lightning_api import TrainerAPI
+from lightning_mpi.strategies.optimizer_sharding import OptimizerSharding
 from lightning_mpi.strategies.preemption import PreemptionWatch
 from lightning_mpi.strategies.resume import AutoResume, resume_checkpoint
 from lightning_mpi.strategies.rule_runner import RuleRunner
@@ -163,6 +166,7 @@ def trainer_strategy(api: TrainerAPI, environment_class: type, checkpoint_io_cla
             self._decisions = StopDecisions(api.Callback)
             self._preemption = PreemptionWatch()
             self._sharding = LoaderSharding(api)
+            self._optimizer_sharding = OptimizerSharding()
             self._steps_seen = 0  # optimizer steps without a trainer to count them
             self.set_world_ranks()
 
@@ -273,8 +277,15 @@ def trainer_strategy(api: TrainerAPI, environment_class: type, checkpoint_io_cla
             self.setup_precision_plugin()
             if fitting:
                 api.fabric.optimizers_to_device(self.optimizers, self.root_device)
-                self._runner.bind(self.transport, model, self._aids.rule_to_bind(self.world_size))
+                bound = self._runner.bind(self.transport, model, self._aids.rule_to_bind(self.world_size))
+                self._optimizer_sharding.attach(bound, self.optimizers)  # shard_optimizer: before any state loads
+                if self._optimizer_sharding.active:
+                    # Lightning clips through the precision plugin: by the global norm over the shards
+                    self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm
             collectives.connect_metrics(model, self.world_size, lambda: self.transport)
+
+        def _clip_grad_by_norm(self, optimizer: Optimizer, clip_val: float) -> None:
+            self._optimizer_sharding.clip_grad_norm_(clip_val)
 
         @override
         def model_to_device(self) -> None:
@@ -418,6 +429,8 @@ def trainer_strategy(api: TrainerAPI, environment_class: type, checkpoint_io_cla
         def teardown(self) -> None:
             self._decisions.unscope_hooks()
             self._runner.close()
+            self.precision_plugin.__dict__.pop("clip_grad_by_norm", None)  # Lightning's own again
+            self._optimizer_sharding.detach()
             super().teardown()
 
         # -- collectives (Lightning's, and its stop decisions) -------------------------------------------
@@ -468,12 +481,32 @@ def trainer_strategy(api: TrainerAPI, environment_class: type, checkpoint_io_cla
         ) -> None:
             """Rank 0 writes; the rule's state (center, clocks, ...) is added to the checkpoint first.
 
-            Called on every rank, so a rule with sharded state may gather it here.
+            Called on every rank, so a rule with sharded state may gather it here. With a sharded
+            optimizer (``mpi_zero``) ``filepath`` is a directory that every rank writes its shard into.
             """
             entry = self._runner.checkpoint(self.world_size)
             if entry is not None:
                 checkpoint[CHECKPOINT_KEY] = entry
-            super().save_checkpoint(checkpoint, filepath, storage_options)
+            if self._optimizer_sharding.active:  # every rank writes its optimizer shard; nothing is gathered
+                save_sharded(filepath, checkpoint, self.transport)
+            else:
+                super().save_checkpoint(checkpoint, filepath, storage_options)
+
+        @override
+        def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+            """This rank's shard when the optimizer is sharded, else Lightning's."""
+            if self._optimizer_sharding.owns(optimizer):
+                return self._optimizer_sharding.optimizer_state()
+            state: dict[str, Any] = super().optimizer_state(optimizer)
+            return state
+
+        @override
+        def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+            """Each optimizer's saved state; a sharded optimizer takes a sharded save at any world size."""
+            # as Lightning's own: the states there are, in order
+            for optimizer, saved in zip(self.optimizers, checkpoint["optimizer_states"], strict=False):
+                self._optimizer_sharding.load_into(optimizer, saved)
+                api.fabric.optimizers_to_device([optimizer], self.root_device)
 
         @override
         def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:

@@ -1,0 +1,405 @@
+"""ZeRO stages 1 and 2 on ASA: the optimizer state and the reduced gradients sharded over the ranks.
+
+ASA's Alltoall and local fp32 sum are a reduce-scatter: afterwards rank ``r`` holds the averaged
+gradient of chunk ``r`` of every bucket (:mod:`lightning_mpi.rules.zero_layout`). Here each rank steps
+only that chunk, with optimizer state only for it, and the Allgather that ASA would spend on the
+averaged gradients carries the updated weights instead. The bytes on the wire are ASA's; the
+optimizer state (stage 1) and the gradients kept after backward (stage 2: a bucket's gradients are
+freed as soon as they are packed for the reduce-scatter) shrink by the world size ``W``. Memory per
+rank is about the weights plus (gradients + optimizer state) / W, plus a few buckets in flight.
+
+The strategy drives it like any rule (:mod:`lightning_mpi.rules.base`), plus three calls:
+
+1. ``bind`` → ``shard_optimizer(optimizer)`` once, after the model is on its device with its
+   final weights and the optimizer exists, before any optimizer state is loaded.
+2. per step: backward → ``before_step(optimizer)`` (reduce-scatter; ``False``: skip) →
+   ``clip_grad_norm_(max_norm)`` instead of torch's (the norm is global over the shards) →
+   ``optimizer.step()`` → ``after_step(optimizer)`` (Allgather of the weights).
+3. checkpoints: ``optimizer_state()`` (this rank's shard) / ``load_optimizer_state(saved)`` (a shard,
+   all shards of a save at any world size, or torch's full format).
+
+``wire="bf16"`` (or ``"fp16"``) sends gradients as 16-bit values with fp32 sums, as ASA does, and
+sends the change of the weights the same way, with fp32 master weights on the owner (see
+:mod:`lightning_mpi.rules.zero_bucket`). The error-feedback codecs (int8, 1-bit, top-k) are not
+offered: their residual is a full-size per-rank copy of the gradient, the very memory stage 2
+frees, and without it they are biased.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import warnings
+from collections.abc import Sequence
+from typing import Any, Literal
+
+import torch
+from torch import Tensor
+from torch.optim import Optimizer
+
+from lightning_mpi.comm.codecs import get_codec
+from lightning_mpi.comm.engine import ExchangeScheduler
+from lightning_mpi.comm.progress import ProgressThread
+from lightning_mpi.comm.shard_exchange import Staging, StagingPool
+from lightning_mpi.comm.transport import Transport
+from lightning_mpi.options import integer, option, options_class, with_default
+from lightning_mpi.rules.base import BoundRule, Rule
+from lightning_mpi.rules.buckets import SegmentedBuckets
+from lightning_mpi.rules.zero_bucket import ShardBucket
+from lightning_mpi.rules.zero_layout import ParamSpec, plan_buckets
+from lightning_mpi.rules.zero_optimizer import ShardedOptimizer, check_elementwise
+from lightning_mpi.rules.zero_state import consolidate
+
+
+@options_class
+class ZeroRule(Rule):
+    """Average gradients every step by ASA, with the optimizer sharded over the ranks (ZeRO stages 1
+    and 2; see the module docstring). ``SyncStrategy(shard_optimizer=True)`` trains with it;
+    registered as ``mpi_zero`` and ``mpi_zero_bf16``.
+    """
+
+    name = "zero"
+
+    wire: Literal["fp32", "fp16", "bf16"] = option(
+        default="fp32",
+        doc="the format on the wire: 16-bit formats send gradients and weight changes in 16 bits, with fp32 "
+        "sums and fp32 master weights on each shard's owner.",
+    )
+    bucket_mb: float = with_default(SegmentedBuckets, "bucket_mb", default=4.0)
+    overlap: bool = with_default(SegmentedBuckets, "overlap", default=True)
+    inflight_buckets: int = option(
+        default=4,
+        doc="buckets exchanged at once (≥ 1); each holds about 2 x `bucket_mb` of staging memory, and a bucket "
+        "waits for a free one.",
+        check=integer(1),
+    )
+    progress_thread: bool = with_default(SegmentedBuckets, "progress_thread", default=True)
+
+    def bind(self, transport: Transport, params: Sequence[Tensor]) -> BoundZeroRule:
+        return BoundZeroRule(self, transport, params)
+
+
+class BoundZeroRule(BoundRule):
+    def __init__(self, rule: ZeroRule, transport: Transport, params: Sequence[Tensor]) -> None:
+        super().__init__(transport, params)
+        self.rule = rule
+        # one rank has no wire: a lossy codec would only round its own weights
+        self.codec = get_codec(rule.wire if transport.size > 1 else "fp32")
+        specs = [ParamSpec.of(p) for p in self.params]
+        plans = plan_buckets(specs, transport.size, max(1, int(rule.bucket_mb * 2**20)))
+        # One communicator for every bucket's exchanges: non-blocking collectives must start in the
+        # same order on every rank, and buckets start strictly in index order (_launch_ready), so
+        # one suffices where SyncRule, whose hooks start buckets as they become ready, needs one per
+        # bucket (MPICH has a few thousand communicator ids; a 10 GB model has 2,500 buckets).
+        self.team = transport.dup() if transport.size > 1 else transport
+        last_bucket = {seg.param: plan.index for plan in plans for seg in plan.segments}  # buckets go in order
+        last_segment = {(bucket, param) for param, bucket in last_bucket.items()}
+        self._taken: dict[int, Tensor] = {}
+        self.buckets = [
+            ShardBucket(plan, self.params, transport.rank, self.team, self.codec, last_segment, self._taken)
+            for plan in plans
+        ]
+        #: the buckets each parameter has elements in (a cut parameter has several)
+        self._buckets_of: dict[int, list[int]] = {}
+        for plan in plans:
+            for member in plan.members:
+                self._buckets_of.setdefault(member, []).append(plan.index)
+        self._pools: dict[tuple[torch.dtype, torch.device], StagingPool] = {}
+        for b in self.buckets:
+            key = (b.plan.dtype, b.plan.device)
+            largest = max(x.plan.chunk for x in self.buckets if (x.plan.dtype, x.plan.device) == key)
+            if key not in self._pools:
+                self._pools[key] = StagingPool(transport.size, largest, self.codec, rule.inflight_buckets, *key)
+        self.progress = ExchangeScheduler(
+            transport.timeout,
+            transport.rank,
+            transport.size,
+            watch=transport.watch,
+            on_driver_error=transport.report_thread_failure,
+        )
+        self.driver: ProgressThread | None = None
+        if rule.overlap and rule.progress_thread and transport.size > 1:
+            self.driver = ProgressThread(
+                self.progress.try_poll,
+                2e-4,
+                "ZeroRule(progress_thread=True)",
+                running=False,
+                remedy=", or pass progress_thread=False",
+                on_error=transport.report_thread_failure,
+            )
+        self.sharded: ShardedOptimizer | None = None
+        self.skipped_steps = 0
+        self.exchange_count = 0
+        self.hook_launches = 0
+        self._next = 0  # buckets launch in index order (see _launch_ready): the next one to go
+        self._replayed = False
+        self._norm_sq: tuple[float, tuple[int, ...]] | None = None  # global sum of squares, grad versions
+        self._seconds = 0.0
+        self._last: dict[str, float] = {}
+        self._closed = False
+        self._hooks = []
+        if rule.overlap:
+            for param_index, buckets in self._buckets_of.items():
+                hook = self._make_hook([self.buckets[b] for b in buckets])
+                self._hooks.append(self.params[param_index].register_post_accumulate_grad_hook(hook))
+
+    # -- the optimizer ---------------------------------------------------------------------------
+    def shard_optimizer(self, optimizer: Optimizer) -> Optimizer:
+        """Rebuild ``optimizer`` in place over this rank's pieces and return it (the same object).
+
+        Call once after ``bind``, with the model's final weights in place (they seed the fp32
+        master weights where a bucket keeps them) and before loading optimizer state.
+
+        Raises:
+            ValueError: the optimizer is not element-wise (LBFGS, ...), or does not hold exactly the
+                trainable parameters (see :class:`~lightning_mpi.rules.zero_optimizer.ShardedOptimizer`).
+        """
+        check_elementwise(optimizer)
+        if self.sharded is not None and self.sharded.optimizer is optimizer:
+            return optimizer
+        if self.sharded is not None:
+            raise ValueError("this ZeroRule already shards another optimizer; ZeRO supports one optimizer per model")
+        pieces = [p for b in self.buckets for p in b.pieces]
+        tensors = [t for b in self.buckets for t in b.piece_tensors]
+        self.sharded = ShardedOptimizer(
+            optimizer, self.params, pieces, tensors, self.transport.size, self.transport.rank
+        )
+        grads = {id(t): g for b in self.buckets for t, g in zip(b.piece_tensors, b.piece_grads, strict=True)}
+        self._piece_grads = [(t, grads[id(t)]) for t in self.sharded.tensors]
+        return optimizer
+
+    def _require(self, optimizer: Any) -> None:
+        inner = getattr(optimizer, "_optimizer", optimizer)  # Lightning's LightningOptimizer
+        if self.sharded is None or self.sharded.optimizer is not inner:
+            raise ValueError(
+                f"optimizer={type(inner).__name__} was not sharded by this ZeroRule: call "
+                "bound_rule.shard_optimizer(optimizer) once after bind, before training"
+            )
+        if any(b.storage_moved() for b in self.buckets if b.master is None):
+            raise ValueError(
+                "the model's parameters were replaced (moved to another device or dtype?) after shard_optimizer; "
+                "put the model on its device and dtype first, then bind the rule and shard the optimizer"
+            )
+
+    # -- reduce-scatter ---------------------------------------------------------------------------
+    def _make_hook(self, buckets: list[ShardBucket]):
+        def on_grad_ready(_param: Tensor) -> None:
+            if not self.sync_enabled:
+                return
+            if any(bucket.launched for bucket in buckets):
+                self._replayed = True  # a second backward before the step: redone in before_step
+                return
+            for bucket in buckets:
+                bucket.ready += 1
+            self._launch_ready()
+            self.progress.poll()  # MPICH moves data only inside MPI calls
+
+        return on_grad_ready
+
+    def _launch_ready(self) -> None:
+        """Launch ready buckets in index order. Waiting for a staging slot cannot deadlock then: the
+        rank that launched the fewest buckets waits only for buckets every rank has launched."""
+        while self._next < len(self.buckets) and self.buckets[self._next].ready == len(
+            self.buckets[self._next].members
+        ):
+            self._launch(self.buckets[self._next], accumulate=False)
+            self.hook_launches += 1
+            self._next += 1
+
+    def _slot(self, bucket: ShardBucket) -> tuple[Staging, StagingPool]:
+        pool = self._pools[(bucket.plan.dtype, bucket.plan.device)]
+        slot = pool.acquire()
+        while slot is None:
+            self.progress.wait_for(pool.has_free)
+            slot = pool.acquire()
+        return slot, pool
+
+    def _launch(self, bucket: ShardBucket, accumulate: bool) -> None:
+        slot, pool = self._slot(bucket)
+        if self.driver is not None:
+            self.driver.start()
+        bucket.launched = True
+        self.progress.start(bucket.reduce_steps(slot, accumulate, pool.release))
+
+    def _finish(self) -> None:
+        self.progress.wait_all()
+        if self.driver is not None:
+            self.driver.pause()
+
+    def before_step(self, optimizer: Optimizer) -> bool:
+        """Reduce-scatter every bucket not yet launched, wait for all, hand the optimizer its
+        gradient pieces, and agree on the global gradient norm (one 8-byte Allreduce): a step whose
+        averaged gradients hold inf or NaN anywhere is skipped on every rank, and its gradients are
+        set to NaN on every rank so that a GradScaler skips it everywhere too."""
+        self._require(optimizer)
+        begin = time.perf_counter()
+        self.exchange_count += 1
+        for bucket in self.buckets[self._next :]:
+            if not bucket.launched:
+                self._launch(bucket, accumulate=False)
+        self._finish()
+        if self._replayed:  # gradients that arrived after their bucket left: add their mean
+            for bucket in self.buckets:
+                self._launch(bucket, accumulate=True)
+            self._finish()
+        for bucket in self.buckets:
+            bucket.ready, bucket.launched = 0, False
+        self._next, self._replayed = 0, False
+        self._taken.clear()
+        for tensor, grad in self._piece_grads:
+            tensor.grad = grad
+        # per-bucket norms in the gradients' dtype (no float64 copy of the shard), summed in float64
+        total = self._global_sum(lambda g: torch.linalg.vector_norm(g).double().square(), "sum")
+        self._norm_sq = (total, self._grad_versions())
+        self._seconds += time.perf_counter() - begin
+        finite = math.isfinite(total)
+        if not finite:
+            self.skipped_steps += 1
+            for bucket in self.buckets:
+                bucket.grad.fill_(float("nan"))
+            warnings.warn(
+                f"lightning_mpi: non-finite gradients after the reduce-scatter (wire={self.rule.wire}); skipping this "
+                f"optimizer step on every rank ({self.skipped_steps} skipped so far).",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        return finite
+
+    def _grad_versions(self) -> tuple[int, ...]:
+        return tuple(b.grad._version for b in self.buckets)
+
+    def _global_sum(self, local, op: str) -> float:
+        """``op`` ("sum" or "max") over ranks of ``local(grad)`` summed (or maxed) over this rank's buckets."""
+        values = [local(b.grad) for b in self.buckets]
+        acc = torch.zeros((), dtype=torch.float64)
+        for v in values:
+            v = v.to("cpu", torch.float64)
+            acc = acc + v if op == "sum" else torch.maximum(acc, v)
+        flag = acc.reshape(1).clone()
+        if self.transport.size > 1:
+            self.transport.allreduce_(flag, op)
+        return float(flag.item())
+
+    # -- clipping --------------------------------------------------------------------------------
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False) -> Tensor:
+        """``torch.nn.utils.clip_grad_norm_`` over the whole model, sharded: the norm is global.
+
+        Call between ``before_step`` and ``optimizer.step()`` on every rank (a collective, unless
+        ``norm_type`` is 2 and the gradients are unchanged since ``before_step``). Returns the total
+        norm, as torch's does."""
+        norm_type = float(norm_type)
+        if not (norm_type > 0):
+            raise ValueError(f"norm_type={norm_type!r} must be > 0 (or inf)")
+        if norm_type == 2.0 and self._norm_sq is not None and self._norm_sq[1] == self._grad_versions():
+            total = math.sqrt(self._norm_sq[0]) if self._norm_sq[0] >= 0 else float("nan")
+        elif math.isinf(norm_type):
+            total = self._global_sum(lambda g: g.abs().max() if g.numel() else g.new_zeros(()), "max")
+        else:
+            total = self._global_sum(lambda g: torch.linalg.vector_norm(g, norm_type).double() ** norm_type, "sum")
+            total = total ** (1.0 / norm_type)
+        if error_if_nonfinite and not math.isfinite(total):
+            raise RuntimeError(
+                f"The total norm of order {norm_type} for gradients from the sharded optimizer is non-finite, so it "
+                "cannot be clipped. To disable this error and scale the gradients by the non-finite norm anyway, "
+                "set `error_if_nonfinite=False`"
+            )
+        coefficient = min(max_norm / (total + 1e-6), 1.0) if math.isfinite(total) else max_norm / (total + 1e-6)
+        for bucket in self.buckets:
+            bucket.grad.mul_(coefficient)
+        return torch.tensor(total, dtype=torch.float32)
+
+    # -- allgather ---------------------------------------------------------------------------------
+    def after_step(self, optimizer: Optimizer, exact: bool = False) -> None:
+        """Allgather every bucket's stepped chunk into the parameters (a few buckets at once)."""
+        begin = time.perf_counter()
+        for bucket in self.buckets:
+            if self.transport.size == 1 and bucket.master is None:
+                continue  # the optimizer stepped the parameters themselves: nothing to share
+            slot, pool = self._slot(bucket)
+            self.progress.start(bucket.gather_steps(slot, pool.release, exact=exact))
+        self.progress.wait_all()
+        self._seconds += time.perf_counter() - begin
+        self._last = {
+            "exchange_seconds": self._seconds,
+            "wire_bytes": float(self._wire_bytes()),
+            "skipped_steps": float(self.skipped_steps),
+        }
+        self._seconds = 0.0
+
+    def on_train_end(self) -> None:
+        """With a lossy wire the members hold the master weights up to the wire's rounding of the
+        last change: give them the master's exact values once (an fp32 Allgather)."""
+        if self.codec.lossy and self.sharded is not None:
+            self.after_step(self.sharded.optimizer, exact=True)
+
+    # -- state -----------------------------------------------------------------------------------
+    def optimizer_state(self) -> dict[str, Any]:
+        """This rank's optimizer shard (:mod:`lightning_mpi.rules.zero_state`), with the fp32 master
+        weights of its pieces under ``_master`` where a bucket keeps them (exact resume)."""
+        if self.sharded is None:
+            raise ValueError("no optimizer is sharded yet: call shard_optimizer(optimizer) first")
+        shard = self.sharded.shard_state()
+        masters = {id(t) for b in self.buckets if b.master is not None for t in b.piece_tensors}
+        for tensor, state in zip(self.sharded.tensors, shard["state"], strict=True):
+            if id(tensor) in masters:
+                state["_master"] = tensor.detach()
+        return shard
+
+    def load_optimizer_state(self, saved: Any) -> None:
+        """Load torch's full format (a plain checkpoint), one shard (same layout), or the list of all
+        shards of a sharded save (any world size). Load the module's weights first: master weights
+        that the save does not hold are taken from them."""
+        if self.sharded is None:
+            raise ValueError("no optimizer is sharded yet: call shard_optimizer(optimizer) first")
+        loaded = self.sharded.load(saved)
+        by_tensor = {id(t): s for t, s in zip(self.sharded.tensors, loaded, strict=True)}
+        for bucket in self.buckets:
+            if bucket.master is None:
+                continue
+            bucket.master_from_params()
+            for tensor in bucket.piece_tensors:
+                master = by_tensor.get(id(tensor), {}).get("_master")
+                if master is not None:
+                    tensor.copy_(master)
+
+    def gather_optimizer_state(self) -> dict[str, Any]:
+        """The whole optimizer state in torch's format, on every rank (a collective that holds all
+        shards on every rank at once: for small models and tests; checkpoints write shards)."""
+        return consolidate(self.transport.allgather_object(self.optimizer_state()))
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"skipped_steps": self.skipped_steps}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.skipped_steps = int(state.get("skipped_steps", 0))
+
+    def stats(self) -> dict[str, float]:
+        """The last step's exchange seconds (reduce-scatter waits, norm, Allgather), bytes this rank
+        sent (ASA's: Alltoall and Allgather), and the skipped steps so far."""
+        return dict(self._last) if self._last else {"skipped_steps": float(self.skipped_steps)}
+
+    def _wire_bytes(self) -> int:
+        world = self.transport.size
+        if world == 1:
+            return 0
+        word = torch.empty((), dtype=self.codec.wire_dtype).element_size()
+        return sum(2 * (world - 1) * self.codec.wire_numel(b.plan.chunk) * word for b in self.buckets)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+        if self.transport.abandoned:
+            self.progress.abandon()
+        else:
+            self._finish()
+        if self.driver is not None:
+            self.driver.close()
+            self.driver = None
+        if self.team is not self.transport:
+            self.team.free()
+        for pool in self._pools.values():
+            pool.drop()

@@ -1,0 +1,96 @@
+"""What a sharded optimizer (``SyncStrategy(shard_optimizer=True)``, ``mpi_zero``) needs from a strategy.
+
+The ZeRO rule (:mod:`lightning_mpi.rules.zero`) steps only this rank's shard of the parameters, so
+the strategy must:
+
+- hand it the user's optimizer once the rule is bound, to be rebuilt in place over the shard
+  (:meth:`OptimizerSharding.attach`; one optimizer holding every trainable parameter);
+- clip by the global norm over the shards, not by this rank's piece (:meth:`clip_grad_norm_`);
+- save each rank's optimizer shard, every rank at once, into a sharded checkpoint directory
+  (:mod:`lightning_mpi.checkpoint`), and load one at any world size (:meth:`optimizer_state`,
+  :meth:`load_into`).
+
+Without a ZeRO rule every method leaves the usual path alone, except that a sharded checkpoint's
+optimizer shards are consolidated into torch's format for a plain optimizer (:func:`plain_state`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch.optim import Optimizer
+
+from lightning_mpi.checkpoint.sharded import ShardFiles
+from lightning_mpi.rules.base import BoundRule
+from lightning_mpi.rules.zero import BoundZeroRule
+from lightning_mpi.rules.zero_state import consolidate
+
+
+def plain_state(saved: Any) -> Any:
+    """``saved`` in torch's optimizer format: the shards of a sharded checkpoint consolidated, anything
+    else as it is."""
+    return consolidate(list(saved)) if isinstance(saved, ShardFiles) else saved
+
+
+class OptimizerSharding:
+    """The strategy's side of a ZeRO rule (module docstring); inactive until :meth:`attach` finds one."""
+
+    def __init__(self) -> None:
+        self.bound: BoundZeroRule | None = None
+
+    @property
+    def active(self) -> bool:
+        """True while a ZeRO rule shards the optimizer."""
+        return self.bound is not None
+
+    def attach(self, bound: BoundRule | None, optimizers: Sequence[Optimizer]) -> None:
+        """After the rule is bound and the optimizers exist: rebuild the one optimizer over this
+        rank's shard when the rule is ZeRO's (a no-op for any other rule).
+
+        Raises:
+            ValueError: several optimizers, or one that is not element-wise (see
+                :func:`lightning_mpi.rules.zero_optimizer.check_elementwise`).
+        """
+        self.bound = bound if isinstance(bound, BoundZeroRule) else None
+        if self.bound is None:
+            return
+        inner = [getattr(opt, "_optimizer", opt) for opt in optimizers]  # Lightning wraps them
+        if len(inner) != 1:
+            raise ValueError(
+                f"shard_optimizer=True shards one optimizer that holds every trainable parameter, but got "
+                f"{len(inner)} optimizers: use one optimizer (its param groups may differ in lr and weight decay), "
+                "or pass shard_optimizer=False"
+            )
+        self.bound.shard_optimizer(inner[0])
+
+    def detach(self) -> None:
+        self.bound = None
+
+    def owns(self, optimizer: Any) -> bool:
+        """True when ``optimizer`` (or Lightning's wrapper of it) is the sharded one."""
+        bound = self.bound
+        inner = getattr(optimizer, "_optimizer", optimizer)
+        return bound is not None and bound.sharded is not None and bound.sharded.optimizer is inner
+
+    def clip_grad_norm_(
+        self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
+    ) -> torch.Tensor:
+        """Clip by the norm of the whole model's gradients, over every rank's shard (collective)."""
+        assert self.bound is not None, "clip_grad_norm_ needs a ZeRO rule (see active)"
+        return self.bound.clip_grad_norm_(max_norm, norm_type, error_if_nonfinite)
+
+    def optimizer_state(self) -> dict[str, Any]:
+        """This rank's optimizer shard, for a sharded checkpoint (every rank writes its own)."""
+        assert self.bound is not None, "optimizer_state needs a ZeRO rule (see active)"
+        return self.bound.optimizer_state()
+
+    def load_into(self, optimizer: Any, saved: Any) -> None:
+        """Load ``saved`` (a sharded checkpoint's shards at any world size, or torch's format) into
+        ``optimizer``: through the rule when it is the sharded one, else as a plain optimizer."""
+        if self.owns(optimizer):
+            assert self.bound is not None
+            self.bound.load_optimizer_state(saved)
+        else:
+            getattr(optimizer, "_optimizer", optimizer).load_state_dict(plain_state(saved))
