@@ -19,7 +19,12 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from lightning_mpi.strategies.registry import STRATEGIES, install_registration_hooks, register_strategies
+from lightning_mpi.comm.mpienv import apply_mpi_defaults
+
+# Before anything imports mpi4py.MPI (which initialises MPI): see lightning_mpi.comm.mpienv.
+apply_mpi_defaults()
+
+from lightning_mpi.strategies.registry import STRATEGIES, install_registration_hooks, register_strategies  # noqa: E402
 
 __version__ = "0.1.0"
 
