@@ -158,11 +158,12 @@ def failed_ranks(comm: Any) -> tuple[int, ...]:
     from mpi4py import MPI
 
     try:
-        failed = comm.Get_failed()
+        failed, group = comm.Get_failed(), comm.Get_group()
         try:
-            ranks = MPI.Group.Translate_ranks(failed, list(range(failed.Get_size())), comm.Get_group())
+            ranks = MPI.Group.Translate_ranks(failed, list(range(failed.Get_size())), group)
         finally:
             failed.Free()
+            group.Free()
     except (MPI.Exception, NotImplementedError, AttributeError):
         return ()
     return tuple(sorted(r for r in ranks if r != MPI.UNDEFINED))
@@ -176,11 +177,11 @@ def process_failure(error: BaseException | None, comm: Any = None, where: str = 
     returned as it is. Walks ``__cause__`` / ``__context__``, so an MPI error that a library
     wrapped is still recognised."""
     seen: set[int] = set()
+    classes = _failure_classes() if "mpi4py.MPI" in sys.modules else {}  # no MPI loaded: no MPI error
     while error is not None and id(error) not in seen:
         seen.add(id(error))
         if isinstance(error, ProcessFailed):
             return error
-        classes = _failure_classes() if "mpi4py.MPI" in sys.modules else {}
         get_class = getattr(error, "Get_error_class", None)
         if classes and get_class is not None:
             error_class = classes.get(get_class())
@@ -315,12 +316,24 @@ def heal(comm: Any, also: Sequence[Any] = (), attempts: int = HEAL_ATTEMPTS) -> 
                 given_up.append(new)
                 current = new  # shrink the new one: it has exactly the ranks still to check
                 continue
-            old_ranks = MPI.Group.Translate_ranks(new.Get_group(), list(range(new.Get_size())), comm.Get_group())
+            old_ranks = _old_ranks(new, comm)
             lost = sorted(set(range(comm.Get_size())) - set(old_ranks))
             return Healed(new, tuple(old_ranks), tuple(lost), time.perf_counter() - start, shrinks)
         raise ProcessFailed(failed_ranks(current), f"heal (ranks kept dying through {attempts} shrinks)")
     finally:
         free(*given_up)
+
+
+def _old_ranks(new: Any, old: Any) -> list[int]:
+    """The rank in ``old`` of each rank of ``new`` (local: a group translation)."""
+    from mpi4py import MPI
+
+    new_group, old_group = new.Get_group(), old.Get_group()
+    try:
+        return MPI.Group.Translate_ranks(new_group, list(range(new_group.Get_size())), old_group)
+    finally:
+        new_group.Free()
+        old_group.Free()
 
 
 def mark_finished(comm: Any) -> None:
