@@ -5,6 +5,7 @@
     python benchmarks/codec_speed.py --baseline /tmp/base              # side by side with older files
     python benchmarks/codec_speed.py --mpi shm                         # + real exchanges, 2 ranks here
     python benchmarks/codec_speed.py --mpi 1gbit                       # + 2 simulated hosts at 1 Gbit/s (root)
+    python benchmarks/codec_speed.py --device cuda --json codecs.json  # on a GPU: torch against cupy
 
 ``--baseline DIR`` loads ``codecs.py``, ``collectives.py`` and ``sparse.py`` from ``DIR`` (e.g. the
 previous commit's ``lightning_mpi/comm/`` files, ``git show HEAD~1:lightning_mpi/comm/codecs.py >
@@ -19,6 +20,11 @@ simulated by a loopback transport (Alltoall and Allgather are local copies of th
   ASA exchange with error feedback on both stages (``asa_mean_steps``), also without feedback;
 - top-k (1%): ``select`` (indices of the k largest magnitudes) and ``exchange`` (feedback, select,
   pack, scatter-add of every rank's pairs, mean: ``topk_mean_steps``).
+
+``--device cuda`` runs the same operations on CUDA tensors, timed by wall clock between two
+``torch.cuda.synchronize()``, and compares torch's code (``LIGHTNING_MPI_CUPY=0``) with the fused
+cupy kernels (:mod:`lightning_mpi.comm.cupy_kernels`) in the same process, interleaved; without
+cupy only the torch column is measured. The JSON rows then name the versions ``torch`` and ``cupy``.
 
 MB/s is fp32 input bytes (4 n) per second. ``--mpi`` adds real 2-rank exchanges: the blocking
 exchange time, the same Alltoall + Allgather with no codec work ("MPI only"), and the bytes each
@@ -47,10 +53,27 @@ TOPK_RATIO = 0.01
 
 # ------------------------------------------------------------------------------ implementations ---
 class Impl:
-    """One version of the codec modules: ``codecs``, ``collectives``, ``sparse``."""
+    """One version of the codec modules: ``codecs``, ``collectives``, ``sparse``; ``cupy`` (on
+    CUDA) says whether the fused cupy kernels may run (the ``LIGHTNING_MPI_CUPY`` switch)."""
 
-    def __init__(self, name: str, codecs, collectives, sparse) -> None:
+    def __init__(self, name: str, codecs, collectives, sparse, cupy: bool | None = None) -> None:
         self.name, self.codecs, self.collectives, self.sparse = name, codecs, collectives, sparse
+        self.cupy = cupy
+
+    def wrap(self, fn):
+        """``fn`` run with this version's cupy switch (nothing to switch when ``cupy`` is None)."""
+        if self.cupy is None:
+            return fn
+        from lightning_mpi.comm.cupy_kernels import ENV_SWITCH
+
+        def switched():
+            os.environ[ENV_SWITCH] = "1" if self.cupy else "0"
+            try:
+                fn()
+            finally:
+                os.environ.pop(ENV_SWITCH, None)
+
+        return switched
 
     @classmethod
     def current(cls) -> "Impl":
@@ -71,9 +94,9 @@ class Impl:
 
     def topk_workspace(self, k: int, world: int, numel: int):
         try:
-            return self.sparse.TopKWorkspace(k, world, torch.device("cpu"), numel)
+            return self.sparse.TopKWorkspace(k, world, DEVICE, numel)
         except TypeError:  # older signature: no selection scratch
-            return self.sparse.TopKWorkspace(k, world, torch.device("cpu"))
+            return self.sparse.TopKWorkspace(k, world, DEVICE)
 
 
 class Loopback:
@@ -99,6 +122,14 @@ def _run(steps) -> None:
 #: The local tables time this thread's CPU seconds by default: on a shared machine, wall time
 #: also counts the time other processes hold the core (``--clock wall`` to see that).
 CLOCK = time.thread_time
+#: Where the local tables' tensors live (``--device``); on CUDA every timing is bracketed by
+#: ``torch.cuda.synchronize()`` so it covers the kernels, not just their launches.
+DEVICE = torch.device("cpu")
+
+
+def _sync() -> None:
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize()
 
 
 def median_ms(fn, repeat: int, prepare=None, clock=None) -> float:
@@ -107,8 +138,10 @@ def median_ms(fn, repeat: int, prepare=None, clock=None) -> float:
     for _ in range(repeat):
         if prepare is not None:
             prepare()
+        _sync()
         begin = clock()
         fn()
+        _sync()
         times.append(clock() - begin)
     return statistics.median(times) * 1e3
 
@@ -122,14 +155,14 @@ def row_ops(impl: Impl, codec_name: str, n: int, world: int):
     n -= n % world
     chunk = n // world
     gen = torch.Generator().manual_seed(0)
-    grad = torch.randn(world, chunk, generator=gen) * 1e-3
+    grad = (torch.randn(world, chunk, generator=gen) * 1e-3).to(DEVICE)
     rows = grad.clone()
-    wire = torch.empty(world, codec.wire_numel(chunk), dtype=codec.wire_dtype)
-    out = torch.empty(world, chunk)
-    residual = torch.zeros(world, chunk)
-    flat = torch.empty(n)
+    wire = torch.empty(world, codec.wire_numel(chunk), dtype=codec.wire_dtype, device=DEVICE)
+    out = torch.empty(world, chunk, device=DEVICE)
+    residual = torch.zeros(world, chunk, device=DEVICE)
+    flat = torch.empty(n, device=DEVICE)
     work = ASAWorkspace.for_buffer(flat, world, codec)
-    owner = torch.zeros(chunk)
+    owner = torch.zeros(chunk, device=DEVICE)
     loop = Loopback(world)
     codec.encode(grad, wire)
 
@@ -152,9 +185,9 @@ def topk_ops(impl: Impl, n: int, world: int):
     sparse = impl.sparse
     k = sparse.topk_count(n, TOPK_RATIO)
     gen = torch.Generator().manual_seed(0)
-    grad = torch.randn(n, generator=gen) * 1e-3
+    grad = (torch.randn(n, generator=gen) * 1e-3).to(DEVICE)
     flat = grad.clone()
-    residual = torch.zeros(n)
+    residual = torch.zeros(n, device=DEVICE)
     work = impl.topk_workspace(k, world, n)
     loop = Loopback(world)
 
@@ -172,7 +205,9 @@ def measure_local(impls: list[Impl], sizes: list[int], codecs: list[str], world:
     results = []
     for n in sizes:
         for codec in codecs:
-            ops = {impl.name: (row_ops(impl, codec, n, world) if codec != "topk" else topk_ops(impl, n, world)) for impl in impls}
+            ops = {impl.name: [(op, impl.wrap(fn), prepare) for op, fn, prepare in
+                               (row_ops(impl, codec, n, world) if codec != "topk" else topk_ops(impl, n, world))]
+                   for impl in impls}
             names = [op[0] for op in ops[impls[0].name]]
             for i, op in enumerate(names):
                 samples = {impl.name: [] for impl in impls}
@@ -180,7 +215,7 @@ def measure_local(impls: list[Impl], sizes: list[int], codecs: list[str], world:
                     for impl in impls:
                         _, fn, prepare = ops[impl.name][i]
                         samples[impl.name].append(median_ms(fn, 1, prepare))
-                row = {"codec": codec, "op": op, "numel": n}
+                row = {"codec": codec, "op": op, "numel": n, "device": DEVICE.type}
                 for impl in impls:
                     row[f"{impl.name}_ms"] = statistics.median(samples[impl.name])
                 results.append(row)
@@ -300,6 +335,19 @@ def run_mpi(setting: str, args) -> list[dict]:
     return rows
 
 
+def cuda_impls() -> tuple[list[Impl], str]:
+    """torch's code and the cupy kernels on CUDA (torch alone, and why, when cupy is missing)."""
+    from lightning_mpi.comm import cupy_kernels
+
+    torch_impl = Impl.current()
+    torch_impl.name, torch_impl.cupy = "torch", False
+    if cupy_kernels.cupy_module() is None:
+        return [torch_impl], f"skipped: cupy not installed ({cupy_kernels.why_not()})"
+    cupy_impl = Impl.current()
+    cupy_impl.name, cupy_impl.cupy = "cupy", True
+    return [torch_impl, cupy_impl], f"cupy {cupy_kernels.cupy_module().__version__}"
+
+
 # ------------------------------------------------------------------------------------- driver ---
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -311,6 +359,8 @@ def main() -> None:
     ap.add_argument("--mpi", choices=["shm", "1gbit", "10gbit"], help="also time real 2-rank exchanges")
     ap.add_argument("--skip-local", action="store_true")
     ap.add_argument("--clock", choices=["cpu", "wall"], default="cpu", help="local tables: thread CPU time or wall time")
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                    help="local tables on CUDA tensors: torch against the cupy kernels, wall time")
     ap.add_argument("--json", help="write every figure here")
     ap.add_argument("--mpi-worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
@@ -320,12 +370,18 @@ def main() -> None:
         mpi_worker(args)
         return
     torch.set_num_threads(1)
-    global CLOCK
-    CLOCK = time.thread_time if args.clock == "cpu" else time.perf_counter
-    report: dict = {"sizes": args.sizes, "world": args.world, "repeat": args.repeat, "clock": args.clock}
+    global CLOCK, DEVICE
+    CLOCK = time.thread_time if args.clock == "cpu" and args.device == "cpu" else time.perf_counter
+    DEVICE = torch.device(args.device)
+    report: dict = {"sizes": args.sizes, "world": args.world, "repeat": args.repeat, "clock": args.clock, "device": args.device}
     if not args.skip_local:
-        impls = ([Impl.from_dir(args.baseline)] if args.baseline else []) + [Impl.current()]
-        print(f"\nCPU work of one rank, world {args.world} (loopback), 1 thread, {args.clock} time, median of {args.repeat}; "
+        if args.device == "cuda":
+            impls, report["cupy"] = cuda_impls()
+            what = f"CUDA work of one rank ({torch.cuda.get_device_name()}), wall time between synchronizes"
+        else:
+            impls = ([Impl.from_dir(args.baseline)] if args.baseline else []) + [Impl.current()]
+            what = f"CPU work of one rank, 1 thread, {args.clock} time"
+        print(f"\n{what}, world {args.world} (loopback), median of {args.repeat}; "
               f"top-k at {TOPK_RATIO:.0%}; MB/s = fp32 input bytes / s")
         print(header(impls))
         report["local"] = measure_local(impls, args.sizes_numel, args.codecs, args.world, args.repeat)

@@ -4,6 +4,8 @@
     OMP_NUM_THREADS=1 python benchmarks/offload.py --device cpu --side 96 --cap-mb 800
     python benchmarks/offload.py --device cuda --side 128 --cap-mb 4096
     OMP_NUM_THREADS=1 python benchmarks/offload.py --device cpu --model mlp --repeats 3
+    python benchmarks/offload.py --device cuda --arms gpu --cap-mb 16384             # issue 16's arms
+    python benchmarks/offload.py --device cuda --model gpt --precision bf16-mixed --arms gpu --no-search
 
 Model: the 3D U-Net of ``examples/segmentation3d.py`` (two levels, BatchNorm, in-place ReLU),
 ``--channels`` wide, ``--convs`` convolutions per block, on one ``side^3`` synthetic volume per
@@ -53,8 +55,16 @@ is the process's peak RSS (``ru_maxrss``), compared with no offload under glibc'
 step it also reports CPU time (user + system, every thread of the process: the I/O thread too)
 and minor page faults, which on a shared machine say more than wall time does.
 
-A table goes to stdout; a PNG and a JSON file to ``benchmarks/results/offload_<device>.*``
-(``offload_<device>_mlp.json`` for the MLP).
+``--arms``: which runs to compare (default ``none save_on_cpu LMSOffload``; ``gpu`` stands for
+issue 16's list: torchtune's ``OffloadActivations``, a prefetch sweep, and non-reentrant
+activation checkpointing alone and with each offloader; see ``benchmarks/offload_arms.py``).
+``--model gpt``: a plain GPT-like transformer (``--depth`` blocks, ``--width`` wide, ``--seq``
+tokens, ``--batch`` sequences, default 12 x 1024 x 1024 x 8), best with ``--precision
+bf16-mixed``; no largest-input search. On CUDA each run also reports ``max_memory_reserved`` and
+pinned host memory (``torch.cuda.host_memory_stats()`` beside ``LMSOffload``'s pool count).
+
+A table goes to stdout; a PNG and a JSON file to ``--results`` (default ``benchmarks/results``):
+``offload_<device>.*``, ``offload_<device>_gpt.*``, ``offload_<device>_mlp.json``.
 """
 from __future__ import annotations
 
@@ -73,14 +83,18 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
 REPO = HERE.parent
-MODES = ("none", "save_on_cpu", "LMSOffload")
 MiB = 2**20
+
+sys.path.insert(0, str(HERE))
+from offload_arms import DEFAULT_ARMS, GPU_ARMS, parse_arm  # noqa: E402
+from offload_report import _peak, mlp_table, plot, table  # noqa: E402
 
 
 # --- one run, in this process -------------------------------------------------------------------
 def run_once(mode: str, device: str, side: int, channels: int, convs: int, steps: int, directory: str | None, cap_mb: float | None,
-             model: str = "unet", depth: int = 16, width: int = 256, batch: int = 16384) -> dict:
-    """Train ``steps`` steps in this process and measure; returns a JSON-able dict."""
+             model: str = "unet", depth: int = 16, width: int = 256, batch: int = 16384, precision: str = "32-true",
+             seq: int = 1024, vocab: int = 8192) -> dict:
+    """Train ``steps`` steps of arm ``mode`` in this process and measure; returns a JSON-able dict."""
     import pytorch_lightning as pl
     import torch
     from torch import nn
@@ -88,10 +102,10 @@ def run_once(mode: str, device: str, side: int, channels: int, convs: int, steps
 
     sys.path.insert(0, str(REPO / "examples"))
     sys.path.insert(0, str(REPO))
+    from offload_arms import GPT, blocks_of, checkpoint_blocks, offloader_callbacks, pinned_snapshot
     from segmentation3d import UNet3d
 
-    from lightning_mpi.offload import LMSOffload
-
+    arm = parse_arm(mode)
     torch.manual_seed(0)
     if device == "cuda" and cap_mb is not None:
         total = torch.cuda.get_device_properties(0).total_memory
@@ -105,6 +119,9 @@ def run_once(mode: str, device: str, side: int, channels: int, convs: int, steps
             if model == "mlp":
                 self.x = torch.randn(batch, width)
                 self.y = torch.randint(0, 10, (batch,))
+            elif model == "gpt":
+                tokens = torch.randint(0, vocab, (batch, seq + 1))
+                self.x, self.y = tokens[:, :-1], tokens[:, 1:]
             else:
                 self.x = torch.randn(1, side, side, side)
                 self.y = (self.x[0] > 0.5).long()
@@ -123,14 +140,21 @@ def run_once(mode: str, device: str, side: int, channels: int, convs: int, steps
                 for _ in range(depth):
                     layers += [nn.Linear(width, width), nn.ReLU()]
                 self.net = nn.Sequential(*layers, nn.Linear(width, 10))
+            elif model == "gpt":
+                self.net = GPT(vocab, width, depth, seq)
             else:
                 self.net = UNet3d(channels, convs=convs)
+            if arm.checkpoint:
+                checkpoint_blocks(blocks_of(self.net, model))
 
         def training_step(self, batch, batch_idx):
             x, y = batch
-            if model == "mlp":  # the loader adds a batch dimension of 1 around the one batch
+            if model in ("mlp", "gpt"):  # the loader adds a batch dimension of 1 around the one batch
                 x, y = x[0], y[0]
-            return nn.functional.cross_entropy(self.net(x), y)
+            out = self.net(x)
+            if model == "gpt":
+                out, y = out.reshape(-1, vocab), y.reshape(-1)
+            return nn.functional.cross_entropy(out, y)
 
         def configure_optimizers(self):
             return torch.optim.SGD(self.parameters(), lr=0.01, momentum=0.9)
@@ -155,32 +179,24 @@ def run_once(mode: str, device: str, side: int, channels: int, convs: int, steps
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             if device == "cuda":
                 torch.cuda.synchronize()
+                self.pinned = pinned_snapshot(lms)  # the last step's, before teardown frees the pool
             self.times.append(time.perf_counter() - self.t0)
             ru = resource.getrusage(resource.RUSAGE_SELF)  # every thread of the process, I/O included
             self.cpu.append((ru.ru_utime - self.ru0.ru_utime, ru.ru_stime - self.ru0.ru_stime, ru.ru_minflt - self.ru0.ru_minflt))
 
-    class SaveOnCpu(pl.Callback):
-        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-            self.ctx = torch.autograd.graph.save_on_cpu(pin_memory=True)
-            self.ctx.__enter__()
-
-        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            self.ctx.__exit__(None, None, None)
-
+    result = {"mode": mode, "device": device, "model": model, "side": side, "channels": channels, "convs": convs,
+              "precision": precision, "ok": True}
+    try:
+        offloaders, lms = offloader_callbacks(arm, device, directory, pl)
+    except ImportError as error:  # torchtune (or its torchao) is not installed
+        return dict(result, ok=False, skipped=f"{arm.offloader} not installed ({error})")
     probe = Probe()
-    callbacks: list = [probe]
-    lms = None
-    if mode == "save_on_cpu":
-        callbacks.insert(0, SaveOnCpu())
-    elif mode == "LMSOffload":
-        lms = LMSOffload(target="cpu") if device == "cuda" else LMSOffload(target="disk", directory=directory)
-        callbacks.insert(0, lms)
+    callbacks: list = [*offloaders, probe]
     trainer = pl.Trainer(
-        accelerator=device, devices=1, max_steps=steps, callbacks=callbacks, logger=False,
+        accelerator=device, devices=1, max_steps=steps, callbacks=callbacks, logger=False, precision=precision,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         limit_val_batches=0, num_sanity_val_steps=0,
     )
-    result = {"mode": mode, "device": device, "model": model, "side": side, "channels": channels, "convs": convs, "ok": True}
     try:
         trainer.fit(Module(), DataLoader(OneVolume(), batch_size=1))
     except torch.OutOfMemoryError as error:  # the GPU cap
@@ -195,7 +211,9 @@ def run_once(mode: str, device: str, side: int, channels: int, convs: int, steps
     result["base_rss"] = probe.base_rss
     if device == "cuda":
         result["peak_alloc"] = torch.cuda.max_memory_allocated()
+        result["peak_reserved"] = torch.cuda.max_memory_reserved()
         result["base_alloc"] = probe.base_alloc
+        result.update(getattr(probe, "pinned", {}))
     if lms is not None and lms.last_stats is not None:
         s = lms.last_stats
         result.update(offloaded=s.offloaded_bytes, hidden_ms=s.hidden_ms, exposed_ms=s.exposed_ms)
@@ -225,7 +243,8 @@ def run_in_subprocess(mode: str, args: argparse.Namespace, side: int, steps: int
                       glibc_defaults: bool = False, allocator: str | None = None) -> dict:
     cmd = [sys.executable, __file__, "--worker", mode, "--device", args.device, "--side", str(side),
            "--channels", str(args.channels), "--convs", str(args.convs), "--steps", str(steps),
-           "--model", args.model, "--depth", str(args.depth), "--width", str(args.width), "--batch", str(args.batch)]
+           "--model", args.model, "--depth", str(args.depth), "--width", str(args.width), "--batch", str(args.batch),
+           "--precision", args.precision, "--seq", str(args.seq), "--vocab", str(args.vocab)]
     if args.directory:
         cmd += ["--directory", args.directory]
     if cap_mb is not None:
@@ -269,72 +288,10 @@ def _median_row(results: list[dict]) -> dict:
     if not ok:
         return results[0]
     row = dict(ok[0], runs=results)
-    for key in ("step_s", "peak_rss", "peak_alloc", "hidden_ms", "exposed_ms", "user_s", "sys_s", "minflt"):
+    for key in ("step_s", "peak_rss", "peak_alloc", "peak_reserved", "hidden_ms", "exposed_ms", "user_s", "sys_s", "minflt"):
         if key in row:
             row[key] = statistics.median(r[key] for r in ok)
     return row
-
-
-def _peak(r: dict, device: str) -> int:
-    return r["peak_alloc"] if device == "cuda" else r["peak_rss"]
-
-
-def _base(r: dict, device: str) -> int:
-    return r["base_alloc"] if device == "cuda" else r["base_rss"]
-
-
-def table(rows: list[dict], device: str) -> str:
-    what = "max_memory_allocated" if device == "cuda" else "peak RSS"
-    suffix = " (glibc defaults)"
-    refs = {r["mode"]: r for r in rows}
-    lines = [
-        f"| run | {what} (MiB) | training peak above start (MiB) | vs none* | step time (s) | vs none* | offloaded/step (MiB) | copy hidden / exposed (ms) |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for r in rows:
-        if not r.get("ok", True) or "step_s" not in r:
-            lines.append(f"| {r['mode']} | failed: {r.get('error')} | | | | | | |")
-            continue
-        ref = refs.get("none" + suffix if r["mode"].endswith(suffix) else "none", rows[0])  # same allocator
-        act, ref_act = _peak(r, device) - _base(r, device), _peak(ref, device) - _base(ref, device)
-        copy = f"{r['hidden_ms']:.0f} / {r['exposed_ms']:.0f}" if "hidden_ms" in r else ""
-        off = f"{r['offloaded'] / MiB:.0f}" if "offloaded" in r else ""
-        lines.append(
-            f"| {r['mode']} | {_peak(r, device) / MiB:.0f} | {act / MiB:.0f} | {100 * (act / ref_act - 1):+.0f}% "
-            f"| {r['step_s']:.2f} | {r['step_s'] / ref['step_s']:.2f}x | {off} | {copy} |"
-        )
-    return "\n".join(lines)
-
-
-def plot(rows: list[dict], search: dict, args: argparse.Namespace, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    ok = [r for r in rows if "step_s" in r and "glibc" not in r["mode"]]
-    names = [r["mode"] for r in ok]
-    fig, axes = plt.subplots(1, 3 if search else 2, figsize=(13 if search else 9, 3.8))
-    base = [_base(r, args.device) / MiB for r in ok]
-    above = [(_peak(r, args.device) - _base(r, args.device)) / MiB for r in ok]
-    axes[0].bar(names, base, color="#bbbbbb", label="at training start")
-    axes[0].bar(names, above, bottom=base, color="#4477aa", label="training peak above it")
-    axes[0].set_ylabel("max_memory_allocated (MiB)" if args.device == "cuda" else "peak RSS (MiB)")
-    axes[0].legend(fontsize=8)
-    axes[1].bar(names, [r["step_s"] for r in ok], color="#ee6677")
-    axes[1].set_ylabel("step time (s)")
-    for ax in axes[:2]:
-        ax.set_title(f"{args.device}, 3D U-Net ({args.channels} ch, {args.convs} convs/block), {args.side}^3", fontsize=9)
-        ax.tick_params(axis="x", labelsize=8)
-    if search:
-        sides = [search["none"], search["LMSOffload"]]
-        axes[2].bar(["none", "LMSOffload"], [s**3 / 1e6 for s in sides], color="#228833")
-        for i, s in enumerate(sides):
-            axes[2].text(i, s**3 / 1e6, f"{s}^3", ha="center", va="bottom", fontsize=8)
-        axes[2].set_ylabel("largest volume that trains (Mvoxel)")
-        axes[2].set_title(f"under a {args.cap_mb:.0f} MiB cap", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
 
 
 def main() -> None:
@@ -350,15 +307,33 @@ def main() -> None:
     parser.add_argument("--max-side", type=int, default=None, help="stop the search here (default 128 on CPU, 320 on CUDA)")
     parser.add_argument("--side-step", type=int, default=None, help="search granularity (default 8 on CPU, 16 on CUDA)")
     parser.add_argument("--no-search", action="store_true", help="skip the largest-input search")
+    parser.add_argument("--search-start", type=int, default=32, help="first side the search tries")
     parser.add_argument("--timeout", type=float, default=900, help="seconds per run")
-    parser.add_argument("--model", choices=["unet", "mlp"], default="unet",
+    parser.add_argument("--model", choices=["unet", "mlp", "gpt"], default="unet",
                         help="unet: the 3D U-Net; mlp: a deep MLP (--depth Linear+ReLU layers, --width wide, "
-                             "--batch rows), activation-dominated and of low arithmetic intensity: nothing hides the I/O")
-    parser.add_argument("--depth", type=int, default=16, help="MLP layers")
-    parser.add_argument("--width", type=int, default=256, help="MLP width")
-    parser.add_argument("--batch", type=int, default=16384, help="MLP batch size")
-    parser.add_argument("--worker", choices=MODES, default=None, help=argparse.SUPPRESS)
+                             "--batch rows), activation-dominated and of low arithmetic intensity: nothing hides the I/O; "
+                             "gpt: a GPT-like transformer (--depth blocks, --width, --seq, --batch, --vocab)")
+    parser.add_argument("--depth", type=int, default=None, help="MLP layers (16) or GPT blocks (12)")
+    parser.add_argument("--width", type=int, default=None, help="MLP width (256) or GPT width (1024)")
+    parser.add_argument("--batch", type=int, default=None, help="MLP rows (16384) or GPT sequences (8)")
+    parser.add_argument("--seq", type=int, default=1024, help="GPT sequence length")
+    parser.add_argument("--vocab", type=int, default=8192, help="GPT vocabulary")
+    parser.add_argument("--precision", default="32-true", help="Lightning precision, e.g. bf16-mixed")
+    parser.add_argument("--arms", nargs="+", default=list(DEFAULT_ARMS),
+                        help="runs to compare (see offload_arms.py), or 'gpu' for issue 16's list")
+    parser.add_argument("--results", type=Path, default=RESULTS, help="where the JSON and PNG go")
+    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    gpt = args.model == "gpt"
+    args.depth = args.depth or (12 if gpt else 16)
+    args.width = args.width or (1024 if gpt else 256)
+    args.batch = args.batch or (8 if gpt else 16384)
+    args.arms = list(GPU_ARMS) if args.arms == ["gpu"] else args.arms
+    for arm in args.arms:
+        try:
+            parse_arm(arm)  # a bad arm fails here, not in a worker
+        except ValueError as error:
+            parser.error(str(error))
     if args.device is None:
         import torch
 
@@ -371,7 +346,7 @@ def main() -> None:
 
     if args.worker is not None:
         print(json.dumps(run_once(args.worker, args.device, args.side, args.channels, args.convs, args.steps, args.directory,
-                                  args.cap_mb, args.model, args.depth, args.width, args.batch)))
+                                  args.cap_mb, args.model, args.depth, args.width, args.batch, args.precision, args.seq, args.vocab)))
         return
 
     args.cap_mb = args.cap_mb or (8192.0 if gpu else 768.0)
@@ -389,24 +364,27 @@ def main() -> None:
 
 
 def _benchmark(args: argparse.Namespace, gpu: bool) -> None:
-    print(f"device={args.device} side={args.side} channels={args.channels} convs={args.convs} steps={args.steps} repeats={args.repeats} "
+    what = (f"model=gpt depth={args.depth} width={args.width} seq={args.seq} batch={args.batch}" if args.model == "gpt"
+            else f"side={args.side} channels={args.channels} convs={args.convs}")
+    print(f"device={args.device} {what} precision={args.precision} steps={args.steps} repeats={args.repeats} "
           f"directory={args.directory} OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}", flush=True)
-    runs: dict[str, list[dict]] = {mode: [] for mode in MODES}
+    modes = args.arms
+    runs: dict[str, list[dict]] = {mode: [] for mode in modes}
     for repeat in range(args.repeats):
         # Alternate the order so that drift in machine load does not favour one mode.
-        for mode in MODES if repeat % 2 == 0 else tuple(reversed(MODES)):
+        for mode in modes if repeat % 2 == 0 else modes[::-1]:
             runs[mode].append(run_in_subprocess(mode, args, args.side, args.steps))
-            print(f"  {mode} (run {repeat + 1}/{args.repeats}): done", flush=True)
-    rows = [_median_row(runs[mode]) for mode in MODES]
-    if not gpu:
+            print(f"  {mode} (run {repeat + 1}/{args.repeats}): {runs[mode][-1].get('skipped') or 'done'}", flush=True)
+    rows = [_median_row(runs[mode]) for mode in modes]
+    if not gpu and set(DEFAULT_ARMS) <= set(modes):
         for mode in ("none", "LMSOffload"):
             rows.append(run_in_subprocess(mode, args, args.side, args.steps, glibc_defaults=True))
             print(f"  {mode} (glibc defaults): done", flush=True)
     search = {}
-    if not args.no_search:
+    if not args.no_search and args.model == "unet":
         print(f"largest side under {args.cap_mb:.0f} MiB:", flush=True)
-        search["none"], trials_none = largest_side("none", args, start=32)
-        search["LMSOffload"], trials_lms = largest_side("LMSOffload", args, start=max(search["none"], 32))
+        search["none"], trials_none = largest_side("none", args, start=args.search_start)
+        search["LMSOffload"], trials_lms = largest_side("LMSOffload", args, start=max(search["none"], args.search_start))
         search["trials"] = trials_none + trials_lms
 
     print()
@@ -416,9 +394,9 @@ def _benchmark(args: argparse.Namespace, gpu: bool) -> None:
         n, m = search["none"], search["LMSOffload"]
         ratio = f"{(m / n) ** 3:.2f}x the volume" if n else "n/a"
         print(f"\nLargest side that trains under {args.cap_mb:.0f} MiB: none {n}^3, LMSOffload {m}^3 ({ratio}).")
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    stem = RESULTS / f"offload_{args.device}"
-    stem.with_suffix(".json").write_text(json.dumps({"args": vars(args), "rows": rows, "search": search}, indent=2))
+    args.results.mkdir(parents=True, exist_ok=True)
+    stem = args.results / (f"offload_{args.device}" + ("_gpt" if args.model == "gpt" else ""))
+    stem.with_suffix(".json").write_text(json.dumps({"args": vars(args), "rows": rows, "search": search}, indent=2, default=str))
     plot(rows, search, args, stem.with_suffix(".png"))
     print(f"\nwrote {stem.with_suffix('.json')} and {stem.with_suffix('.png')}")
 
@@ -437,35 +415,10 @@ def _benchmark_mlp(args: argparse.Namespace) -> None:
     rows = [_median_row(runs[arm]) for arm in arms]
     print()
     print(mlp_table(rows, arms))
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    path = RESULTS / f"offload_{args.device}_mlp.json"
-    path.write_text(json.dumps({"args": vars(args), "rows": rows}, indent=2))
+    args.results.mkdir(parents=True, exist_ok=True)
+    path = args.results / f"offload_{args.device}_mlp.json"
+    path.write_text(json.dumps({"args": vars(args), "rows": rows}, indent=2, default=str))
     print(f"\nwrote {path}")
-
-
-def mlp_table(rows: list[dict], arms: list[tuple[str, str]]) -> str:
-    """Peak RSS and step time against no offload under glibc's defaults (what a user without
-    settings compares with) and against no offload under the same allocator settings."""
-    by_arm = dict(zip(arms, rows))
-    ref = by_arm[("none", "defaults")]
-    lines = [
-        "| run | allocator | peak RSS (MiB) | vs none (defaults) | above start (MiB) | step (s) | vs none (defaults) "
-        "| vs none (same allocator) | CPU user + sys (s) | minor faults | copy hidden / exposed (ms) |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for (mode, alloc), r in by_arm.items():
-        if "step_s" not in r:
-            lines.append(f"| {mode} | {alloc} | failed: {r.get('error')} | | | | | | | | |")
-            continue
-        same = by_arm[("none", alloc)]
-        copy = f"{r['hidden_ms']:.0f} / {r['exposed_ms']:.0f}" if "hidden_ms" in r else ""
-        same_ratio = f"{r['step_s'] / same['step_s']:.2f}x" if "step_s" in same else ""
-        lines.append(
-            f"| {mode} | {alloc} | {r['peak_rss'] / MiB:.0f} | {r['peak_rss'] / ref['peak_rss']:.2f}x "
-            f"| {(r['peak_rss'] - r['base_rss']) / MiB:.0f} | {r['step_s']:.2f} | {r['step_s'] / ref['step_s']:.2f}x "
-            f"| {same_ratio} | {r['user_s']:.2f} + {r['sys_s']:.2f} | {r['minflt']:.0f} | {copy} |"
-        )
-    return "\n".join(lines)
 
 
 if __name__ == "__main__":

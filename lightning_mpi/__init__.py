@@ -14,6 +14,7 @@ Classes, by the package they are built on:
 
 Names are resolved on first use, so importing this package stays cheap.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -24,17 +25,35 @@ from lightning_mpi.comm.mpienv import apply_mpi_defaults
 # Before anything imports mpi4py.MPI (which initialises MPI): see lightning_mpi.comm.mpienv.
 apply_mpi_defaults()
 
-from lightning_mpi.strategies.registry import STRATEGIES, install_registration_hooks, register_strategies  # noqa: E402
+# ``X as X``: re-exported public names (``__all__`` below is built, so linters cannot read it)
+from lightning_mpi.strategies.registry import STRATEGIES as STRATEGIES  # noqa: E402
+from lightning_mpi.strategies.registry import install_registration_hooks  # noqa: E402
+from lightning_mpi.strategies.registry import register_strategies as register_strategies  # noqa: E402
 
 __version__ = "0.1.0"
 
 #: Classes built on ``pytorch_lightning`` (see :mod:`lightning_mpi.strategies.build`).
 _PYTORCH_LIGHTNING_CLASSES = (
-    "MPIStrategy", "SyncStrategy", "CompressedSyncStrategy", "AsyncMPIStrategy", "EASGDStrategy",
-    "ModelAveragingStrategy", "AEASGDStrategy", "EAMSGDStrategy", "DownpourStrategy", "AGNStrategy",
-    "ADAGStrategy", "DynSGDStrategy", "GoSGDStrategy", "PowerSGDStrategy", "DiLoCoStrategy",
-    "StreamingDiLoCoStrategy", "MPIClusterEnvironment", "AtomicCheckpointIO",
-    "LMSOffload", "PrefetchDataModule",
+    "MPIStrategy",
+    "SyncStrategy",
+    "CompressedSyncStrategy",
+    "AsyncMPIStrategy",
+    "EASGDStrategy",
+    "ModelAveragingStrategy",
+    "AEASGDStrategy",
+    "EAMSGDStrategy",
+    "DownpourStrategy",
+    "AGNStrategy",
+    "ADAGStrategy",
+    "DynSGDStrategy",
+    "GoSGDStrategy",
+    "PowerSGDStrategy",
+    "DiLoCoStrategy",
+    "StreamingDiLoCoStrategy",
+    "MPIClusterEnvironment",
+    "AtomicCheckpointIO",
+    "LMSOffload",
+    "PrefetchDataModule",
 )
 
 #: Lightning-free names -> the module that defines them.
@@ -63,6 +82,8 @@ __all__ = sorted([*_PYTORCH_LIGHTNING_CLASSES, *_MODULES, "STRATEGIES", "registe
 
 def __getattr__(name: str) -> Any:
     if name in _PYTORCH_LIGHTNING_CLASSES:
+        # deferred: building the classes imports pytorch_lightning and torch, which
+        # ``import lightning_mpi`` must not
         from lightning_mpi.strategies.build import trainer_classes
 
         return trainer_classes("pytorch_lightning")[name]

@@ -23,14 +23,15 @@ Both are applied by :class:`StepOverrides` for the duration of one update only, 
 like ``OneCycleLR``) keep working on them, and checkpoints store them (a resume at another world
 size scales and corrects afresh).
 """
+
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any, Optional
+from typing import Any
 
 #: Allowed values of ``lr_scaling``.
-LR_SCALINGS: tuple[Optional[str], ...] = ("linear", "sqrt", None)
+LR_SCALINGS: tuple[str | None, ...] = ("linear", "sqrt", None)
 
 
 # -- validation -------------------------------------------------------------------------------------
@@ -43,11 +44,13 @@ def check_lr_scaling(lr_scaling: Any) -> None:
 def check_warmup_steps(warmup_steps: Any) -> None:
     """``warmup_steps`` must be an int ≥ 0 (optimizer steps)."""
     if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
-        raise ValueError(f"warmup_steps={warmup_steps!r} is out of range: it must be an int in [0, inf) (optimizer steps)")
+        raise ValueError(
+            f"warmup_steps={warmup_steps!r} is out of range: it must be an int in [0, inf) (optimizer steps)"
+        )
 
 
 # -- learning rate ----------------------------------------------------------------------------------
-def scale_factor(lr_scaling: Optional[str], world_size: int) -> float:
+def scale_factor(lr_scaling: str | None, world_size: int) -> float:
     """The full learning-rate factor for ``world_size`` ranks: W (linear), √W (sqrt) or 1 (None)."""
     check_lr_scaling(lr_scaling)
     if world_size < 1:
@@ -66,12 +69,12 @@ def warmup_factor(full: float, step: int, warmup_steps: int) -> float:
     return 1.0 + (full - 1.0) * max(step, 0) / warmup_steps
 
 
-def lr_factor(lr_scaling: Optional[str], world_size: int, step: int, warmup_steps: int = 0) -> float:
+def lr_factor(lr_scaling: str | None, world_size: int, step: int, warmup_steps: int = 0) -> float:
     """The factor applied to every learning rate at optimizer step ``step`` (0-based)."""
     return warmup_factor(scale_factor(lr_scaling, world_size), step, warmup_steps)
 
 
-def describe_lr_scaling(lr_scaling: Optional[str], world_size: int, warmup_steps: int) -> str:
+def describe_lr_scaling(lr_scaling: str | None, world_size: int, warmup_steps: int) -> str:
     """The line rank 0 prints at train start, e.g. ``lr_scaling='linear': learning rates x4
     (world size 4), reached after 100 warm-up steps``."""
     full = scale_factor(lr_scaling, world_size)
@@ -97,7 +100,7 @@ def corrected_momentum(momentum: float, world_size: int) -> float:
     return max(0.0, float(momentum) - implicit_momentum(world_size))
 
 
-def momentum_key(group: dict[str, Any]) -> Optional[str]:
+def momentum_key(group: dict[str, Any]) -> str | None:
     """Where a param group keeps its momentum: ``"betas"`` (Adam family: β₁), ``"momentum"`` (SGD,
     RMSprop), or ``None`` (no momentum at all, e.g. Adagrad)."""
     if isinstance(group.get("betas"), (tuple, list)) and len(group["betas"]) >= 1:
@@ -107,7 +110,7 @@ def momentum_key(group: dict[str, Any]) -> Optional[str]:
     return None
 
 
-def get_momentum(group: dict[str, Any]) -> Optional[float]:
+def get_momentum(group: dict[str, Any]) -> float | None:
     """The group's explicit momentum (SGD ``momentum``, Adam ``betas[0]``), ``None`` when it has none."""
     key = momentum_key(group)
     if key is None:
@@ -144,14 +147,17 @@ class StepOverrides:
     the user (or a scheduler) sets inside the closure are the ones overridden afterwards.
     """
 
-    def __init__(self, optimizer: Any, lr_factor: float = 1.0, implicit: float = 0.0, correct_momentum: bool = False) -> None:
+    def __init__(
+        self, optimizer: Any, lr_factor: float = 1.0, implicit: float = 0.0, correct_momentum: bool = False
+    ) -> None:
         self.optimizer = optimizer
         self.lr_factor = float(lr_factor)
         self.implicit = float(implicit)
         self.correct_momentum = correct_momentum
-        self._saved: Optional[list[tuple[dict[str, Any], Any, Any]]] = None
+        # (group, its lr, where it keeps its momentum, that momentum) as the user set them
+        self._saved: list[tuple[dict[str, Any], Any, str | None, Any]] | None = None
         #: The first momentum-carrying group's (user value, value used) in the last application.
-        self.momentum_used: Optional[tuple[float, float]] = None
+        self.momentum_used: tuple[float, float] | None = None
         #: True when some group's momentum was clamped to 0 in the last application.
         self.clamped = False
 
@@ -167,7 +173,7 @@ class StepOverrides:
         self.momentum_used = None
         for group in self.optimizer.param_groups:
             key = momentum_key(group) if self.correct_momentum else None
-            saved.append((group, group.get("lr"), group[key] if key else None))
+            saved.append((group, group.get("lr"), key, group[key] if key else None))
             if self.lr_factor != 1.0 and "lr" in group:
                 group["lr"] = group["lr"] * self.lr_factor
             if key is not None:
@@ -185,11 +191,11 @@ class StepOverrides:
     def restore(self) -> None:
         if self._saved is None:
             return
-        for group, lr, momentum in self._saved:
+        for group, lr, key, momentum in self._saved:
             if lr is not None:
                 group["lr"] = lr
-            if momentum is not None:
-                group[momentum_key(group)] = momentum  # type: ignore[index]
+            if key is not None:
+                group[key] = momentum
         self._saved = None
 
     def wrap_closure(self, closure: Callable[[], Any]) -> Callable[[], Any]:
@@ -201,7 +207,7 @@ class StepOverrides:
 
         return unscaled_closure
 
-    def __enter__(self) -> "StepOverrides":
+    def __enter__(self) -> StepOverrides:
         self.apply()
         return self
 

@@ -40,7 +40,7 @@ def pytest_configure(config):
             )
 
 
-def pytest_collection_modifyitems(config, items):
+def _mark_openmpi_core(config, items):
     matched = set()
     for item in items:
         for prefix in OPENMPI_CORE:
@@ -52,3 +52,30 @@ def pytest_collection_modifyitems(config, items):
         stale = [p for p in OPENMPI_CORE if p not in matched]
         if stale:
             raise pytest.UsageError(f"tests/conftest.py OPENMPI_CORE names tests that no longer exist: {stale}")
+
+
+CUDA_SKIP_REASON = "needs a CUDA device: on a GPU machine `python benchmarks/gpu_check.py` runs every test marked cuda"
+
+
+def pytest_collection_modifyitems(config, items):
+    _mark_openmpi_core(config, items)
+    _skip_cuda(items)
+
+
+def _skip_cuda(items):
+    """Tests marked ``cuda`` are skipped where torch sees no CUDA device.
+
+    The marker is the one way a test says it needs a GPU, so that ``pytest -m cuda`` (what
+    ``benchmarks/gpu_check.py`` runs) selects exactly those tests. torch is imported only when such a
+    test was collected.
+    """
+    marked = [item for item in items if item.get_closest_marker("cuda") is not None]
+    if not marked:
+        return
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason=CUDA_SKIP_REASON)
+    for item in marked:
+        item.add_marker(skip)

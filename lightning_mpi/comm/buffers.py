@@ -5,6 +5,7 @@ members' gradients (or values) in, ``unpack`` copies the exchanged result back o
 pads the buffer to a multiple of ``world_size`` is zero and stays zero: summing zeros keeps it
 zero, so ASA can cut the buffer into ``world_size`` equal chunks whatever the parameter shapes.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
@@ -42,7 +43,7 @@ class Bucket:
     _views: list[Tensor] = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
-        self._views = [self.flat[o : o + t.numel()].view_as(t) for t, o in zip(self.tensors, self.offsets)]
+        self._views = [self.flat[o : o + t.numel()].view_as(t) for t, o in zip(self.tensors, self.offsets, strict=True)]
 
     def views(self) -> list[Tensor]:
         """Views into ``flat`` shaped like each member; writing them writes the buffer."""
@@ -50,7 +51,7 @@ class Bucket:
 
     def pack_grads(self) -> None:
         """Copy every member's ``.grad`` into the buffer; a missing gradient contributes zeros."""
-        for tensor, view in zip(self.tensors, self._views):
+        for tensor, view in zip(self.tensors, self._views, strict=True):
             if tensor.grad is None:
                 view.zero_()
             else:
@@ -58,7 +59,7 @@ class Bucket:
 
     def unpack_grads(self) -> None:
         """Copy the buffer back into every member's ``.grad`` (allocating it if it was ``None``)."""
-        for tensor, view in zip(self.tensors, self._views):
+        for tensor, view in zip(self.tensors, self._views, strict=True):
             if tensor.grad is None:
                 tensor.grad = view.detach().to(tensor.dtype, copy=True)
             else:
@@ -66,13 +67,13 @@ class Bucket:
 
     def pack(self, tensors: Sequence[Tensor] | None = None) -> None:
         """Copy member values (or the given same-shaped tensors) into the buffer."""
-        for tensor, view in zip(tensors if tensors is not None else self.tensors, self._views):
+        for tensor, view in zip(tensors if tensors is not None else self.tensors, self._views, strict=True):
             view.copy_(tensor.detach())
 
     def unpack(self, tensors: Sequence[Tensor] | None = None) -> None:
         """Copy the buffer into member values (or the given same-shaped tensors)."""
         with torch.no_grad():
-            for tensor, view in zip(tensors if tensors is not None else self.tensors, self._views):
+            for tensor, view in zip(tensors if tensors is not None else self.tensors, self._views, strict=True):
                 tensor.copy_(view)
 
 

@@ -36,9 +36,14 @@ with broadcast operands (a lookup table), ``addcmul`` with two broadcast operand
 popcount table over packed bytes), and, in :mod:`~lightning_mpi.comm.collectives`, ``torch.sum`` over
 a short leading dimension (row adds). ``benchmarks/codec_speed.py`` times all of it.
 
+On CUDA tensors, when cupy is installed, the heavy passes of fp16, int8 (with its error-feedback
+residual) and 1-bit encoding run as fused kernels instead (:mod:`lightning_mpi.comm.cupy_kernels`),
+bit-exact against the torch code here; CPU tensors always take the torch code.
+
 Top-k sparsification is not row-wise (it chooses entries across the whole buffer): see
 :mod:`lightning_mpi.comm.sparse`.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -49,6 +54,15 @@ from torch import Tensor
 
 #: Largest magnitude a scaled fp16 row may reach: 2**14 leaves a factor 4 to fp16's 65504.
 _TARGET_EXPONENT = 14
+
+
+def cuda_kernels(t: Tensor):
+    """The fused cupy kernels for a CUDA tensor (None on CPU, without cupy, or when switched off)."""
+    if not t.is_cuda:
+        return None
+    from lightning_mpi.comm.cupy_kernels import kernels_for
+
+    return kernels_for(t)
 
 
 @dataclass(frozen=True)
@@ -90,12 +104,21 @@ class HalfCodec(Codec):
     def _exponents(self, src: Tensor) -> Tensor:
         """Per-row exponent ``e`` with ``max|row| * 2**e < 2**14``; 0 for all-zero or non-finite rows."""
         # amax and amin are vectorised reductions; abs() would first write a full-size copy.
-        peak = torch.maximum(src.amax(dim=1), src.amin(dim=1).neg())
+        return self._exponents_from(src.amax(dim=1), src.amin(dim=1))
+
+    @staticmethod
+    def _exponents_from(hi: Tensor, lo: Tensor) -> Tensor:
+        """:meth:`_exponents` from the rows' maxima and minima (``[rows]``)."""
+        peak = torch.maximum(hi, lo.neg())
         _, exp = torch.frexp(peak)  # peak = m * 2**exp with 0.5 <= m < 1, so peak < 2**exp
         e = (_TARGET_EXPONENT - exp).clamp_(-120, 120)
         return torch.where(torch.isfinite(peak) & (peak > 0), e, torch.zeros_like(e))
 
     def encode(self, src: Tensor, dst: Tensor) -> None:
+        if self.scaled and src.is_cuda and self.half_dtype == torch.float16:
+            kernels = cuda_kernels(src)
+            if kernels is not None and kernels.half_encode(self, src, dst):
+                return
         values = dst[:, 1:].view(self.half_dtype)
         if self.scaled:
             e = self._exponents(src)
@@ -173,7 +196,10 @@ class Int8Codec(Codec):
     def _grid(self, src: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """Per-row header words ``m``, ``s`` and the encoding's ``2**-s`` and ``2**23 - m`` (``[rows, 1]``)."""
         # amin + amax: two vectorised reductions (torch.aminmax is an order of magnitude slower on CPU).
-        lo, hi = src.amin(dim=1, keepdim=True), src.amax(dim=1, keepdim=True)
+        return self._grid_from(src.amin(dim=1, keepdim=True), src.amax(dim=1, keepdim=True))
+
+    def _grid_from(self, lo: Tensor, hi: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """:meth:`_grid` from the rows' minima and maxima (``[rows, 1]``)."""
         finite = torch.isfinite(lo) & torch.isfinite(hi)
         zero = torch.zeros_like(lo)
         lo = torch.where(finite, lo, zero)
@@ -190,7 +216,17 @@ class Int8Codec(Codec):
         offset = torch.where(varying, m, zero).neg_().add_(_MAGIC)
         return m, torch.where(finite, s, torch.full_like(s, _NONFINITE)), inv, offset
 
+    @staticmethod
+    def _scale_of(s: Tensor) -> Tensor:
+        """``2**s`` per row from the header's ``s``; NaN for a non-finite row's marker."""
+        scale = torch.exp2(s.clamp(-126, 127).to(torch.float32))
+        return torch.where(s == _NONFINITE, torch.full_like(scale, float("nan")), scale)
+
     def encode(self, src: Tensor, dst: Tensor) -> None:
+        if src.is_cuda and type(self) is Int8Codec:
+            kernels = cuda_kernels(src)
+            if kernels is not None and kernels.int8_encode(self, src, dst):
+                return
         rows, chunk = src.shape
         if src.dtype != torch.float32:  # float64 buckets: quantize their float32 rounding
             src = src.to(torch.float32)
@@ -210,9 +246,7 @@ class Int8Codec(Codec):
         chunk = dst.shape[1]
         header = src[:, :8].view(torch.int32)
         m = header[:, 0:1].to(torch.float32)
-        s = header[:, 1:2]
-        scale = torch.exp2(s.clamp(-126, 127).to(torch.float32))
-        scale = torch.where(s == _NONFINITE, torch.full_like(scale, float("nan")), scale)
+        scale = self._scale_of(header[:, 1:2])
         dst.copy_(src[:, 8 : 8 + chunk])  # uint8 -> float: one vectorised pass
         dst.add_(m).mul_(scale)  # q + m is exact (|m| < 2**24), the power-of-two scale too
 
@@ -262,9 +296,7 @@ class Int4Codec(Int8Codec):
         nbytes = -(-chunk // 2)
         header = src[:, :8].view(torch.int32)
         m = header[:, 0:1].to(torch.float32)
-        s = header[:, 1:2]
-        scale = torch.exp2(s.clamp(-126, 127).to(torch.float32))
-        scale = torch.where(s == _NONFINITE, torch.full_like(scale, float("nan")), scale)
+        scale = self._scale_of(header[:, 1:2])
         packed = src[:, 8 : 8 + nbytes]
         q = _buffer("int4.unpacked", (rows, nbytes, 2), torch.uint8, src.device)
         torch.bitwise_and(packed, 0x0F, out=q[:, :, 0])
@@ -323,6 +355,26 @@ class OneBitCodec(Codec):
         pos_sum = t.sum(dim=1)
         torch.sub(src, t, out=t)
         neg_sum = t.sum(dim=1)
+        # The sign bits and their count per row: a warp ballot on CUDA with cupy, torch otherwise.
+        kernels = cuda_kernels(src)
+        npos = None if kernels is None else kernels.onebit_pack(src, dst)
+        if npos is None:
+            npos = self._pack_signs(src, dst)
+        pos = pos_sum / npos.clamp(min=1)
+        neg = -neg_sum / (chunk - npos).clamp(min=1)
+        bad = ~(torch.isfinite(pos_sum) & torch.isfinite(neg_sum))  # inf or NaN anywhere in the row
+        nan = torch.full_like(pos, float("nan"))
+        header[:, 0].copy_(torch.where(bad, nan, self._round8(pos)))
+        header[:, 1].copy_(torch.where(bad, nan, self._round8(neg)))
+        if dst.shape[1] > 8 + nbytes:
+            dst[:, 8 + nbytes :].zero_()
+
+    @staticmethod
+    def _pack_signs(src: Tensor, dst: Tensor) -> Tensor:
+        """Write the sign bits of ``src`` into ``dst[:, 8 : 8 + nbytes]``; return the ``[rows]``
+        float32 count of values >= 0 (the torch path of the 1-bit packing)."""
+        rows, chunk = src.shape
+        nbytes = -(-chunk // 8)
         # One byte per value (1: x >= 0), zero-padded to whole bytes, packed 8 to a 64-bit word.
         flags = _buffer("onebit.flags", (rows, nbytes * 8), torch.bool, src.device)
         torch.ge(src, 0, out=flags[:, :chunk])
@@ -338,15 +390,7 @@ class OneBitCodec(Codec):
         index.copy_(words)
         counts = _buffer("onebit.counts", (rows * nbytes,), torch.float32, src.device)
         torch.index_select(popcount, 0, index.view(-1), out=counts)
-        npos = counts.view(rows, nbytes).sum(dim=1)
-        pos = pos_sum / npos.clamp(min=1)
-        neg = -neg_sum / (chunk - npos).clamp(min=1)
-        bad = ~(torch.isfinite(pos_sum) & torch.isfinite(neg_sum))  # inf or NaN anywhere in the row
-        nan = torch.full_like(pos, float("nan"))
-        header[:, 0].copy_(torch.where(bad, nan, self._round8(pos)))
-        header[:, 1].copy_(torch.where(bad, nan, self._round8(neg)))
-        if dst.shape[1] > 8 + nbytes:
-            dst[:, 8 + nbytes :].zero_()
+        return counts.view(rows, nbytes).sum(dim=1)
 
     def decode(self, src: Tensor, dst: Tensor) -> None:
         rows, chunk = dst.shape

@@ -23,6 +23,7 @@ so that, summed over steps, what was sent plus the residual equals what was give
 so the bookkeeping is exact to the last bit; with the other codecs it is exact up to the fp32
 rounding of ``a - decode(wire)``.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -30,7 +31,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from lightning_mpi.comm.codecs import Codec
+from lightning_mpi.comm.codecs import Codec, Int8Codec, cuda_kernels
 from lightning_mpi.comm.engine import Exchange
 from lightning_mpi.comm.transport import Transport
 
@@ -60,7 +61,7 @@ class ASAWorkspace:
     mine_wire: Tensor  # [1, wire(c)]
 
     @classmethod
-    def for_buffer(cls, flat: Tensor, world_size: int, codec: Codec) -> "ASAWorkspace":
+    def for_buffer(cls, flat: Tensor, world_size: int, codec: Codec) -> ASAWorkspace:
         if flat.numel() % world_size:
             raise ValueError(f"buffer of {flat.numel()} elements is not padded to a multiple of {world_size}")
         chunk = flat.numel() // world_size
@@ -84,8 +85,13 @@ def encode_with_feedback_(codec: Codec, rows: Tensor, wire: Tensor, residual: Te
 
     ``rows`` (``[r, c]``) is overwritten with ``rows + residual``; ``scratch`` is ``[r, c]`` float
     scratch and holds the decoded wire afterwards. ``residual=None`` encodes ``rows`` as is (no
-    feedback).
+    feedback). On CUDA with cupy, int8 runs all of it as two fused kernels (bit-exact; see
+    :mod:`lightning_mpi.comm.cupy_kernels`).
     """
+    if residual is not None and rows.is_cuda and type(codec) is Int8Codec:
+        kernels = cuda_kernels(rows)
+        if kernels is not None and kernels.int8_encode(codec, rows, wire, residual, scratch):
+            return
     if residual is not None:
         rows.add_(residual)
     codec.encode(rows, wire)
@@ -145,7 +151,9 @@ def asa_mean_steps(
         rows[rank].add_(res[rank])
         res[rank].zero_()  # sent exactly (non-zero only after a restore from another world size)
     for a, b in others:
-        encode_with_feedback_(codec, rows[a:b], work.send_wire[a:b], None if res is None else res[a:b], work.decoded[a:b])
+        encode_with_feedback_(
+            codec, rows[a:b], work.send_wire[a:b], None if res is None else res[a:b], work.decoded[a:b]
+        )
     yield from transport.ialltoall(work.send_wire, work.recv_wire)
     for a, b in others:
         codec.decode(work.recv_wire[a:b], work.decoded[a:b])

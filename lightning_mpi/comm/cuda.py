@@ -5,6 +5,7 @@ device pointers may be passed to MPI calls. mpi4py does not wrap it, so it is lo
 ctypes in the MPI library that mpi4py loaded. ``LIGHTNING_MPI_CUDA_AWARE=0|1`` overrides the
 answer (for an MPI that lacks the query, or to force staging while debugging).
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -35,12 +36,12 @@ def mpi_is_cuda_aware() -> bool:
     override = os.environ.get(ENV_OVERRIDE)
     if override is not None:
         return override.strip().lower() in ("1", "true", "yes", "on")
-    from mpi4py import MPI  # noqa: F401  (loads the MPI library whose symbols are queried)
+    from mpi4py import MPI  # noqa: F401  (loads the MPI library queried below; deferred: see lightning_mpi.comm)
 
     candidates = [None, *_loaded_mpi_libraries()]
     for path in candidates:
         try:
-            query = getattr(ctypes.CDLL(path), "MPIX_Query_cuda_support")
+            query = ctypes.CDLL(path).MPIX_Query_cuda_support
         except (OSError, AttributeError):
             continue
         query.restype = ctypes.c_int

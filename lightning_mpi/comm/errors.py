@@ -19,6 +19,7 @@ driving MPI progress (:meth:`ErrorChannel.linger`) until every other rank acknow
 or ``linger_seconds`` passed, so that a rank blocked in ``Unlock`` against it can finish, reach
 its next check and raise.
 """
+
 from __future__ import annotations
 
 import pickle
@@ -85,7 +86,7 @@ class ErrorChannel:
     """
 
     def __init__(self, comm: Any, linger_seconds: float = LINGER_SECONDS) -> None:
-        from mpi4py import MPI
+        from mpi4py import MPI  # deferred: importing it initialises MPI (see lightning_mpi.comm)
 
         self.MPI = MPI
         self.comm = comm.Dup()
@@ -208,7 +209,9 @@ class ErrorChannel:
                 continue
             rank, error = rest
             with self._lock:
-                self._sends.append((self.comm.Isend(pickle.dumps((generation, self.rank)), dest=source, tag=ACK_TAG), b""))
+                self._sends.append(
+                    (self.comm.Isend(pickle.dumps((generation, self.rank)), dest=source, tag=ACK_TAG), b"")
+                )
                 self._acks.add(source)  # it failed too: it waits for nobody
                 if self._failure is None:
                     self._failure = RankFailedError(rank, error)

@@ -9,6 +9,7 @@ It counts what it sent to and received from every rank, so that after a failed r
 can settle it (:meth:`Mailbox.settle`): every message still in flight is received and dropped, every
 send completes, and nothing stale is left to match later traffic.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterator
@@ -28,7 +29,7 @@ class Mailbox:
     """
 
     def __init__(self, transport: Transport, numel: int, tag: int = 7301) -> None:
-        from mpi4py import MPI
+        from mpi4py import MPI  # deferred: importing it initialises MPI (see lightning_mpi.comm)
 
         self.MPI = MPI
         self.transport = transport
@@ -85,12 +86,24 @@ class Mailbox:
         for source, sent in enumerate(everyone):
             for _ in range(sent[transport.rank] - self.received_from[source]):
                 request = self.comm.Irecv(buffer, source=source, tag=self.tag)
-                wait_request(request, transport.timeout, "settling a failed run's messages", transport.rank,
-                             transport.size, transport.watch)
+                wait_request(
+                    request,
+                    transport.timeout,
+                    "settling a failed run's messages",
+                    transport.rank,
+                    transport.size,
+                    transport.watch,
+                )
                 self.received_from[source] += 1
         for request, _ in self._sending:
-            wait_request(request, transport.timeout, "settling a failed run's messages", transport.rank,
-                         transport.size, transport.watch)
+            wait_request(
+                request,
+                transport.timeout,
+                "settling a failed run's messages",
+                transport.rank,
+                transport.size,
+                transport.watch,
+            )
         self._sending = []
 
     def close(self) -> None:
@@ -111,7 +124,7 @@ class _Probe:
     """A "request" that completes when a message has arrived (``Iprobe``), for :func:`wait_request`."""
 
     def __init__(self, comm: Any, tag: int) -> None:
-        from mpi4py import MPI
+        from mpi4py import MPI  # deferred: importing it initialises MPI (see lightning_mpi.comm)
 
         self.comm, self.tag, self.MPI = comm, tag, MPI
         self.status = MPI.Status()

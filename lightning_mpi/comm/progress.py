@@ -4,7 +4,7 @@ MPICH moves data only while some thread of the process is inside an MPI call, an
 spends most of its time in torch kernels that make none. Two things need that movement:
 
 - non-blocking collectives in flight during backward (the synchronous rules): the thread calls
-  :meth:`~lightning_mpi.comm.engine.Progress.try_poll`, which tests every request and starts an
+  :meth:`~lightning_mpi.comm.engine.ExchangeScheduler.try_poll`, which tests every request and starts an
   exchange's next phase (ASA's sum and Allgather) as soon as its previous one completed;
 - one-sided operations aimed at this rank (the parameter-server windows): the thread calls
   ``Iprobe`` on a private communicator (:meth:`ProgressThread.probing`). A 16 MB
@@ -19,6 +19,7 @@ it on the run's :class:`~lightning_mpi.comm.errors.ErrorChannel`: the other rank
 ``RankFailedError``, and this rank's training thread raises the thread's own exception at its
 next wait).
 """
+
 from __future__ import annotations
 
 import threading
@@ -26,20 +27,27 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from lightning_mpi.comm.resources import RunResources
+
 
 def require_thread_multiple(who: str, remedy: str = "") -> None:
     """Raise ``RuntimeError`` unless MPI runs with ``MPI_THREAD_MULTIPLE`` (a progress thread needs it).
 
     ``who`` names what needs the thread in the message; ``remedy`` adds a way around it."""
-    from mpi4py import MPI
+    from mpi4py import MPI  # deferred: importing it initialises MPI (see lightning_mpi.comm)
 
     level = MPI.Query_thread()
     if level < MPI.THREAD_MULTIPLE:
-        names = {MPI.THREAD_SINGLE: "THREAD_SINGLE", MPI.THREAD_FUNNELED: "THREAD_FUNNELED", MPI.THREAD_SERIALIZED: "THREAD_SERIALIZED"}
+        names = {
+            MPI.THREAD_SINGLE: "THREAD_SINGLE",
+            MPI.THREAD_FUNNELED: "THREAD_FUNNELED",
+            MPI.THREAD_SERIALIZED: "THREAD_SERIALIZED",
+        }
         raise RuntimeError(
             f"lightning_mpi: {who} needs MPI_THREAD_MULTIPLE for its progress thread (which calls MPI while "
-            f"training runs), but MPI was initialised with {names.get(level, level)}. Do not set mpi4py.rc.thread_level "
-            f"(its default is 'multiple'), and use an MPI library built with thread support{remedy}."
+            f"training runs), but MPI was initialised with {names.get(level, level)}. Do not set "
+            f"mpi4py.rc.thread_level (its default is 'multiple'), and use an MPI library built with thread "
+            f"support{remedy}."
         )
 
 
@@ -83,13 +91,19 @@ class ProgressThread:
             self.start()
 
     @classmethod
-    def probing(cls, comm: Any, interval: float, who: str, resources: Any = None,
-                on_error: Callable[[BaseException], None] | None = None) -> "ProgressThread":
+    def probing(
+        cls,
+        comm: Any,
+        interval: float,
+        who: str,
+        resources: RunResources | None = None,
+        on_error: Callable[[BaseException], None] | None = None,
+    ) -> ProgressThread:
         """A running thread that calls ``Iprobe`` on a private duplicate of ``comm`` (collective:
         the duplication, blocking), which services one-sided operations aimed at this rank.
         :meth:`close` frees the duplicate (through ``resources``, a
         :class:`~lightning_mpi.comm.resources.RunResources`, when given)."""
-        from mpi4py import MPI
+        from mpi4py import MPI  # deferred: importing it initialises MPI (see lightning_mpi.comm)
 
         from lightning_mpi.comm.ulfm import failures_raised
 

@@ -5,25 +5,20 @@ A run that failed on some rank cannot release its handles the usual way: freeing
 collective that synchronises, and the failed rank may be far away in its own error handling (or
 the others may be). So a failed run's :class:`RunResources` is *abandoned*: every free through it
 becomes a no-op (the handles stay referenced here), and waits on its transports raise at once.
-The next run reclaims it (:func:`reclaim`) on a fresh communicator, where every rank is known to
-be present: mailboxes are settled (every message of the failed run is received, so every send
-completes and no stale message can match later traffic), windows are freed in creation order, and
-communicators are freed.
+The next run reclaims it (:func:`~lightning_mpi.comm.reclaim.reclaim`) on a fresh communicator,
+where every rank is known to be present: mailboxes are settled (every message of the failed run is
+received, so every send completes and no stale message can match later traffic), windows are freed
+in creation order, and communicators are freed.
 
 Requests of nonblocking collectives that a failed run left unmatched can neither complete nor be
 freed (the MPI standard forbids ``MPI_Request_free`` on them): they are dropped, which leaves one
 small request object inside MPICH per such collective.
 """
+
 from __future__ import annotations
 
 import threading
-import warnings
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from lightning_mpi.comm.mailbox import Mailbox
-    from lightning_mpi.comm.transport import Transport
-
+from typing import Any, Protocol
 
 #: communicators and windows made through a :class:`RunResources` and not yet freed, process-wide
 _LIVE = {"comms": 0, "windows": 0}
@@ -44,6 +39,13 @@ def keep_pending(request_and_buffers: Any) -> None:
     _PENDING_FOREVER.append(request_and_buffers)
 
 
+class TrackedMailbox(Protocol):
+    """A run's mailbox as tracked here (:class:`~lightning_mpi.comm.mailbox.Mailbox`): after a
+    failed run, :func:`~lightning_mpi.comm.reclaim.reclaim` settles it over a fresh transport."""
+
+    def settle(self, transport: Any) -> None: ...
+
+
 def live_handles() -> dict[str, int]:
     """How many communicators and windows lightning_mpi made for its runs are still alive (tracked
     ones: every run's, abandoned ones included), for leak checks."""
@@ -61,7 +63,7 @@ class RunResources:
         self.abandoned = False
         self.comms: list[Any] = []
         self.windows: list[Any] = []
-        self.mailboxes: list["Mailbox"] = []
+        self.mailboxes: list[TrackedMailbox] = []
         self._lock = threading.Lock()  # a progress thread may free its communicator while we abandon
 
     def comm(self, comm: Any) -> Any:
@@ -78,13 +80,14 @@ class RunResources:
             _LIVE["windows"] += 1
         return win
 
-    def mailbox(self, box: "Mailbox") -> None:
+    def mailbox(self, box: TrackedMailbox) -> None:
+        """Track ``box`` (made for this run)."""
         with self._lock:
             self.mailboxes.append(box)
 
     def free_comm(self, comm: Any) -> None:
-        """Free ``comm`` now, unless the run was abandoned (then :func:`reclaim` frees it) or it
-        was freed already."""
+        """Free ``comm`` now, unless the run was abandoned (then
+        :func:`~lightning_mpi.comm.reclaim.reclaim` frees it) or it was freed already."""
         with self._lock:
             if self.abandoned or not _remove(self.comms, comm):
                 return
@@ -100,7 +103,7 @@ class RunResources:
                 _LIVE["windows"] -= 1
         win.Free()
 
-    def forget_mailbox(self, box: "Mailbox") -> bool:
+    def forget_mailbox(self, box: TrackedMailbox) -> bool:
         """True if ``box`` may close now; False when the run was abandoned (reclaim settles it)."""
         with self._lock:
             if self.abandoned:
@@ -109,12 +112,34 @@ class RunResources:
             return True
 
     def abandon(self) -> None:
-        """The run failed: from now on nothing it made is freed except by :func:`reclaim`."""
+        """The run failed: from now on nothing it made is freed except by
+        :func:`~lightning_mpi.comm.reclaim.reclaim`."""
         with self._lock:
             self.abandoned = True
 
     def counts(self) -> tuple[int, int, int, int]:
+        """``(serial, communicators, windows, mailboxes)``: what the ranks compare before a reclaim."""
         return (self.serial, len(self.comms), len(self.windows), len(self.mailboxes))
+
+    def free_abandoned(self) -> None:
+        """Free every window (in creation order: each free synchronises, so every rank must free
+        the same ones in the same order) and then every communicator of this abandoned run, and
+        forget its mailboxes. Collective; for :func:`~lightning_mpi.comm.reclaim.reclaim`, after
+        it settled the mailboxes."""
+        if not self.abandoned:
+            raise RuntimeError(
+                "lightning_mpi: free_abandoned() is for abandoned runs; free a live run's handles one by one"
+            )
+        with self._lock:
+            windows, comms = self.windows, self.comms
+            self.comms, self.windows, self.mailboxes = [], [], []
+        for win in windows:
+            win.Free()
+        for comm in comms:
+            comm.Free()
+        with self._lock:
+            _LIVE["windows"] -= len(windows)
+            _LIVE["comms"] -= len(comms)
 
 
 def _remove(items: list[Any], item: Any) -> bool:
@@ -123,34 +148,3 @@ def _remove(items: list[Any], item: Any) -> bool:
             del items[index]
             return True
     return False
-
-
-def reclaim(abandoned: list[RunResources], transport: "Transport") -> list[RunResources]:
-    """Release what failed runs left, collectively over ``transport`` (a fresh, healthy one);
-    returns what could not be released safely (kept referenced).
-
-    Every rank must call it with its own list of the same failed runs. The ranks first agree on
-    that (serials and counts): a rank whose list differs would free windows the others do not,
-    and a window's free waits for every rank, so on any difference nothing is freed.
-    """
-    if not abandoned:
-        return []
-    mine = [run.counts() for run in abandoned]
-    if any(theirs != mine for theirs in transport.agree(mine)):
-        warnings.warn(
-            "lightning_mpi: the ranks abandoned different failed runs, so their communicators and windows "
-            "are kept instead of freed (a few MB at most).",
-            RuntimeWarning,
-        )
-        return abandoned
-    for run in abandoned:
-        for box in run.mailboxes:
-            box.settle(transport)
-        for win in run.windows:  # creation order, the same on every rank; each free synchronises
-            win.Free()
-        for comm in run.comms:
-            comm.Free()
-        _LIVE["windows"] -= len(run.windows)
-        _LIVE["comms"] -= len(run.comms)
-        run.comms, run.windows, run.mailboxes = [], [], []
-    return []

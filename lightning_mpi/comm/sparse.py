@@ -11,6 +11,7 @@ With DGC's momentum correction the momentum is accumulated locally before select
 (``u = m·u + g; v = v + u``), ``v`` is what is selected from, and both ``u`` and ``v`` are cleared
 where entries were sent (momentum factor masking).
 """
+
 from __future__ import annotations
 
 import math
@@ -54,13 +55,14 @@ def topk_select(values: Tensor, k: int, magnitude: Tensor | None = None, mask: T
 
     On CPU, ``torch.topk`` over millions of entries costs as much as ~80 passes over them. For
     large inputs with ``k`` at most a quarter of them, this instead finds a threshold that a little
-    over ``k`` entries reach (``1.2 k`` at 1%), from a fixed sample of ``|values|``; keeps the entries at or above it (one compare, one
-    ``nonzero``); and cuts those candidates at their exact k-th largest magnitude (``kthvalue``),
-    taking the lowest indices among ties. The result is exact, and comes in ascending order, which
-    helps the gathers and scatters that follow. When fewer than ``k`` entries reach the threshold
-    (rare: it sits four standard deviations of the sample above the expected one), it falls back
-    to ``torch.topk``, as it does for small or dense selections (indices then unordered). Ties at
-    the k-th magnitude may be broken differently from ``torch.topk``.
+    over ``k`` entries reach (``1.2 k`` at 1%), from a fixed sample of ``|values|``; keeps the
+    entries at or above it (one compare, one ``nonzero``); and cuts those candidates at their exact
+    k-th largest magnitude (``kthvalue``), taking the lowest indices among ties. The result is
+    exact, and comes in ascending order, which helps the gathers and scatters that follow. When
+    fewer than ``k`` entries reach the threshold (rare: it sits four standard deviations of the
+    sample above the expected one), it falls back to ``torch.topk``, as it does for small or dense
+    selections (indices then unordered). Ties at the k-th magnitude may be broken differently from
+    ``torch.topk``.
 
     ``magnitude`` (float, like ``values``) and ``mask`` (bool, like ``values``) are optional scratch.
     Counting the candidates reads a size on the host (``nonzero`` does so on a GPU anyway).
@@ -105,14 +107,16 @@ class TopKWorkspace:
     """Send row ``[1, 2k]`` and gathered rows ``[world, 2k]`` for the current ``k``, plus
     selection scratch shaped like the exchanged buffer (kept when ``k`` changes)."""
 
-    def __init__(self, k: int, world: int, device: torch.device, numel: int = 0, dtype: torch.dtype = torch.float32) -> None:
+    def __init__(
+        self, k: int, world: int, device: torch.device, numel: int = 0, dtype: torch.dtype = torch.float32
+    ) -> None:
         self.world, self.device = world, device
         self.magnitude = torch.empty(numel, dtype=dtype, device=device) if numel else None
         self.mask = torch.empty(numel, dtype=torch.bool, device=device) if numel else None
         self.k = -1
         self.resize(k)
 
-    def resize(self, k: int) -> "TopKWorkspace":
+    def resize(self, k: int) -> TopKWorkspace:
         """Wire buffers for ``k`` pairs (reallocated only when ``k`` changes: ratio warm-up)."""
         if k != self.k:
             self.k = k

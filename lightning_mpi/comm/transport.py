@@ -5,17 +5,21 @@ interface), so there is no Python-level copy. A CUDA tensor is passed as a devic
 MPI library is CUDA-aware; otherwise it is staged through a pinned host buffer that is allocated
 once per shape and reused. 16-bit tensors travel as ``int16`` words: MPI only moves them.
 """
+
 from __future__ import annotations
 
+import os
 import pickle
 import time
 from collections.abc import Callable, Generator
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from lightning_mpi.comm.cuda import mpi_is_cuda_aware
+from lightning_mpi.comm.errors import AbandonedRunError
 from lightning_mpi.comm.resources import RunResources, keep_pending
 
 _AS_WORDS = {torch.float16: torch.int16, torch.bfloat16: torch.int16}
@@ -36,8 +40,16 @@ class CollectiveTimeout(RuntimeError):
 SETTLE_SECONDS = 5.0
 
 
-def wait_request(request: Any, timeout: float | None, what: str, rank: int, size: int,
-                 watch: Callable[[], None] | None = None, settle: bool = False, comm: Any = None) -> None:
+def wait_request(
+    request: Any,
+    timeout: float | None,
+    what: str,
+    rank: int,
+    size: int,
+    watch: Callable[[], None] | None = None,
+    settle: bool = False,
+    comm: Any = None,
+) -> None:
     """Wait for ``request``; raise :class:`CollectiveTimeout` after ``timeout`` seconds (``None``:
     never), or whatever ``watch()`` raises (another rank failed: see
     :class:`~lightning_mpi.comm.errors.ErrorChannel`).
@@ -120,9 +132,10 @@ class Transport:
             :mod:`lightning_mpi.comm.resources`); transports made by :meth:`dup` share it.
     """
 
-    def __init__(self, comm: Any, timeout: float | None = None, errors: Any = None,
-                 resources: RunResources | None = None) -> None:
-        from mpi4py import MPI
+    def __init__(
+        self, comm: Any, timeout: float | None = None, errors: Any = None, resources: RunResources | None = None
+    ) -> None:
+        from mpi4py import MPI  # deferred: importing it initialises MPI (see lightning_mpi.comm)
 
         self.MPI = MPI
         self.timeout = timeout
@@ -143,8 +156,6 @@ class Transport:
         if self.errors is not None:
             self.errors.check()
         if self.resources.abandoned:
-            from lightning_mpi.comm.errors import AbandonedRunError
-
             raise AbandonedRunError(
                 "lightning_mpi: this communicator belongs to a run that failed and was abandoned; start a new "
                 "run (a new fit, or fabric.setup again), which works on fresh communicators."
@@ -225,8 +236,6 @@ class Transport:
 
     def broadcast_object(self, obj: Any, root: int = 0) -> Any:
         """Broadcast a picklable object (two ``Ibcast``s: length, then bytes), with the timeout."""
-        import numpy as np
-
         payload = np.frombuffer(pickle.dumps(obj), dtype=np.uint8) if self.rank == root else None
         length = np.array([payload.size if payload is not None else 0], dtype=np.int64)
         self._wait(self.comm.Ibcast(length, root=root), "broadcast")
@@ -237,8 +246,6 @@ class Transport:
     def allgather_object(self, obj: Any, settle: bool = False) -> list[Any]:
         """Every rank's picklable ``obj``, in rank order (``Iallgather`` of the lengths, then
         ``Iallgatherv`` of the bytes, with the timeout)."""
-        import numpy as np
-
         payload = np.frombuffer(pickle.dumps(obj), dtype=np.uint8)
         lengths = np.zeros(self.size, dtype=np.int64)
         self._wait(self.comm.Iallgather(np.array([payload.size], dtype=np.int64), lengths), "allgather", settle=settle)
@@ -246,7 +253,28 @@ class Transport:
         gathered = np.empty(int(lengths.sum()), dtype=np.uint8)
         request = self.comm.Iallgatherv(payload, [gathered, lengths.tolist(), offsets.tolist(), self.MPI.BYTE])
         self._wait(request, "allgather", settle=settle)
-        return [pickle.loads(gathered[o : o + n].tobytes()) for o, n in zip(offsets.tolist(), lengths.tolist())]
+        return [
+            pickle.loads(gathered[o : o + n].tobytes()) for o, n in zip(offsets.tolist(), lengths.tolist(), strict=True)
+        ]
+
+    def gather_object(self, obj: Any, root: int = 0) -> list[Any] | None:
+        """Every rank's picklable ``obj`` in rank order on ``root`` (None elsewhere): ``Igather`` of
+        the lengths, then ``Igatherv`` of the bytes, with the timeout."""
+        import numpy as np
+
+        payload = np.frombuffer(pickle.dumps(obj), dtype=np.uint8)
+        lengths = np.zeros(self.size, dtype=np.int64)
+        self._wait(self.comm.Igather(np.array([payload.size], dtype=np.int64), lengths, root=root), "gather")
+        if self.rank != root:
+            self._wait(self.comm.Igatherv(payload, None, root=root), "gather")
+            return None
+        offsets = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+        gathered = np.empty(int(lengths.sum()), dtype=np.uint8)
+        request = self.comm.Igatherv(payload, [gathered, lengths.tolist(), offsets.tolist(), self.MPI.BYTE], root=root)
+        self._wait(request, "gather")
+        return [
+            pickle.loads(gathered[o : o + n].tobytes()) for o, n in zip(offsets.tolist(), lengths.tolist(), strict=True)
+        ]
 
     def agree(self, obj: Any) -> list[Any]:
         """:meth:`allgather_object` that completes on every rank once it completed on one, so that
@@ -258,7 +286,7 @@ class Transport:
             self.watch()
         wait_request(request, self.timeout, what, self.rank, self.size, self.watch, settle=settle, comm=self.comm)
 
-    def dup(self) -> "Transport":
+    def dup(self) -> Transport:
         """A transport over a duplicate communicator (collective over this one: a watched ``Idup``).
 
         Non-blocking collectives on one communicator must be started in the same order on every
@@ -276,15 +304,13 @@ class Transport:
         if comm is not None and comm != self.MPI.COMM_NULL and comm not in (self.MPI.COMM_WORLD, self.MPI.COMM_SELF):
             self.resources.free_comm(comm)
 
-    def node_split(self) -> tuple["Transport", "Transport | None"]:
+    def node_split(self) -> tuple[Transport, Transport | None]:
         """Transports for this node's ranks and for the node leaders (``None`` unless local rank 0).
 
         Nodes are MPI's shared-memory domains (``COMM_TYPE_SHARED``). For tests on one machine,
         ``LIGHTNING_MPI_RANKS_PER_NODE=k`` groups consecutive ranks into pretend nodes of ``k``.
         Collective: an agreeing barrier first, since the splits block.
         """
-        import os
-
         self.barrier(agree=True)
         per_node = os.environ.get("LIGHTNING_MPI_RANKS_PER_NODE")
         if per_node:

@@ -38,6 +38,7 @@ not; reproduced in plain C). Through torch's allocator around it, RSS grows by ~
 commit and peer. :attr:`ShardedVector.remote_accumulates` counts those operations so that memory
 tests can tell that growth from a leak of ours.
 """
+
 from __future__ import annotations
 
 import time
@@ -75,9 +76,10 @@ class ShardedVector:
             communicator and window (a failed run's are freed by the next run, not by :meth:`free`).
     """
 
-    def __init__(self, comm: Any, numel: int, dtype: torch.dtype = torch.float32,
-                 resources: RunResources | None = None) -> None:
-        from mpi4py import MPI
+    def __init__(
+        self, comm: Any, numel: int, dtype: torch.dtype = torch.float32, resources: RunResources | None = None
+    ) -> None:
+        from mpi4py import MPI  # deferred: importing it initialises MPI (see lightning_mpi.comm)
 
         self.MPI = MPI
         self.resources = resources if resources is not None else RunResources()
@@ -90,7 +92,8 @@ class ShardedVector:
         shard_bounds(numel, self.size, self.rank)
         itemsize = np.dtype(self.np_dtype).itemsize
         self.win = self.resources.window(MPI.Win.Allocate(self.shard * itemsize, itemsize, comm=self.comm))
-        self.local = np.frombuffer(self.win.tomemory(), dtype=self.np_dtype, count=self.shard)
+        # this rank's shard, a view of the window's memory (dropped before the window is freed)
+        self.local: np.ndarray | None = np.frombuffer(self.win.tomemory(), dtype=self.np_dtype, count=self.shard)
         self.bytes_sent = 0
         self.wait_seconds = 0.0
         self.remote_accumulates = 0  # accumulate-with-op calls aimed at other ranks (see module docs)
@@ -116,6 +119,7 @@ class ShardedVector:
     def init_local(self, full: Tensor) -> None:
         """Set this rank's shard from ``full`` (local store under an exclusive lock). Follow with a barrier."""
         lo, hi = self.rank * self.shard, (self.rank + 1) * self.shard
+        assert self.local is not None, "init_local() after free()"
         self.win.Lock(self.rank, self.MPI.LOCK_EXCLUSIVE)
         self.local[:] = self._np(full)[lo:hi]
         self.win.Unlock(self.rank)
@@ -159,7 +163,7 @@ class Counters:
     """
 
     def __init__(self, comm: Any, length: int, root: int = 0, resources: RunResources | None = None) -> None:
-        from mpi4py import MPI
+        from mpi4py import MPI  # deferred: importing it initialises MPI (see lightning_mpi.comm)
 
         self.MPI = MPI
         self.resources = resources if resources is not None else RunResources()
@@ -194,13 +198,21 @@ class Counters:
         """Overwrite every counter (atomically per element, ``REPLACE``)."""
         v = np.ascontiguousarray(values, dtype=np.int64)
         self.win.Lock(self.root, self.MPI.LOCK_SHARED)
-        self.win.Accumulate([v, v.size, self.MPI.INT64_T], self.root, target=[0, v.size, self.MPI.INT64_T], op=self.MPI.REPLACE)
+        self.win.Accumulate(
+            [v, v.size, self.MPI.INT64_T], self.root, target=[0, v.size, self.MPI.INT64_T], op=self.MPI.REPLACE
+        )
         self.win.Unlock(self.root)
 
     def read(self) -> np.ndarray:
         out = np.zeros(self.length, dtype=np.int64)
         self.win.Lock(self.root, self.MPI.LOCK_SHARED)
-        self.win.Get_accumulate([out, self.length, self.MPI.INT64_T], [out, self.length, self.MPI.INT64_T], self.root, target=[0, self.length, self.MPI.INT64_T], op=self.MPI.NO_OP)
+        self.win.Get_accumulate(
+            [out, self.length, self.MPI.INT64_T],
+            [out, self.length, self.MPI.INT64_T],
+            self.root,
+            target=[0, self.length, self.MPI.INT64_T],
+            op=self.MPI.NO_OP,
+        )
         self.win.Unlock(self.root)
         return out
 

@@ -18,10 +18,11 @@ One job per module, from the bottom up:
   Lightning: rank and world size from MPI, one loader per stage, the epoch from
   ``trainer.current_epoch``, wait-time logging, every loader thread stopped on teardown or on an
   exception.
-* :mod:`~lightning_mpi.data.module` -- :class:`PrefetchDataModule`, those hooks on
-  ``pytorch_lightning``'s ``LightningDataModule``: what users hand to ``Trainer.fit``, and the
-  only module here that imports Lightning.
+``lightning_mpi.PrefetchDataModule`` (also ``lightning_mpi.data.PrefetchDataModule``) is those
+hooks on ``pytorch_lightning``'s ``LightningDataModule``, built by
+:mod:`lightning_mpi.strategies.build`: nothing in this package imports Lightning.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -49,7 +50,11 @@ def __getattr__(name: str) -> Any:
     # PrefetchDataModule is imported on first use, so that this package and its Lightning-free
     # modules import without Lightning.
     if name == "PrefetchDataModule":
-        from lightning_mpi.data.module import PrefetchDataModule
+        # The class on Lightning's DataModule is built by the strategy layer (the only place that
+        # touches Lightning) and exported at the top: this is an alias of lightning_mpi.PrefetchDataModule.
+        import lightning_mpi
+
+        PrefetchDataModule = lightning_mpi.PrefetchDataModule
 
         globals()[name] = PrefetchDataModule
         return PrefetchDataModule

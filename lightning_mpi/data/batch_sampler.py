@@ -7,14 +7,23 @@ sampler that keeps the sequences of a batch contiguous, like Lightning's demo
 the same inner sampler, which must yield the same batches in the same order on every rank (the
 same seed and epoch); rank ``r`` of ``W`` keeps batches ``r, r + W, r + 2W, ...``.
 """
+
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
-from typing import Any
+from collections.abc import Iterator
+from typing import Any, Protocol
 
 import numpy as np
 
 __all__ = ["ShardedBatchSampler"]
+
+
+class BatchSampler(Protocol):
+    """What :class:`ShardedBatchSampler` wraps: index batches with a length (``set_epoch`` optional)."""
+
+    def __iter__(self) -> Iterator[Any]: ...
+
+    def __len__(self) -> int: ...
 
 
 class ShardedBatchSampler:
@@ -36,7 +45,7 @@ class ShardedBatchSampler:
             ``__len__``, or a ``num_replicas`` or ``rank`` outside its range.
     """
 
-    def __init__(self, batch_sampler: Iterable[Any], num_replicas: int, rank: int) -> None:
+    def __init__(self, batch_sampler: BatchSampler, num_replicas: int, rank: int) -> None:
         where = "ShardedBatchSampler"
         if not (hasattr(batch_sampler, "__iter__") and hasattr(batch_sampler, "__len__")):
             raise ValueError(

@@ -3,6 +3,7 @@
 Each raises ``ValueError`` naming the caller, the argument, the allowed range and the value, so
 a bad argument fails the same way on every rank before any MPI communication.
 """
+
 from __future__ import annotations
 
 from typing import Any

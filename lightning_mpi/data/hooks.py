@@ -7,6 +7,7 @@ implementation serve every Lightning frontend (``pytorch_lightning``, ``lightnin
 each frontend's DataModule is this mixin plus that frontend's ``LightningDataModule``
 (:mod:`lightning_mpi.data.module`).
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -28,7 +29,8 @@ def _mpi_rank_size(comm: Any) -> tuple[int, int]:
         comm = MPI.COMM_WORLD
     if not (hasattr(comm, "Get_rank") and hasattr(comm, "Get_size")):
         raise ValueError(
-            f"PrefetchDataModule: comm must be an MPI communicator (Get_rank/Get_size) or None, got {type(comm).__name__}"
+            "PrefetchDataModule: comm must be an MPI communicator (Get_rank/Get_size) or None, "
+            f"got {type(comm).__name__}"
         )
     return int(comm.Get_rank()), int(comm.Get_size())
 
@@ -104,6 +106,9 @@ class PrefetchDataHooks:
         pin_memory: on a CUDA device, pin batches and copy them on a side stream; no effect on CPU.
         comm: MPI communicator to shard over; default ``mpi4py.MPI.COMM_WORLD``.
     """
+
+    #: the Trainer, or ``None`` before it attached the DataModule (``LightningDataModule`` sets it)
+    trainer: Any
 
     def __init__(
         self,

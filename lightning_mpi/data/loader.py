@@ -2,11 +2,17 @@
 
 It holds the loading configuration and runs one :class:`~lightning_mpi.data.pipeline.Pipeline`
 per epoch (threads, not processes: see :mod:`lightning_mpi.data.pipeline`); which indices it
-loads comes from :func:`~lightning_mpi.data.sharding.shard_indices`.
+loads comes from :func:`~lightning_mpi.data.sharding.shard_indices`. :class:`PrefetchIterator`
+(what ``iter(loader)`` returns) hands one epoch's batches out in order, records their wait in
+:class:`~lightning_mpi.data.pipeline.LoaderStats` and re-raises a loader thread's exception in the
+training loop. It reaches the loader only through :meth:`PrefetchLoader.open_epoch`,
+:meth:`PrefetchLoader.close_epoch` and :meth:`PrefetchLoader.batch_delivered`.
 """
+
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -14,10 +20,10 @@ import torch
 from torch.utils.data import default_collate
 
 from lightning_mpi.data.checks import check_bool, check_dataset, check_int
-from lightning_mpi.data.pipeline import LoaderStats, Pipeline, PrefetchIterator
+from lightning_mpi.data.pipeline import LoaderStats, LoadFailure, LoadSpec, Pipeline
 from lightning_mpi.data.sharding import ShardPlan, num_batches_per_rank, shard_indices
 
-__all__ = ["PrefetchLoader"]
+__all__ = ["PrefetchIterator", "PrefetchLoader"]
 
 
 class PrefetchLoader:
@@ -150,14 +156,53 @@ class PrefetchLoader:
             self._generation += 1
             return PrefetchIterator(self, self._generation)
 
-    def _register(self, pipe: Pipeline) -> None:
+    # -- what an iterator calls ----------------------------------------------------------------
+    def open_epoch(self, generation: int) -> Pipeline:
+        """Start the epoch of the iterator made by the ``generation``-th ``iter()``: its pipeline
+        (threads running) over :meth:`plan` of the current epoch, kept until :meth:`close_epoch`
+        or :meth:`close`; :attr:`stats` starts afresh. Raises ``RuntimeError`` when a newer
+        ``iter()`` has made that iterator stale (one live epoch per loader)."""
+        with self._lock:
+            if generation != self._generation:
+                raise RuntimeError(
+                    f"lightning_mpi: this iterator over the {self.name} loader is stale: iter() was called on the "
+                    "loader again, which ends the previous epoch's iterator (one live epoch per loader)"
+                )
+        epoch = self.epoch
+        spec = LoadSpec(
+            dataset=self.dataset,
+            collate_fn=self.collate_fn,
+            name=self.name,
+            seed=self.seed,
+            prefetch=self.prefetch,
+            num_threads=self.num_threads,
+            transform=self.transform,
+            return_mask=self.return_mask,
+            device=self.device,
+        )
+        pipe = Pipeline(spec, self.plan(epoch), epoch, tag=f"-g{generation}")
         with self._lock:
             self._pipes.append(pipe)
+        self.stats = LoaderStats(stage=self.name, epoch=epoch)
+        pipe.start()
+        return pipe
 
-    def _unregister(self, pipe: Pipeline) -> None:
+    def batch_delivered(self, k: int, wait_s: float) -> None:
+        """Batch ``k`` of the current epoch was handed out after waiting ``wait_s`` seconds."""
+        self.stats.wait_s.append(wait_s)
+        if self.on_batch is not None:
+            self.on_batch(self.name, k, wait_s)
+
+    def close_epoch(self, pipe: Pipeline, finished: bool) -> None:
+        """Stop and join ``pipe``'s threads and forget it; ``finished`` (every batch handed out)
+        also reports the epoch's stats to ``on_epoch_end``."""
+        pipe.stop()
+        pipe.join(self.join_timeout)
         with self._lock:
             if pipe in self._pipes:
                 self._pipes.remove(pipe)
+        if finished and self.on_epoch_end is not None:
+            self.on_epoch_end(self.name, self.stats)
 
     def close(self) -> None:
         """Stop and join every loader thread of this loader. Idempotent."""
@@ -180,3 +225,77 @@ class PrefetchLoader:
             f"batch_size={self.batch_size}, rank={self.rank}/{self.world_size}, prefetch={self.prefetch}, "
             f"num_threads={self.num_threads})"
         )
+
+
+class PrefetchIterator:
+    """One epoch of a :class:`PrefetchLoader`. Threads start on the first ``next()``."""
+
+    def __init__(self, loader: PrefetchLoader, generation: int) -> None:
+        self._loader = loader
+        self._generation = generation
+        self._pipe: Pipeline | None = None
+        self._done = False
+
+    def __iter__(self) -> PrefetchIterator:
+        return self
+
+    def __next__(self) -> Any:
+        if self._done:
+            raise StopIteration
+        if self._pipe is None:
+            self._pipe = self._loader.open_epoch(self._generation)
+        pipe = self._pipe
+        k = pipe.next_consume
+        if k >= pipe.num_batches:
+            self._finish(pipe)
+            raise StopIteration
+        t0 = time.perf_counter()
+        item = pipe.take(k)
+        if item is None:  # closed from outside (teardown, a newer iter())
+            self._done = True
+            raise StopIteration
+        wait = time.perf_counter() - t0
+        if isinstance(item, LoadFailure):
+            self.close()
+            raise self._with_note(item, pipe, k)
+        self._loader.batch_delivered(k, wait)
+        batch = item.for_current_stream(self._loader.device)
+        if k + 1 >= pipe.num_batches:
+            # Join now rather than on the next (StopIteration) call: Lightning knows the
+            # length and never asks for one batch more.
+            self._finish(pipe)
+        return batch
+
+    def _with_note(self, failure: LoadFailure, pipe: Pipeline, k: int) -> BaseException:
+        """The loader thread's exception, with a note on where it was raised (Python >= 3.11).
+
+        Re-raising the original object keeps its type and its traceback, which starts in the
+        loader thread (the dataset's or transform's frame) and continues in the training loop."""
+        exc = failure.exc
+        note = getattr(exc, "add_note", None)
+        if note is not None:
+            loader = self._loader
+            note(
+                f"[lightning_mpi] raised in loader thread {failure.thread_name!r} while loading "
+                f"{loader.name} batch {k} of epoch {pipe.epoch} on rank {loader.rank} of "
+                f"{loader.world_size} (dataset indices {pipe.plan.indices[pipe.plan.batch_slice(k)].tolist()})"
+            )
+        return exc
+
+    def _finish(self, pipe: Pipeline) -> None:
+        if self._done:
+            return
+        self._done = True
+        self._loader.close_epoch(pipe, finished=True)
+
+    def close(self) -> None:
+        """Stop and join this epoch's loader threads. Idempotent."""
+        self._done = True
+        if self._pipe is not None:
+            self._loader.close_epoch(self._pipe, finished=False)
+
+    def __del__(self) -> None:
+        # Only signal: __del__ may run on any thread, at any point, so never block here.
+        pipe = getattr(self, "_pipe", None)
+        if pipe is not None:
+            pipe.stop()

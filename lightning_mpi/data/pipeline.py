@@ -1,11 +1,11 @@
-"""One epoch of background loading: loader threads produce batches, an iterator hands them out.
+"""One epoch of background loading: loader threads produce batches, in order, for one consumer.
 
 :class:`Pipeline` is the state that one epoch's loader threads and its consumer share. Each
 thread reads samples, applies the transform under the sample's seed, collates, and on CUDA
-copies the batch to the device from pinned memory on a side stream.
-:class:`PrefetchIterator` is the consumer (what ``iter(PrefetchLoader)`` returns): it hands the
-batches out in order, records their wait in :class:`LoaderStats` and re-raises a thread's
-exception in the training loop.
+copies the batch to the device from pinned memory on a side stream. What the threads load comes
+from a :class:`LoadSpec` and a :class:`~lightning_mpi.data.sharding.ShardPlan`; the consumer
+(:class:`~lightning_mpi.data.loader.PrefetchIterator`) takes batch ``k`` with :meth:`Pipeline.take`.
+This module knows nothing of the loader that builds the pipelines.
 
 Why threads and not processes
 -----------------------------
@@ -27,6 +27,7 @@ workers, which are ``fork``\\ ed from the MPI process. Neither is needed here, a
 Memory is bounded: at most ``prefetch`` loaded batches wait ahead of the one the training step
 holds, whatever ``num_threads`` is.
 """
+
 from __future__ import annotations
 
 import threading
@@ -34,17 +35,14 @@ import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from lightning_mpi.data.sharding import ShardPlan
 from lightning_mpi.data.transforms import derive_seed, sample_seed
 
-if TYPE_CHECKING:
-    from lightning_mpi.data.loader import PrefetchLoader
-
-__all__ = ["LoaderStats", "Pipeline", "PrefetchIterator"]
+__all__ = ["LoadFailure", "LoadSpec", "LoadedBatch", "LoaderStats", "Pipeline"]
 
 
 @dataclass
@@ -76,14 +74,56 @@ class LoaderStats:
         return max(self.wait_s, default=0.0)
 
 
+@dataclass(frozen=True)
+class LoadSpec:
+    """What the loader threads of one epoch read: how to load, transform and collate a batch.
+
+    Args:
+        dataset: map-style dataset (``__getitem__``).
+        collate_fn: turns a list of samples into a batch.
+        name: stage name, for thread names.
+        seed: base of the per-sample transform seeds.
+        prefetch: most loaded batches waiting ahead of the consumer (``>= 1``).
+        num_threads: loader threads (``>= 1``; fewer when the epoch has fewer batches).
+        transform: applied to each sample's input (see :func:`_apply_transform`), or ``None``.
+        return_mask: batches are ``(batch, valid)`` with the plan's padding mask.
+        device: a CUDA device to copy batches to on a side stream, or ``None``.
+    """
+
+    dataset: Any
+    collate_fn: Callable[[list[Any]], Any]
+    name: str = "train"
+    seed: int = 0
+    prefetch: int = 2
+    num_threads: int = 1
+    transform: Callable[[Any], Any] | None = None
+    return_mask: bool = False
+    device: torch.device | None = None
+
+
 @dataclass
-class _Ready:
+class LoadedBatch:
+    """Batch ``k`` as a loader thread left it."""
+
     batch: Any
     event: Any  # torch.cuda.Event after a device copy on a side stream, else None
 
+    def for_current_stream(self, device: torch.device | None) -> Any:
+        """The batch, safe to use on the current CUDA stream of ``device`` (as is without a copy)."""
+        if self.event is None:
+            return self.batch
+        current = torch.cuda.current_stream(device)
+        current.wait_event(self.event)
+        # The tensors were allocated on the side stream; tell the allocator they are used on the
+        # compute stream so their memory is not reused before the step is done.
+        _map_tensors(lambda t: t.record_stream(current), self.batch)
+        return self.batch
+
 
 @dataclass
-class _Failure:
+class LoadFailure:
+    """Loading batch ``k`` raised ``exc`` in the loader thread ``thread_name``."""
+
     exc: BaseException
     thread_name: str
 
@@ -92,7 +132,8 @@ def _apply_transform(transform: Callable[[Any], Any], sample: Any) -> Any:
     # Same convention as torchvision datasets' ``transform``: it sees the input, not the target.
     if isinstance(sample, tuple) and sample:
         if hasattr(sample, "_fields"):  # namedtuple: keep the type
-            return sample._replace(**{sample._fields[0]: transform(sample[0])})
+            named: Any = sample  # a NamedTuple, which the tuple type does not spell
+            return named._replace(**{named._fields[0]: transform(sample[0])})
         return (transform(sample[0]), *sample[1:])
     if isinstance(sample, list) and sample:
         return [transform(sample[0]), *sample[1:]]
@@ -121,24 +162,30 @@ class Pipeline:
     ``k < next_consume + prefetch``. Batches are handed out in order whatever thread finished
     first, at most ``prefetch`` of them are ever waiting, and batch ``next_consume`` is always
     allowed to load, so the window cannot deadlock.
+
+    Args:
+        spec: what to load and how.
+        plan: this rank's indices for the epoch.
+        epoch: the epoch (for per-sample seeds and thread names).
+        tag: distinguishes this pipeline's thread names from other epochs' of the same loader.
     """
 
-    def __init__(self, loader: PrefetchLoader, plan: ShardPlan, epoch: int, generation: int) -> None:
-        self.loader = loader
+    def __init__(self, spec: LoadSpec, plan: ShardPlan, epoch: int, tag: str = "") -> None:
+        self.spec = spec
         self.plan = plan
         self.epoch = epoch
         self.num_batches = plan.num_batches
-        self.prefetch = loader.prefetch
-        self.num_threads = max(1, min(loader.num_threads, self.num_batches))
+        self.prefetch = spec.prefetch
+        self.num_threads = max(1, min(spec.num_threads, self.num_batches))
         self.cond = threading.Condition()
-        self.results: dict[int, _Ready | _Failure] = {}
+        self.results: dict[int, LoadedBatch | LoadFailure] = {}
         self.next_consume = 0
         self.stopped = False
         self.threads = [
             threading.Thread(
                 target=_worker_main,
                 args=(self, t),
-                name=f"lightning_mpi-prefetch-{loader.name}-e{epoch}-g{generation}-t{t}",
+                name=f"lightning_mpi-prefetch-{spec.name}-e{epoch}{tag}-t{t}",
                 # daemon: a thread stuck inside a user's __getitem__ must not keep the
                 # interpreter alive at exit; close() still joins them in every normal path.
                 daemon=True,
@@ -149,6 +196,24 @@ class Pipeline:
     def start(self) -> None:
         for th in self.threads:
             th.start()
+
+    def take(self, k: int) -> LoadedBatch | LoadFailure | None:
+        """Wait for batch ``k`` (the next one: ``next_consume``), hand it over and let the threads
+        load further. ``None`` when the pipeline was stopped from outside (teardown, a newer
+        epoch) before the batch was in. Raises ``RuntimeError`` if the thread that owns batch
+        ``k`` died without leaving a result."""
+        with self.cond:
+            while k not in self.results:
+                if self.stopped:
+                    return None
+                producer = self.threads[k % self.num_threads]
+                if not producer.is_alive() and k not in self.results:
+                    raise RuntimeError(f"lightning_mpi: loader thread {producer.name} died without a result")
+                self.cond.wait(timeout=1.0)
+            item = self.results.pop(k)
+            self.next_consume = k + 1
+            self.cond.notify_all()
+        return item
 
     def stop(self) -> None:
         with self.cond:
@@ -173,11 +238,11 @@ class Pipeline:
 
 
 def _worker_main(pipe: Pipeline, t: int) -> None:
-    loader = pipe.loader
+    device = pipe.spec.device
     stream = None
-    if loader.device is not None and loader.device.type == "cuda":
+    if device is not None and device.type == "cuda":
         # One side stream per loader thread: copies overlap the compute stream and each other.
-        stream = torch.cuda.Stream(device=loader.device)
+        stream = torch.cuda.Stream(device=device)
     for k in range(t, pipe.num_batches, pipe.num_threads):
         with pipe.cond:
             while not pipe.stopped and k >= pipe.next_consume + pipe.prefetch:
@@ -185,9 +250,9 @@ def _worker_main(pipe: Pipeline, t: int) -> None:
             if pipe.stopped:
                 return
         try:
-            item: _Ready | _Failure | None = _load_batch(pipe, k, stream)
+            item: LoadedBatch | LoadFailure | None = _load_batch(pipe, k, stream)
         except BaseException as exc:  # noqa: BLE001 - everything goes to the training loop
-            item = _Failure(exc, threading.current_thread().name)
+            item = LoadFailure(exc, threading.current_thread().name)
         if item is None:  # stopped mid-batch
             return
         with pipe.cond:
@@ -195,12 +260,12 @@ def _worker_main(pipe: Pipeline, t: int) -> None:
                 return
             pipe.results[k] = item
             pipe.cond.notify_all()
-        if isinstance(item, _Failure):
+        if isinstance(item, LoadFailure):
             return  # the consumer stops the others when it reaches batch k
 
 
-def _load_batch(pipe: Pipeline, k: int, stream: Any) -> _Ready | None:
-    loader = pipe.loader
+def _load_batch(pipe: Pipeline, k: int, stream: Any) -> LoadedBatch | None:
+    spec = pipe.spec
     plan = pipe.plan
     sl = plan.batch_slice(k)
     samples = []
@@ -210,127 +275,21 @@ def _load_batch(pipe: Pipeline, k: int, stream: Any) -> _Ready | None:
         idx = int(idx)
         # Per-sample seed: the same augmentation for a sample in a given epoch whatever thread,
         # rank or world size loads it.
-        with sample_seed(derive_seed(loader.seed, pipe.epoch, idx)):
-            sample = loader.dataset[idx]
-            if loader.transform is not None:
-                sample = _apply_transform(loader.transform, sample)
+        with sample_seed(derive_seed(spec.seed, pipe.epoch, idx)):
+            sample = spec.dataset[idx]
+            if spec.transform is not None:
+                sample = _apply_transform(spec.transform, sample)
         samples.append(sample)
-    batch = loader.collate_fn(samples)
-    if loader.return_mask:
+    batch = spec.collate_fn(samples)
+    if spec.return_mask:
         batch = (batch, torch.from_numpy(plan.valid[sl].copy()))
     event = None
     if stream is not None:
-        device = loader.device
+        device = spec.device
         with torch.cuda.device(device), torch.cuda.stream(stream):
             # Pinned host memory makes the copy truly asynchronous; the caching host allocator
             # keeps the pinned block alive until the copy on this stream has completed.
             batch = _map_tensors(lambda t: t.pin_memory().to(device, non_blocking=True), batch)
             event = torch.cuda.Event()
             event.record(stream)
-    return _Ready(batch, event)
-
-
-class PrefetchIterator:
-    """One epoch of a :class:`PrefetchLoader`. Threads start on the first ``next()``."""
-
-    def __init__(self, loader: PrefetchLoader, generation: int) -> None:
-        self._loader = loader
-        self._generation = generation
-        self._pipe: Pipeline | None = None
-        self._done = False
-
-    def __iter__(self) -> PrefetchIterator:
-        return self
-
-    def _start(self) -> Pipeline:
-        loader = self._loader
-        if self._generation != loader._generation:
-            raise RuntimeError(
-                f"lightning_mpi: this iterator over the {loader.name} loader is stale: iter() was called on the "
-                "loader again, which ends the previous epoch's iterator (one live epoch per loader)"
-            )
-        epoch = loader.epoch
-        pipe = Pipeline(loader, loader.plan(epoch), epoch, self._generation)
-        loader._register(pipe)
-        loader.stats = LoaderStats(stage=loader.name, epoch=epoch)
-        self._pipe = pipe
-        pipe.start()
-        return pipe
-
-    def __next__(self) -> Any:
-        if self._done:
-            raise StopIteration
-        pipe = self._pipe if self._pipe is not None else self._start()
-        k = pipe.next_consume
-        if k >= pipe.num_batches:
-            self._finish(pipe)
-            raise StopIteration
-        t0 = time.perf_counter()
-        with pipe.cond:
-            while k not in pipe.results:
-                if pipe.stopped:  # closed from outside (teardown, a newer iter())
-                    self._done = True
-                    raise StopIteration
-                producer = pipe.threads[k % pipe.num_threads]
-                if not producer.is_alive() and k not in pipe.results:
-                    raise RuntimeError(f"lightning_mpi: loader thread {producer.name} died without a result")
-                pipe.cond.wait(timeout=1.0)
-            item = pipe.results.pop(k)
-            pipe.next_consume = k + 1
-            pipe.cond.notify_all()
-        wait = time.perf_counter() - t0
-        if isinstance(item, _Failure):
-            self.close()
-            exc = item.exc
-            note = getattr(exc, "add_note", None)  # Python >= 3.11
-            if note is not None:
-                sl = pipe.plan.batch_slice(k)
-                note(
-                    f"[lightning_mpi] raised in loader thread {item.thread_name!r} while loading "
-                    f"{self._loader.name} batch {k} of epoch {pipe.epoch} on rank {self._loader.rank} of "
-                    f"{self._loader.world_size} (dataset indices {pipe.plan.indices[sl].tolist()})"
-                )
-            # Re-raising the original object keeps its type and its traceback, which starts in
-            # the loader thread (the dataset's or transform's frame) and now continues here.
-            raise exc
-        loader = self._loader
-        loader.stats.wait_s.append(wait)
-        if loader.on_batch is not None:
-            loader.on_batch(loader.name, k, wait)
-        batch = item.batch
-        if item.event is not None:
-            current = torch.cuda.current_stream(loader.device)
-            current.wait_event(item.event)
-            # The tensors were allocated on the side stream; tell the allocator they are used
-            # on the compute stream so their memory is not reused before the step is done.
-            _map_tensors(lambda t: t.record_stream(current), batch)
-        if k + 1 >= pipe.num_batches:
-            # Join now rather than on the next (StopIteration) call: Lightning knows the
-            # length and never asks for one batch more.
-            self._finish(pipe)
-        return batch
-
-    def _finish(self, pipe: Pipeline) -> None:
-        if self._done:
-            return
-        self._done = True
-        pipe.stop()
-        pipe.join(self._loader.join_timeout)
-        self._loader._unregister(pipe)
-        if self._loader.on_epoch_end is not None:
-            self._loader.on_epoch_end(self._loader.name, self._loader.stats)
-
-    def close(self) -> None:
-        """Stop and join this epoch's loader threads. Idempotent."""
-        self._done = True
-        pipe = self._pipe
-        if pipe is not None:
-            pipe.stop()
-            pipe.join(self._loader.join_timeout)
-            self._loader._unregister(pipe)
-
-    def __del__(self) -> None:
-        # Only signal: __del__ may run on any thread, at any point, so never block here.
-        pipe = getattr(self, "_pipe", None)
-        if pipe is not None:
-            pipe.stop()
+    return LoadedBatch(batch, event)

@@ -4,6 +4,7 @@ Every rank computes its own share from ``(num_samples, world_size, rank, batch_s
 epoch)`` alone, and all ranks get the same number of batches of the same sizes
 (:func:`shard_indices`).
 """
+
 from __future__ import annotations
 
 import math

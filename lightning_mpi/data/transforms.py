@@ -15,6 +15,7 @@ loader (no seed installed), a random transform draws from its own generator, see
 The global torch RNG is never touched: loader threads run concurrently with the training step,
 and drawing from the shared global generator there would make both sides nondeterministic.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -97,6 +98,7 @@ def _check_image(img: Any, name: str) -> torch.Tensor:
 def _pair(size: int | Sequence[int], name: str) -> tuple[int, int]:
     if isinstance(size, bool):
         raise ValueError(f"{name}: size must be an int >= 1 or a pair of them, got {size!r}")
+    pair: tuple[int, ...]
     if isinstance(size, int):
         pair = (size, size)
     else:
@@ -108,7 +110,7 @@ def _pair(size: int | Sequence[int], name: str) -> tuple[int, int]:
             raise ValueError(f"{name}: size must be an int >= 1 or a pair (height, width), got {size!r}")
     if min(pair) < 1:
         raise ValueError(f"{name}: size must be >= 1 in both dims, got {size!r}")
-    return pair  # type: ignore[return-value]
+    return pair[0], pair[1]
 
 
 class _Random:

@@ -6,6 +6,7 @@ hostfiles), :mod:`.command` (the pure command builder), :mod:`.topology` (rank p
 :mod:`.restarts` (relaunching a failed job, on the hosts left).
 Standard library only: it runs before the ranks start.
 """
+
 from .cli import main
 
 __all__ = ["main"]

@@ -2,6 +2,7 @@
 belongs to, whether mpi4py loads its MPI library (probed in a subprocess, so that the launcher
 never loads MPI itself), whether the two match, and whether the MPI can heal (``--heal``).
 """
+
 from __future__ import annotations
 
 import json
@@ -10,8 +11,9 @@ import re
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any
 
 from .command import FLAVOR_NAMES, Flavor
 from .errors import PROG, LaunchError

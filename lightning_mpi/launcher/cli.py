@@ -36,6 +36,7 @@ is :func:`_run_with_restarts` (the policy lives in :mod:`.restarts`).
 The launcher package imports only the standard library: the launcher must start fast, and it must
 not initialise MPI itself (the mpi4py check runs in a subprocess).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -45,8 +46,8 @@ import shlex
 import shutil
 import signal
 import sys
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Mapping, Sequence
 
 from .checks import (
     check_heal,
@@ -112,7 +113,9 @@ def _arg_hosts(text: str) -> tuple[str, ...]:
 def _arg_env(text: str) -> tuple[str, str]:
     key, eq, value = text.partition("=")
     if not eq or not ENV_KEY.match(key):
-        raise argparse.ArgumentTypeError(f"{text!r} is not KEY=VALUE with KEY a variable name; example: --env OMP_NUM_THREADS=4")
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not KEY=VALUE with KEY a variable name; example: --env OMP_NUM_THREADS=4"
+        )
     return key, value
 
 
@@ -135,39 +138,71 @@ def build_parser() -> argparse.ArgumentParser:
         ),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("-n", "-np", "--np", dest="nprocs", metavar="N", type=_arg_positive_int,
-                        required=True, help="number of ranks (>= 1)")
+    parser.add_argument(
+        "-n",
+        "-np",
+        "--np",
+        dest="nprocs",
+        metavar="N",
+        type=_arg_positive_int,
+        required=True,
+        help="number of ranks (>= 1)",
+    )
     where = parser.add_mutually_exclusive_group()
-    where.add_argument("--hosts", metavar="a,b", type=_arg_hosts,
-                       help="comma-separated hosts, each 'name' or 'name:slots'")
-    where.add_argument("--hostfile", metavar="F",
-                       help="hostfile: 'host', 'host:slots' (MPICH) or 'host slots=K' (Open MPI) lines")
+    where.add_argument(
+        "--hosts", metavar="a,b", type=_arg_hosts, help="comma-separated hosts, each 'name' or 'name:slots'"
+    )
+    where.add_argument(
+        "--hostfile", metavar="F", help="hostfile: 'host', 'host:slots' (MPICH) or 'host slots=K' (Open MPI) lines"
+    )
     parser.add_argument("--ppn", metavar="K", type=_arg_positive_int, help="ranks per node")
-    parser.add_argument("--mpiexec", metavar="PATH",
-                        help="launcher to use (default: the venv's mpiexec, then PATH; srun under Slurm)")
-    parser.add_argument("--env", metavar="K=V", type=_arg_env, action="append", default=[],
-                        help="export K=V to every rank (repeatable)")
-    parser.add_argument("--oversubscribe", action="store_true",
-                        help="allow more ranks than slots on a host (hydra always does; passed to Open MPI, "
-                             "and on one machine with more ranks than CPUs it is passed anyway)")
-    parser.add_argument("--heal", action="store_true",
-                        help="launch with ULFM fault tolerance (Open MPI: --with-ft ulfm), so that the "
-                             "survivors of a lost rank can heal and go on; MPICH cannot")
-    parser.add_argument("--max-restarts", metavar="R", type=_arg_count, default=0,
-                        help="relaunch a failed job up to R times; the ranks resume from the newest "
-                             "checkpoint every rank can read (default 0)")
-    parser.add_argument("--min-ranks", metavar="M", type=_arg_positive_int,
-                        help="a relaunch may go on with M or more ranks when hosts were lost "
-                             "(default: -n, never fewer)")
-    parser.add_argument("--resume", action="store_true",
-                        help="resume from the newest common checkpoint on the first launch too "
-                             "(after a preemption)")
-    parser.add_argument("--grace", metavar="S", type=_arg_seconds, default=KILL_GRACE_S,
-                        help=f"seconds between forwarding SIGINT/SIGTERM and killing what is left, and with "
-                             f"--heal between the ranks marking training finished and stopping a job that "
-                             f"did not end (default {KILL_GRACE_S:g}; leave preempted ranks time to checkpoint)")
-    parser.add_argument("--dry-run", action="store_true",
-                        help="run the checks, print the command, do not launch")
+    parser.add_argument(
+        "--mpiexec", metavar="PATH", help="launcher to use (default: the venv's mpiexec, then PATH; srun under Slurm)"
+    )
+    parser.add_argument(
+        "--env", metavar="K=V", type=_arg_env, action="append", default=[], help="export K=V to every rank (repeatable)"
+    )
+    parser.add_argument(
+        "--oversubscribe",
+        action="store_true",
+        help="allow more ranks than slots on a host (hydra always does; passed to Open MPI, "
+        "and on one machine with more ranks than CPUs it is passed anyway)",
+    )
+    parser.add_argument(
+        "--heal",
+        action="store_true",
+        help="launch with ULFM fault tolerance (Open MPI: --with-ft ulfm), so that the "
+        "survivors of a lost rank can heal and go on; MPICH cannot",
+    )
+    parser.add_argument(
+        "--max-restarts",
+        metavar="R",
+        type=_arg_count,
+        default=0,
+        help="relaunch a failed job up to R times; the ranks resume from the newest "
+        "checkpoint every rank can read (default 0)",
+    )
+    parser.add_argument(
+        "--min-ranks",
+        metavar="M",
+        type=_arg_positive_int,
+        help="a relaunch may go on with M or more ranks when hosts were lost (default: -n, never fewer)",
+    )
+    parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="resume from the newest common checkpoint on the first launch too (after a preemption)",
+    )
+    parser.add_argument(
+        "--grace",
+        metavar="S",
+        type=_arg_seconds,
+        default=KILL_GRACE_S,
+        help=f"seconds between forwarding SIGINT/SIGTERM and killing what is left, and with "
+        f"--heal between the ranks marking training finished and stopping a job that "
+        f"did not end (default {KILL_GRACE_S:g}; leave preempted ranks time to checkpoint)",
+    )
+    parser.add_argument("--dry-run", action="store_true", help="run the checks, print the command, do not launch")
     parser.add_argument("script", help="Python script every rank runs")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
     return parser
@@ -275,8 +310,9 @@ def _topology(spec: LaunchSpec, flavor: Flavor, entries: Sequence[HostEntry], en
     return [header, *format_topology(plan_topology(spec.nprocs, entries, spec.ppn))]
 
 
-def _relaunch_plan(plan: _Plan, attempt: int, policy: RestartPolicy, hostfile: str | None,
-                   environ: Mapping[str, str]) -> _Plan:
+def _relaunch_plan(
+    plan: _Plan, attempt: int, policy: RestartPolicy, hostfile: str | None, environ: Mapping[str, str]
+) -> _Plan:
     """The plan of relaunch ``attempt``: the ranks on lost hosts dropped (when ``policy`` allows
     it, else :class:`LaunchError`), and ``LIGHTNING_MPI_RESTART=attempt`` exported to every rank.
     ``hostfile`` (the ``--hostfile`` given, if any) is re-read to find hosts that were removed."""
@@ -337,17 +373,26 @@ def _run_with_restarts(plan: _Plan, args: argparse.Namespace, environ: Mapping[s
             print(f"{PROG}: note: {note}", file=sys.stderr)
             outcome = dataclasses.replace(outcome, code=code)
         if outcome.notices and outcome.code == 0:
-            print(f"{PROG}: the job ended after a preemption notice; if it stopped early, launch it again "
-                  "with --resume to continue from its checkpoint", file=sys.stderr)
+            print(
+                f"{PROG}: the job ended after a preemption notice; if it stopped early, launch it again "
+                "with --resume to continue from its checkpoint",
+                file=sys.stderr,
+            )
         if not should_restart(outcome.code, outcome.stopped_by, attempt, policy):
             if outcome.code != 0 and outcome.stopped_by is None and policy.max_restarts:
-                print(f"{PROG}: the job failed ({describe_exit(outcome.code)}) and all "
-                      f"{policy.max_restarts} restarts are used up; giving up", file=sys.stderr)
+                print(
+                    f"{PROG}: the job failed ({describe_exit(outcome.code)}) and all "
+                    f"{policy.max_restarts} restarts are used up; giving up",
+                    file=sys.stderr,
+                )
             return outcome.code
         attempt += 1
-        print(f"{PROG}: the job failed ({describe_exit(outcome.code)}); restart {attempt} of "
-              f"{policy.max_restarts}, resuming from the newest checkpoint every rank can read",
-              file=sys.stderr, flush=True)
+        print(
+            f"{PROG}: the job failed ({describe_exit(outcome.code)}); restart {attempt} of "
+            f"{policy.max_restarts}, resuming from the newest checkpoint every rank can read",
+            file=sys.stderr,
+            flush=True,
+        )
         try:
             plan = _relaunch_plan(plan, attempt, policy, args.hostfile, environ)
         except LaunchError as exc:

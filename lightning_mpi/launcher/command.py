@@ -1,6 +1,7 @@
 """The launch spec and the pure function that turns it into an MPICH hydra, Open MPI or
 srun command line.
 """
+
 from __future__ import annotations
 
 import math
@@ -62,9 +63,7 @@ class LaunchSpec:
         object.__setattr__(self, "env", tuple((k, v) for k, v in self.env))
         if isinstance(self.nprocs, bool) or not isinstance(self.nprocs, int) or self.nprocs < 1:
             raise ValueError(f"nprocs={self.nprocs!r}: must be an integer >= 1")
-        if self.ppn is not None and (
-            isinstance(self.ppn, bool) or not isinstance(self.ppn, int) or self.ppn < 1
-        ):
+        if self.ppn is not None and (isinstance(self.ppn, bool) or not isinstance(self.ppn, int) or self.ppn < 1):
             raise ValueError(f"ppn={self.ppn!r}: must be an integer >= 1 or None")
         if self.hosts and self.hostfile:
             raise ValueError("hosts and hostfile: give at most one of them")
@@ -136,9 +135,7 @@ def build_command(spec: LaunchSpec, flavor: Flavor) -> list[str]:
         return cmd + program
     if flavor == "srun":
         if spec.hostfile:
-            raise ValueError(
-                "srun takes no hostfile here: parse it (read_hostfile) and pass hosts=... instead"
-            )
+            raise ValueError("srun takes no hostfile here: parse it (read_hostfile) and pass hosts=... instead")
         cmd = [spec.launcher, f"--ntasks={spec.nprocs}"]
         if spec.hosts:
             names = [parse_host(h).name for h in spec.hosts]

@@ -1,4 +1,5 @@
 """What a failed sanity check raises, and the program name its messages go out under."""
+
 from __future__ import annotations
 
 __all__ = ["LaunchError", "PROG"]

@@ -1,14 +1,16 @@
 """Hosts: ``--hosts`` entries and hostfiles (MPICH or Open MPI syntax) parsed into
 :class:`HostEntry` values, and the check that every host name resolves.
 """
+
 from __future__ import annotations
 
 import socket
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, Sequence
+from typing import Literal
 
 from .errors import LaunchError
 
@@ -61,6 +63,10 @@ def parse_host(text: str) -> HostEntry:
     return HostEntry(name, positive_int(slots, f"slots of host {name!r}"))
 
 
+#: The syntax of a hostfile: MPICH's ``host:slots``, Open MPI's ``host slots=K``, or bare host names.
+HostfileSyntax = Literal["mpich", "openmpi", "plain"]
+
+
 @dataclass(frozen=True)
 class Hostfile:
     """A parsed hostfile: its entries in order, and which syntax it used.
@@ -70,7 +76,7 @@ class Hostfile:
     """
 
     entries: tuple[HostEntry, ...]
-    syntax: Literal["mpich", "openmpi", "plain"]
+    syntax: HostfileSyntax
 
 
 def parse_hostfile(text: str, source: str = "hostfile") -> Hostfile:
@@ -82,13 +88,14 @@ def parse_hostfile(text: str, source: str = "hostfile") -> Hostfile:
     line, a file that mixes both syntaxes, or a file without hosts.
     """
     entries: list[HostEntry] = []
-    seen: set[str] = set()
+    seen: set[HostfileSyntax] = set()
     for lineno, raw in enumerate(text.splitlines(), 1):
         fields = raw.split("#", 1)[0].split()
         if not fields:
             continue
         where = f"{source} line {lineno} ({raw.strip()!r})"
         slots: int | None = None
+        kind: HostfileSyntax
         try:
             if ":" in fields[0]:
                 entry = parse_host(fields[0])
@@ -115,11 +122,8 @@ def parse_hostfile(text: str, source: str = "hostfile") -> Hostfile:
     if not entries:
         raise ValueError(f"{source} lists no hosts")
     if len(seen) > 1:
-        raise ValueError(
-            f"{source} mixes MPICH 'host:slots' and Open MPI 'host slots=K' lines; use one syntax"
-        )
-    syntax = seen.pop() if seen else "plain"
-    return Hostfile(tuple(entries), syntax)  # type: ignore[arg-type]
+        raise ValueError(f"{source} mixes MPICH 'host:slots' and Open MPI 'host slots=K' lines; use one syntax")
+    return Hostfile(tuple(entries), seen.pop() if seen else "plain")
 
 
 def read_hostfile(path: str) -> Hostfile:
@@ -159,7 +163,7 @@ def check_hosts_resolve(names: Sequence[str], timeout: float = RESOLVE_TIMEOUT_S
     for t in threads:
         t.start()
     deadline = time.monotonic() + timeout
-    for name, t in zip(unique, threads):
+    for name, t in zip(unique, threads, strict=True):
         t.join(max(0.0, deadline - time.monotonic()))
         if t.is_alive():
             errors.setdefault(name, f"no answer within {timeout:g} s")

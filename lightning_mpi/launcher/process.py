@@ -5,6 +5,7 @@ every process of the job, ranks included, killed after a grace period; SIGUSR1 (
 :func:`run_job` runs the job once and says how it ended (:class:`JobOutcome`); :func:`run_command`
 returns just the exit code. Whether to run it again is the caller's decision (:mod:`.restarts`).
 """
+
 from __future__ import annotations
 
 import os
@@ -12,10 +13,11 @@ import signal
 import subprocess
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping, Sequence
+from types import FrameType
+from typing import Any
 
 __all__ = ["KILL_GRACE_S", "FORWARDED_ONLY", "JobOutcome", "run_command", "run_job"]
 
@@ -178,7 +180,8 @@ def run_job(
     if finished is not None:
         threading.Thread(target=_end_after_finish, args=(proc, stopper, finished, grace_s, ended_after_finish),
                          name="lightning-mpi finish watcher", daemon=True).start()
-    previous: dict[int, object] = {}
+    # what signal.signal() returned: a handler, SIG_DFL or SIG_IGN, or None (not set from Python)
+    previous: dict[signal.Signals, Callable[[int, FrameType | None], Any] | int | signal.Handlers | None] = {}
     if threading.current_thread() is threading.main_thread():
         for signum in (signal.SIGINT, signal.SIGTERM):
             previous[signum] = signal.signal(signum, stopper.on_signal)
@@ -189,7 +192,7 @@ def run_job(
     finally:
         # Handlers first, so that no new forwarding starts while finish() sweeps.
         for signum, handler in previous.items():
-            signal.signal(signum, signal.SIG_DFL if handler is None else handler)  # type: ignore[arg-type]
+            signal.signal(signum, signal.SIG_DFL if handler is None else handler)
         stopper.finish()
     if stopper.signum is not None:
         code = 128 + stopper.signum

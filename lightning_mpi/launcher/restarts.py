@@ -14,12 +14,13 @@ Before a relaunch the hosts are checked again: the hostfile is re-read (a schedu
 may have removed a dead node from it) and every host must still resolve. The ranks hydra had placed
 on a lost host are dropped; the job goes on with the rest when at least ``min_ranks`` remain.
 """
+
 from __future__ import annotations
 
 import signal
 import socket
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 from .errors import LaunchError
 from .hosts import HostEntry, parse_hostfile

@@ -1,19 +1,18 @@
 """Where the ranks go: hydra's placement of N ranks over the hosts, and its one-line-per-host
 summary printed before a launch.
 """
+
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 from .hosts import HostEntry
 
 __all__ = ["format_topology", "oversubscribed", "plan_topology"]
 
 
-def plan_topology(
-    nprocs: int, hosts: Sequence[HostEntry], ppn: int | None = None
-) -> list[tuple[str, list[int]]]:
+def plan_topology(nprocs: int, hosts: Sequence[HostEntry], ppn: int | None = None) -> list[tuple[str, list[int]]]:
     """Where hydra places ``nprocs`` ranks: ``[(host, [ranks...]), ...]`` in host order.
 
     Hosts are visited round-robin; each visit takes ``ppn`` ranks if given, else the host's slots,

@@ -9,9 +9,10 @@ Usage::
 
     trainer = pl.Trainer(strategy="mpi_asa", callbacks=[lightning_mpi.LMSOffload()])
 
-The modules, each with one job (only :mod:`.callback` imports Lightning):
+The modules, each with one job (none imports Lightning: ``lightning_mpi.LMSOffload``, also
+``lightning_mpi.offload.LMSOffload``, is :class:`.hooks.LMSOffloadHooks` on ``pytorch_lightning``'s
+``Callback``, built by :mod:`lightning_mpi.strategies.build`):
 
-* :mod:`.callback`: ``LMSOffload``, the ``pytorch_lightning`` Callback.
 * :mod:`.hooks`: ``LMSOffloadHooks``, the callback's behaviour as Lightning-free hook methods.
 * :mod:`.session`: which saved tensors leave the device and when they come back (one step).
 * :mod:`.tiers`: the tier contract (``Ticket``, ``TierStats``) and CUDA -> pinned host memory.
@@ -21,24 +22,22 @@ The modules, each with one job (only :mod:`.callback` imports Lightning):
 * :mod:`.tensors`: tensors as bytes plus a layout.
 * :mod:`.allocator`: glibc's mmap threshold, so freed activations leave the process.
 """
+
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from lightning_mpi.offload.hooks import LMSOffloadHooks
 from lightning_mpi.offload.session import OffloadStats
-
-if TYPE_CHECKING:
-    from lightning_mpi.offload.callback import LMSOffload
 
 __all__ = ["LMSOffload", "LMSOffloadHooks", "OffloadStats"]
 
 
 def __getattr__(name: str) -> Any:
-    # Imported on first use, so that the Lightning-free modules of this package can be used
-    # (and tested) without importing Lightning.
+    # An alias of lightning_mpi.LMSOffload, resolved on first use: the Callback is built by the
+    # strategy layer (the only place that touches Lightning), so this package imports no Lightning.
     if name == "LMSOffload":
-        from lightning_mpi.offload.callback import LMSOffload
+        import lightning_mpi
 
-        return LMSOffload
+        return lightning_mpi.LMSOffload
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

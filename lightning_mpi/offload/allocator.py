@@ -3,6 +3,7 @@
 Offloading activations to disk lowers peak RSS only if the memory they held leaves the process
 when they are freed; glibc's default keeps it in its heap. Process-wide, applied once.
 """
+
 from __future__ import annotations
 
 import ctypes

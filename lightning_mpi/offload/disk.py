@@ -15,6 +15,7 @@ released as soon as the write is done. That release is what lowers peak RSS on a
 machine, provided the allocator gives the memory back: see
 :func:`lightning_mpi.offload.allocator.return_freed_memory_to_os`.
 """
+
 from __future__ import annotations
 
 import os
@@ -36,7 +37,9 @@ _ALIGN = 4096
 class DiskTier:
     """Tensors -> one unlinked spill file per step in ``directory``."""
 
-    def __init__(self, directory: str, max_inflight: int, pool: HostBufferPool | None = None, name: str = "lms") -> None:
+    def __init__(
+        self, directory: str, max_inflight: int, pool: HostBufferPool | None = None, name: str = "lms"
+    ) -> None:
         self.directory = directory
         self.max_inflight = max_inflight
         self.pool = pool  # pinned staging buffers; only CUDA tensors need them
@@ -84,6 +87,7 @@ class DiskTier:
             raise RuntimeError("LMSOffload: this saved tensor was already taken or discarded")
         self.fetch(ticket)
         future = ticket.read
+        assert future is not None, "fetch() queued the read of a ticket not taken yet"
         if not future.done():
             t0 = time.perf_counter()
             future.result()
@@ -183,13 +187,23 @@ class _Write:
     """A queued write. Holds the source bytes only until they are on the file, then lets go of
     them: for a CPU tensor that is the moment its memory can be freed."""
 
-    def __init__(self, tier: DiskTier, ticket: Ticket, src: torch.Tensor, staging=None, ready=None) -> None:
-        self.tier, self.ticket, self.src = tier, ticket, src
+    def __init__(
+        self,
+        tier: DiskTier,
+        ticket: Ticket,
+        src: torch.Tensor,
+        staging: torch.Tensor | None = None,
+        ready: torch.cuda.Event | None = None,
+    ) -> None:
+        self.tier, self.ticket = tier, ticket
+        self.src: torch.Tensor | None = src
         self.fd = tier._fd
         self.staging, self.ready = staging, ready
 
     def __call__(self) -> None:
-        src, self.src = self.src, None
+        src = self.src
+        assert src is not None, "a write runs once"
+        self.src = None
         if self.ready is not None:
             self.ready.synchronize()  # the device -> staging copy has landed
         t0 = time.perf_counter()
@@ -200,7 +214,7 @@ class _Write:
             self.ticket.error = "modified in place while it was being written to disk"
         del src
         if self.staging is not None:
-            self.tier.pool.release(self.staging)
+            self.tier._staging_pool().release(self.staging)
 
 
 class _Read:
@@ -211,8 +225,9 @@ class _Read:
 
     def __call__(self):
         ticket, layout = self.ticket, self.ticket.layout
-        if ticket.write is not None and ticket.write.exception() is not None:
-            raise ticket.write.exception()
+        failed = ticket.write.exception() if ticket.write is not None else None
+        if failed is not None:
+            raise failed
         if ticket.done:  # discarded while queued
             self.out = None
             return None
@@ -222,14 +237,15 @@ class _Read:
             _pread_all(self.fd, out.numpy(), ticket.offset)
             self.tier._add(copy=time.perf_counter() - t0)
             return from_bytes(out, layout)
-        staging = self.tier._staging_pool().acquire(layout.nbytes)  # no stream: the host writes it
+        pool = self.tier._staging_pool()
+        staging = pool.acquire(layout.nbytes)  # no stream: the host writes it
         _pread_all(self.fd, staging[: layout.nbytes].numpy(), ticket.offset)
         self.tier._add(copy=time.perf_counter() - t0)
         # Allocated on this thread's current stream of the device: the default stream, which is
         # the compute stream unless the model runs under a stream of its own.
         dev, start, end = self.tier._streams.h2d(staging[: layout.nbytes], layout.device)
         self.tier._times.add(start, end)
-        self.tier.pool.release(staging, after=end, stream=self.tier._streams.side(layout.device))
+        pool.release(staging, after=end, stream=self.tier._streams.side(layout.device))
         return dev, end
 
 

@@ -14,6 +14,7 @@ the precision plugin's autocast. ``on_before_backward`` starts the prefetch earl
 also exited (and the step's files freed) in ``on_exception``, ``on_train_epoch_end`` (a module
 returning -1 from ``on_train_batch_start`` skips ``on_train_batch_end``), and ``teardown``.
 """
+
 from __future__ import annotations
 
 import os
@@ -108,7 +109,9 @@ class LMSOffloadHooks:
             raise ValueError(f"LMSOffload: target={target!r} is not supported; expected one of {_TARGETS}")
         if directory is not None:
             if target != "disk":
-                raise ValueError(f"LMSOffload: directory={directory!r} only applies to target='disk' (got target={target!r})")
+                raise ValueError(
+                    f"LMSOffload: directory={directory!r} only applies to target='disk' (got target={target!r})"
+                )
             if not isinstance(directory, (str, os.PathLike)) or os.path.isfile(directory):
                 raise ValueError(f"LMSOffload: directory={directory!r} must be a directory path (str or os.PathLike)")
         self.target = target
@@ -120,7 +123,9 @@ class LMSOffloadHooks:
         if isinstance(exclude_modules, str):
             exclude_modules = (exclude_modules,)
         if not all(isinstance(name, str) for name in exclude_modules):
-            raise ValueError(f"LMSOffload: exclude_modules={exclude_modules!r} must be a sequence of module names (str)")
+            raise ValueError(
+                f"LMSOffload: exclude_modules={exclude_modules!r} must be a sequence of module names (str)"
+            )
         self.exclude_modules = tuple(exclude_modules)
         self.log_stats = bool(log_stats)
         self.last_stats: OffloadStats | None = None
@@ -132,7 +137,7 @@ class LMSOffloadHooks:
         self._owned_dir: str | None = None
         self._warned: set[str] = set()  # messages already given
 
-    # --- Lightning Callback hooks (same names and signatures) --------------------------------------------------------------------
+    # --- Lightning Callback hooks (same names and signatures) ---------------------------------------
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         if stage != "fit":
             return
@@ -147,7 +152,7 @@ class LMSOffloadHooks:
             self._warn_once(
                 trainer,
                 f"LMSOffload(target='cpu'): the model is on {device.type}, so there is no device memory "
-                "to free; the callback does nothing (no hooks installed). Use target='disk' to lower host memory."
+                "to free; the callback does nothing (no hooks installed). Use target='disk' to lower host memory.",
             )
             return
         if self._tier is None:
@@ -239,6 +244,7 @@ class LMSOffloadHooks:
                     "GLIBC_TUNABLES=glibc.malloc.hugetlb=1 to cut it (both are read at startup).",
                 )
         directory = self._owned_dir or self.directory
+        assert directory is not None, "setup() prepares the directory before the first step"
         return DiskTier(directory, self.max_inflight, name=f"lms-rank{trainer.global_rank}")
 
     def _prepare_directory(self, trainer: Any) -> None:
@@ -252,7 +258,7 @@ class LMSOffloadHooks:
             self._warn_once(
                 trainer,
                 f"LMSOffload: directory={self.directory!r} is on {fs_type} (memory): offloading there "
-                "lowers this process's RSS but not the machine's memory use."
+                "lowers this process's RSS but not the machine's memory use.",
             )
 
     def _hook_excluded_modules(self, pl_module: Any) -> None:

@@ -19,15 +19,25 @@ blocks back to the driver (``torch._C._host_emptyCache``): dropping a pinned ten
 it to torch's cache, not to the OS. That call frees every unused cached pinned block of the
 process, not only the pool's.
 """
+
 from __future__ import annotations
 
 import threading
 from collections import deque
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
 _MIN_CLASS = 4096
+
+
+class CopyEvent(Protocol):
+    """A ``torch.cuda.Event`` as the pool uses it: recorded after the copy that reads a buffer."""
+
+    def query(self) -> bool: ...
+
+    def synchronize(self) -> None: ...
 
 
 def size_class(nbytes: int, pinned: bool = False) -> int:
@@ -79,7 +89,7 @@ class HostBufferPool:
         self._lock = threading.Lock()
         self._free: dict[int, list[torch.Tensor]] = {}
         # (event, stream, buffer): released "after" an event that had not completed yet
-        self._deferred: deque[tuple[object, object, torch.Tensor]] = deque()
+        self._deferred: deque[tuple[CopyEvent, object, torch.Tensor]] = deque()
         self._reserved = 0
         self._count = 0
         self._in_use = 0
@@ -92,19 +102,18 @@ class HostBufferPool:
         with self._lock:
             self._reclaim_locked()
             free = self._free.get(cls)
-            if free:
-                buf = free.pop()
-            else:
-                buf = self._take_deferred_locked(cls, stream) if stream is not None else None
-                if buf is None:
-                    buf = torch.empty(cls, dtype=torch.uint8, pin_memory=self.pin_memory)
-                    self._reserved += cls
-                    self._count += 1
-                    self._allocations += 1
+            buf = free.pop() if free else None
+            if buf is None and stream is not None:
+                buf = self._take_deferred_locked(cls, stream)
+            if buf is None:
+                buf = torch.empty(cls, dtype=torch.uint8, pin_memory=self.pin_memory)
+                self._reserved += cls
+                self._count += 1
+                self._allocations += 1
             self._in_use += cls
             return buf
 
-    def release(self, buf: torch.Tensor, after: object | None = None, stream: object | None = None) -> None:
+    def release(self, buf: torch.Tensor, after: CopyEvent | None = None, stream: object | None = None) -> None:
         """Give ``buf`` back. With ``after`` (a ``torch.cuda.Event`` recorded on ``stream``) it is
         reused only once the event has completed, or by a copy queued on the same stream, so a
         copy still in flight never sees its buffer handed to another tensor."""
@@ -138,7 +147,7 @@ class HostBufferPool:
     def _reclaim_locked(self) -> None:
         # Releases can wait on events of different streams (one side stream per device), so
         # check them all; the list is as short as the number of copies in flight.
-        pending = deque()
+        pending: deque[tuple[CopyEvent, object, torch.Tensor]] = deque()
         for entry in self._deferred:
             if entry[0].query():
                 self._return_locked(entry[2])

@@ -30,13 +30,15 @@ Policy, in the order it is applied to each saved tensor:
 A tensor that was modified in place after it was saved cannot be restored; plain autograd raises
 for that ("modified by an inplace operation"), and so does the session, at unpack.
 """
+
 from __future__ import annotations
 
 import threading
 import weakref
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -84,8 +86,8 @@ class _Handle:
 
     __slots__ = ("tensor", "ticket", "restored", "source", "version", "session", "__weakref__")
 
-    def __init__(self, tensor: torch.Tensor, source: torch.Tensor, session: "OffloadSession") -> None:
-        self.tensor = tensor  # detached alias while resident (no cycle through grad_fn)
+    def __init__(self, tensor: torch.Tensor, source: torch.Tensor, session: OffloadSession) -> None:
+        self.tensor: torch.Tensor | None = tensor  # detached alias while resident (no cycle through grad_fn)
         self.ticket: Ticket | None = None
         self.restored: torch.Tensor | None = None
         self.source = weakref.ref(source)  # to detect in-place changes after saving
@@ -246,10 +248,11 @@ class OffloadSession:
         return True
 
     def _swap_out(self, handle: _Handle) -> None:
-        tensor, handle.tensor = handle.tensor, None
+        tensor = handle.tensor
+        assert tensor is not None, "only resident tensors wait in the window"
         if handle.version != tensor._version:
-            handle.tensor = tensor  # keep it; unpack reports the in-place change
-            return
+            return  # keep it; unpack reports the in-place change
+        handle.tensor = None
         ticket = self.tier.swap_out(tensor, layout_of(tensor), handle.version)
         ticket.order = len(self._order)
         handle.ticket = ticket
@@ -271,8 +274,10 @@ class OffloadSession:
 
     def _in_use_on_device(self) -> int:
         """Taken tensors the device may still be using (the one being used now not counted)."""
-        while self._unused and self._unused[0][1] is not _UNMARKED and (
-            self._unused[0][1] is None or self._unused[0][1].query()
+        while (
+            self._unused
+            and self._unused[0][1] is not _UNMARKED
+            and (self._unused[0][1] is None or self._unused[0][1].query())
         ):
             self._unused.popleft()  # markers complete in stream order: the oldest first
         return sum(1 for _, marker in self._unused if marker is not _UNMARKED)

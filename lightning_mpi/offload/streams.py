@@ -16,15 +16,21 @@ The host never waits on the device here: back-pressure is the compute stream wai
 ``cuda`` (default ``torch.cuda``) is a parameter so that the order of these calls can be checked
 without a GPU, against a recording stand-in.
 """
+
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
-if TYPE_CHECKING:
-    from lightning_mpi.offload.tiers import TierStats
+
+class CopyTotals(Protocol):
+    """Where :meth:`CopyTimes.collect` adds its seconds (a tier's
+    :class:`~lightning_mpi.offload.tiers.TierStats`)."""
+
+    copy_s: float
+    exposed_s: float
 
 
 class SideStreams:
@@ -120,7 +126,9 @@ class CopyTimes:
                     self._pending[i] = (s, e, True)
                     return
 
-    def collect(self, stats: TierStats) -> None:
+    def collect(self, stats: CopyTotals) -> None:
+        """Add the durations of the copies that have completed to ``stats`` (the exposed ones to
+        ``exposed_s`` too); the others stay pending."""
         with self._lock:
             keep = []
             for start, end, exposed in self._pending:

@@ -6,6 +6,7 @@ kernels see exactly the layout they would have seen without offloading; that is 
 weights bitwise identical. Other tensors (strided slices) travel as a contiguous copy; the
 offload session keeps those resident instead.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -28,7 +29,9 @@ def is_dense(t: torch.Tensor) -> bool:
     """True when ``t`` covers exactly ``numel`` consecutive elements of its storage, in some
     order of its dimensions (no gaps, no overlaps)."""
     expected = 1
-    for size, stride in sorted(((s, st) for s, st in zip(t.shape, t.stride()) if s != 1), key=lambda p: p[1]):
+    for size, stride in sorted(
+        ((s, st) for s, st in zip(t.shape, t.stride(), strict=True) if s != 1), key=lambda p: p[1]
+    ):
         if stride != expected:
             return False
         expected *= size
@@ -38,7 +41,7 @@ def is_dense(t: torch.Tensor) -> bool:
 def is_expanded(t: torch.Tensor) -> bool:
     """True when ``t`` repeats memory (a stride 0 over a dimension longer than 1), as
     ``expand`` does: a copy would be larger than the memory it frees."""
-    return any(st == 0 and s > 1 for s, st in zip(t.shape, t.stride()))
+    return any(st == 0 and s > 1 for s, st in zip(t.shape, t.stride(), strict=True))
 
 
 def layout_of(t: torch.Tensor) -> Layout:

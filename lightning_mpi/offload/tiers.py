@@ -20,6 +20,7 @@ A tier moves bytes and nothing else; which tensors to move and when is decided b
 
 The CUDA stream rules both tiers follow are in :mod:`lightning_mpi.offload.streams`.
 """
+
 from __future__ import annotations
 
 from collections import deque
@@ -90,10 +91,12 @@ class CudaHostTier:
     def fetch(self, ticket: Ticket) -> None:
         if ticket.done or ticket.restored is not None:
             return
+        buf = ticket.buf
+        assert buf is not None, "a swapped-out ticket holds its pinned copy until fetched"
         # Same side stream as the swap-out: stream order puts this copy after it.
-        dev, start, end = self._streams.h2d(ticket.buf[: ticket.layout.nbytes], ticket.layout.device)
+        dev, start, end = self._streams.h2d(buf[: ticket.layout.nbytes], ticket.layout.device)
         self._times.add(start, end)
-        self.pool.release(ticket.buf, after=end, stream=ticket.extra["stream"])  # reusable once read
+        self.pool.release(buf, after=end, stream=ticket.extra["stream"])  # reusable once read
         ticket.buf = None
         ticket.restored = (dev, end)
 

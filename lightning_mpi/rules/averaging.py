@@ -12,6 +12,7 @@ Defaults, cited: Lin et al. use H = 16 for CIFAR and report H ∈ {2..16}; torch
 steps drift quickly) and ``sync_warmup_steps=0``. (The name says "sync" because every strategy's
 ``warmup_steps`` is the learning-rate warm-up of ``lr_scaling``.)
 """
+
 from __future__ import annotations
 
 import time
@@ -23,7 +24,8 @@ from torch import Tensor
 
 from lightning_mpi.comm.collectives import allreduce_mean_
 from lightning_mpi.comm.transport import Transport
-from lightning_mpi.rules.base import BoundLocalStepRule, Rule, check_range
+from lightning_mpi.options import integer, option, options_class
+from lightning_mpi.rules.base import BoundLocalStepRule, Rule
 from lightning_mpi.rules.easgd import FlatParams
 
 
@@ -39,25 +41,20 @@ def averages_at(step: int, period: int, sync_warmup_steps: int) -> str:
     return "weights" if (step - sync_warmup_steps) % period == 0 else "none"
 
 
+@options_class
 class ModelAveragingRule(Rule):
-    """Local SGD with periodic model averaging.
-
-    Args:
-        period: H, local steps between averages (≥ 1). Default 4.
-        sync_warmup_steps: steps of synchronous gradient averaging first (≥ 0). Default 0.
+    """Periodic model averaging (local SGD): every rank steps on its own gradients, and the ranks
+    average their weights every ``period`` steps. Registered as ``mpi_model_avg``.
     """
 
     name = "model_avg"
 
-    def __init__(self, period: int = 4, sync_warmup_steps: int = 0) -> None:
-        for name, value, low in (("period", period, 1), ("sync_warmup_steps", sync_warmup_steps, 0)):
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise ValueError(f"{name}={value!r} must be an int >= {low}")
-            check_range(name, value, low, float("inf"), high_open=True)
-        self.period = period
-        self.sync_warmup_steps = sync_warmup_steps
+    period: int = option(default=4, doc="H, local steps between weight averages (≥ 1).", check=integer(1))
+    sync_warmup_steps: int = option(
+        default=0, doc="first steps with synchronous gradient averaging (≥ 0).", check=integer(0)
+    )
 
-    def bind(self, transport: Transport, params: Sequence[Tensor]) -> "BoundModelAveraging":
+    def bind(self, transport: Transport, params: Sequence[Tensor]) -> BoundModelAveraging:
         return BoundModelAveraging(self, transport, params)
 
 
@@ -80,7 +77,10 @@ class BoundModelAveraging(BoundLocalStepRule):
         is about to apply are non-finite: during warm-up they are the same on every rank, so every
         rank rejects together; after it, only the rank with the bad gradient skips its update."""
         self._seconds = 0.0
-        if self.transport.size > 1 and averages_at(self.steps + 1, self.rule.period, self.rule.sync_warmup_steps) == "gradients":
+        if (
+            self.transport.size > 1
+            and averages_at(self.steps + 1, self.rule.period, self.rule.sync_warmup_steps) == "gradients"
+        ):
             self.flat.bucket.pack_grads()
             self._mean_(self.flat.flat)
             self.flat.bucket.unpack_grads()
@@ -89,7 +89,10 @@ class BoundModelAveraging(BoundLocalStepRule):
     def _advance(self) -> None:
         """Count one step; every ``period`` steps after warm-up, average the weights (collective)."""
         self.steps += 1
-        if self.transport.size > 1 and averages_at(self.steps, self.rule.period, self.rule.sync_warmup_steps) == "weights":
+        if (
+            self.transport.size > 1
+            and averages_at(self.steps, self.rule.period, self.rule.sync_warmup_steps) == "weights"
+        ):
             self._mean_(self.flat.pull())
             self.flat.push()
             self.averages += 1
@@ -108,5 +111,8 @@ class BoundModelAveraging(BoundLocalStepRule):
         self.averages = int(state.get("averages", 0))
 
     def stats(self) -> dict[str, float]:
-        return {"exchange_seconds": self._seconds, "averages": float(self.averages),
-                "skipped_steps": float(self.guard.skipped_steps)}
+        return {
+            "exchange_seconds": self._seconds,
+            "averages": float(self.averages),
+            "skipped_steps": float(self.guard.skipped_steps),
+        }

@@ -20,39 +20,19 @@ averaging, parameter server, gossip) reject a step whose local gradients hold in
 :class:`LocalStepGuard`, so that a NaN loss on one rank never reaches the weights, the center or
 the other ranks.
 """
+
 from __future__ import annotations
 
 import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from typing import Any, Optional
+from typing import Any, ClassVar
 
 import torch
 from torch.optim import Optimizer
 
 from lightning_mpi.comm.transport import Transport
-
-
-def check_range(name: str, value: float, low: float, high: float, low_open: bool = False, high_open: bool = False) -> None:
-    """Raise ``ValueError`` naming ``name``, its value and the allowed range unless ``value`` is in it."""
-    too_low = value <= low if low_open else value < low
-    too_high = value >= high if high_open else value > high
-    if too_low or too_high:
-        left = "(" if low_open else "["
-        right = ")" if high_open else "]"
-        raise ValueError(f"{name}={value!r} is out of range: it must be in {left}{low}, {high}{right}")
-
-
-def check_choice(name: str, value: Any, choices: Sequence[Any]) -> None:
-    """Raise ``ValueError`` naming ``name``, its value and the allowed values unless it is one of them."""
-    if value not in choices:
-        raise ValueError(f"{name}={value!r} is not allowed: choose one of {list(choices)}")
-
-
-def check_int(name: str, value: Any, low: int) -> None:
-    """Raise ``ValueError`` naming ``name`` and its value unless it is an int (not a bool) ≥ ``low``."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ValueError(f"{name}={value!r} is out of range: it must be an integer >= {low}")
+from lightning_mpi.options import validate
 
 
 def check_single_device(params: Sequence[torch.Tensor]) -> None:
@@ -88,8 +68,11 @@ def grads_finite(params: Sequence[torch.Tensor]) -> bool:
     of them, so that a GPU synchronises once per step, not once per parameter.
     """
     # 16-bit gradients are summed in float32: a finite fp16 gradient can sum past 65504
-    sums = [p.grad.sum(dtype=torch.float64 if p.grad.dtype == torch.float64 else torch.float32)
-            for p in params if p.grad is not None]
+    sums = [
+        p.grad.sum(dtype=torch.float64 if p.grad.dtype == torch.float64 else torch.float32)
+        for p in params
+        if p.grad is not None
+    ]
     if not sums:
         return True
     return bool(torch.isfinite(torch.stack([s.double() for s in sums])).all())
@@ -168,7 +151,7 @@ class BoundRule:
 
     sync_enabled: bool = True
     training: bool = False
-    board: Optional[Any] = None
+    board: Any | None = None
 
     def __init__(self, transport: Transport, params: Sequence[torch.Tensor]) -> None:
         self.transport = transport
@@ -234,15 +217,28 @@ class BoundLocalStepRule(BoundRule):
 
 
 class Rule(ABC):
-    """Hyperparameters of an exchange rule. Subclasses validate them in ``__init__``."""
+    """Hyperparameters of an exchange rule: a keyword-only dataclass of options.
+
+    Subclasses are made with :func:`~lightning_mpi.options.options_class` and declare each
+    hyperparameter once, with :func:`~lightning_mpi.options.option` (type, default, one line of
+    doc, check). Construction runs every option's check, then :meth:`check_together`, so a bad
+    value raises ``ValueError`` naming it, its value and the fix.
+    """
 
     #: Short name used in logs (``mpi/<name>/...``).
-    name: str = "rule"
+    name: ClassVar[str] = "rule"
+    #: Whether ranks step without waiting for each other. The strategies then answer Lightning's
+    #: stop decisions one-sidedly, vote on preemption without lockstep, and offer
+    #: ``momentum_correction``.
+    asynchronous: ClassVar[bool] = False
+
+    def __post_init__(self) -> None:
+        validate(self)
+        self.check_together()
+
+    def check_together(self) -> None:  # noqa: B027  (a hook: most rules have nothing to check together)
+        """Checks that involve several options (each option's own check has run already)."""
 
     @abstractmethod
     def bind(self, transport: Transport, params: Sequence[torch.Tensor]) -> BoundRule:
         """Create the running rule over ``params`` (the trainable parameters, in model order)."""
-
-    def __repr__(self) -> str:
-        fields = ", ".join(f"{k}={v!r}" for k, v in vars(self).items() if not k.startswith("_"))
-        return f"{type(self).__name__}({fields})"

@@ -2,15 +2,15 @@
 
 A :class:`BucketExchanger` gives every bucket (and every pipelined segment of it) its own
 communicator, starts each bucket's exchange (Allreduce or ASA with the rule's wire format,
-optionally topology-aware) on a :class:`~lightning_mpi.comm.engine.Progress` scheduler, and runs
+optionally topology-aware) on a :class:`~lightning_mpi.comm.engine.ExchangeScheduler`, and runs
 a :class:`~lightning_mpi.comm.progress.ProgressThread` while exchanges are in flight.
 """
+
 from __future__ import annotations
 
 import math
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -24,34 +24,48 @@ from lightning_mpi.comm.collectives import (
     hierarchical_mean_steps,
     segments,
 )
-from lightning_mpi.comm.engine import Exchange, Progress
+from lightning_mpi.comm.engine import Exchange, ExchangeScheduler
 from lightning_mpi.comm.progress import ProgressThread
 from lightning_mpi.comm.transport import Transport
-
-if TYPE_CHECKING:
-    from lightning_mpi.rules.sync import SyncRule
 
 
 class BucketExchanger:
     """Averages padded buckets over ranks, non-blocking, with scratch that is allocated once.
 
-    ``start(bucket)`` launches a bucket's exchange (segmented for ASA) on the :class:`Progress`
+    ``start(bucket)`` launches a bucket's exchange (segmented for ASA) on the :class:`ExchangeScheduler`
     engine; ``poll()`` advances everything in flight; ``finish()`` waits for all of it.
     """
 
-    def __init__(self, transport: Transport, rule: SyncRule) -> None:
+    def __init__(
+        self,
+        transport: Transport,
+        exchange: str,
+        wire: str,
+        segment_mb: float,
+        progress_thread: bool,
+        topology_aware: bool,
+    ) -> None:
         self.transport = transport
-        self.exchange = rule.exchange
-        self.codec = get_codec(rule.wire)
-        self.segment_numel = max(1, int(rule.segment_mb * 2**20) // 4)
-        self.progress = Progress(transport.timeout, transport.rank, transport.size, watch=transport.watch,
-                                 on_driver_error=transport.report_thread_failure)
+        self.exchange = exchange
+        self.codec = get_codec(wire)
+        self.segment_numel = max(1, int(segment_mb * 2**20) // 4)
+        self.progress = ExchangeScheduler(
+            transport.timeout,
+            transport.rank,
+            transport.size,
+            watch=transport.watch,
+            on_driver_error=transport.report_thread_failure,
+        )
         self.driver: ProgressThread | None = None
-        if rule.overlap and rule.progress_thread and transport.size > 1:
+        if progress_thread and transport.size > 1:
             # Polls only while exchanges are in flight: started by start(), paused by finish().
             self.driver = ProgressThread(
-                self.progress.try_poll, 2e-4, "SyncRule(progress_thread=True)", running=False,
-                remedy=", or pass progress_thread=False", on_error=transport.report_thread_failure,
+                self.progress.try_poll,
+                2e-4,
+                "SyncRule(progress_thread=True)",
+                running=False,
+                remedy=", or pass progress_thread=False",
+                on_error=transport.report_thread_failure,
             )
         self._workspaces: dict[tuple[int, int], ASAWorkspace] = {}
         self._slots: dict[int, tuple[Transport | None, list[Tensor], list[Transport]]] = {}  # by id(bucket)
@@ -60,7 +74,7 @@ class BucketExchanger:
         #: buckets are padded to a multiple of this: every team that cuts them into chunks must
         #: find whole chunks (all ranks; with topology, also the node leaders).
         self.pad_multiple = transport.size
-        if rule.topology_aware and transport.size > 1:
+        if topology_aware and transport.size > 1:
             self.local, self.leaders = transport.node_split()
             num_leaders = sum(transport.allgather_object(self.leaders is not None))
             self.pad_multiple = math.lcm(transport.size, num_leaders)
@@ -130,7 +144,7 @@ class BucketExchanger:
             if pending[0] == 0 and on_done is not None:
                 on_done()
 
-        for team, segment in zip(teams[1:], parts[1:]):
+        for team, segment in zip(teams[1:], parts[1:], strict=True):  # one team per segment (prepare)
             self.progress.start(counted(self._segment_steps(team, segment)))
         yield from counted(self._segment_steps(teams[0], parts[0]))
 

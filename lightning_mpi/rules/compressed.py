@@ -10,7 +10,7 @@ Three wire formats, every one usable by every synchronous step:
 With ``error_feedback`` (the default) what a rank did not send is kept in a residual and added to
 its next gradient; the owner of an ASA chunk also keeps the residual of re-encoding the chunk's
 mean. Summed over steps, the applied updates plus the pending residuals equal the mean of the
-gradients. Residuals are part of :meth:`BoundCompressedSyncRule.state_dict`, so a checkpoint resumes
+gradients. Residuals are part of :meth:`BoundCompressedSync.state_dict`, so a checkpoint resumes
 them. ``momentum_correction`` (top-k only) is Deep Gradient Compression's: momentum is accumulated
 locally before selection and masked where entries were sent; use it with an optimizer *without*
 momentum. ``ratio_warmup_steps`` lowers the top-k ratio geometrically from 1 to ``ratio`` over the
@@ -18,12 +18,13 @@ first steps (DGC's exponential warm-up, per step).
 
 At world size 1 nothing crosses a wire, so nothing is compressed.
 """
+
 from __future__ import annotations
 
 import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Literal
 
 import torch
 from torch import Tensor
@@ -33,62 +34,61 @@ from lightning_mpi.comm.buffers import Bucket
 from lightning_mpi.comm.codecs import get_codec
 from lightning_mpi.comm.collectives import ASAWorkspace, asa_mean_steps, segments
 from lightning_mpi.comm.engine import Exchange
-from lightning_mpi.comm.sparse import TopKWorkspace, check_ratio, topk_count, topk_mean_steps
+from lightning_mpi.comm.sparse import TopKWorkspace, topk_count, topk_mean_steps
 from lightning_mpi.comm.transport import Transport
-from lightning_mpi.rules.base import check_choice, check_range
+from lightning_mpi.options import integer, number, option, options_class
 from lightning_mpi.rules.bucket_exchanger import BucketExchanger
-from lightning_mpi.rules.sync import BoundSyncRule, SyncRule
-
-CODEC_NAMES = ("int8", "topk", "onebit")
+from lightning_mpi.rules.sync import BoundSync, SyncRule
 
 
+@options_class
 class CompressedSyncRule(SyncRule):
-    """Average gradients every step with a lossy wire format (see module docstring).
+    """Average gradients every step with a lossy wire format and error feedback (see the module docstring).
 
-    Args:
-        codec: ``"int8"``, ``"topk"`` or ``"onebit"``.
-        ratio: fraction of entries each rank sends with ``codec="topk"``, in (0, 1].
-        error_feedback: keep what was not sent and add it to the next step's gradient.
-        momentum_correction: DGC momentum correction (``codec="topk"`` only); pair it with an
-            optimizer without momentum.
-        momentum: the momentum used by ``momentum_correction``, in [0, 1).
-        ratio_warmup_steps: steps over which the top-k ratio falls geometrically from 1 to
-            ``ratio`` (0: no warm-up), >= 0.
-        bucket_mb, overlap, segment_mb, first_bucket_mb: as for :class:`~lightning_mpi.rules.sync.SyncRule`.
+    Registered as ``mpi_asa_int8``, ``mpi_topk`` and ``mpi_onebit``.
     """
 
     name = "compressed"
 
-    def __init__(
-        self,
-        codec: str = "int8",
-        ratio: float = 0.01,
-        error_feedback: bool = True,
-        momentum_correction: bool = False,
-        momentum: float = 0.9,
-        ratio_warmup_steps: int = 0,
-        bucket_mb: float = 25.0,
-        overlap: bool = True,
-        segment_mb: float = 4.0,
-        first_bucket_mb: float = 1.0,
-    ) -> None:
-        check_choice("codec", codec, CODEC_NAMES)
-        ratio = check_ratio(ratio, "ratio")
-        check_range("momentum", momentum, 0.0, 1.0, high_open=True)
-        if isinstance(ratio_warmup_steps, bool) or not isinstance(ratio_warmup_steps, int) or ratio_warmup_steps < 0:
-            raise ValueError(f"ratio_warmup_steps={ratio_warmup_steps!r} is out of range: it must be an integer >= 0")
-        if momentum_correction and codec != "topk":
+    codec: Literal["int8", "topk", "onebit"] = option(
+        default="int8",
+        doc='`"int8"` (ASA with per-chunk min-max 8-bit quantization, fp32 sums), `"topk"` (each rank sends '
+        'its `ratio` largest-magnitude entries as (index, value) pairs) or `"onebit"` (ASA with signs and two '
+        "per-chunk scales).",
+    )
+    ratio: float = option(
+        default=0.01, doc='fraction of entries `"topk"` sends, in (0, 1].', check=number(0.0, 1.0, low_open=True)
+    )
+    error_feedback: bool = option(
+        default=True,
+        doc="keep what was not sent and add it to the next step's gradient; the residuals are saved in checkpoints.",
+    )
+    momentum_correction: bool = option(
+        default=False,
+        doc='Deep Gradient Compression\'s momentum correction (`codec="topk"` only): momentum is applied locally '
+        "before sparsification, so use an optimizer without momentum.",
+    )
+    momentum: float = option(
+        default=0.9, doc="the momentum of `momentum_correction`, in [0, 1).", check=number(0.0, 1.0, high_open=True)
+    )
+    ratio_warmup_steps: int = option(
+        default=0,
+        doc="steps over which the top-k ratio falls geometrically from 1 to `ratio` (0: none).",
+        check=integer(0),
+    )
+
+    # Fixed for the lossy codecs: ASA carries their chunks, the codec is the wire, gradients are averaged.
+    exchange: Literal["allreduce", "asa"] = field(default="asa", init=False)
+    wire: Literal["fp32", "fp16", "bf16"] = field(default="fp32", init=False)
+    average: Literal["gradients", "weights", "weights+momentum"] = field(default="gradients", init=False)
+    topology_aware: bool = field(default=False, init=False)
+
+    def check_together(self) -> None:
+        if self.momentum_correction and self.codec != "topk":
             raise ValueError(
-                f"momentum_correction=True needs codec='topk' (DGC corrects momentum for sparsified exchange); got codec={codec!r}"
+                "momentum_correction=True needs codec='topk' (DGC corrects momentum for sparsified exchange); "
+                f"got codec={self.codec!r}"
             )
-        super().__init__(exchange="asa", wire="fp32", average="gradients", bucket_mb=bucket_mb, overlap=overlap, segment_mb=segment_mb,
-                         first_bucket_mb=first_bucket_mb)
-        self.codec = codec
-        self.ratio = ratio
-        self.error_feedback = bool(error_feedback)
-        self.momentum_correction = bool(momentum_correction)
-        self.momentum = float(momentum)
-        self.ratio_warmup_steps = int(ratio_warmup_steps)
 
     def ratio_at(self, step: int) -> float:
         """Top-k ratio on update ``step`` (0-based): geometric warm-up from 1 to ``ratio``."""
@@ -96,8 +96,8 @@ class CompressedSyncRule(SyncRule):
             return self.ratio
         return self.ratio ** (step / self.ratio_warmup_steps)
 
-    def bind(self, transport: Transport, params: Sequence[Tensor]) -> "BoundCompressedSyncRule":
-        return BoundCompressedSyncRule(self, transport, params)
+    def bind(self, transport: Transport, params: Sequence[Tensor]) -> BoundCompressedSync:
+        return BoundCompressedSync(self, transport, params)
 
 
 @dataclass
@@ -114,7 +114,14 @@ class CompressedExchanger(BucketExchanger):
     """:class:`BucketExchanger` whose exchanges compress, with error feedback buffers per bucket."""
 
     def __init__(self, transport: Transport, rule: CompressedSyncRule) -> None:
-        super().__init__(transport, rule)
+        super().__init__(
+            transport,
+            exchange="asa",
+            wire="fp32",
+            segment_mb=rule.segment_mb,
+            progress_thread=rule.overlap and rule.progress_thread,
+            topology_aware=False,
+        )
         self.rule = rule
         self.topk = rule.codec == "topk"
         if not self.topk:
@@ -179,11 +186,13 @@ class CompressedExchanger(BucketExchanger):
         state = self._states[key]
         if self.topk:
             k = topk_count(state.numel, self.current_ratio())
-            work = self._topk_work.get(key)
-            if work is None:
-                work = self._topk_work[key] = TopKWorkspace(k, team.size, segment.device, segment.numel(), segment.dtype)
-            work.resize(k)  # new wire buffers only while the warm-up changes k
-            return topk_mean_steps(team, segment, k, work, state.residual, state.momentum, self.rule.momentum)
+            topk_work = self._topk_work.get(key)
+            if topk_work is None:
+                topk_work = self._topk_work[key] = TopKWorkspace(
+                    k, team.size, segment.device, segment.numel(), segment.dtype
+                )
+            topk_work.resize(k)  # new wire buffers only while the warm-up changes k
+            return topk_mean_steps(team, segment, k, topk_work, state.residual, state.momentum, self.rule.momentum)
         work = self._workspaces.get(key)
         if work is None:
             work = self._workspaces[key] = ASAWorkspace.for_buffer(segment, team.size, self.codec)
@@ -206,7 +215,7 @@ class CompressedExchanger(BucketExchanger):
                 state.owner_residual[min(chunk, max(0, n - team.rank * chunk)) :].zero_()
 
 
-class BoundCompressedSyncRule(BoundSyncRule):
+class BoundCompressedSync(BoundSync):
     """Running :class:`CompressedSyncRule`: gradient hooks and skipping as in sync, plus residuals."""
 
     rule: CompressedSyncRule
@@ -292,7 +301,9 @@ class BoundCompressedSyncRule(BoundSyncRule):
             for name in ("residuals", "owner_residuals", "momenta"):
                 for dst, src in zip(getattr(ex, name), mine[name], strict=True):
                     if dst.shape != src.shape:
-                        raise ValueError(f"checkpoint {name} of shape {tuple(src.shape)} do not fit buffers of {tuple(dst.shape)}")
+                        raise ValueError(
+                            f"checkpoint {name} of shape {tuple(src.shape)} do not fit buffers of {tuple(dst.shape)}"
+                        )
                     dst.copy_(src)
             return
         # Another world size: the pending mass of the mean update is mean(residuals); every rank
@@ -315,4 +326,4 @@ class BoundCompressedSyncRule(BoundSyncRule):
         return dict(self._last)
 
 
-__all__ = ["CompressedSyncRule", "BoundCompressedSyncRule", "CompressedExchanger", "CODEC_NAMES"]
+__all__ = ["BoundCompressedSync", "CompressedExchanger", "CompressedSyncRule"]

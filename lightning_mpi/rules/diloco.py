@@ -34,26 +34,28 @@ The running part, :class:`BoundDiLoCo`, also runs Streaming DiLoCo
 (:mod:`lightning_mpi.rules.streaming_diloco`): several fragments on staggered schedules, each
 exchange overlapped with ``overlap_steps`` inner steps, the result mixed in with ``mix_alpha``.
 """
+
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_mpi.comm.codecs import get_codec
-from lightning_mpi.comm.engine import Progress
+from lightning_mpi.comm.engine import ExchangeScheduler
 from lightning_mpi.comm.progress import ProgressThread
 from lightning_mpi.comm.transport import Transport
-from lightning_mpi.rules.base import BoundLocalStepRule, Rule, check_choice, check_int, check_range
+from lightning_mpi.options import integer, number, option, options_class
+from lightning_mpi.rules.base import BoundLocalStepRule, Rule
 from lightning_mpi.rules.outer_fragment import OuterFragment
 from lightning_mpi.rules.replica_state import ReplicaState
 
 #: wire formats of the pseudo-gradient
-WIRES = ("fp32", "bf16", "int8", "int4")
 
 
 # -- pure math ------------------------------------------------------------------------------------
@@ -95,36 +97,43 @@ def last_start(step: int, offset: int, period: int) -> int:
     return 0 if step < offset else offset + (step - offset) // period * period
 
 
-def check_outer(period: int, outer_lr: float, outer_momentum: float, wire: str) -> None:
-    """The checks DiLoCo and Streaming DiLoCo share; each raises ``ValueError`` naming the argument."""
-    check_int("period", period, 1)
-    check_range("outer_lr", outer_lr, 0.0, float("inf"), low_open=True, high_open=True)
-    check_range("outer_momentum", outer_momentum, 0.0, 1.0, high_open=True)
-    check_choice("wire", wire, WIRES)
+@options_class
+class OuterOptions(Rule):
+    """The options DiLoCo and Streaming DiLoCo share: the outer step and how Δ travels."""
+
+    period: int = option(
+        default=50,
+        doc="H, inner steps between outer steps (≥ 1); the paper's 500 is made for runs of tens of thousands of steps.",
+        check=integer(1),
+    )
+    outer_lr: float = option(
+        default=0.7,
+        doc="outer learning rate (> 0); the paper's 0.7.",
+        check=number(0.0, math.inf, low_open=True, high_open=True),
+    )
+    outer_momentum: float = option(
+        default=0.9,
+        doc="outer Nesterov momentum in [0, 1); 0 is plain SGD, and `outer_lr=1, outer_momentum=0` is periodic "
+        "model averaging.",
+        check=number(0.0, 1.0, high_open=True),
+    )
+    wire: Literal["fp32", "bf16", "int8", "int4"] = option(
+        default="fp32",
+        doc='how Δ travels: `"fp32"` (one Allreduce), `"bf16"`, `"int8"` or `"int4"` (ASA with error feedback).',
+    )
 
 
 # -- the rule ---------------------------------------------------------------------------------------
-class DiLoCoRule(Rule):
-    """DiLoCo: ``period`` inner steps, then an outer Nesterov step on the averaged pseudo-gradient.
-
-    Args:
-        period: H, inner steps between outer steps (≥ 1). Default 50 (see the module docstring).
-        outer_lr: the outer learning rate (> 0). Default 0.7 (Douillard et al.).
-        outer_momentum: the outer Nesterov momentum in [0, 1); 0 is plain SGD. Default 0.9.
-        wire: how Δ travels: ``"fp32"`` (Allreduce), ``"bf16"``, ``"int8"`` or ``"int4"`` (ASA with
-            error feedback). Default ``"fp32"``.
+@options_class
+class DiLoCoRule(OuterOptions):
+    """DiLoCo (Douillard et al. 2023): ``period`` steps of your own optimizer (the inner optimizer),
+    then an outer SGD step with Nesterov momentum on the averaged pseudo-gradient
+    Δ = θ_global − θ_local, from which every rank continues. Registered as ``mpi_diloco``.
     """
 
     name = "diloco"
 
-    def __init__(self, period: int = 50, outer_lr: float = 0.7, outer_momentum: float = 0.9, wire: str = "fp32") -> None:
-        check_outer(period, outer_lr, outer_momentum, wire)
-        self.period = period
-        self.outer_lr = float(outer_lr)
-        self.outer_momentum = float(outer_momentum)
-        self.wire = wire
-
-    def bind(self, transport: Transport, params: Sequence[Tensor]) -> "BoundDiLoCo":
+    def bind(self, transport: Transport, params: Sequence[Tensor]) -> BoundDiLoCo:
         return BoundDiLoCo(self, transport, params, groups=[list(params)], offsets=[self.period])
 
 
@@ -141,8 +150,16 @@ class BoundDiLoCo(BoundLocalStepRule):
         mix_alpha: α, how much of the local fragment survives the arriving global one.
     """
 
-    def __init__(self, rule: Any, transport: Transport, params: Sequence[Tensor], groups: Sequence[Sequence[Tensor]],
-                 offsets: Sequence[int], overlap_steps: int = 0, mix_alpha: float = 0.0) -> None:
+    def __init__(
+        self,
+        rule: Any,
+        transport: Transport,
+        params: Sequence[Tensor],
+        groups: Sequence[Sequence[Tensor]],
+        offsets: Sequence[int],
+        overlap_steps: int = 0,
+        mix_alpha: float = 0.0,
+    ) -> None:
         super().__init__(transport, params, rule.name)
         self.rule = rule
         self.offsets = list(offsets)
@@ -154,11 +171,13 @@ class BoundDiLoCo(BoundLocalStepRule):
         self.replicas = ReplicaState(transport, self.params)
         # A private communicator: an exchange in flight must not interleave with other collectives.
         self.team = transport.dup() if transport.size > 1 else transport
-        self.progress = Progress(transport.timeout, transport.rank, transport.size)
+        self.progress = ExchangeScheduler(transport.timeout, transport.rank, transport.size)
         self.driver: ProgressThread | None = None
         if overlap_steps > 0 and transport.size > 1:
             # MPICH moves a non-blocking exchange only inside MPI calls: poll while one is in flight.
-            self.driver = ProgressThread(self.progress.try_poll, 2e-4, f"{rule.name} (overlap_steps > 0)", running=False)
+            self.driver = ProgressThread(
+                self.progress.try_poll, 2e-4, f"{rule.name} (overlap_steps > 0)", running=False
+            )
         self.steps = 0
         self.outer_steps = 0
         self.peak_exchange_bytes = 0
@@ -231,7 +250,7 @@ class BoundDiLoCo(BoundLocalStepRule):
         for index, fragment in enumerate(self.fragments):
             if fragment.status != "idle":
                 self._finish(index, 0.0)
-        for index, (fragment, offset) in enumerate(zip(self.fragments, self.offsets)):
+        for index, (fragment, offset) in enumerate(zip(self.fragments, self.offsets, strict=True)):
             if last_start(self.steps, offset, self.rule.period) < self.steps:
                 self._start(index)
                 self._finish(index, 0.0)
@@ -254,23 +273,30 @@ class BoundDiLoCo(BoundLocalStepRule):
         for fragment in self.fragments:
             n = fragment.numel
             buffer = self.outer.state.get(fragment.theta_global, {}).get("momentum_buffer")
-            fragments.append({
-                "theta_global": fragment.theta_global[:n].clone(),
-                "momentum": None if buffer is None else buffer[:n].clone(),
-                "arrived": fragment.delta[:n].clone() if fragment.status == "arrived" else None,
-                "due": fragment.due,
-                "started": fragment.started,
-            })
+            fragments.append(
+                {
+                    "theta_global": fragment.theta_global[:n].clone(),
+                    "momentum": None if buffer is None else buffer[:n].clone(),
+                    "arrived": fragment.delta[:n].clone() if fragment.status == "arrived" else None,
+                    "due": fragment.due,
+                    "started": fragment.started,
+                }
+            )
         residuals = [None if f.residual is None else f.residual.clone() for f in self.fragments]
         owner = [None if f.owner_residual is None else f.owner_residual.clone() for f in self.fragments]
         ranks = self.replicas.gather()
         if self.transport.size > 1:
             extras = self.transport.allgather_object({"residuals": residuals, "owner_residuals": owner})
-            ranks = [{**r, **e} for r, e in zip(ranks, extras)]
+            ranks = [{**r, **e} for r, e in zip(ranks, extras, strict=True)]
         else:
             ranks[0].update(residuals=residuals, owner_residuals=owner)
-        return {"steps": self.steps, "outer_steps": self.outer_steps, "fragments": fragments,
-                "world_size": self.transport.size, "ranks": ranks}
+        return {
+            "steps": self.steps,
+            "outer_steps": self.outer_steps,
+            "fragments": fragments,
+            "world_size": self.transport.size,
+            "ranks": ranks,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if len(state["fragments"]) != len(self.fragments):
@@ -280,7 +306,7 @@ class BoundDiLoCo(BoundLocalStepRule):
             )
         self.steps = int(state["steps"])
         self.outer_steps = int(state.get("outer_steps", 0))
-        for fragment, saved in zip(self.fragments, state["fragments"]):
+        for fragment, saved in zip(self.fragments, state["fragments"], strict=True):
             n = fragment.numel
             fragment.theta_global.zero_()
             fragment.theta_global[:n].copy_(saved["theta_global"])

@@ -17,17 +17,22 @@ that), and run τ ∈ {1, 4, 16, 64}; we take τ = 4, the shortest that still cu
 Their EAMSGD runs use momentum δ = 0.99; dist-keras (Hermans) defaults to 0.9, which we take
 because it is stable with the plain-SGD learning rates users already have.
 """
+
 from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from typing import Any, Optional
+from typing import Any
 
 from torch import Tensor
 
 from lightning_mpi.comm.buffers import make_buckets
 from lightning_mpi.comm.transport import Transport
-from lightning_mpi.rules.base import BoundLocalStepRule, Rule, check_range
+from lightning_mpi.options import integer, number, option, optional, options_class
+from lightning_mpi.rules.base import BoundLocalStepRule, Rule
+
+#: The check of every elastic rule's ``alpha``: None, or a number in (0, 1].
+ALPHA = optional(number(0.0, 1.0, low_open=True))
 
 
 # -- pure math ------------------------------------------------------------------------------------
@@ -56,17 +61,9 @@ def nesterov_gradient_(grad: Tensor, buf: Tensor, delta: float) -> Tensor:
     return grad
 
 
-def default_alpha(alpha: Optional[float], world_size: int) -> float:
+def default_alpha(alpha: float | None, world_size: int) -> float:
     """``alpha`` if given, else Zhang et al.'s β/p with β = 0.9."""
     return float(alpha) if alpha is not None else 0.9 / max(1, world_size)
-
-
-def check_period_alpha(period: int, alpha: Optional[float]) -> None:
-    if isinstance(period, bool) or not isinstance(period, int):
-        raise ValueError(f"period={period!r} must be an int >= 1")
-    check_range("period", period, 1, float("inf"), high_open=True)
-    if alpha is not None:
-        check_range("alpha", alpha, 0.0, 1.0, low_open=True)
 
 
 class FlatParams:
@@ -92,7 +89,7 @@ class FlatParams:
         self.bucket.pack()
         return self.flat
 
-    def push(self, values: Optional[Tensor] = None) -> None:
+    def push(self, values: Tensor | None = None) -> None:
         """Copy ``values`` (default :attr:`flat`) into the parameters."""
         if values is not None and values is not self.flat:
             self.flat.copy_(values)
@@ -100,22 +97,24 @@ class FlatParams:
 
 
 # -- synchronous EASGD ------------------------------------------------------------------------------
+@options_class
 class EASGDRule(Rule):
-    """Synchronous EASGD: elastic step and center update every ``period`` steps, one allreduce.
-
-    Args:
-        period: τ, local steps between exchanges (≥ 1). Default 4 (Zhang et al. use 1–64).
-        alpha: α = ηρ in (0, 1]; ``None`` means 0.9 / W (Zhang et al.: β = Wα = 0.9).
+    """Synchronous EASGD (Zhang et al. 2015): elastic step and center update every ``period`` steps, one
+    allreduce; the center is replicated on every rank. Registered as ``mpi_easgd``.
     """
 
     name = "easgd"
 
-    def __init__(self, period: int = 4, alpha: Optional[float] = None) -> None:
-        check_period_alpha(period, alpha)
-        self.period = period
-        self.alpha = alpha
+    period: int = option(
+        default=4, doc="τ, local steps between elastic exchanges (≥ 1); Zhang et al. use 1 to 64.", check=integer(1)
+    )
+    alpha: float | None = option(
+        default=None,
+        doc="elastic moving rate α = ηρ in (0, 1]; None means 0.9 / W (Zhang et al.'s β = Wα = 0.9).",
+        check=ALPHA,
+    )
 
-    def bind(self, transport: Transport, params: Sequence[Tensor]) -> "BoundEASGD":
+    def bind(self, transport: Transport, params: Sequence[Tensor]) -> BoundEASGD:
         return BoundEASGD(self, transport, params)
 
 
@@ -169,5 +168,8 @@ class BoundEASGD(BoundLocalStepRule):
         self._loaded = True
 
     def stats(self) -> dict[str, float]:
-        return {"exchange_seconds": self._seconds, "wire_bytes": float(self._bytes),
-                "skipped_steps": float(self.guard.skipped_steps)}
+        return {
+            "exchange_seconds": self._seconds,
+            "wire_bytes": float(self._bytes),
+            "skipped_steps": float(self.guard.skipped_steps),
+        }

@@ -18,12 +18,13 @@ known from one allreduce) and all take the weighted consensus Σ wᵢθᵢ / Σ 
 Default, cited: Blot et al. study exchange probabilities between 0.01 and 0.4 and find that
 rare exchanges already keep workers in consensus; we take p = 0.1.
 """
+
 from __future__ import annotations
 
 import random
 import time
 from collections.abc import Sequence
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -31,7 +32,8 @@ from torch import Tensor
 from lightning_mpi.comm.mailbox import Mailbox
 from lightning_mpi.comm.transport import Transport
 from lightning_mpi.comm.window import DecisionBoard
-from lightning_mpi.rules.base import BoundLocalStepRule, Rule, check_range
+from lightning_mpi.options import integer, number, option, options_class
+from lightning_mpi.rules.base import BoundLocalStepRule, Rule
 from lightning_mpi.rules.easgd import FlatParams
 
 TAG = 7301
@@ -51,25 +53,31 @@ def gossip_push_weight(weight: float) -> float:
 def weighted_consensus(thetas: Sequence[Tensor], weights: Sequence[float]) -> Tensor:
     """``Σ wᵢ θᵢ / Σ wᵢ``."""
     total = sum(weights)
-    return sum(w * t for w, t in zip(weights, thetas)) / total
+    weighted = [w * t for w, t in zip(weights, thetas, strict=True)]
+    return torch.stack(weighted).sum(dim=0) / total
 
 
+@options_class
 class GoSGDRule(Rule):
-    """Gossip: push to a random peer with probability ``p`` per step, weighted merge.
-
-    Args:
-        p: probability of a push after each local step, in (0, 1]. Default 0.1.
-        seed: seed of the per-rank random generator (rank is added), for reproducible gossip.
+    """GoSGD gossip (Blot et al. 2016): after each step a rank pushes its weights to a random peer
+    with probability ``p``; the peer merges them weighted. Registered as ``mpi_gosgd``.
     """
 
     name = "gosgd"
+    asynchronous = True
 
-    def __init__(self, p: float = 0.1, seed: int = 0) -> None:
-        check_range("p", p, 0.0, 1.0, low_open=True)
-        self.p = float(p)
-        self.seed = int(seed)
+    p: float = option(
+        default=0.1,
+        doc="probability of a push after each local step, in (0, 1].",
+        check=number(0.0, 1.0, low_open=True),
+    )
+    seed: int = option(
+        default=0,
+        doc="seed of each rank's gossip generator (the rank is added), for reproducible gossip (≥ 0).",
+        check=integer(0),
+    )
 
-    def bind(self, transport: Transport, params: Sequence[Tensor]) -> "BoundGoSGD":
+    def bind(self, transport: Transport, params: Sequence[Tensor]) -> BoundGoSGD:
         return BoundGoSGD(self, transport, params)
 
 
@@ -85,11 +93,11 @@ class BoundGoSGD(BoundLocalStepRule):
         self.sent_to = [0] * transport.size
         self.received = 0
         self.pushes = 0
-        self.mailbox: Optional[Mailbox] = None
-        self.board: Optional[DecisionBoard] = None
+        self.mailbox: Mailbox | None = None
+        self.board: DecisionBoard | None = None
         self.training = False
         self.restored = False  # True once a checkpoint's θᵢ and wᵢ were applied
-        self._restore: Optional[dict[str, Any]] = None
+        self._restore: dict[str, Any] | None = None
         self._reset_stats()
 
     def on_train_start(self) -> None:
@@ -124,6 +132,7 @@ class BoundGoSGD(BoundLocalStepRule):
         peer = self.rng.choice(peers)
         self.weight = gossip_push_weight(self.weight)
         msg = self._message()
+        assert self.mailbox is not None  # made in on_train_start; _push runs only after it
         self.mailbox.send(peer, msg)
         self.sent_to[peer] += 1
         self.pushes += 1
@@ -174,11 +183,20 @@ class BoundGoSGD(BoundLocalStepRule):
         checkpoint is rank 0's θ only, and gossip ranks differ); the top-level ``weight``/``pushes``
         are this rank's. Models in flight at that moment are not in it: on restore the weights are
         renormalised to sum to 1."""
-        local = {"weight": self.weight, "pushes": self.pushes, "rng": self.rng.getstate(),
-                 "theta": self.flat.pull()[: self.flat.bucket.numel].clone()}
+        local = {
+            "weight": self.weight,
+            "pushes": self.pushes,
+            "rng": self.rng.getstate(),
+            "theta": self.flat.pull()[: self.flat.bucket.numel].clone(),
+        }
         ranks = self.transport.allgather_object(local) if self.transport.size > 1 else [local]
-        return {"weight": self.weight, "pushes": self.pushes, "rng": self.rng.getstate(),
-                "world_size": self.transport.size, "ranks": ranks}
+        return {
+            "weight": self.weight,
+            "pushes": self.pushes,
+            "rng": self.rng.getstate(),
+            "world_size": self.transport.size,
+            "ranks": ranks,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Applied in ``on_train_start`` (after Lightning has put rank 0's weights in every module):

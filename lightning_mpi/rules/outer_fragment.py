@@ -9,6 +9,7 @@ Streaming DiLoCo has ``fragments`` of them, synced in turn.
 An exchange goes ``idle`` → ``running`` (started, non-blocking) → ``arrived`` (the mean Δ is
 in :attr:`OuterFragment.delta`, identical on every rank) → ``idle`` once the outer step has used it.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence

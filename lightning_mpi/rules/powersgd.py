@@ -32,140 +32,81 @@ Defaults, cited: rank 1, ``min_compression_rate`` 2, warm start and error feedba
 for a reason of its own, DDP's bucket rebuild; its docs suggest ~10% of training when accuracy
 suffers).
 """
+
 from __future__ import annotations
 
+import math
 import time
 import warnings
 from collections.abc import Sequence
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_mpi.comm.buffers import make_buckets
-from lightning_mpi.comm.engine import Exchange, Progress
+from lightning_mpi.comm.engine import Exchange, ExchangeScheduler
 from lightning_mpi.comm.progress import ProgressThread
 from lightning_mpi.comm.transport import Transport
-from lightning_mpi.rules.base import BoundRule, Rule, check_int, check_range
+from lightning_mpi.options import integer, number, option, options_class
+from lightning_mpi.rules.base import BoundRule
+from lightning_mpi.rules.buckets import Buckets
 from lightning_mpi.rules.powersgd_bucket import PowerSGDBucket
-
-
-# -- pure math ------------------------------------------------------------------------------------
-def matrix_shape(shape: Sequence[int]) -> Optional[tuple[int, int]]:
-    """``(n, m)``: a tensor of ``shape`` viewed as ``(shape[0], rest)``; ``None`` for 0-D and 1-D."""
-    if len(shape) < 2:
-        return None
-    n = int(shape[0])
-    m = 1
-    for size in shape[1:]:
-        m *= int(size)
-    return n, m
-
-
-def compression_rank(shape: Sequence[int], rank: int, min_compression_rate: float) -> int:
-    """The rank ``r = min(n, m, rank)`` to compress a tensor of ``shape`` with, or 0 to average it
-    uncompressed: 1-D (or empty) tensors, and those where ``(n + m)·r·min_compression_rate`` is
-    not below ``n·m`` (torch's ``_should_compress``)."""
-    nm = matrix_shape(shape)
-    if nm is None or nm[0] * nm[1] == 0:
-        return 0
-    n, m = nm
-    r = min(n, m, rank)
-    return r if (n + m) * r * min_compression_rate < n * m else 0
-
-
-def orthogonalize_(matrix: Tensor) -> Tensor:
-    """Replace the columns of ``matrix`` (``n × r``, r ≤ n) by orthonormal ones spanning at least
-    the same space, in place; returns ``matrix``.
-
-    One column is divided by its norm (a zero column stays zero); several go through
-    ``torch.linalg.qr`` (Householder), whose Q spans the input's columns even when they are
-    linearly dependent, which keeps full-rank PowerSGD exact where Gram-Schmidt would divide by 0.
-    """
-    if matrix.shape[1] == 1:
-        norm = torch.linalg.vector_norm(matrix)
-        return matrix.div_(norm.clamp_min(torch.finfo(matrix.dtype).tiny))
-    q, _ = torch.linalg.qr(matrix)
-    return matrix.copy_(q)
-
-
-def power_step(matrices: Sequence[Tensor], q: Tensor) -> tuple[Tensor, Tensor]:
-    """One PowerSGD step over W ranks' matrices ``Mᵢ`` (``n × m``) from ``q`` (``m × r``), in one
-    process: returns ``(P̂ Qᵀ, Q)`` where Q is the averaged new Q. The reference the rule is
-    tested against; the rule computes the same with two Allreduces."""
-    q = orthogonalize_(q.clone())
-    p = orthogonalize_(torch.stack([mi @ q for mi in matrices]).mean(dim=0))
-    new_q = torch.stack([mi.t() @ p for mi in matrices]).mean(dim=0)
-    return p @ new_q.t(), new_q
-
-
-def q_seed(seed: int, step: int, bucket: int) -> int:
-    """Seed of the fresh Q's of ``bucket`` at ``step``: the same on every rank, different per step
-    (a fixed projection would leave the same directions unsynchronised every step)."""
-    return (seed * 1_000_003 + step * 7_919 + bucket) % (2**63 - 1)
-
-
-def random_qs(shapes: Sequence[tuple[int, int]], seed: int, dtype: torch.dtype) -> list[Tensor]:
-    """Standard normal ``(m, r)`` tensors from a CPU generator seeded with ``seed`` (every rank and
-    every device draws the same values)."""
-    generator = torch.Generator(device="cpu").manual_seed(seed)
-    return [torch.randn(m, r, generator=generator, dtype=dtype) for m, r in shapes]
+from lightning_mpi.rules.powersgd_math import (  # noqa: F401  (the math, re-exported beside the rule)
+    compression_rank,
+    matrix_shape,
+    orthogonalize_,
+    power_step,
+    q_seed,
+    random_qs,
+)
 
 
 # -- the rule -------------------------------------------------------------------------------------
-class PowerSGDRule(Rule):
-    """Average gradients every step through a rank-``rank`` PowerSGD approximation (see module docstring).
+@options_class
+class PowerSGDRule(Buckets):
+    """PowerSGD (Vogels et al. 2019): average a rank-``rank`` approximation P Qᵀ of every matrix-shaped
+    gradient, found by one warm-started power-iteration step, with error feedback (see the module
+    docstring). Registered as ``mpi_powersgd``.
 
-    Args:
-        rank: r, the rank of the approximation (≥ 1); a matrix gets ``min(n, m, rank)``.
-        start_step: updating steps that average every gradient plainly before compression starts (≥ 0).
-        min_compression_rate: compress a matrix only if ``(n + m)·r`` is smaller than ``n·m`` by
-            more than this factor (≥ 0; 0 compresses every matrix). 1-D tensors are never compressed.
-        warm_start: start each step's power iteration from the previous step's Q (else a fresh
-            random Q every step).
-        use_error_feedback: keep what the approximation missed on this rank and add it to the
-            next step's gradient.
-        seed: seed of the random Q's, the same on every rank (≥ 0).
-        bucket_mb: size of one exchange bucket in MiB (> 0): each bucket's P's go in one
-            Allreduce, its Q's in another.
-        first_bucket_mb: size of the first bucket (the last layers) in MiB (> 0), so the exchange
-            starts early in backward.
-        overlap: launch each bucket's exchange from the gradient hooks, with a progress thread
-            that runs its orthogonalisation and second Allreduce while backward continues.
+    Each step a rank sends ``(n + m)·r`` numbers per ``n × m`` gradient (a convolution's weight
+    viewed as ``(out_channels, rest)``) in two Allreduces per bucket (its P's, then its Q's),
+    instead of ``n·m``; 1-D tensors and matrices that would not shrink enough are averaged
+    uncompressed. The warm-start Q's, every rank's residuals and the step count are saved in
+    checkpoints, so a resumed run continues exactly.
     """
 
     name = "powersgd"
 
-    def __init__(
-        self,
-        rank: int = 1,
-        start_step: int = 0,
-        min_compression_rate: float = 2.0,
-        warm_start: bool = True,
-        use_error_feedback: bool = True,
-        seed: int = 0,
-        bucket_mb: float = 25.0,
-        first_bucket_mb: float = 1.0,
-        overlap: bool = True,
-    ) -> None:
-        check_int("rank", rank, 1)
-        check_int("start_step", start_step, 0)
-        check_int("seed", seed, 0)
-        check_range("min_compression_rate", min_compression_rate, 0.0, float("inf"), high_open=True)
-        check_range("bucket_mb", bucket_mb, 0, float("inf"), low_open=True, high_open=True)
-        check_range("first_bucket_mb", first_bucket_mb, 0, float("inf"), low_open=True, high_open=True)
-        self.rank = rank
-        self.start_step = start_step
-        self.min_compression_rate = float(min_compression_rate)
-        self.warm_start = bool(warm_start)
-        self.use_error_feedback = bool(use_error_feedback)
-        self.seed = seed
-        self.bucket_mb = float(bucket_mb)
-        self.first_bucket_mb = float(first_bucket_mb)
-        self.overlap = bool(overlap)
+    rank: int = option(
+        default=1,
+        doc="r, the rank of the approximation (≥ 1); a matrix gets min(n, m, rank). Torch suggests 1, then 2, 4, ... "
+        "until the accuracy is good enough.",
+        check=integer(1),
+    )
+    start_step: int = option(
+        default=0,
+        doc="updating steps of plain averaging before compression starts (≥ 0); torch suggests about 10% of training "
+        "when compressing from the start costs accuracy.",
+        check=integer(0),
+    )
+    min_compression_rate: float = option(
+        default=2.0,
+        doc="compress a matrix only if (n + m)·r is smaller than n·m by more than this factor (≥ 0; 0 compresses "
+        "every matrix).",
+        check=number(0.0, math.inf, high_open=True),
+    )
+    warm_start: bool = option(
+        default=True,
+        doc="start each step's power iteration from the previous step's Q (else a fresh random Q every step).",
+    )
+    use_error_feedback: bool = option(
+        default=True, doc="add what the approximation missed on this rank to its next gradient."
+    )
+    seed: int = option(default=0, doc="seed of the random Q's (≥ 0), the same on every rank.", check=integer(0))
 
-    def bind(self, transport: Transport, params: Sequence[Tensor]) -> "BoundPowerSGD":
+    def bind(self, transport: Transport, params: Sequence[Tensor]) -> BoundPowerSGD:
         return BoundPowerSGD(self, transport, params)
 
 
@@ -185,8 +126,8 @@ class BoundPowerSGD(BoundRule):
         self.hook_launches = 0
         self._index = {id(p): i for i, p in enumerate(self.params)}  # checkpoint keys
         self.buckets: list[PowerSGDBucket] = []
-        self.progress = Progress(transport.timeout, transport.rank, transport.size)
-        self.driver: Optional[ProgressThread] = None
+        self.progress = ExchangeScheduler(transport.timeout, transport.rank, transport.size)
+        self.driver: ProgressThread | None = None
         self._hooks: list[Any] = []
         self._last: dict[str, float] = {}
         self._seconds = 0.0
@@ -197,8 +138,10 @@ class BoundPowerSGD(BoundRule):
             return compression_rank(shape, rule.rank, rule.min_compression_rate)
 
         plain_buckets = make_buckets(
-            self.params, 1, bucket_bytes=max(1, int(rule.bucket_mb * 2**20)),
-            first_bucket_bytes=max(1, int(min(rule.first_bucket_mb, rule.bucket_mb) * 2**20)),
+            self.params,
+            1,
+            bucket_bytes=rule.bucket_bytes(),
+            first_bucket_bytes=rule.first_bucket_bytes(),
         )
         # Each bucket on its own communicator: hooks may start them in any order on each rank.
         self.buckets = [PowerSGDBucket(b, transport.dup(), rank_for, rule.use_error_feedback) for b in plain_buckets]
@@ -207,8 +150,13 @@ class BoundPowerSGD(BoundRule):
         self._replayed = False  # a gradient arrived after its bucket left: redo in before_step
         self._arrived: list[int] = []
         if rule.overlap:
-            self.driver = ProgressThread(self.progress.try_poll, 2e-4, "PowerSGDRule(overlap=True)", running=False,
-                                         remedy=", or pass overlap=False")
+            self.driver = ProgressThread(
+                self.progress.try_poll,
+                2e-4,
+                "PowerSGDRule(overlap=True)",
+                running=False,
+                remedy=", or pass overlap=False",
+            )
             for index, bucket in enumerate(self.buckets):
                 for tensor in bucket.bucket.tensors:
                     self._hooks.append(tensor.register_post_accumulate_grad_hook(self._make_hook(index)))
@@ -336,10 +284,10 @@ class BoundPowerSGD(BoundRule):
     def stats(self) -> dict[str, float]:
         return dict(self._last)
 
-    def _by_parameter(self, tensor_of) -> list[Optional[Tensor]]:
+    def _by_parameter(self, tensor_of) -> list[Tensor | None]:
         """``tensor_of(bucket, member)`` for every compressed parameter, by its position in
         ``params`` (``None`` elsewhere): a layout that does not depend on the buckets."""
-        out: list[Optional[Tensor]] = [None] * len(self.params)
+        out: list[Tensor | None] = [None] * len(self.params)
         for bucket in self.buckets:
             for c in bucket.compressed:
                 value = tensor_of(bucket, c)
@@ -351,13 +299,18 @@ class BoundPowerSGD(BoundRule):
         """Collective on every rank (Lightning saves on every rank; rank 0 writes): the step count,
         the warm Q's (the same on every rank) and, gathered to rank 0 only, every rank's residuals
         (``"ranks"`` is ``None`` on the other ranks)."""
-        state: dict[str, Any] = {"steps": self.steps, "skipped_steps": self.skipped_steps,
-                                 "world_size": self.transport.size, "q": [], "ranks": None}
+        state: dict[str, Any] = {
+            "steps": self.steps,
+            "skipped_steps": self.skipped_steps,
+            "world_size": self.transport.size,
+            "q": [],
+            "ranks": None,
+        }
         if self.transport.size == 1:
             return state
         state["q"] = self._by_parameter(lambda b, c: b.q(c, b.q_state) if b.q_ready else None)
         mine = self._by_parameter(lambda b, c: b.residual_of(c) if b.residual is not None else None)
-        state["ranks"] = self.transport.comm.gather(mine, root=0)
+        state["ranks"] = self.transport.gather_object(mine, root=0)  # watched: a failed rank ends the wait
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -368,15 +321,19 @@ class BoundPowerSGD(BoundRule):
         saved_q = state.get("q") or [None] * len(self.params)
         ranks = state.get("ranks")
         if len(saved_q) != len(self.params):
-            warnings.warn("lightning_mpi: the checkpoint's PowerSGD state is for another model; starting afresh.",
-                          RuntimeWarning, stacklevel=2)
+            warnings.warn(
+                "lightning_mpi: the checkpoint's PowerSGD state is for another model; starting afresh.",
+                RuntimeWarning,
+                stacklevel=2,
+            )
             return
         same_world = int(state.get("world_size", 0)) == self.transport.size
         if ranks and not same_world:
             warnings.warn(
                 f"lightning_mpi: PowerSGD residuals from {state.get('world_size')} ranks restored on "
                 f"{self.transport.size}: every rank gets their mean (which keeps the pending mean update).",
-                RuntimeWarning, stacklevel=2,
+                RuntimeWarning,
+                stacklevel=2,
             )
         for bucket in self.buckets:
             restored = bool(bucket.compressed)
@@ -389,8 +346,11 @@ class BoundPowerSGD(BoundRule):
                     restored = False
                 if bucket.residual is not None and ranks:
                     parts = [r[index] for r in ranks if r[index] is not None]
-                    residual = parts[self.transport.rank] if same_world and len(parts) == len(ranks) else (
-                        torch.stack(parts).mean(dim=0) if parts else None)
+                    residual = (
+                        parts[self.transport.rank]
+                        if same_world and len(parts) == len(ranks)
+                        else (torch.stack(parts).mean(dim=0) if parts else None)
+                    )
                     if residual is not None and tuple(residual.shape) == (c.n, c.m):
                         bucket.residual_of(c).copy_(residual)
             bucket.q_ready = restored

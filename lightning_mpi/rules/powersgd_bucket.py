@@ -18,11 +18,11 @@ writes ``P̂ Q̄ᵀ`` and the averages into the gradients and updates the residu
 Nothing that outlives the step (residual, ``q_state``) changes before :meth:`commit`, so an
 exchange started from hooks can be dropped and redone.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 from torch import Tensor
@@ -31,17 +31,10 @@ from lightning_mpi.comm.buffers import Bucket
 from lightning_mpi.comm.engine import Exchange
 from lightning_mpi.comm.transport import Transport
 from lightning_mpi.rules.base import all_finite
+from lightning_mpi.rules.powersgd_math import orthogonalize_
 
 
-def _orthogonalize_(matrix: Tensor) -> Tensor:
-    """:func:`lightning_mpi.rules.powersgd.orthogonalize_`, looked up on use: that module (the
-    math and the rule) imports this one."""
-    from lightning_mpi.rules.powersgd import orthogonalize_
-
-    return orthogonalize_(matrix)
-
-
-@dataclass(frozen=True)
+@dataclass
 class CompressedMember:
     """A member compressed as an ``n × m`` matrix of rank ``r``, and where its pieces live."""
 
@@ -76,15 +69,16 @@ class PowerSGDBucket:
         error_feedback: keep this rank's residual ``M − P̂ Q̄ᵀ`` for the next step.
     """
 
-    def __init__(self, bucket: Bucket, team: Optional[Transport], compress: Callable[[torch.Size], int],
-                 error_feedback: bool) -> None:
+    def __init__(
+        self, bucket: Bucket, team: Transport | None, compress: Callable[[torch.Size], int], error_feedback: bool
+    ) -> None:
         self.bucket = bucket
         self.team = team
         self.compressed: list[CompressedMember] = []
         self.plain: list[PlainMember] = []
         p_total = q_total = 0
         plain_shapes = []
-        for member, (tensor, offset) in enumerate(zip(bucket.tensors, bucket.offsets)):
+        for member, (tensor, offset) in enumerate(zip(bucket.tensors, bucket.offsets, strict=True)):
             r = compress(tensor.shape)
             if r:
                 n = tensor.shape[0]
@@ -129,7 +123,7 @@ class PowerSGDBucket:
         return self.pu.numel() + self.q_work.numel()
 
     # -- the three stages --------------------------------------------------------------------------
-    def begin(self, compressing: bool, fresh_q: Optional[Callable[[list[tuple[int, int]]], list[Tensor]]]) -> None:
+    def begin(self, compressing: bool, fresh_q: Callable[[list[tuple[int, int]]], list[Tensor]] | None) -> None:
         """Pack the gradients; when ``compressing``, add the residual and compute every ``P = M Q``.
 
         ``fresh_q(shapes)`` gives new random ``(m, r)`` Q's (the same on every rank); it is used
@@ -149,10 +143,10 @@ class PowerSGDBucket:
             else:
                 assert fresh_q is not None
                 randoms = fresh_q([(c.m, c.r) for c in self.compressed])
-                for c, values in zip(self.compressed, randoms):
+                for c, values in zip(self.compressed, randoms, strict=True):
                     self.q(c, self.q_work).copy_(values)
             for c in self.compressed:
-                q = _orthogonalize_(self.q(c, self.q_work))
+                q = orthogonalize_(self.q(c, self.q_work))
                 torch.mm(self.matrix(c), q, out=self.p(c))
         for u in self.plain:
             self.pu[u.pu_offset : u.pu_offset + u.numel].copy_(flat[u.offset : u.offset + u.numel])
@@ -172,7 +166,7 @@ class PowerSGDBucket:
         if not self.compressed:
             return
         for c in self.compressed:
-            p = _orthogonalize_(self.p(c))
+            p = orthogonalize_(self.p(c))
             torch.mm(self.matrix(c).t(), p, out=self.q(c, self.q_work))
         yield from team.iallreduce_(self.q_work)
         self.q_work.div_(team.size)

@@ -14,11 +14,12 @@ carries every rank's copy instead:
 Only the state of the rule's own parameters is carried; the optimizer's hyperparameters
 (``param_groups``) are the same on every rank and come from the checkpoint as usual.
 """
+
 from __future__ import annotations
 
 import warnings
 from collections.abc import Sequence
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -27,7 +28,7 @@ from torch.optim import Optimizer
 from lightning_mpi.comm.transport import Transport
 
 
-def optimizer_state_of(optimizer: Optional[Optimizer], params: Sequence[Tensor]) -> list[dict[str, Any]]:
+def optimizer_state_of(optimizer: Optimizer | None, params: Sequence[Tensor]) -> list[dict[str, Any]]:
     """The optimizer's per-parameter state for each of ``params`` (in order), on the CPU.
 
     Each tensor is saved with the name of the device it came from, so that :func:`load_optimizer_state`
@@ -36,7 +37,7 @@ def optimizer_state_of(optimizer: Optional[Optimizer], params: Sequence[Tensor])
         return [{} for _ in params]
     saved = []
     for param in params:
-        entry = {}
+        entry: dict[str, tuple[str, Any, str | None]] = {}
         for key, value in optimizer.state.get(param, {}).items():
             if isinstance(value, Tensor):
                 entry[key] = ("tensor", value.detach().cpu().clone(), str(value.device))
@@ -69,8 +70,8 @@ class ReplicaState:
     def __init__(self, transport: Transport, params: Sequence[Tensor]) -> None:
         self.transport = transport
         self.params = list(params)
-        self.optimizer: Optional[Optimizer] = None  # the inner optimizer, as last seen
-        self._pending: Optional[list[dict[str, Any]]] = None
+        self.optimizer: Optimizer | None = None  # the inner optimizer, as last seen
+        self._pending: list[dict[str, Any]] | None = None
 
     def remember(self, optimizer: Optimizer) -> None:
         """Note the inner optimizer (the strategy hands it to the rule at every step)."""

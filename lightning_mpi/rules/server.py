@@ -11,27 +11,30 @@ epoch on their own ("asynchrony begets momentum", Mitliagkas et al. 2016); do no
 with W (Goyal et al.'s rule is for averaged gradients). The same holds for EAMSGD, whose Nesterov
 momentum δ = 0.9 already multiplies the step by 10. The other rules here take the linear-scaled lr.
 
-Defaults, cited: dist-keras' trainers use ``communication_window=5`` for DOWNPOUR and ADAG and
-32 for AEASGD/EAMSGD (with ρ=5, η=0.1, i.e. α = 0.5, and momentum 0.9); Zhang et al. use
-α = 0.9/W. We keep period 5 for DOWNPOUR/ADAG/DynSGD, 3 for AGN (measured, see :class:`AGNRule`), α = 0.9/W, δ = 0.9, and use period
-8 instead of 32 for the elastic rules, because small jobs (a few hundred steps per epoch) would
-otherwise exchange only a handful of times per epoch. ``eta`` for ADAG is not given numerically
-in the sources we could check. We measured it (``tests/scripts/rules_train.py``: digits MLP, 8 epochs,
-linear-scaled lr 0.1·W): at W = 3, η = 1 → 0.838, η = 0.1 → 0.947, η = 0.01 → 0.896 (one process
-0.913), so the default is η = 0.1: η = 1 barely damps a stale commit, and a DOWNPOUR-like sum of
-W deltas at lr 0.1·W overshoots.
+Defaults, cited: dist-keras' trainers use ``communication_window=5`` for DOWNPOUR and ADAG and 32
+for AEASGD/EAMSGD (with ρ=5, η=0.1, i.e. α = 0.5, and momentum 0.9); Zhang et al. use α = 0.9/W. We
+keep period 5 for DOWNPOUR/ADAG/DynSGD, 3 for AGN (measured, see :class:`AGNRule`), α = 0.9/W, δ =
+0.9, and use period 8 instead of 32 for the elastic rules, because small jobs (a few hundred steps
+per epoch) would otherwise exchange only a handful of times per epoch. ``eta`` for ADAG is not given
+numerically in the sources we could check. We measured it (``tests/scripts/rules_train.py``: digits
+MLP, 8 epochs, linear-scaled lr 0.1·W): at W = 3, η = 1 → 0.838, η = 0.1 → 0.947, η = 0.01 → 0.896
+(one process 0.913), so the default is η = 0.1: η = 1 barely damps a stale commit, and a
+DOWNPOUR-like sum of W deltas at lr 0.1·W overshoots.
 """
+
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from lightning_mpi.comm.transport import Transport
-from lightning_mpi.rules.base import all_finite, check_range
-from lightning_mpi.rules.easgd import check_period_alpha, default_alpha, nesterov_gradient_
+from lightning_mpi.options import number, option, options_class, with_default
+from lightning_mpi.rules.base import all_finite
+from lightning_mpi.rules.easgd import EASGDRule, default_alpha, nesterov_gradient_
 from lightning_mpi.rules.server_base import BoundServerRule, ServerRule
 from lightning_mpi.rules.server_commits import adag_commit, aeasgd_exchange, agn_commit, downpour_commit, dynsgd_commit
 
@@ -49,17 +52,20 @@ class BoundDeltaRule(BoundServerRule):
         update = self.update(theta - self.ref, stale)
         if not all_finite([update]):
             return False
-        self.center.add(update, old=self.scratch)  # fetch-and-add: the center just before ours
+        center, _ = self.windows()
+        center.add(update, old=self.scratch)  # fetch-and-add: the center just before ours
         self.pull_(self.scratch + update)
         return True
 
 
+@options_class
 class DownpourRule(ServerRule):
-    """DOWNPOUR: commit the accumulated delta every ``period`` steps (default 5), then pull."""
+    """DOWNPOUR (Dean et al. 2012) against a center sharded over all ranks: commit the accumulated
+    change every ``period`` steps, then pull the center. Registered as ``mpi_downpour``."""
 
     name = "downpour"
 
-    def bind(self, transport: Transport, params: Sequence[Tensor]) -> "BoundDownpour":
+    def bind(self, transport: Transport, params: Sequence[Tensor]) -> BoundDownpour:
         return BoundDownpour(self, transport, params)
 
 
@@ -68,8 +74,10 @@ class BoundDownpour(BoundDeltaRule):
         return downpour_commit(delta)
 
 
+@options_class
 class AGNRule(ServerRule):
-    """AGN: commit delta / ``period`` every ``period`` steps (default 3), then pull.
+    """Accumulated Gradient Normalization (Hermans 2017): commit delta / ``period`` every ``period``
+    steps, then pull. Registered as ``mpi_agn``.
 
     The normalisation makes one commit worth one step of a λ× larger batch, so the center moves
     ``period``× less per sample than DOWNPOUR's; a short window keeps that loss small (digits,
@@ -78,10 +86,9 @@ class AGNRule(ServerRule):
 
     name = "agn"
 
-    def __init__(self, period: int = 3, progress_interval: float = 5e-4) -> None:
-        super().__init__(period, progress_interval)
+    period: int = with_default(ServerRule, "period", default=3)
 
-    def bind(self, transport: Transport, params: Sequence[Tensor]) -> "BoundAGN":
+    def bind(self, transport: Transport, params: Sequence[Tensor]) -> BoundAGN:
         return BoundAGN(self, transport, params)
 
 
@@ -90,12 +97,14 @@ class BoundAGN(BoundDeltaRule):
         return agn_commit(delta, self.rule.period)
 
 
+@options_class
 class DynSGDRule(ServerRule):
-    """DynSGD: commit delta / (staleness + 1) every ``period`` steps (default 5), then pull."""
+    """DynSGD (Jiang et al. 2017): commit delta / (staleness + 1) every ``period`` steps, then pull.
+    Registered as ``mpi_dynsgd``."""
 
     name = "dynsgd"
 
-    def bind(self, transport: Transport, params: Sequence[Tensor]) -> "BoundDynSGD":
+    def bind(self, transport: Transport, params: Sequence[Tensor]) -> BoundDynSGD:
         return BoundDynSGD(self, transport, params)
 
 
@@ -104,22 +113,21 @@ class BoundDynSGD(BoundDeltaRule):
         return dynsgd_commit(delta, stale)
 
 
+@options_class
 class ADAGRule(ServerRule):
-    """ADAG: commit delta / (‖θ̃ − θ̃_pulled‖²/η + 1) every ``period`` steps (default 5), then pull.
-
-    Args:
-        eta: η > 0, the squared center movement at which a commit is halved. Default 0.1
-            (measured on digits, see the module docstring).
+    """ADAG (Hermans 2017): commit delta / (‖θ̃ − θ̃_pulled‖²/η + 1) every ``period`` steps, then pull;
+    the norm is global. Registered as ``mpi_adag``.
     """
 
     name = "adag"
 
-    def __init__(self, period: int = 5, eta: float = 0.1, progress_interval: float = 5e-4) -> None:
-        super().__init__(period, progress_interval)
-        check_range("eta", eta, 0.0, float("inf"), low_open=True, high_open=True)
-        self.eta = float(eta)
+    eta: float = option(
+        default=0.1,
+        doc="η > 0, the squared center movement since the pull at which a commit is halved (measured on digits).",
+        check=number(0.0, math.inf, low_open=True, high_open=True),
+    )
 
-    def bind(self, transport: Transport, params: Sequence[Tensor]) -> "BoundADAG":
+    def bind(self, transport: Transport, params: Sequence[Tensor]) -> BoundADAG:
         return BoundADAG(self, transport, params)
 
 
@@ -129,32 +137,29 @@ class BoundADAG(BoundServerRule):
     rule: ADAGRule
 
     def exchange(self, theta: Tensor, stale: int) -> bool:
-        center_now = self.center.read(self.scratch)
+        center, _ = self.windows()
+        center_now = center.read(self.scratch)
         update = adag_commit(theta - self.ref, center_now, self.ref, self.rule.eta)
         if not all_finite([update]):
             return False
-        self.center.add(update)
+        center.add(update)
         self.pull_(center_now + update)
         return True
 
 
 # -- the elastic rules: exchange E = α(θ − θ̃) -------------------------------------------------------
+@options_class
 class AEASGDRule(ServerRule):
-    """Asynchronous EASGD: elastic exchange with the sharded center every ``period`` steps.
-
-    Args:
-        period: τ (≥ 1), default 8.
-        alpha: α in (0, 1]; ``None`` means 0.9 / W (Zhang et al.).
+    """Asynchronous EASGD (Zhang et al. 2015): elastic exchange with the center, sharded over all
+    ranks, every ``period`` steps. Registered as ``mpi_aeasgd``.
     """
 
     name = "aeasgd"
 
-    def __init__(self, period: int = 8, alpha: Optional[float] = None, progress_interval: float = 5e-4) -> None:
-        super().__init__(period, progress_interval)
-        check_period_alpha(period, alpha)
-        self.alpha = alpha
+    period: int = with_default(ServerRule, "period", default=8)
+    alpha: float | None = with_default(EASGDRule, "alpha", default=None)
 
-    def bind(self, transport: Transport, params: Sequence[Tensor]) -> "BoundAEASGD":
+    def bind(self, transport: Transport, params: Sequence[Tensor]) -> BoundAEASGD:
         return BoundAEASGD(self, transport, params)
 
 
@@ -168,30 +173,34 @@ class BoundAEASGD(BoundServerRule):
         self.alpha = default_alpha(rule.alpha, transport.size)
 
     def exchange(self, theta: Tensor, stale: int) -> bool:
-        center_now = self.center.read(self.scratch)
+        center, _ = self.windows()
+        center_now = center.read(self.scratch)
         new_theta, e = aeasgd_exchange(theta, center_now, self.alpha)
         if not all_finite([e]):  # finite θ and θ̃ can still overflow their difference
             return False
-        self.center.add(e)
+        center.add(e)
         self.flat.push(new_theta)
         self.ref.copy_(center_now).add_(e)
         return True
 
 
+@options_class
 class EAMSGDRule(AEASGDRule):
-    """EAMSGD: AEASGD plus Nesterov momentum δ in [0, 1) on the worker's local steps (default 0.9).
-
-    Use it with plain SGD (no optimizer momentum): the rule supplies the momentum.
+    """EAMSGD (Zhang et al. 2015): asynchronous EASGD plus Nesterov momentum on the worker's local
+    steps. Use it with plain SGD (no optimizer momentum): the rule supplies the momentum.
+    Registered as ``mpi_eamsgd``.
     """
 
     name = "eamsgd"
 
-    def __init__(self, period: int = 8, alpha: Optional[float] = None, momentum: float = 0.9, progress_interval: float = 5e-4) -> None:
-        super().__init__(period, alpha, progress_interval)
-        check_range("momentum", momentum, 0.0, 1.0, high_open=True)
-        self.momentum = float(momentum)
+    momentum: float = option(
+        default=0.9,
+        doc="Nesterov momentum δ in [0, 1) (dist-keras; Zhang et al. use 0.99); with `momentum_correction=True` the "
+        "rule runs with max(0, δ - (1 - 1/W)).",
+        check=number(0.0, 1.0, high_open=True),
+    )
 
-    def bind(self, transport: Transport, params: Sequence[Tensor]) -> "BoundEAMSGD":
+    def bind(self, transport: Transport, params: Sequence[Tensor]) -> BoundEAMSGD:
         return BoundEAMSGD(self, transport, params)
 
 
@@ -209,7 +218,7 @@ class BoundEAMSGD(BoundAEASGD):
         or the weights; the step still counts towards the next commit); else Nesterov momentum."""
         if not super().before_step(optimizer):
             return False
-        for p, buf in zip(self.params, self.momentum_bufs):
+        for p, buf in zip(self.params, self.momentum_bufs, strict=True):
             if p.grad is not None:
                 nesterov_gradient_(p.grad, buf, self.rule.momentum)
         return True

@@ -41,13 +41,14 @@ changed).
 The rules themselves and their defaults: :mod:`lightning_mpi.rules.server`; their formulas:
 :mod:`lightning_mpi.rules.server_commits`.
 """
+
 from __future__ import annotations
 
 import time
 import warnings
 from abc import abstractmethod
 from collections.abc import Sequence
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -55,27 +56,27 @@ from torch import Tensor
 from lightning_mpi.comm.progress import ProgressThread
 from lightning_mpi.comm.transport import Transport
 from lightning_mpi.comm.window import Counters, DecisionBoard, ShardedVector
-from lightning_mpi.rules.base import BoundLocalStepRule, Rule, all_finite, check_range
-from lightning_mpi.rules.easgd import FlatParams, check_period_alpha
+from lightning_mpi.options import integer, number, option, options_class
+from lightning_mpi.rules.base import BoundLocalStepRule, Rule, all_finite
+from lightning_mpi.rules.easgd import FlatParams
 from lightning_mpi.rules.server_commits import staleness
 
 
+@options_class
 class ServerRule(Rule):
-    """Hyperparameters of a parameter-server rule. Use the subclasses.
+    """Hyperparameters of a parameter-server rule. Use the subclasses."""
 
-    Args:
-        period: local steps between commits (≥ 1).
-        progress_interval: seconds between the progress thread's ``Iprobe`` calls (> 0).
-    """
+    asynchronous = True
 
-    def __init__(self, period: int = 5, progress_interval: float = 5e-4) -> None:
-        check_period_alpha(period, None)
-        check_range("progress_interval", progress_interval, 0.0, 1.0, low_open=True)
-        self.period = period
-        self.progress_interval = float(progress_interval)
+    period: int = option(default=5, doc="local steps between commits (≥ 1).", check=integer(1))
+    progress_interval: float = option(
+        default=5e-4,
+        doc="seconds between the progress thread's `Iprobe` calls, in (0, 1].",
+        check=number(0.0, 1.0, low_open=True),
+    )
 
     @abstractmethod
-    def bind(self, transport: Transport, params: Sequence[Tensor]) -> "BoundServerRule":
+    def bind(self, transport: Transport, params: Sequence[Tensor]) -> BoundServerRule:
         """The rule's own :class:`BoundServerRule` subclass over ``params``."""
 
 
@@ -104,11 +105,21 @@ class BoundServerRule(BoundLocalStepRule):
         self.commits = 0
         self.skipped_commits = 0  # commits dropped because their delta held inf/NaN
         self.clock_at_pull = 0
-        self.center = self.clock = self.board = self.progress = None
+        # the windows and the progress thread exist from on_train_start to close
+        self.center: ShardedVector | None = None
+        self.clock: Counters | None = None
+        self.board: DecisionBoard | None = None
+        self.progress: ProgressThread | None = None
         self.training = False
         self.restored = False  # True once a checkpoint's center and clock went into the windows
-        self._pending: Optional[dict[str, Any]] = None
+        self._pending: dict[str, Any] | None = None
         self._reset_window_stats()
+
+    def windows(self) -> tuple[ShardedVector, Counters]:
+        """The center and the clock; they exist from ``on_train_start`` to ``close``."""
+        if self.center is None or self.clock is None:
+            raise RuntimeError(f"lightning_mpi: the {self.rule.name} rule's windows exist only while it trains")
+        return self.center, self.clock
 
     # -- lifecycle ---------------------------------------------------------------------------------
     def on_train_start(self) -> None:
@@ -116,10 +127,15 @@ class BoundServerRule(BoundLocalStepRule):
         # Windows are made by blocking collectives: every rank must be here (and none failed) first.
         self.transport.barrier(agree=True)
         if self.transport.size > 1:
-            self.progress = ProgressThread.probing(comm, self.rule.progress_interval, f"{self.rule.name} (a parameter-server rule)",
-                                                   resources=resources, on_error=self.transport.report_thread_failure)
-        self.center = ShardedVector(comm, self.ref.numel(), self.ref.dtype, resources=resources)
-        self.clock = Counters(comm, 1, resources=resources)
+            self.progress = ProgressThread.probing(
+                comm,
+                self.rule.progress_interval,
+                f"{self.rule.name} (a parameter-server rule)",
+                resources=resources,
+                on_error=self.transport.report_thread_failure,
+            )
+        self.center = center = ShardedVector(comm, self.ref.numel(), self.ref.dtype, resources=resources)
+        self.clock = clock = Counters(comm, 1, resources=resources)
         self.board = DecisionBoard(comm, resources=resources)
         initial = self.flat.pull().clone()
         clock0 = 0
@@ -128,9 +144,9 @@ class BoundServerRule(BoundLocalStepRule):
             clock0 = int(self._pending["clock"])
             self._pending = None
             self.restored = True
-        self.center.init_local(initial)
+        center.init_local(initial)
         if self.transport.rank == 0 and clock0:
-            self.clock.set_all(torch.tensor([clock0]).numpy())
+            clock.set_all(torch.tensor([clock0]).numpy())
         self.transport.barrier()  # every shard is set before anyone reads or commits (with the timeout)
         self.ref.copy_(initial)
         if self.starts_from_center:
@@ -242,7 +258,8 @@ class BoundServerRule(BoundLocalStepRule):
         mine = ranks[self.transport.rank % len(ranks)]
         self.steps = int(mine["steps"])
         self.commits = int(mine.get("commits", 0))
-        for buf, saved in zip(self.momentum_bufs, mine.get("momentum", [])):
+        # a checkpoint of a rule without momentum buffers restores none of them
+        for buf, saved in zip(self.momentum_bufs, mine.get("momentum", []), strict=False):
             buf.copy_(saved)
 
     def state_dict(self) -> dict[str, Any]:
@@ -253,32 +270,41 @@ class BoundServerRule(BoundLocalStepRule):
 
         The center is read after a barrier: every rank is inside this call, so no commit is in
         flight and every commit so far is in the snapshot whole (the same snapshot on every rank)."""
-        if self.center is not None:
+        if self.center is not None and self.clock is not None:
             self.transport.barrier()
             center = self.center.read(torch.empty_like(self.ref))
-            clock = int(self.clock.read()[0])  # type: ignore[union-attr]
+            clock = int(self.clock.read()[0])
         elif self._pending is not None:
             center, clock = self._padded(self._pending["center"]), int(self._pending["clock"])
         else:
             center, clock = self.flat.pull().clone(), 0
         local = self._local_state()
         ranks = self.transport.allgather_object(local) if self.transport.size > 1 else [local]
-        return {"kind": self.rule.name, "center": center[: self.numel].clone(), "clock": clock,
-                "world_size": self.transport.size, **local, "ranks": ranks}
+        return {
+            "kind": self.rule.name,
+            "center": center[: self.numel].clone(),
+            "clock": clock,
+            "world_size": self.transport.size,
+            **local,
+            "ranks": ranks,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore the center, the clock and this rank's local state (see :meth:`state_dict`)."""
         saved = state.get("kind", self.rule.name)
         if saved != self.rule.name:
-            raise ValueError(f"lightning_mpi: checkpoint holds {saved!r} rule state, but this run uses {self.rule.name!r}")
+            raise ValueError(
+                f"lightning_mpi: checkpoint holds {saved!r} rule state, but this run uses {self.rule.name!r}"
+            )
         if self.center is None:  # the usual case: restored in on_train_start, once the windows exist
             self._pending = dict(state)
             self._apply_local_state(state)
             return
         # Already running: every rank rewrites its own shard; rank 0 resets the clock.
-        self.center.init_local(self._padded(state["center"]))
+        center, clock = self.windows()
+        center.init_local(self._padded(state["center"]))
         if self.transport.rank == 0:
-            self.clock.set_all(torch.tensor([int(state["clock"])]).numpy())  # type: ignore[union-attr]
+            clock.set_all(torch.tensor([int(state["clock"])]).numpy())
         self.clock_at_pull = int(state["clock"])
         self._apply_local_state(state)
 
@@ -290,9 +316,10 @@ class BoundServerRule(BoundLocalStepRule):
         self._stale_max = 0
         self._commits_window = 0
         self._t0 = time.perf_counter()
-        if getattr(self, "center", None) is not None:
-            self.center.bytes_sent = 0
-            self.center.wait_seconds = 0.0
+        center = getattr(self, "center", None)  # None before the windows exist (and inside __init__)
+        if center is not None:
+            center.bytes_sent = 0
+            center.wait_seconds = 0.0
 
     def _record_staleness(self, stale: int) -> None:
         self._stale_sum += stale

@@ -31,6 +31,7 @@ pulls θ̃, then with E = α(θ − θ̃) does θ ← θ − E and θ̃ ← θ̃
 EAMSGD (Alg. 2) is AEASGD plus Nesterov momentum on the worker's local steps
 (:func:`~lightning_mpi.rules.easgd.nesterov_gradient_`).
 """
+
 from __future__ import annotations
 
 import torch

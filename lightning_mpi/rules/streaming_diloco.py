@@ -33,16 +33,18 @@ Defaults, cited: the paper uses α = 0.5, τ of 1 to 5 inner steps and 4-bit out
 we take ``mix_alpha=0.5``, ``overlap_steps=1``, ``wire="int4"``, ``fragments=4`` (the paper's
 models have 3 to 9 fragments), and DiLoCo's ``period=50``, outer_lr 0.7 and momentum 0.9.
 """
+
 from __future__ import annotations
 
 import warnings
 from collections.abc import Sequence
+from typing import Literal
 
 from torch import Tensor
 
 from lightning_mpi.comm.transport import Transport
-from lightning_mpi.rules.base import Rule, check_int, check_range
-from lightning_mpi.rules.diloco import BoundDiLoCo, check_outer
+from lightning_mpi.options import integer, number, option, options_class, with_default
+from lightning_mpi.rules.diloco import BoundDiLoCo, OuterOptions
 
 
 def split_fragments(sizes: Sequence[int], fragments: int) -> list[int]:
@@ -79,51 +81,47 @@ def fragment_offsets(period: int, fragments: int) -> list[int]:
     return [(p + 1) * period // fragments for p in range(fragments)]
 
 
-def check_streaming(period: int, fragments: int, overlap_steps: int, mix_alpha: float) -> None:
-    """Raise ``ValueError`` naming the argument unless the fragment schedule is well formed."""
-    check_int("fragments", fragments, 1)
-    if fragments > period:
-        raise ValueError(f"fragments={fragments!r} is more than period={period!r}: each fragment needs its own step "
-                         "in the period; lower fragments or raise period")
-    check_int("overlap_steps", overlap_steps, 0)
-    if overlap_steps >= period // fragments:
-        raise ValueError(
-            f"overlap_steps={overlap_steps!r} is out of range: it must be < period // fragments = {period // fragments} "
-            "(one exchange in flight at a time); lower it, or raise period"
-        )
-    check_range("mix_alpha", mix_alpha, 0.0, 1.0, high_open=True)
-
-
-class StreamingDiLoCoRule(Rule):
-    """Streaming DiLoCo: fragments exchanged in turn, overlapped with ``overlap_steps`` inner steps.
-
-    Args:
-        period: H, inner steps between two exchanges of one fragment (≥ 1). Default 50.
-        fragments: P, groups of whole tensors (≥ 1, ≤ period). Default 4. A model with fewer
-            trainable tensors runs with one fragment per tensor.
-        overlap_steps: τ, inner steps an exchange overlaps before it is used (0: blocking);
-            below period // fragments. Default 1.
-        mix_alpha: α in [0, 1): θ_local ← α·θ_local + (1 − α)·θ_global for the arriving fragment
-            (0 takes the global fragment). Default 0.5.
-        outer_lr: the outer learning rate (> 0). Default 0.7.
-        outer_momentum: the outer Nesterov momentum in [0, 1). Default 0.9.
-        wire: ``"fp32"``, ``"bf16"``, ``"int8"`` or ``"int4"`` (lossy ones with error feedback).
-            Default ``"int4"``.
+@options_class
+class StreamingDiLoCoRule(OuterOptions):
+    """Streaming DiLoCo (Douillard et al. 2025): DiLoCo with the parameters cut into ``fragments``
+    groups of whole tensors, each exchanged every ``period`` steps on a staggered schedule (one
+    fragment every period/fragments steps), each exchange overlapped with ``overlap_steps`` inner
+    steps and mixed into the local weights with ``mix_alpha``. Peak bytes per exchange are about
+    1/fragments of DiLoCo's. Registered as ``mpi_streaming_diloco``.
     """
 
     name = "streaming_diloco"
 
-    def __init__(self, period: int = 50, fragments: int = 4, overlap_steps: int = 1, mix_alpha: float = 0.5,
-                 outer_lr: float = 0.7, outer_momentum: float = 0.9, wire: str = "int4") -> None:
-        check_outer(period, outer_lr, outer_momentum, wire)
-        check_streaming(period, fragments, overlap_steps, mix_alpha)
-        self.period = period
-        self.fragments = fragments
-        self.overlap_steps = overlap_steps
-        self.mix_alpha = float(mix_alpha)
-        self.outer_lr = float(outer_lr)
-        self.outer_momentum = float(outer_momentum)
-        self.wire = wire
+    fragments: int = option(
+        default=4,
+        doc="P, the number of fragments (≥ 1, ≤ period); a model with fewer trainable tensors runs with one "
+        "fragment per tensor (and a warning).",
+        check=integer(1),
+    )
+    overlap_steps: int = option(
+        default=1,
+        doc="τ, inner steps between the start of a fragment's exchange and its use (0: blocking); below "
+        "period // fragments.",
+        check=integer(0),
+    )
+    mix_alpha: float = option(
+        default=0.5,
+        doc="α in [0, 1): the arriving fragment sets θ_local ← α·θ_local + (1 − α)·θ_global (the paper's 0.5).",
+        check=number(0.0, 1.0, high_open=True),
+    )
+    wire: Literal["fp32", "bf16", "int8", "int4"] = with_default(OuterOptions, "wire", default="int4")
+
+    def check_together(self) -> None:
+        if self.fragments > self.period:
+            raise ValueError(
+                f"fragments={self.fragments!r} is more than period={self.period!r}: each fragment needs "
+                "its own step in the period; lower fragments or raise period"
+            )
+        if self.overlap_steps >= self.period // self.fragments:
+            raise ValueError(
+                f"overlap_steps={self.overlap_steps!r} is out of range: it must be < period // fragments = "
+                f"{self.period // self.fragments} (one exchange in flight at a time); lower it, or raise period"
+            )
 
     def bind(self, transport: Transport, params: Sequence[Tensor]) -> BoundDiLoCo:
         """Split ``params`` into fragments; a model with fewer trainable tensors than ``fragments``
@@ -140,7 +138,14 @@ class StreamingDiLoCoRule(Rule):
             fragments = len(params)
         assignment = split_fragments([p.numel() for p in params], fragments) if params else []
         groups: list[list[Tensor]] = [[] for _ in range(fragments)]
-        for param, group in zip(params, assignment):
+        for param, group in zip(params, assignment, strict=True):
             groups[group].append(param)
-        return BoundDiLoCo(self, transport, params, groups, fragment_offsets(self.period, fragments),
-                           overlap_steps=self.overlap_steps, mix_alpha=self.mix_alpha)
+        return BoundDiLoCo(
+            self,
+            transport,
+            params,
+            groups,
+            fragment_offsets(self.period, fragments),
+            overlap_steps=self.overlap_steps,
+            mix_alpha=self.mix_alpha,
+        )

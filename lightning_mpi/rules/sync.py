@@ -11,11 +11,12 @@ The exchange is either one ``MPI_Allreduce`` or Theano-MPI's Alltoall-sum-Allgat
 fp32, fp16 or bf16 on the wire. A step whose exchanged gradients contain inf or NaN is skipped on
 every rank (they all see the same values), counted in ``skipped_steps`` and warned about.
 """
+
 from __future__ import annotations
 
 import warnings
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import Tensor
@@ -23,78 +24,59 @@ from torch.optim import Optimizer
 
 from lightning_mpi.comm.buffers import Bucket, make_buckets
 from lightning_mpi.comm.transport import Transport
-from lightning_mpi.rules.base import BoundRule, Rule, all_finite, check_choice, check_range, grads_finite
+from lightning_mpi.options import option, options_class
+from lightning_mpi.rules.base import BoundRule, all_finite, grads_finite
 from lightning_mpi.rules.bucket_exchanger import BucketExchanger
-
-EXCHANGES = ("allreduce", "asa")
-WIRES = ("fp32", "fp16", "bf16")
-AVERAGES = ("gradients", "weights", "weights+momentum")
+from lightning_mpi.rules.buckets import SegmentedBuckets
 
 
-class SyncRule(Rule):
-    """Average every step.
+@options_class
+class SyncRule(SegmentedBuckets):
+    """Synchronous data parallelism: every step, average gradients (or weights) over all ranks.
 
-    Args:
-        exchange: ``"allreduce"`` (one MPI_Allreduce) or ``"asa"`` (Alltoall → fp32 sum → Allgather).
-        wire: ``"fp32"``, ``"fp16"`` or ``"bf16"``: the format on the wire. 16-bit formats need
-            ``exchange="asa"``, which sums in fp32 after the wire.
-        average: ``"gradients"``, ``"weights"`` or ``"weights+momentum"`` (see module docstring).
-        bucket_mb: size of one exchange bucket in MiB, > 0 (a bucket is closed once it holds
-            this much, so it may exceed it by one tensor). Smaller buckets start exchanging
-            earlier in backward; larger ones pay less per-message latency.
-        first_bucket_mb: size of the first bucket (the last layers' gradients), > 0; at most
-            ``bucket_mb`` is used. Small, as in DDP, so that the link gets busy after the last
-            layer or two of backward.
-        overlap: start a bucket's exchange from the gradient hooks as soon as all its gradients
-            are ready, so it runs behind the rest of backward (``average="gradients"`` only).
-        segment_mb: each bucket is exchanged as a pipeline of segments of this many MiB: segment
-            k+1 is cast and sent while segment k is on the wire and being summed (both exchanges).
-        topology_aware: reduce within a node over shared memory, exchange among node leaders
-            only, then broadcast within the node (PowerAI DDL's scheme).
-        progress_thread: with ``overlap``, a light thread drives MPI progress while backward runs
-            in torch kernels (MPICH only moves data inside MPI calls), and moves exchanges to
-            their next phase (ASA's sum and Allgather) as soon as the previous one completes.
+    Registered as ``mpi_allreduce``, ``mpi_asa``, ``mpi_asa16`` and ``mpi_asa_bf16``.
     """
 
     name = "sync"
 
-    def __init__(
-        self,
-        exchange: str = "allreduce",
-        wire: str = "fp32",
-        average: str = "gradients",
-        bucket_mb: float = 25.0,
-        overlap: bool = True,
-        segment_mb: float = 4.0,
-        topology_aware: bool = False,
-        progress_thread: bool = True,
-        first_bucket_mb: float = 1.0,
-    ) -> None:
-        check_choice("exchange", exchange, EXCHANGES)
-        check_choice("wire", wire, WIRES)
-        check_choice("average", average, AVERAGES)
-        check_range("bucket_mb", bucket_mb, 0, float("inf"), low_open=True, high_open=True)
-        check_range("segment_mb", segment_mb, 0, float("inf"), low_open=True, high_open=True)
-        check_range("first_bucket_mb", first_bucket_mb, 0, float("inf"), low_open=True, high_open=True)
-        if wire != "fp32" and exchange != "asa":
+    exchange: Literal["allreduce", "asa"] = option(
+        default="allreduce",
+        doc='`"allreduce"`: one MPI_Allreduce per bucket; `"asa"`: Theano-MPI\'s Alltoall, local fp32 sum, Allgather.',
+    )
+    wire: Literal["fp32", "fp16", "bf16"] = option(
+        default="fp32",
+        doc='the format on the wire; 16-bit formats need `exchange="asa"`, which sums in fp32: half the '
+        "bytes, one rounding of the sum.",
+    )
+    average: Literal["gradients", "weights", "weights+momentum"] = option(
+        default="gradients",
+        doc='`"gradients"` (W ranks x batch B = one process x batch W*B), `"weights"` (Theano-MPI\'s '
+        'AWAGD: local step, then average weights) or `"weights+momentum"` (also average the optimizer\'s '
+        "momentum and moment buffers).",
+    )
+    topology_aware: bool = option(
+        default=False,
+        doc="reduce within each node over shared memory, exchange among node leaders only, then broadcast "
+        "within the node (PowerAI DDL's scheme).",
+    )
+    progress_thread: bool = option(
+        default=True,
+        doc="with `overlap`, a light thread drives MPI progress while backward runs in torch kernels (MPICH "
+        "moves data only inside MPI calls) and moves each exchange to its next phase.",
+    )
+
+    def check_together(self) -> None:
+        if self.wire != "fp32" and self.exchange != "asa":
             raise ValueError(
-                f"wire={wire!r} needs exchange='asa' (ASA sums 16-bit chunks in fp32); got exchange={exchange!r}"
+                f"wire={self.wire!r} needs exchange='asa' (ASA sums 16-bit chunks in fp32); "
+                f"got exchange={self.exchange!r}"
             )
-        self.exchange = exchange
-        self.wire = wire
-        self.average = average
-        self.bucket_mb = float(bucket_mb)
-        self.first_bucket_mb = float(first_bucket_mb)
-        self.overlap = bool(overlap)
-        self.segment_mb = float(segment_mb)
-        self.topology_aware = bool(topology_aware)
-        self.progress_thread = bool(progress_thread)
 
-    def bind(self, transport: Transport, params: Sequence[Tensor]) -> "BoundSyncRule":
-        return BoundSyncRule(self, transport, params)
+    def bind(self, transport: Transport, params: Sequence[Tensor]) -> BoundSync:
+        return BoundSync(self, transport, params)
 
 
-class BoundSyncRule(BoundRule):
+class BoundSync(BoundRule):
     def __init__(self, rule: SyncRule, transport: Transport, params: Sequence[Tensor]) -> None:
         super().__init__(transport, params)
         self.rule = rule
@@ -102,8 +84,8 @@ class BoundSyncRule(BoundRule):
         self.buckets = make_buckets(
             self.params,
             self.exchanger.pad_multiple,
-            bucket_bytes=max(1, int(rule.bucket_mb * 2**20)),
-            first_bucket_bytes=max(1, int(min(rule.first_bucket_mb, rule.bucket_mb) * 2**20)),
+            bucket_bytes=rule.bucket_bytes(),
+            first_bucket_bytes=rule.first_bucket_bytes(),
         )
         if transport.size > 1:
             self.exchanger.prepare(self.buckets)
@@ -119,13 +101,20 @@ class BoundSyncRule(BoundRule):
         self._launched = [False] * len(self.buckets)
         self._replayed = False  # a gradient arrived after its bucket left: redo blocking
         self._arrived: list[Bucket] = []  # exchanged buckets not yet unpacked, in arrival order
-        self._hooks = []
+        self._hooks: list[torch.utils.hooks.RemovableHandle] = []
         if rule.overlap and rule.average == "gradients" and transport.size > 1:
             self._attach_hooks()
 
     def make_exchanger(self, transport: Transport, rule: SyncRule) -> BucketExchanger:
         """The exchanger for this rule's buckets; subclasses return their own (compressed rules)."""
-        return BucketExchanger(transport, rule)
+        return BucketExchanger(
+            transport,
+            exchange=rule.exchange,
+            wire=rule.wire,
+            segment_mb=rule.segment_mb,
+            progress_thread=rule.overlap and rule.progress_thread,
+            topology_aware=rule.topology_aware,
+        )
 
     def _attach_hooks(self) -> None:
         for index, bucket in enumerate(self.buckets):
@@ -209,8 +198,9 @@ class BoundSyncRule(BoundRule):
             finite = bool(self.transport.allreduce_(flag, "min").item() == 1.0)
         if not finite:
             self.skipped_steps += 1
+            wire = getattr(self.rule, "codec", self.rule.wire)
             warnings.warn(
-                f"lightning_mpi: non-finite gradients after the exchange (wire={getattr(self.rule, 'codec', self.rule.wire)}); "
+                f"lightning_mpi: non-finite gradients after the exchange (wire={wire}); "
                 f"skipping this optimizer step on every rank ({self.skipped_steps} skipped so far).",
                 RuntimeWarning,
                 stacklevel=2,

@@ -1,9 +1,10 @@
 """Builds lightning_mpi's Lightning classes on the package the user imported.
 
 Each Lightning package has its own base classes, and its Trainer or Fabric accepts only
-strategies (callbacks, DataModules) built on them. The behaviour is written once, in mixins that
-import no Lightning (:mod:`.trainer`, :mod:`.fabric`, :mod:`.decisions`, :mod:`.options`, ...);
-this module puts them on each package's bases, once per package and on first use:
+strategies (callbacks, DataModules) built on them. The behaviour is written once
+(:func:`.trainer.trainer_strategy`, :func:`.fabric.fabric_strategy`, the rules' options, the hooks
+of the DataModule and the callback); this module puts each package's base classes under it, once
+per package and on first use:
 
 =====================  ==================================  ==============================
 package                classes                             built by
@@ -14,25 +15,35 @@ package                classes                             built by
 ``lightning.fabric``   ``lightning_mpi.fabric.*``           :func:`fabric_classes`
 =====================  ==================================  ==============================
 
-Every strategy class is ``<options> + <frontend base>``: the options class (typed arguments that
-build a rule) is the same for every frontend, so no strategy is written twice.
+A named strategy (``EASGDStrategy``) is the frontend's ``MPIStrategy`` (``AsyncMPIStrategy`` for
+asynchronous rules) whose arguments are its rule's options (:func:`.signatures.named_strategy`):
+no strategy is written twice, and no argument either.
 """
+
 from __future__ import annotations
 
 import importlib
-from functools import lru_cache
+from functools import cache
 from typing import Any
 
-from lightning_mpi.strategies import low_communication_options, options
+from lightning_mpi.data.hooks import PrefetchDataHooks
+from lightning_mpi.offload.hooks import LMSOffloadHooks
+from lightning_mpi.rules.averaging import ModelAveragingRule
+from lightning_mpi.rules.base import Rule
+from lightning_mpi.rules.compressed import CompressedSyncRule
+from lightning_mpi.rules.diloco import DiLoCoRule
+from lightning_mpi.rules.easgd import EASGDRule
+from lightning_mpi.rules.gossip import GoSGDRule
+from lightning_mpi.rules.powersgd import PowerSGDRule
+from lightning_mpi.rules.server import ADAGRule, AEASGDRule, AGNRule, DownpourRule, DynSGDRule, EAMSGDRule
+from lightning_mpi.rules.streaming_diloco import StreamingDiLoCoRule
+from lightning_mpi.rules.sync import SyncRule
 from lightning_mpi.strategies.checkpoint_io import AtomicWriteMixin
-from lightning_mpi.strategies.decisions import StopDecisions
 from lightning_mpi.strategies.environment import MPIClusterMixin
-from lightning_mpi.strategies.fabric import FabricMPIStrategy, _NoBackwardSync
+from lightning_mpi.strategies.fabric import fabric_strategy
 from lightning_mpi.strategies.lightning_api import fabric_api, trainer_api
-from lightning_mpi.strategies.preemption import PreemptionCheckpoint
-from lightning_mpi.strategies.resume import ResumeOnRestart
-from lightning_mpi.strategies.sharding import LoaderSharding
-from lightning_mpi.strategies.trainer import TrainerMPIStrategy
+from lightning_mpi.strategies.signatures import named_strategy
+from lightning_mpi.strategies.trainer import trainer_strategy
 
 #: Where each package's classes are exported (their ``__module__``, so class paths resolve).
 EXPORTS = {
@@ -42,23 +53,27 @@ EXPORTS = {
     "lightning.fabric": "lightning_mpi.fabric",
 }
 
-#: Strategy class name -> (its options class, whether it is asynchronous).
-STRATEGY_CLASSES: dict[str, tuple[type, bool]] = {
-    "SyncStrategy": (options.SyncOptions, False),
-    "CompressedSyncStrategy": (options.CompressedSyncOptions, False),
-    "EASGDStrategy": (options.EASGDOptions, False),
-    "ModelAveragingStrategy": (options.ModelAveragingOptions, False),
-    "DownpourStrategy": (options.DownpourOptions, True),
-    "AGNStrategy": (options.AGNOptions, True),
-    "ADAGStrategy": (options.ADAGOptions, True),
-    "DynSGDStrategy": (options.DynSGDOptions, True),
-    "AEASGDStrategy": (options.AEASGDOptions, True),
-    "EAMSGDStrategy": (options.EAMSGDOptions, True),
-    "GoSGDStrategy": (options.GoSGDOptions, True),
-    "PowerSGDStrategy": (low_communication_options.PowerSGDOptions, False),
-    "DiLoCoStrategy": (low_communication_options.DiLoCoOptions, False),
-    "StreamingDiLoCoStrategy": (low_communication_options.StreamingDiLoCoOptions, False),
+#: Strategy class name -> the rule it trains with (its arguments are the rule's options).
+STRATEGY_RULES: dict[str, type[Rule]] = {
+    "SyncStrategy": SyncRule,
+    "CompressedSyncStrategy": CompressedSyncRule,
+    "EASGDStrategy": EASGDRule,
+    "ModelAveragingStrategy": ModelAveragingRule,
+    "DownpourStrategy": DownpourRule,
+    "AGNStrategy": AGNRule,
+    "ADAGStrategy": ADAGRule,
+    "DynSGDStrategy": DynSGDRule,
+    "AEASGDStrategy": AEASGDRule,
+    "EAMSGDStrategy": EAMSGDRule,
+    "GoSGDStrategy": GoSGDRule,
+    "PowerSGDStrategy": PowerSGDRule,
+    "DiLoCoStrategy": DiLoCoRule,
+    "StreamingDiLoCoStrategy": StreamingDiLoCoRule,
 }
+
+_ASYNC_DOC = """Base of the asynchronous strategies (parameter-server and gossip rules): Lightning's stop
+decisions are answered without per-step barriers, and ``momentum_correction`` is available.
+Otherwise the same as ``MPIStrategy``."""
 
 
 def _make(name: str, bases: tuple[type, ...], module: str, doc: str | None, **attributes: Any) -> type:
@@ -67,24 +82,38 @@ def _make(name: str, bases: tuple[type, ...], module: str, doc: str | None, **at
     return type(name, bases, {"__module__": module, "__qualname__": name, "__doc__": doc, **attributes})
 
 
-@lru_cache(maxsize=None)
+def _exported(cls: type, module: str) -> type:
+    """``cls`` (made by a factory function), reporting ``module`` as its home."""
+    cls.__module__ = module
+    cls.__qualname__ = cls.__name__
+    return cls
+
+
+@cache
 def _fabric_support(package: str) -> dict[str, type]:
     """The cluster environment and checkpoint IO on Fabric package ``package``."""
     api = fabric_api(package)
     module = EXPORTS[package]
     return {
-        "MPIClusterEnvironment": _make("MPIClusterEnvironment", (MPIClusterMixin, api.MPIEnvironment), module,
-                                       MPIClusterMixin.__doc__),
-        "AtomicCheckpointIO": _make("AtomicCheckpointIO", (AtomicWriteMixin, api.TorchCheckpointIO), module,
-                                    AtomicWriteMixin.__doc__, get_filesystem=staticmethod(api.get_filesystem)),
+        "MPIClusterEnvironment": _make(
+            "MPIClusterEnvironment", (MPIClusterMixin, api.MPIEnvironment), module, MPIClusterMixin.__doc__
+        ),
+        "AtomicCheckpointIO": _make(
+            "AtomicCheckpointIO",
+            (AtomicWriteMixin, api.TorchCheckpointIO),
+            module,
+            AtomicWriteMixin.__doc__,
+            get_filesystem=staticmethod(api.get_filesystem),
+        ),
     }
 
 
-def _strategies_on(base: type, async_base: type, module: str) -> dict[str, type]:
+def _strategies_on(base: type, module: str) -> dict[str, type]:
+    """``MPIStrategy`` (``base``), ``AsyncMPIStrategy`` and every named strategy on it."""
+    async_base = _make("AsyncMPIStrategy", (base,), module, _ASYNC_DOC)
     classes = {"MPIStrategy": base, "AsyncMPIStrategy": async_base}
-    for name, (options_class, is_async) in STRATEGY_CLASSES.items():
-        parent = async_base if is_async else base
-        classes[name] = _make(name, (options_class, parent), module, options_class.__doc__)
+    for name, rule_class in STRATEGY_RULES.items():
+        classes[name] = named_strategy(name, rule_class, async_base if rule_class.asynchronous else base, module)
     return classes
 
 
@@ -105,44 +134,29 @@ def fabric_classes(package: str) -> dict[str, type]:
     return _build_fabric_classes(package)
 
 
-@lru_cache(maxsize=None)
+@cache
 def _build_trainer_classes(package: str) -> dict[str, type]:
     api = trainer_api(package)
     support = _fabric_support(api.fabric.package)
     module = EXPORTS[package]
-    base = _make(
-        "MPIStrategy", (LoaderSharding, ResumeOnRestart, PreemptionCheckpoint, TrainerMPIStrategy, api.ParallelStrategy),
-        module, TrainerMPIStrategy.__doc__,
-        _api=api, _fabric_api=api.fabric,
-        _environment_class=support["MPIClusterEnvironment"], _checkpoint_io_class=support["AtomicCheckpointIO"],
-    )
-    async_base = _make("AsyncMPIStrategy", (options.AsyncOptions, StopDecisions, base), module,
-                       options.AsyncOptions.__doc__)
-    return {**support, **_strategies_on(base, async_base, module), **_trainer_extras(api, module)}
+    base = _exported(trainer_strategy(api, support["MPIClusterEnvironment"], support["AtomicCheckpointIO"]), module)
+    return {**support, **_strategies_on(base, module), **_trainer_extras(api, module)}
 
 
 def _trainer_extras(api: Any, module: str) -> dict[str, type]:
     """The DataModule and the callback, on the Trainer package's bases."""
-    from lightning_mpi.data.hooks import PrefetchDataHooks
-    from lightning_mpi.offload.hooks import LMSOffloadHooks
-
     return {
-        "PrefetchDataModule": _make("PrefetchDataModule", (PrefetchDataHooks, api.LightningDataModule), module,
-                                    PrefetchDataHooks.__doc__),
+        "PrefetchDataModule": _make(
+            "PrefetchDataModule", (PrefetchDataHooks, api.LightningDataModule), module, PrefetchDataHooks.__doc__
+        ),
         "LMSOffload": _make("LMSOffload", (LMSOffloadHooks, api.Callback), module, LMSOffloadHooks.__doc__),
     }
 
 
-@lru_cache(maxsize=None)
+@cache
 def _build_fabric_classes(package: str) -> dict[str, type]:
     api = fabric_api(package)
     support = _fabric_support(package)
     module = EXPORTS[package]
-    backward_sync = _make("NoBackwardSync", (_NoBackwardSync, api.BackwardSyncControl), module, _NoBackwardSync.__doc__)
-    base = _make(
-        "MPIStrategy", (FabricMPIStrategy, api.ParallelStrategy), module, FabricMPIStrategy.__doc__,
-        _fabric_api=api, _backward_sync_class=backward_sync,
-        _environment_class=support["MPIClusterEnvironment"], _checkpoint_io_class=support["AtomicCheckpointIO"],
-    )
-    async_base = _make("AsyncMPIStrategy", (options.AsyncOptions, base), module, options.AsyncOptions.__doc__)
-    return {**support, **_strategies_on(base, async_base, module)}
+    base = _exported(fabric_strategy(api, support["MPIClusterEnvironment"], support["AtomicCheckpointIO"]), module)
+    return {**support, **_strategies_on(base, module)}

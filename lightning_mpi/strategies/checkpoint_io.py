@@ -7,12 +7,13 @@ POSIX file systems, so readers see the old file or the new one, never half of on
 :mod:`lightning_mpi.strategies.build` puts it on the ``TorchCheckpointIO`` of each Fabric package
 as ``AtomicCheckpointIO``.
 """
+
 from __future__ import annotations
 
 import os
 import tempfile
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -25,7 +26,7 @@ class AtomicWriteMixin:
 
     get_filesystem: Any
 
-    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Optional[Any] = None) -> None:
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
         if storage_options is not None:
             raise TypeError(
                 f"storage_options={storage_options!r} is not supported by AtomicCheckpointIO; "

@@ -18,22 +18,29 @@ rank saves at the same step), so their questions stay collective. The protocol i
 while the rule trains every hook of the trainer's checkpoint callbacks runs inside it.
 Non-bool broadcasts and calls outside training are always collective.
 """
+
 from __future__ import annotations
 
 import functools
 from collections.abc import Generator
 from contextlib import contextmanager
-from typing import Any, Optional
+from typing import Any
+
+from lightning_mpi.comm.window import DecisionBoard
+from lightning_mpi.rules.base import BoundRule
 
 
 class StopDecisions:
-    """Answers Lightning's bool decisions from the rule's board while it trains (module docstring)."""
+    """Where Lightning's bool decisions are answered while an asynchronous rule trains (module docstring).
 
-    _api: Any
-    _bound: Any
+    Args:
+        callback_class: the Lightning package's ``Callback`` (its hook names are the ones scoped).
+    """
 
-    #: how deep the current call is in :meth:`collective_decisions` scopes
-    _collective_depth = 0
+    def __init__(self, callback_class: type) -> None:
+        self._callback_class = callback_class
+        self._collective_depth = 0  # how deep the current call is in collective_decisions scopes
+        self._scoped_hooks: list[tuple[Any, str]] = []
 
     @contextmanager
     def collective_decisions(self) -> Generator[None, None, None]:
@@ -44,57 +51,33 @@ class StopDecisions:
         finally:
             self._collective_depth -= 1
 
-    def _decision_board(self) -> Optional[Any]:
-        """The board for stop votes, or ``None`` when the answer must be a collective. A board
-        read waits for no rank, so it checks first whether another rank failed."""
-        bound = self._bound
+    def board(self, bound: BoundRule | None) -> DecisionBoard | None:
+        """The board for stop votes, or ``None`` when the answer must be a collective (in a
+        collective scope, or when no rule with a board is training)."""
         if self._collective_depth or bound is None or not bound.training:
             return None
-        self.check_peers()  # type: ignore[attr-defined]
         return bound.board
 
-    def broadcast(self, obj: Any, src: int = 0) -> Any:
-        board = self._decision_board() if isinstance(obj, bool) else None
-        if board is not None:
-            return board.broadcast_flag(obj, src)
-        return super().broadcast(obj, src)  # type: ignore[misc]
-
-    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
-        board = self._decision_board()
-        if board is not None:
-            return board.reduce_flag(bool(decision), all)
-        return super().reduce_boolean_decision(decision, all)  # type: ignore[misc]
-
     # -- the checkpoint callbacks' hooks run in a collective scope while the rule trains ------------
-    def on_train_start(self) -> None:
-        super().on_train_start()  # type: ignore[misc]
-        trainer = getattr(self.lightning_module, "_trainer", None)  # type: ignore[attr-defined]
+    def scope_checkpoint_hooks(self, trainer: Any) -> None:
+        """Run each Lightning hook of the trainer's checkpoint callbacks inside
+        :meth:`collective_decisions` (instance attributes over the class's methods;
+        :meth:`unscope_hooks` removes them)."""
         for callback in getattr(trainer, "checkpoint_callbacks", []) if trainer is not None else []:
-            self._scope_hooks(callback)
+            for name in vars(self._callback_class):
+                if not name.startswith("on_") or name in vars(callback):
+                    continue
+                method = getattr(callback, name)
 
-    def teardown(self) -> None:
-        self._unscope_hooks()
-        super().teardown()  # type: ignore[misc]
+                @functools.wraps(method)
+                def in_collective_scope(*args: Any, _hook: Any = method, **kwargs: Any) -> Any:
+                    with self.collective_decisions():
+                        return _hook(*args, **kwargs)
 
-    def _scope_hooks(self, callback: Any) -> None:
-        """Run each of ``callback``'s Lightning hooks inside :meth:`collective_decisions`
-        (instance attributes over the class's methods; :meth:`_unscope_hooks` removes them)."""
-        scoped: list[tuple[Any, str]] = getattr(self, "_scoped_hooks", [])
-        for name in vars(self._api.Callback):
-            if not name.startswith("on_") or name in vars(callback):
-                continue
-            method = getattr(callback, name)
+                setattr(callback, name, in_collective_scope)
+                self._scoped_hooks.append((callback, name))
 
-            @functools.wraps(method)
-            def in_collective_scope(*args: Any, _hook: Any = method, **kwargs: Any) -> Any:
-                with self.collective_decisions():
-                    return _hook(*args, **kwargs)
-
-            setattr(callback, name, in_collective_scope)
-            scoped.append((callback, name))
-        self._scoped_hooks = scoped
-
-    def _unscope_hooks(self) -> None:
-        for callback, name in getattr(self, "_scoped_hooks", []):
+    def unscope_hooks(self) -> None:
+        for callback, name in self._scoped_hooks:
             callback.__dict__.pop(name, None)
         self._scoped_hooks = []

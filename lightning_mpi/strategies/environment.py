@@ -8,9 +8,19 @@ singleton of world size 1.
 :class:`MPIClusterMixin` holds the behaviour; :mod:`lightning_mpi.strategies.build` puts it on the
 ``MPIEnvironment`` of each Fabric package (``lightning_fabric``, ``lightning.fabric``).
 """
+
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
+
+import torch
+
+
+def rank_device(devices: Sequence[torch.device] | None, local_rank: int) -> torch.device:
+    """The device of the rank with ``local_rank`` on its host: ``devices[local_rank % len(devices)]``,
+    or the CPU when the accelerator gave no devices."""
+    return devices[local_rank % len(devices)] if devices else torch.device("cpu")
 
 
 class MPIClusterMixin:
@@ -29,7 +39,7 @@ class MPIClusterMixin:
         from mpi4py import MPI
 
         self.comm: Any = self._comm_world.Dup()
-        self._init_comm_local()  # type: ignore[attr-defined]
+        self._init_comm_local()  # type: ignore[attr-defined]  # MPIEnvironment's, the base this is put on
         assert self._comm_local is not None
         self.local_comm: Any = self._comm_local
         self.num_nodes: int = self.comm.allreduce(self._node_rank, op=MPI.MAX) + 1

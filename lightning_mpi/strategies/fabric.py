@@ -1,8 +1,9 @@
-"""The Fabric frontend: ``L.Fabric(strategy="mpi_asa16")`` calls the rule's hooks here.
+"""The Fabric strategy: ``L.Fabric(strategy="mpi_asa16")`` calls the rule's hooks here.
 
-:class:`FabricMPIStrategy` is mixed into the ``ParallelStrategy`` of each Fabric package
-(``lightning_fabric``, ``lightning.fabric``) by :mod:`lightning_mpi.strategies.build`. A Fabric loop
-is the user's own code, so the rule's lifecycle hangs on the calls that loop makes:
+:func:`fabric_strategy` defines ``MPIStrategy`` on the ``ParallelStrategy`` of one Fabric package
+(``lightning_fabric`` or ``lightning.fabric``; :mod:`.build` calls it once per package), with the
+same collaborators as the Trainer strategy (:mod:`.trainer`). A Fabric loop is the user's own
+code, so the rule's lifecycle hangs on the calls that loop makes:
 
 - ``fabric.launch()``: nothing to spawn (``mpiexec`` started the ranks); this rank's device is set
   up, and an exception that nobody catches aborts every rank (``sys.excepthook``).
@@ -17,10 +18,10 @@ is the user's own code, so the rule's lifecycle hangs on the calls that loop mak
 - ``fabric.all_reduce`` / ``all_gather`` / ``broadcast`` / ``barrier``: over MPI.
 - ``fabric.save`` / ``fabric.load`` with a state dictionary: the rule's state (center, clocks,
   residuals, gossip weights) travels under the ``"lightning_mpi"`` key.
-- :meth:`FabricMPIStrategy.finish_training`: a Fabric loop has no ``on_train_end``, so call
-  ``fabric.strategy.finish_training()`` on every rank after the loop: every rank's module then
-  holds the rule's consensus weights (the center for elastic and parameter-server rules, the
-  weighted consensus for gossip), and the rule's threads and windows are released.
+- ``fabric.strategy.finish_training()``: a Fabric loop has no ``on_train_end``, so call it on every
+  rank after the loop: every rank's module then holds the rule's consensus weights (the center
+  for elastic and parameter-server rules, the weighted consensus for gossip), and the rule's
+  threads and windows are released.
 
 When a rank fails. An exception raised inside any of the strategy's calls above (a collective, a
 step, a checkpoint) fails the run on every rank: it is posted to the other ranks, which raise
@@ -29,242 +30,342 @@ step, a checkpoint) fails the run on every rank: it is posted to the other ranks
 strategy: wrap the loop in ``with fabric.strategy.propagate_errors():`` to catch and retry on every
 rank, or leave it uncaught and every rank is aborted.
 """
+
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
-from contextlib import AbstractContextManager, nullcontext
-from typing import Any, Literal, Optional, TypeVar
+from collections.abc import Callable, Generator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from typing import Any, TypeVar
 
+import torch
 from torch.nn import Module
 from torch.optim import Optimizer
+from typing_extensions import override
 
-from lightning_mpi.rules.base import Rule
-from lightning_mpi.strategies.aids import ConvergenceAids
-from lightning_mpi.strategies.core import CHECKPOINT_KEY, MPIStrategyCore
-from lightning_mpi.strategies.failures import install_abort_hook
+from lightning_mpi.comm.transport import Transport
+from lightning_mpi.options import check_one
+from lightning_mpi.rules.base import BoundRule, Rule
+from lightning_mpi.rules.sync import SyncRule
+from lightning_mpi.strategies import collectives, replicas
+from lightning_mpi.strategies.common_options import CommonOptions
+from lightning_mpi.strategies.convergence import ConvergenceAids
+from lightning_mpi.strategies.environment import rank_device
+from lightning_mpi.strategies.failures import RunFailures, install_abort_hook
+from lightning_mpi.strategies.lightning_api import FabricAPI
+from lightning_mpi.strategies.rule_runner import RuleRunner
+from lightning_mpi.strategies.signatures import check_rule, document_frontend
+from lightning_mpi.strategies.trainer import CHECKPOINT_KEY
 
 _Method = TypeVar("_Method", bound=Callable[..., Any])
+
+#: The Fabric strategy's own arguments (beside the common options), documented once.
+FABRIC_ARGUMENTS = {
+    "rule": "what to exchange and when (a lightning_mpi `Rule`); None is `SyncRule()`: average gradients with one "
+    "Allreduce every step. The named strategies build it from their arguments.",
+    "accelerator": "as for any Fabric strategy; normally left to Fabric.",
+    "checkpoint_io": "as for any Fabric strategy; by default checkpoint files are written atomically.",
+    "precision": "as for any Fabric strategy; normally left to Fabric.",
+}
 
 
 def _fails_the_run(method: _Method) -> _Method:
     """An exception raised inside ``method`` fails the run on every rank (``propagate_errors``)."""
 
     @functools.wraps(method)
-    def propagating(self: "FabricMPIStrategy", *args: Any, **kwargs: Any) -> Any:
+    def propagating(self: Any, *args: Any, **kwargs: Any) -> Any:
         with self.propagate_errors():
             return method(self, *args, **kwargs)
 
-    return propagating  # type: ignore[return-value]
+    return propagating  # type: ignore[return-value]  # the same signature as ``method``
 
 
-class _NoBackwardSync:
-    """Fabric's ``_BackwardSyncControl``: ``fabric.no_backward_sync(model)`` pauses the rule's
-    gradient hooks, so accumulation steps exchange nothing (mixed into the package's base class)."""
+def fabric_strategy(api: FabricAPI, environment_class: type, checkpoint_io_class: type) -> type:
+    """``MPIStrategy`` on Fabric package ``api``'s ``ParallelStrategy`` (see the module docstring)."""
+    base: Any = api.ParallelStrategy  # a class of the package the user imported: known at run time only
+    backward_sync_base: Any = api.BackwardSyncControl
 
-    def __init__(self, strategy: "FabricMPIStrategy") -> None:
-        self._strategy = strategy
+    class NoBackwardSync(backward_sync_base):
+        """``fabric.no_backward_sync(model)`` pauses the rule's gradient hooks, so accumulation steps
+        exchange nothing."""
 
-    def no_backward_sync(self, module: Module, enabled: bool) -> AbstractContextManager:
-        return self._strategy.exchanges_paused() if enabled else nullcontext()
+        def __init__(self, runner: RuleRunner) -> None:
+            self._runner = runner
 
+        @override
+        def no_backward_sync(self, module: Module, enabled: bool) -> AbstractContextManager[Any]:
+            return self._runner.paused() if enabled else nullcontext()
 
-class FabricMPIStrategy(ConvergenceAids, MPIStrategyCore):
-    """Data-parallel training over MPI with an exchange rule, for ``lightning.fabric.Fabric``.
+    class MPIStrategy(base):
+        """Data-parallel training over MPI with an exchange rule, for ``lightning.fabric.Fabric``.
 
-    Args:
-        rule: what to exchange and when; defaults to :class:`~lightning_mpi.rules.sync.SyncRule`
-            (average gradients with one Allreduce every step).
-        abort_on_exception: ``False`` (default): an exception inside a strategy call (or a
-            ``propagate_errors()`` block) propagates on its rank and every other rank raises
-            :class:`~lightning_mpi.RankFailedError` from its next strategy call; an exception that
-            reaches the top of the program aborts every rank (``sys.excepthook``, installed by
-            ``fabric.launch()`` at world size > 1, whatever this option). ``True``: the failing rank
-            prints its traceback and calls ``MPI_Abort`` at once.
-        collective_timeout: seconds any collective may wait for the other ranks before it raises
-            ``CollectiveTimeout``; ``None`` waits forever.
-        lr_scaling: ``"linear"`` or ``"sqrt"`` scaling of every learning rate by the world size,
-            applied to the update only (see the Trainer strategies); ``None`` leaves them alone.
-        warmup_steps: linear warm-up of that factor over this many ``optimizer.step()`` calls.
-        accelerator, checkpoint_io, precision: as for any Fabric strategy; normally left to Fabric.
-
-    Ranks come from ``MPI.COMM_WORLD`` (``mpiexec -n N python train.py``); rank ``r`` uses device
-    ``local_rank % devices_on_this_host``. See the module docstring for the lifecycle, and call
-    :meth:`finish_training` after the training loop.
-    """
-
-    _fabric_api: Any
-    _backward_sync_class: type
-
-    def __init__(
-        self,
-        rule: Optional[Rule] = None,
-        abort_on_exception: bool = False,
-        collective_timeout: Optional[float] = 1800.0,
-        lr_scaling: Optional[Literal["linear", "sqrt"]] = None,
-        warmup_steps: int = 0,
-        accelerator: Optional[Any] = None,
-        checkpoint_io: Optional[Any] = None,
-        precision: Optional[Any] = None,
-    ) -> None:
-        placement = self._placement(rule, collective_timeout, lr_scaling, warmup_steps, checkpoint_io)
-        # the package's ParallelStrategy
-        super().__init__(accelerator=accelerator, precision=precision, **placement)  # type: ignore[call-arg]
-        self._init_core(rule, placement["cluster_environment"].comm, collective_timeout)
-        self._init_aids(lr_scaling, warmup_steps)
-        self.abort_on_exception = abort_on_exception
-        self._optimizers: list[Optimizer] = []
-        self._steps_seen = 0
-        self._backward_sync_control = self._backward_sync_class(self)
-        self._set_world_ranks()
-
-    # -- where this rank lives -------------------------------------------------------------------
-    @property
-    def num_nodes(self) -> int:
-        return self.cluster_environment.num_nodes  # type: ignore[attr-defined]
-
-    @property
-    def _num_nodes(self) -> int:
-        return self.num_nodes
-
-    @_num_nodes.setter
-    def _num_nodes(self, value: int) -> None:
-        # Fabric assigns its num_nodes flag; MPI knows better, so the flag is ignored.
-        pass
-
-    def _set_world_ranks(self) -> None:
-        self._fabric_api.rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
-
-    @property
-    def optimizers(self) -> list[Optimizer]:
-        """The optimizers set up with this strategy (for the convergence aids' announcements)."""
-        return self._optimizers
-
-    def _configure_launcher(self) -> None:
-        self._launcher = None  # mpiexec (or srun, or the lightning-mpi launcher) started the ranks
-
-    def setup_environment(self) -> None:
-        super().setup_environment()  # type: ignore[misc]
-        self._set_world_ranks()
-        if self.world_size > 1:
-            install_abort_hook(self.global_rank, self.world_size)
-
-    # -- the model -------------------------------------------------------------------------------
-    def module_to_device(self, module: Module) -> None:
-        module.to(self.root_device)
-
-    @_fails_the_run
-    def setup_module(self, module: Module) -> Module:
-        """Same model everywhere, rank 0's weights, the rule bound and started."""
-        self.prepare_module(module)
-        bound = self.bind_rule(module)
-        bound.on_train_start()
-        self.connect_metrics(module)
-        return module
-
-    def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
-        self._optimizers.append(optimizer)
-        self._announce_convergence_aids()
-        return optimizer
-
-    def setup_module_and_optimizers(self, module: Module, optimizers: list[Optimizer], scheduler: Optional[Any] = None) -> Any:
-        module = self.setup_module(module)
-        optimizers = [self.setup_optimizer(optimizer) for optimizer in optimizers]
-        return module, optimizers, scheduler
-
-    # -- a step ------------------------------------------------------------------------------------
-    def _optimizer_step_count(self) -> int:
-        return self._steps_seen
-
-    @_fails_the_run
-    def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
-        """The rule's exchange (``before_step``), the update, then ``after_step``.
-
-        The convergence aids (``lr_scaling``) change the param groups for the update only.
+        Ranks come from ``MPI.COMM_WORLD`` (``mpiexec -n N python train.py``); rank ``r`` uses device
+        ``local_rank % devices_on_this_host``. Call ``fabric.strategy.finish_training()`` after the
+        training loop (see the module docstring of ``lightning_mpi.strategies.fabric``).
         """
-        self.check_peers()
-        overrides = self._step_overrides(optimizer)
-        bound = self._bound
-        try:
-            with overrides if overrides is not None else nullcontext():
-                if bound is None:
-                    return super().optimizer_step(optimizer, **kwargs)  # type: ignore[misc]
-                # A GradScaler already skips steps with inf gradients and lowers its scale: it must see them.
-                scaler_handles_inf = getattr(self.precision, "scaler", None) is not None  # type: ignore[attr-defined]
-                if not bound.before_step(optimizer) and not scaler_handles_inf:
-                    return None
-                output = super().optimizer_step(optimizer, **kwargs)  # type: ignore[misc]
-                bound.after_step(optimizer)
-                return output
-        finally:
-            self._steps_seen += 1
-            if overrides is not None:
-                self._record_aid_stats(overrides)
 
-    @_fails_the_run
-    def finish_training(self) -> None:
-        """End training on every rank: leave the rule's consensus weights in the module (the center,
-        the average, the gossip consensus) and release its threads and windows.
+        def __init__(
+            self,
+            rule: Rule | None = None,
+            accelerator: Any | None = None,
+            checkpoint_io: Any | None = None,
+            precision: Any | None = None,
+            **options: Any,
+        ) -> None:
+            # Every argument is checked before the environment's first collective (it splits COMM_WORLD).
+            rule = check_rule(rule) or SyncRule()
+            self.options = CommonOptions(**options)
+            self._aids = ConvergenceAids(
+                self.options.lr_scaling,
+                self.options.warmup_steps,
+                self.options.momentum_correction,
+                rule,
+                api.rank_zero_info,
+                api.rank_zero_warn,
+            )
+            environment = environment_class()
+            super().__init__(
+                accelerator=accelerator,
+                parallel_devices=None,
+                cluster_environment=environment,
+                checkpoint_io=checkpoint_io if checkpoint_io is not None else checkpoint_io_class(),
+                precision=precision,
+            )
+            self._runner = RuleRunner(rule)
+            self._failures = RunFailures(
+                environment.comm,
+                self.global_rank,
+                self.world_size,
+                self.options.collective_timeout,
+                self.options.abort_on_exception,
+                on_abandon=self._runner.abandon,
+            )
+            self._backward_sync_control = NoBackwardSync(self._runner)
+            self._optimizers: list[Optimizer] = []
+            self._steps_seen = 0
+            self._set_world_ranks()
 
-        Call it once, on every rank, after the training loop and before evaluating or saving the
-        final model (it may be collective). A later ``fabric.setup`` binds the rule afresh.
-        Calling it again does nothing.
-        """
-        bound = self._bound
-        if bound is None:
-            return
-        bound.on_train_end()
-        self.close_rule()
-        self._bound = None
+        # -- what the user reads and sets ----------------------------------------------------------------
+        @property
+        def rule(self) -> Rule:
+            """The rule's hyperparameters."""
+            return self._runner.rule
 
-    def teardown(self) -> None:
-        self.close_rule()
-        super().teardown()  # type: ignore[misc]
+        @property
+        def bound_rule(self) -> BoundRule | None:
+            """The running rule while training (None before it is bound)."""
+            return self._runner.bound
 
-    @_fails_the_run
-    def backward(self, tensor: Any, module: Optional[Module], *args: Any, **kwargs: Any) -> None:
-        super().backward(tensor, module, *args, **kwargs)  # type: ignore[misc]
+        @property
+        def transport(self) -> Transport:
+            """The current run's MPI transport (a fresh one after a failed run)."""
+            return self._failures.transport
 
-    # -- collectives --------------------------------------------------------------------------------
-    @_fails_the_run
-    def all_reduce(self, tensor: Any, group: Optional[Any] = None, reduce_op: Optional[Any] = "mean") -> Any:
-        return self.reduce(tensor, group=group, reduce_op=reduce_op)
+        @property
+        def collective_timeout(self) -> float | None:
+            return self._failures.timeout
 
-    @_fails_the_run
-    def all_gather(self, tensor: Any, group: Optional[Any] = None, sync_grads: bool = False) -> Any:
-        return super().all_gather(tensor, group=group, sync_grads=sync_grads)
+        @collective_timeout.setter
+        def collective_timeout(self, value: float | None) -> None:
+            self._failures.timeout = check_one(CommonOptions, "collective_timeout", value)
 
-    @_fails_the_run
-    def broadcast(self, obj: Any, src: int = 0) -> Any:
-        return super().broadcast(obj, src)
+        @property
+        def abort_on_exception(self) -> bool:
+            return self._failures.abort_on_exception
 
-    @_fails_the_run
-    def barrier(self, name: Optional[str] = None) -> None:
-        super().barrier(name)
+        lr_scaling = property(lambda self: self.options.lr_scaling)
+        warmup_steps = property(lambda self: self.options.warmup_steps)
+        momentum_correction = property(lambda self: self.options.momentum_correction)
 
-    # -- checkpoints ---------------------------------------------------------------------------------
-    @_fails_the_run
-    def save_checkpoint(self, path: Any, state: dict[str, Any], storage_options: Optional[Any] = None,
-                        filter: Optional[dict[str, Any]] = None) -> None:
-        """Rank 0 writes ``state`` plus the rule's state; every rank takes part (sharded rule
-        state is gathered here)."""
-        entry = self.rule_checkpoint()
-        if entry is not None:
-            state = {**state, CHECKPOINT_KEY: entry}
-        super().save_checkpoint(path, state, storage_options=storage_options, filter=filter)  # type: ignore[misc]
+        @property
+        def optimizers(self) -> list[Optimizer]:
+            """The optimizers set up with this strategy (for the convergence aids' announcements)."""
+            return self._optimizers
 
-    @_fails_the_run
-    def load_checkpoint(self, path: Any, state: Optional[Any] = None, strict: bool = True,
-                        weights_only: Optional[bool] = None) -> dict[str, Any]:
-        """Fabric's load, and the rule's state restored from the ``"lightning_mpi"`` entry.
+        def stats(self) -> dict[str, float]:
+            """The rule's numbers for the last step (``mpi/<rule>/...``, world size > 1) and the
+            convergence aids' values: log them with ``fabric.log_dict(fabric.strategy.stats())``."""
+            return {**self._runner.stats(self.world_size), **self._aids.stats}
 
-        With ``state`` a dictionary (or ``None``) the rule's state comes back too; loading into a
-        bare module or optimizer restores only that object. The file holds the rule's own objects,
-        so it is read with ``weights_only=False`` unless you say otherwise.
-        """
-        remainder = super().load_checkpoint(  # type: ignore[misc]
-            path, state=state, strict=strict, weights_only=False if weights_only is None else weights_only
-        )
-        self.restore_rule(remainder.pop(CHECKPOINT_KEY, None))
-        return remainder
+        @contextmanager
+        def propagate_errors(self) -> Generator[None, None, None]:
+            """Run a block whose exceptions fail the run on every rank (see :mod:`.failures`)."""
+            with self._failures.propagate_errors():
+                yield
 
+        # -- where this rank lives -----------------------------------------------------------------------
+        @property
+        @override
+        def root_device(self) -> torch.device:
+            """Rank ``r`` uses device ``local_rank % devices_on_this_host`` (the CPU without devices)."""
+            return rank_device(self.parallel_devices, self.local_rank)
+
+        @property
+        def num_nodes(self) -> int:
+            return int(self.cluster_environment.num_nodes)
+
+        @property
+        def _num_nodes(self) -> int:
+            return self.num_nodes
+
+        @_num_nodes.setter
+        def _num_nodes(self, value: int) -> None:
+            # Fabric assigns its num_nodes flag; MPI knows better, so the flag is ignored.
+            pass
+
+        def _set_world_ranks(self) -> None:
+            api.rank_zero_only.rank = self.global_rank
+
+        @override
+        def _configure_launcher(self) -> None:
+            self._launcher = None  # mpiexec (or srun, or the lightning-mpi launcher) started the ranks
+
+        @override
+        def setup_environment(self) -> None:
+            super().setup_environment()
+            self._set_world_ranks()
+            if self.world_size > 1:
+                install_abort_hook(self.global_rank, self.world_size)
+
+        # -- the model -------------------------------------------------------------------------------------
+        @override
+        def module_to_device(self, module: Module) -> None:
+            module.to(self.root_device)
+
+        @override
+        @_fails_the_run
+        def setup_module(self, module: Module) -> Module:
+            """Same model everywhere, rank 0's weights, the rule bound and started."""
+            replicas.prepare_module(self.transport, module)
+            bound = self._runner.bind(self.transport, module, self._aids.rule_to_bind(self.world_size))
+            bound.on_train_start()
+            collectives.connect_metrics(module, self.world_size, lambda: self.transport)
+            return module
+
+        @override
+        def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
+            self._optimizers.append(optimizer)
+            self._aids.announce(self.world_size, self._optimizers)
+            return optimizer
+
+        @override
+        def setup_module_and_optimizers(
+            self, module: Module, optimizers: list[Optimizer], scheduler: Any | None = None
+        ) -> Any:
+            module = self.setup_module(module)
+            optimizers = [self.setup_optimizer(optimizer) for optimizer in optimizers]
+            return module, optimizers, scheduler
+
+        # -- a step ----------------------------------------------------------------------------------------
+        @override
+        @_fails_the_run
+        def backward(self, tensor: Any, module: Module | None, *args: Any, **kwargs: Any) -> None:
+            super().backward(tensor, module, *args, **kwargs)
+
+        @override
+        @_fails_the_run
+        def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
+            """The rule's exchange (``before_step``), the update, then ``after_step``.
+
+            The convergence aids (``lr_scaling``) change the param groups for the update only.
+            """
+            self._failures.check_peers()
+            overrides = self._aids.overrides(optimizer, self.world_size, self._steps_seen)
+            bound = self._runner.bound
+            try:
+                with overrides if overrides is not None else nullcontext():
+                    if bound is None:
+                        return super().optimizer_step(optimizer, **kwargs)
+                    # A GradScaler already skips steps with inf gradients and lowers its scale: it must see them.
+                    scaler_handles_inf = getattr(self.precision, "scaler", None) is not None
+                    if not bound.before_step(optimizer) and not scaler_handles_inf:
+                        return None
+                    output = super().optimizer_step(optimizer, **kwargs)
+                    bound.after_step(optimizer)
+                    return output
+            finally:
+                self._steps_seen += 1
+                if overrides is not None:
+                    self._aids.record(overrides)
+
+        @_fails_the_run
+        def finish_training(self) -> None:
+            """End training on every rank: leave the rule's consensus weights in the module (the center,
+            the average, the gossip consensus) and release its threads and windows.
+
+            Call it once, on every rank, after the training loop and before evaluating or saving the
+            final model (it may be collective). A later ``fabric.setup`` binds the rule afresh.
+            Calling it again does nothing.
+            """
+            bound = self._runner.bound
+            if bound is None:
+                return
+            bound.on_train_end()
+            self._runner.close()
+            self._runner.bound = None
+
+        @override
+        def teardown(self) -> None:
+            self._runner.close()
+            super().teardown()
+
+        # -- collectives -----------------------------------------------------------------------------------
+        @override
+        @_fails_the_run
+        def all_reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any | None = "mean") -> Any:
+            collectives.check_group(group)
+            return collectives.reduce(self.transport, tensor, reduce_op)
+
+        @override
+        @_fails_the_run
+        def all_gather(self, tensor: Any, group: Any | None = None, sync_grads: bool = False) -> Any:
+            collectives.check_group(group)
+            return collectives.all_gather(self.transport, tensor, sync_grads)
+
+        @override
+        @_fails_the_run
+        def broadcast(self, obj: Any, src: int = 0) -> Any:
+            return collectives.broadcast(self.transport, obj, src)
+
+        @override
+        @_fails_the_run
+        def barrier(self, name: str | None = None) -> None:
+            collectives.barrier(self.transport)
+
+        # -- checkpoints -----------------------------------------------------------------------------------
+        @override
+        @_fails_the_run
+        def save_checkpoint(
+            self,
+            path: Any,
+            state: dict[str, Any],
+            storage_options: Any | None = None,
+            filter: dict[str, Any] | None = None,
+        ) -> None:
+            """Rank 0 writes ``state`` plus the rule's state; every rank takes part (sharded rule
+            state is gathered here). After :meth:`finish_training` no rule is bound, so the file holds
+            the consensus weights and no rule state: save before it to resume training."""
+            entry = self._runner.checkpoint(self.world_size)
+            if entry is not None:
+                state = {**state, CHECKPOINT_KEY: entry}
+            super().save_checkpoint(path, state, storage_options=storage_options, filter=filter)
+
+        @override
+        @_fails_the_run
+        def load_checkpoint(
+            self, path: Any, state: Any | None = None, strict: bool = True, weights_only: bool | None = None
+        ) -> dict[str, Any]:
+            """Fabric's load, and the rule's state restored from the ``"lightning_mpi"`` entry.
+
+            With ``state`` a dictionary (or ``None``) the rule's state comes back too; loading into a
+            bare module or optimizer restores only that object. The file holds the rule's own objects,
+            so it is read with ``weights_only=False`` unless you say otherwise.
+            """
+            remainder: dict[str, Any] = super().load_checkpoint(
+                path, state=state, strict=strict, weights_only=False if weights_only is None else weights_only
+            )
+            self._runner.restore(remainder.pop(CHECKPOINT_KEY, None), self.world_size)
+            return remainder
+
+    document_frontend(MPIStrategy, FABRIC_ARGUMENTS)
+    return MPIStrategy

@@ -1,26 +1,28 @@
 """When a rank fails: its exception propagates, the others raise ``RankFailedError``, and an
 exception that nobody handles ends every rank.
 
-Every strategy (any frontend) owns an :class:`~lightning_mpi.comm.errors.ErrorChannel` and gives
-each run a fresh :class:`~lightning_mpi.comm.transport.Transport` whose waits watch it. When an
-exception leaves a run on one rank (:meth:`FailurePropagation.fail_run`; the Trainer calls it for
+Every strategy (any frontend) holds a :class:`RunFailures`: an
+:class:`~lightning_mpi.comm.errors.ErrorChannel`, and a fresh
+:class:`~lightning_mpi.comm.transport.Transport` for each run, whose waits watch it. When an
+exception leaves a run on one rank (:meth:`RunFailures.fail_run`; the Trainer calls it for
 everything raised inside ``fit``/``validate``/``test``/``predict``, Fabric for everything raised
-inside a strategy call or a :meth:`~FailurePropagation.propagate_errors` block):
+inside a strategy call or a :meth:`~RunFailures.propagate_errors` block):
 
 1. the rank posts it on the channel (unless it is itself a ``RankFailedError``) and keeps MPI
    progress going until every other rank acknowledged it (a few seconds at most);
 2. the run is abandoned: its transport and everything made over it (communicators, windows,
    mailboxes, requests in flight) are never used or freed by a collective again, the rule's
    threads stop, and the next collective starts a fresh transport, which first reclaims what the
-   failed run left (:func:`~lightning_mpi.comm.resources.reclaim`);
+   failed run left (:func:`~lightning_mpi.comm.reclaim.reclaim`);
 3. the exception propagates. The other ranks raise ``RankFailedError`` from whatever wait they
    are in, or at their next batch or optimizer step, and go through the same steps.
 
-``abort_on_exception=True`` keeps the former behaviour instead: the failing rank prints its
+``abort_on_exception=True`` ends the job instead: the failing rank prints its
 traceback and calls ``MPI_Abort`` at once. And whatever the option, an exception that reaches the
 top of the program aborts every rank (:func:`install_abort_hook`, as ``python -m mpi4py`` does), so
 an unhandled failure still ends the job within seconds.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -29,13 +31,14 @@ import sys
 import time
 import traceback
 import weakref
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from contextlib import contextmanager
 from types import TracebackType
-from typing import Any, Optional
+from typing import Any
 
 from lightning_mpi.comm.errors import LINGER_SECONDS, ErrorChannel, RankFailedError
-from lightning_mpi.comm.resources import RunResources, keep_pending, reclaim
+from lightning_mpi.comm.reclaim import reclaim
+from lightning_mpi.comm.resources import RunResources
 from lightning_mpi.comm.transport import Transport, wait_request
 
 #: Pause between printing a failing rank's message and ``MPI_Abort`` (see :func:`abort_every_rank`).
@@ -55,7 +58,7 @@ def abort_every_rank(message: str) -> None:
     # kill every proxy at once, which can drop lines still in flight (a CI run lost a traceback
     # this way). A short pause on a path that is ending the job anyway lets them through.
     time.sleep(ABORT_FLUSH_SECONDS)
-    from mpi4py import MPI
+    from mpi4py import MPI  # initialises MPI on import: only on this path (see lightning_mpi.comm)
 
     MPI.COMM_WORLD.Abort(1)
     os._exit(1)  # not reached: Abort does not return
@@ -73,7 +76,7 @@ def install_abort_hook(rank: int, world_size: int) -> None:
     if getattr(previous, "_lightning_mpi_abort", False):
         return
 
-    def abort_on_uncaught(kind: type[BaseException], value: BaseException, tb: Optional[TracebackType]) -> None:
+    def abort_on_uncaught(kind: type[BaseException], value: BaseException, tb: TracebackType | None) -> None:
         previous(kind, value, tb)  # prints the traceback
         if issubclass(kind, KeyboardInterrupt):
             return
@@ -82,7 +85,7 @@ def install_abort_hook(rank: int, world_size: int) -> None:
             time.sleep(ABORT_DEFER_SECONDS)
         abort_every_rank(f"lightning_mpi: rank {rank} of {world_size} failed (traceback above); aborting every rank.\n")
 
-    abort_on_uncaught._lightning_mpi_abort = True  # type: ignore[attr-defined]
+    abort_on_uncaught._lightning_mpi_abort = True  # type: ignore[attr-defined]  # a marker: installed once
     sys.excepthook = abort_on_uncaught
 
 
@@ -103,26 +106,54 @@ def error_channel(comm: Any) -> ErrorChannel:
     return _CHANNEL[0]
 
 
-class FailurePropagation:
+def agreed_by_every_rank(error: BaseException) -> bool:
+    """True for an exception that every rank raises at the same agreed point (a preemption stop):
+    no failure, nobody is left waiting, and the run's communicators stay usable."""
+    return bool(getattr(error, "agreed_by_every_rank", False))
+
+
+class RunFailures:
     """The error channel, each run's transport, and what happens when a run fails (module docstring).
 
-    Needs ``world_size``, ``global_rank``, ``abort_on_exception`` and ``close_rule()`` from the strategy.
+    Args:
+        comm: the strategy's communicator; each run's transport is a fresh duplicate of it.
+        rank, world_size: this rank and the number of ranks.
+        collective_timeout: seconds a wait may take (``None``: forever).
+        abort_on_exception: ``MPI_Abort`` at once instead of propagating (see ``fail_run``).
+        on_abandon: called when a run is abandoned, to drop what was built over its transport
+            (the rule's threads, windows and buffers) without a collective.
     """
 
-    world_size: int
-    global_rank: int
-    abort_on_exception: bool
-
-    def _init_failures(self, comm: Any, collective_timeout: Optional[float]) -> None:
+    def __init__(
+        self,
+        comm: Any,
+        rank: int,
+        world_size: int,
+        collective_timeout: float | None,
+        abort_on_exception: bool,
+        on_abandon: Callable[[], None],
+    ) -> None:
         self._base_comm = comm  # used only to duplicate each run's communicator from
-        self._collective_timeout = collective_timeout
+        self.rank = rank
+        self.world_size = world_size
+        self._timeout = collective_timeout
+        self.abort_on_exception = abort_on_exception
+        self._on_abandon = on_abandon
         self.errors = error_channel(comm)  # the first is collective: every rank builds its strategy together
-        self._transport: Optional[Transport] = None
-        self._pending_dup: Optional[tuple[Any, Any]] = None  # an Idup another rank never joined
-        self._handled: Optional[BaseException] = None
+        self._transport: Transport | None = None
+        self._pending_dup: tuple[Any, Any] | None = None  # an Idup another rank never joined
+        self._handled: BaseException | None = None
 
-    def close_rule(self) -> None:  # provided by MPIStrategyCore
-        raise NotImplementedError
+    @property
+    def timeout(self) -> float | None:
+        """Seconds any wait may take (``None``: forever); setting it applies to the current run too."""
+        return self._timeout
+
+    @timeout.setter
+    def timeout(self, value: float | None) -> None:
+        self._timeout = value
+        if self._transport is not None:
+            self._transport.timeout = value
 
     # -- each run's transport ------------------------------------------------------------------------
     @property
@@ -141,11 +172,12 @@ class FailurePropagation:
         if self._pending_dup is None:
             self._pending_dup = self._base_comm.Idup()
         comm, request = self._pending_dup
-        wait_request(request, self._collective_timeout, "starting a run", self.global_rank, self.world_size,
-                     self.errors.check, settle=True)
+        wait_request(
+            request, self._timeout, "starting a run", self.rank, self.world_size, self.errors.check, settle=True
+        )
         self._pending_dup = None
         resources = RunResources(next(_RUN_SERIALS))
-        transport = Transport(resources.comm(comm), self._collective_timeout, self.errors, resources)
+        transport = Transport(resources.comm(comm), self._timeout, self.errors, resources)
         # The transport outlives the run (a checkpoint saved after fit gathers the rule's state over
         # it): its communicator is freed (locally) once neither the strategy nor a rule holds it.
         weakref.finalize(transport, resources.free_comm, comm).atexit = False
@@ -161,14 +193,17 @@ class FailurePropagation:
 
     def fail_run(self, error: BaseException) -> None:
         """``error`` leaves the current run on this rank: tell the other ranks and abandon the run
-        (see the module docstring); the caller re-raises. Once per exception; nothing at world size 1."""
-        if self.world_size == 1 or error is self._handled:
+        (see the module docstring); the caller re-raises. Once per exception; nothing at world
+        size 1, or for an exception every rank raises at an agreed point."""
+        if self.world_size == 1 or error is self._handled or agreed_by_every_rank(error):
             return
         self._handled = error
         if not isinstance(error, RankFailedError):
             if self.abort_on_exception and not isinstance(error, KeyboardInterrupt):
                 text = "".join(traceback.format_exception(type(error), error, error.__traceback__))
-                abort_every_rank(f"lightning_mpi: rank {self.global_rank} of {self.world_size} failed; aborting every rank.\n{text}")
+                abort_every_rank(
+                    f"lightning_mpi: rank {self.rank} of {self.world_size} failed; aborting every rank.\n{text}"
+                )
             self.errors.post(error)  # once per run: a progress thread may have posted it already
         if self.errors.posted is not None:
             self.errors.linger()
@@ -176,18 +211,12 @@ class FailurePropagation:
 
     def abandon_run(self) -> None:
         """Abandon the current run without a collective: its transport, communicators, windows and
-        requests are left for the next run to reclaim, and the rule's threads stop."""
+        requests are left for the next run to reclaim, and what was built over them is dropped."""
         transport, self._transport = self._transport, None
         if transport is not None:
             transport.resources.abandon()
             _ABANDONED.append(transport.resources)
-        # The rule's buffers may be the targets of operations still in flight (a one-sided get,
-        # a posted receive) that MPI can complete at any later progress: keep them for the life
-        # of the process, or MPI would write into freed memory.
-        bound = getattr(self, "_bound", None)
-        if bound is not None:
-            keep_pending(bound)
-        self.close_rule()  # no waits, no frees: everything it holds belongs to the abandoned run
+        self._on_abandon()
         self.errors.next_generation()
 
     @contextmanager
@@ -210,8 +239,5 @@ class FailurePropagation:
         try:
             yield
         except BaseException as error:
-            # An exception that every rank raises at the same agreed point (a preemption stop) is
-            # no failure: nobody is left waiting, and the run's communicators stay usable.
-            if not getattr(error, "agreed_by_every_rank", False):
-                self.fail_run(error)
+            self.fail_run(error)
             raise

@@ -10,11 +10,12 @@ it asks this module for the names of the package the user imported, and
 Only the package asked for is imported: a program that uses ``lightning`` never loads
 ``pytorch_lightning``, and a Fabric-only program never loads a Trainer package.
 """
+
 from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache
 from typing import Any
 
 #: Trainer package -> the Fabric package it is built on.
@@ -61,7 +62,7 @@ class TrainerAPI:
     is_dataloader_shuffled: Any
 
 
-@lru_cache(maxsize=None)
+@cache
 def fabric_api(package: str) -> FabricAPI:
     """The names of Fabric package ``package`` ("lightning_fabric" or "lightning.fabric"); imports it."""
     if package not in FABRIC_OF.values():
@@ -81,7 +82,7 @@ def fabric_api(package: str) -> FabricAPI:
     )
 
 
-@lru_cache(maxsize=None)
+@cache
 def trainer_api(package: str) -> TrainerAPI:
     """The names of Trainer package ``package`` ("pytorch_lightning" or "lightning.pytorch"); imports it."""
     if package not in FABRIC_OF:

@@ -21,19 +21,23 @@ A relaunch with ``lightning-mpi --resume`` (or a Slurm requeue) resumes from it
 ``on_train_start``; Lightning's own SIGTERM handler, which needs ``torch.distributed``, is replaced
 meanwhile); outside it the signals keep their previous behaviour.
 """
+
 from __future__ import annotations
 
 import os
 import signal
 import sys
 import threading
-from typing import Any, Optional
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from typing import Any, NoReturn
 
 import numpy as np
 
+from lightning_mpi.comm.resources import keep_pending
 from lightning_mpi.strategies.resume import checkpoint_dirs
 
-__all__ = ["PREEMPTION_SIGNALS", "PREEMPTED_CHECKPOINT", "Preempted", "PreemptionCheckpoint", "StopVote"]
+__all__ = ["PREEMPTION_SIGNALS", "PREEMPTED_CHECKPOINT", "Preempted", "PreemptionWatch", "StopVote"]
 
 #: Signals that ask the ranks to checkpoint and stop.
 PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
@@ -77,13 +81,13 @@ class StopVote:
         self.lockstep = lockstep
         # A communicator of its own: the votes never match a collective of the exchange rule.
         self.transport = transport.dup() if transport.size > 1 else None
-        self.in_flight: Optional[tuple[Any, np.ndarray]] = None
+        self.in_flight: tuple[Any, np.ndarray] | None = None
         self.started = 0
         self.decided = 0
         self.all_finishing = False
 
     def _start(self, value: int, finishing: bool = False) -> None:
-        from mpi4py import MPI
+        from mpi4py import MPI  # initialises MPI on import: only when a strategy runs (see lightning_mpi.comm)
 
         assert self.transport is not None
         # One MAX reduces both: the signal, and "finishing" as -1 (the max is -1 only if all are).
@@ -97,6 +101,7 @@ class StopVote:
             return
         request, buf = self.in_flight
         if wait:
+            assert self.transport is not None  # a vote is in flight only with a transport
             # a watched wait: a rank that failed meanwhile fails this one too, instead of a hang
             self.transport._wait(request, "the preemption vote")
         elif not request.Test():
@@ -128,8 +133,6 @@ class StopVote:
         """Free the communicator (after :meth:`finish`; a vote still in flight is abandoned, and
         kept with its buffer, since the other ranks may still complete it)."""
         if self.in_flight is not None:
-            from lightning_mpi.comm.resources import keep_pending
-
             keep_pending(self.in_flight)
             self.in_flight = None
         elif self.transport is not None:
@@ -141,7 +144,7 @@ class _SignalFlag:
     """Records the first preemption signal; installed only from the main thread."""
 
     def __init__(self) -> None:
-        self.signum: Optional[int] = None
+        self.signum: int | None = None
         self._previous: dict[int, Any] = {}
 
     def _on_signal(self, signum: int, frame: Any) -> None:
@@ -160,88 +163,72 @@ class _SignalFlag:
         self._previous = {}
 
 
-class PreemptionCheckpoint:
-    """Trainer strategy mixin: checkpoint and stop on a preemption signal (module docstring).
+class PreemptionWatch:
+    """Checkpoint and stop on a preemption signal (module docstring), for the Trainer strategy.
 
-    Placed before the frontend class in the strategy's bases (:mod:`.build`), so that its
-    ``on_train_end`` runs before the rule's (which, for asynchronous rules, is collective).
+    The strategy calls :meth:`start` when the training loop starts, :meth:`requested` at every
+    training batch, :meth:`requested_at_end` when training ends (the votes are drained there),
+    :meth:`checkpoint_and_exit` when either said yes, and :meth:`stop` on any way out.
     """
 
-    _api: Any
-    transport: Any
-    world_size: int
-    global_rank: int
+    def __init__(self) -> None:
+        self._vote: StopVote | None = None
+        self._flag: _SignalFlag | None = None
 
-    _stop_vote: Optional[StopVote] = None
-    _signal_flag: Optional[_SignalFlag] = None
+    def start(self, transport: Any, lockstep: bool) -> None:
+        """Start voting (``lockstep`` for synchronous rules; asynchronous ones must not wait) and
+        install the signal handlers."""
+        self.stop()
+        self._vote = StopVote(transport, lockstep=lockstep)
+        self._flag = _SignalFlag()
+        self._flag.install()
 
-    def on_train_start(self) -> None:
-        super().on_train_start()  # type: ignore[misc]
-        from lightning_mpi.strategies.decisions import StopDecisions
+    def requested(self) -> bool:
+        """This batch's vote: True when the ranks agreed to stop (a few steps apart if not lockstep)."""
+        vote, flag = self._vote, self._flag
+        return vote is not None and flag is not None and bool(vote.step(flag.signum or 0))
 
-        # Asynchronous strategies (those answering stop decisions from the board) must not wait.
-        self._stop_vote = StopVote(self.transport, lockstep=not isinstance(self, StopDecisions))
-        self._signal_flag = _SignalFlag()
-        self._signal_flag.install()
+    def requested_at_end(self) -> bool:
+        """At the end of training: drain the votes (blocking); True when they said stop."""
+        return self._vote is not None and bool(self._vote.finish())
 
-    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        super().on_train_batch_start(batch, batch_idx)  # type: ignore[misc]
-        vote, flag = self._stop_vote, self._signal_flag
-        if vote is not None and flag is not None and vote.step(flag.signum or 0):
-            self._checkpoint_and_exit()
+    def stop(self) -> None:
+        """Put the signal handlers back and free the vote (safe to call twice)."""
+        if self._flag is not None:
+            self._flag.uninstall()
+        if self._vote is not None:
+            self._vote.close()
+        self._vote = self._flag = None
 
-    def on_train_end(self) -> None:
-        vote = self._stop_vote
-        if vote is not None and vote.finish():
-            self._checkpoint_and_exit()
-        self._end_watch()
-        super().on_train_end()  # type: ignore[misc]
+    def checkpoint_and_exit(
+        self,
+        trainer: Any,
+        rank: int,
+        collective_scope: Callable[[], AbstractContextManager[Any]],
+        end_training: Callable[[], None],
+    ) -> NoReturn:
+        """Drain the votes, write the checkpoint on every rank (rank 0 writes), end the rule's
+        training together, raise :class:`Preempted`.
 
-    def on_exception(self, exception: BaseException) -> None:
-        self._end_watch()
-        if isinstance(exception, Preempted):
-            # Every rank stops here after the same vote: not a failure, nobody is left waiting, so
-            # the frontend's failure handling (abort every rank) is skipped.
-            from lightning_mpi.strategies.trainer import TrainerMPIStrategy
-
-            super(TrainerMPIStrategy, self).on_exception(exception)  # type: ignore[misc]
-            return
-        super().on_exception(exception)  # type: ignore[misc]
-
-    def _end_watch(self) -> None:
-        if self._signal_flag is not None:
-            self._signal_flag.uninstall()
-        if self._stop_vote is not None:
-            self._stop_vote.close()
-        self._stop_vote = self._signal_flag = None
-
-    def _checkpoint_and_exit(self) -> None:
-        """Drain the votes, write the checkpoint on every rank (rank 0 writes), raise :class:`Preempted`."""
-        assert self._stop_vote is not None
+        ``collective_scope()`` makes the checkpoint callbacks' decisions collectives while saving;
+        ``end_training()`` ends the rule's training (every rank is here after the same vote, so
+        its windows and threads are released collectively at teardown, not left to process exit).
+        """
+        assert self._vote is not None
         # The largest signal number any rank received (the signal may have reached only some).
-        signum = self._stop_vote.finish()
-        trainer = self.lightning_module.trainer  # type: ignore[attr-defined]
+        signum = self._vote.finish()
         # The first directory that a relaunch searches (:func:`.resume.checkpoint_dirs`): the first
         # ``ModelCheckpoint``'s, resolved at setup, else ``<default_root_dir>/checkpoints``.
         path = os.path.join(checkpoint_dirs(trainer)[0], PREEMPTED_CHECKPOINT)
-        scope = getattr(self, "collective_decisions", None)
-        if scope is not None:
-            with scope():
-                trainer.save_checkpoint(path)
-        else:
+        with collective_scope():
             trainer.save_checkpoint(path)
-        if self.global_rank == 0:
+        if rank == 0:
             sys.stderr.write(
                 f"lightning_mpi: preempted ({signal.Signals(signum).name}) at step {trainer.global_step}: "
                 f"every rank stops; checkpoint written to {path}. Launch again with "
                 "`lightning-mpi --resume` (a Slurm requeue resumes by itself) to continue from it.\n"
             )
             sys.stderr.flush()
-        self._end_watch()
-        # Every rank is here after the same vote: end the rule's training together, so that its
-        # windows and threads are released collectively at teardown instead of left to process exit.
-        bound = getattr(self, "_bound", None)
-        if bound is not None:
-            bound.on_train_end()
+        self.stop()
+        end_training()
         raise Preempted(signum, path)
-

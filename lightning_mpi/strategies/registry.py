@@ -7,21 +7,42 @@ name below with that package's registry: ``StrategyRegistry`` for the Trainers
 (``lightning_fabric``, ``lightning.fabric``). So ``Trainer(strategy="mpi_asa16")`` and
 ``Fabric(strategy="mpi_asa16")`` work whichever package the user imports, and in whichever order.
 """
+
 from __future__ import annotations
 
 import sys
 import warnings
-from typing import Any, Optional
+from typing import Any
 
 #: name -> (strategy class name, init params, description)
 STRATEGIES: dict[str, tuple[str, dict[str, Any], str]] = {
     "mpi_allreduce": ("SyncStrategy", {"exchange": "allreduce"}, "Synchronous: average gradients with MPI_Allreduce"),
     "mpi_asa": ("SyncStrategy", {"exchange": "asa"}, "Synchronous: Alltoall, fp32 sum, Allgather (Theano-MPI ASA)"),
-    "mpi_asa16": ("SyncStrategy", {"exchange": "asa", "wire": "fp16"}, "Synchronous ASA with fp16 on the wire, fp32 sums"),
-    "mpi_asa_bf16": ("SyncStrategy", {"exchange": "asa", "wire": "bf16"}, "Synchronous ASA with bf16 on the wire, fp32 sums"),
-    "mpi_asa_int8": ("CompressedSyncStrategy", {"codec": "int8"}, "Synchronous ASA with int8 min-max quantization, fp32 sums, error feedback"),
-    "mpi_topk": ("CompressedSyncStrategy", {"codec": "topk"}, "Synchronous top-k sparsified exchange of (index, value) pairs, error feedback"),
-    "mpi_onebit": ("CompressedSyncStrategy", {"codec": "onebit"}, "Synchronous ASA with 1-bit signs and per-chunk scales, error feedback"),
+    "mpi_asa16": (
+        "SyncStrategy",
+        {"exchange": "asa", "wire": "fp16"},
+        "Synchronous ASA with fp16 on the wire, fp32 sums",
+    ),
+    "mpi_asa_bf16": (
+        "SyncStrategy",
+        {"exchange": "asa", "wire": "bf16"},
+        "Synchronous ASA with bf16 on the wire, fp32 sums",
+    ),
+    "mpi_asa_int8": (
+        "CompressedSyncStrategy",
+        {"codec": "int8"},
+        "Synchronous ASA with int8 min-max quantization, fp32 sums, error feedback",
+    ),
+    "mpi_topk": (
+        "CompressedSyncStrategy",
+        {"codec": "topk"},
+        "Synchronous top-k sparsified exchange of (index, value) pairs, error feedback",
+    ),
+    "mpi_onebit": (
+        "CompressedSyncStrategy",
+        {"codec": "onebit"},
+        "Synchronous ASA with 1-bit signs and per-chunk scales, error feedback",
+    ),
     "mpi_easgd": ("EASGDStrategy", {}, "Synchronous elastic averaging (Zhang et al. 2015), center kept by allreduce"),
     "mpi_model_avg": ("ModelAveragingStrategy", {}, "Periodic model averaging (local SGD)"),
     "mpi_aeasgd": ("AEASGDStrategy", {}, "Asynchronous EASGD against a center sharded over all ranks"),
@@ -31,18 +52,32 @@ STRATEGIES: dict[str, tuple[str, dict[str, Any], str]] = {
     "mpi_adag": ("ADAGStrategy", {}, "ADAG: commit scaled by 1/(|center moved|^2/eta + 1)"),
     "mpi_dynsgd": ("DynSGDStrategy", {}, "DynSGD: commit divided by staleness + 1"),
     "mpi_gosgd": ("GoSGDStrategy", {}, "GoSGD gossip: push to a random peer with probability p, weighted merge"),
-    "mpi_powersgd": ("PowerSGDStrategy", {}, "PowerSGD: rank-r P Q^T approximation by one warm-started power step, error feedback"),
-    "mpi_diloco": ("DiLoCoStrategy", {}, "DiLoCo: H local steps, then outer Nesterov SGD on the averaged pseudo-gradient"),
-    "mpi_streaming_diloco": ("StreamingDiLoCoStrategy", {}, "Streaming DiLoCo: fragments synced in turn, overlapped, 4-bit"),
+    "mpi_powersgd": (
+        "PowerSGDStrategy",
+        {},
+        "PowerSGD: rank-r P Q^T approximation by one warm-started power step, error feedback",
+    ),
+    "mpi_diloco": (
+        "DiLoCoStrategy",
+        {},
+        "DiLoCo: H local steps, then outer Nesterov SGD on the averaged pseudo-gradient",
+    ),
+    "mpi_streaming_diloco": (
+        "StreamingDiLoCoStrategy",
+        {},
+        "Streaming DiLoCo: fragments synced in turn, overlapped, 4-bit",
+    ),
 }
 
 TRAINER_PACKAGES = ("pytorch_lightning", "lightning.pytorch")
 FABRIC_PACKAGES = ("lightning_fabric", "lightning.fabric")
 
 
-def register_strategies(package: Optional[str] = None) -> None:
+def register_strategies(package: str | None = None) -> None:
     """Register every name in :data:`STRATEGIES` with ``package``'s registry (idempotent), or with
     every Lightning package already imported when ``package`` is None."""
+    # Here, not at the top: ``import lightning_mpi`` imports this module and must stay free of torch
+    # and Lightning; the classes are built only once a Lightning package is imported.
     from lightning_mpi.strategies import build, lightning_api
 
     if package is None:
@@ -55,8 +90,9 @@ def register_strategies(package: Optional[str] = None) -> None:
     elif package in FABRIC_PACKAGES:
         classes, registry = build.fabric_classes(package), lightning_api.fabric_api(package).registry
     else:
-        raise ValueError(f"package={package!r} is not a Lightning package: choose one of "
-                         f"{list(TRAINER_PACKAGES + FABRIC_PACKAGES)}")
+        raise ValueError(
+            f"package={package!r} is not a Lightning package: choose one of {list(TRAINER_PACKAGES + FABRIC_PACKAGES)}"
+        )
     for name, (class_name, params, description) in STRATEGIES.items():
         registry.register(name, classes[class_name], description=description, override=True, **params)
 
@@ -66,14 +102,18 @@ def _register_on_import(package: str) -> Any:
         try:
             register_strategies(package)
         except Exception as error:  # an unsupported Lightning version must not break the user's import
-            warnings.warn(f"lightning_mpi: could not register its strategies with {package}: {error!r}", RuntimeWarning)
+            warnings.warn(
+                f"lightning_mpi: could not register its strategies with {package}: {error!r}",
+                RuntimeWarning,
+                stacklevel=2,
+            )
 
     return hook
 
 
 def install_registration_hooks() -> None:
     """Register with each Lightning package now if it is imported, else as soon as it is."""
-    import wrapt
+    import wrapt  # here, with the one call that needs it, so that `import lightning_mpi` stays fast
 
     for package in TRAINER_PACKAGES + FABRIC_PACKAGES:
         wrapt.register_post_import_hook(_register_on_import(package), package)

@@ -17,24 +17,32 @@ The hook is the strategy's Lightning *launcher*: ``Trainer.fit`` hands the call 
 there and launches nothing (mpiexec started the processes). A ``ckpt_path`` passed to ``fit``, or
 set with ``trainer.ckpt_path = ...``, always wins. ``validate``/``test``/``predict`` are untouched.
 """
+
 from __future__ import annotations
 
 import glob
 import inspect
 import os
 import sys
-from collections.abc import Mapping, Sequence
-from typing import Any, Callable, Optional
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 from lightning_mpi.launcher.restarts import RESTART_ENV, RESUME_ENV
 
-__all__ = ["AutoResume", "ResumeOnRestart", "checkpoint_dirs", "newest_common", "readable_checkpoints", "resume_reason"]
+__all__ = [
+    "AutoResume",
+    "checkpoint_dirs",
+    "newest_common",
+    "readable_checkpoints",
+    "resume_checkpoint",
+    "resume_reason",
+]
 
 #: One rank's view of one checkpoint file: (absolute path, size in bytes, modification time in ns).
 Listing = tuple[str, int, int]
 
 
-def resume_reason(environ: Mapping[str, str] = os.environ) -> Optional[str]:
+def resume_reason(environ: Mapping[str, str] = os.environ) -> str | None:
     """Why this run should resume (``"restart 2"``, ...), or ``None`` for a fresh run."""
     restart = environ.get(RESTART_ENV, "")
     if restart.isdigit() and int(restart) > 0:
@@ -92,7 +100,7 @@ def readable_checkpoints(dirs: Sequence[str]) -> list[Listing]:
     return found
 
 
-def newest_common(listings: Sequence[Sequence[Listing]]) -> Optional[str]:
+def newest_common(listings: Sequence[Sequence[Listing]]) -> str | None:
     """The newest checkpoint that every rank listed with the same size, or ``None``.
 
     ``listings[r]`` is rank r's :func:`readable_checkpoints`. Newest means the latest modification
@@ -119,19 +127,24 @@ def newest_common(listings: Sequence[Sequence[Listing]]) -> Optional[str]:
 class AutoResume:
     """The strategy's Lightning launcher: resumes ``fit`` on a restart (module docstring).
 
-    It wraps the frontend's own launcher (``inner``, which runs the call inside the failure
-    propagation scope), and chooses the checkpoint inside that scope, so that a rank failing
-    while the ranks agree on it fails every rank instead of leaving them waiting."""
+    Args:
+        inner: the frontend's own launcher, which runs the call inside the failure propagation
+            scope; the checkpoint is chosen inside that scope, so that a rank failing while the
+            ranks agree on it fails every rank instead of leaving them waiting.
+        fitting: the Trainer package's ``TrainerFn.FITTING``.
+        choose: ``choose(trainer, reason)`` returns the checkpoint to resume from (collective), or None.
+    """
 
     is_interactive_compatible = True
 
-    def __init__(self, strategy: Any, inner: Any) -> None:
-        self.strategy = strategy
+    def __init__(self, inner: Any, fitting: Any, choose: Callable[[Any, str], str | None]) -> None:
         self.inner = inner
+        self.fitting = fitting
+        self.choose = choose
 
     def launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
         reason = resume_reason()
-        if trainer is None or reason is None or trainer.state.fn != self.strategy._api.TrainerFn.FITTING:
+        if trainer is None or reason is None or trainer.state.fn != self.fitting:
             return self.inner.launch(function, *args, trainer=trainer, **kwargs)
         call = inspect.signature(function).bind(*args, **kwargs)
         user_managed = getattr(getattr(trainer, "_checkpoint_connector", None), "_user_managed", False)
@@ -139,7 +152,7 @@ class AutoResume:
             return self.inner.launch(function, *args, trainer=trainer, **kwargs)
 
         def resumed() -> Any:
-            path = self.strategy.resume_checkpoint(trainer, reason)
+            path = self.choose(trainer, reason)
             if path is not None:
                 call.arguments["ckpt_path"] = path
             return function(*call.args, **call.kwargs)
@@ -150,29 +163,19 @@ class AutoResume:
         """Lightning asks its launcher to stop the processes it started; mpiexec started ours."""
 
 
-class ResumeOnRestart:
-    """Trainer strategy mixin: installs :class:`AutoResume` and chooses the checkpoint."""
-
-    transport: Any
-    world_size: int
-    global_rank: int
-
-    def _configure_launcher(self) -> None:
-        super()._configure_launcher()  # type: ignore[misc]
-        self._launcher = AutoResume(self, self._launcher)
-
-    def resume_checkpoint(self, trainer: Any, reason: str) -> Optional[str]:
-        """The newest checkpoint every rank can read, the same on every rank (collective)."""
-        dirs = checkpoint_dirs(trainer)
-        mine = readable_checkpoints(dirs)
-        listings = self.transport.allgather_object(mine) if self.world_size > 1 else [mine]
-        path = newest_common(listings)
-        if self.global_rank == 0:
-            where = ", ".join(dirs)
-            if path is None:
-                message = f"no checkpoint that all {self.world_size} ranks can read in {where}; starting from the beginning"
-            else:
-                message = f"resuming from {path}, the newest checkpoint all {self.world_size} ranks can read"
-            sys.stderr.write(f"lightning_mpi: {reason}: {message}\n")
-            sys.stderr.flush()
-        return path
+def resume_checkpoint(trainer: Any, transport: Any, rank: int, world_size: int, reason: str) -> str | None:
+    """The newest checkpoint every rank can read, the same on every rank (collective); rank 0 says
+    which, and why."""
+    dirs = checkpoint_dirs(trainer)
+    mine = readable_checkpoints(dirs)
+    listings = transport.allgather_object(mine) if world_size > 1 else [mine]
+    path = newest_common(listings)
+    if rank == 0:
+        where = ", ".join(dirs)
+        if path is None:
+            message = f"no checkpoint that all {world_size} ranks can read in {where}; starting from the beginning"
+        else:
+            message = f"resuming from {path}, the newest checkpoint all {world_size} ranks can read"
+        sys.stderr.write(f"lightning_mpi: {reason}: {message}\n")
+        sys.stderr.flush()
+    return path

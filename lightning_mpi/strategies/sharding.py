@@ -11,23 +11,25 @@ sampler into your batch sampler". The Trainer strategies therefore shard loaders
   :class:`~lightning_mpi.data.batch_sampler.ShardedBatchSampler` that deals its batches to the
   ranks (rank r takes batches r, r + W, ...; every rank the same number).
 
-To take the decision over, :meth:`LoaderSharding.setup` turns the Trainer's
+To take the decision over, :meth:`LoaderSharding.take_over` turns the Trainer's
 ``use_distributed_sampler`` off for fit, validate and test and remembers the user's value, which
-decides whether :meth:`LoaderSharding.process_dataloader` shards at all. ``predict`` is left to
+decides whether :meth:`LoaderSharding.shard` shards at all. ``predict`` is left to
 Lightning (its predict loop wraps batch samplers itself to track indices).
 """
+
 from __future__ import annotations
 
 import copy
-from typing import Any
+from typing import Any, cast
 
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, IterableDataset
+
+from lightning_mpi.data.batch_sampler import BatchSampler as SizedBatches
+from lightning_mpi.data.batch_sampler import ShardedBatchSampler
 
 
 def needs_batch_sharding(loader: DataLoader) -> bool:
     """True when ``loader`` has a batch sampler that Lightning cannot rebuild around a new sampler."""
-    from lightning_mpi.data.batch_sampler import ShardedBatchSampler
-
     batch_sampler = loader.batch_sampler
     if batch_sampler is None or type(batch_sampler) is BatchSampler or isinstance(batch_sampler, ShardedBatchSampler):
         return False
@@ -44,50 +46,59 @@ def with_sharded_batches(loader: DataLoader, num_replicas: int, rank: int) -> Da
     DataLoader refuses a new ``batch_sampler`` after construction, and rebuilding it from its
     arguments is what cannot be done for a custom batch sampler, so the attribute is set directly.
     """
-    from lightning_mpi.data.batch_sampler import ShardedBatchSampler
-
+    # needs_batch_sharding said the loader has one, sized (a DataLoader's batch sampler always is)
+    batches = cast(SizedBatches, loader.batch_sampler)
     sharded = copy.copy(loader)
-    object.__setattr__(sharded, "batch_sampler", ShardedBatchSampler(loader.batch_sampler, num_replicas, rank))
+    object.__setattr__(sharded, "batch_sampler", ShardedBatchSampler(batches, num_replicas, rank))
     return sharded
 
 
 class LoaderSharding:
-    """Trainer strategy mixin: shards loaders itself (see the module docstring)."""
+    """The Trainer strategy's sharding of every DataLoader (module docstring).
 
-    _api: Any
-    world_size: int
-    global_rank: int
+    Args:
+        api: the Trainer package's names (``TrainerFn``, ``RunningStage``, Lightning's own
+            sampler and loader rebuilders).
+    """
 
-    def setup(self, trainer: Any) -> None:
+    def __init__(self, api: Any) -> None:
+        self._api = api
+        self._shard_loaders: bool | None = None  # the user's use_distributed_sampler, kept for every stage
+
+    def take_over(self, trainer: Any) -> None:
+        """Before Lightning builds this stage's loaders: keep the user's ``use_distributed_sampler``
+        and turn Lightning's own sharding off (predict excepted)."""
         connector = trainer._accelerator_connector
-        if not hasattr(self, "_shard_loaders"):
-            self._shard_loaders = bool(connector.use_distributed_sampler)  # the user's choice, kept for every stage
+        if self._shard_loaders is None:
+            self._shard_loaders = bool(connector.use_distributed_sampler)
         predicting = trainer.state.fn == self._api.TrainerFn.PREDICTING
         connector.use_distributed_sampler = self._shard_loaders if predicting else False
-        super().setup(trainer)  # type: ignore[misc]
 
-    def process_dataloader(self, dataloader: Any) -> Any:
-        dataloader = super().process_dataloader(dataloader)  # type: ignore[misc]
-        trainer = getattr(self.lightning_module, "_trainer", None)  # type: ignore[attr-defined]
-        if not self._should_shard(dataloader, trainer):
+    def shard(self, dataloader: Any, trainer: Any, world_size: int, rank: int) -> Any:
+        """This rank's share of ``dataloader`` (unchanged when it must not be sharded)."""
+        if not self._should_shard(dataloader, trainer, world_size):
             return dataloader
         if needs_batch_sharding(dataloader):
-            return with_sharded_batches(dataloader, self.world_size, self.global_rank)
+            return with_sharded_batches(dataloader, world_size, rank)
         stage = trainer.state.stage
         training = stage == self._api.RunningStage.TRAINING
         # Lightning's own rule: training loaders are shuffled, evaluation loaders as the user made them.
         shuffle = True if training else self._api.is_dataloader_shuffled(dataloader)
         sampler = self._api.get_distributed_sampler(
-            dataloader, shuffle, mode=stage, overfit_batches=trainer.overfit_batches,
-            **self.distributed_sampler_kwargs,  # type: ignore[attr-defined]
+            dataloader,
+            shuffle,
+            mode=stage,
+            overfit_batches=trainer.overfit_batches,
+            num_replicas=world_size,
+            rank=rank,
         )
         return self._api.update_dataloader(dataloader, sampler, mode=stage)
 
-    def _should_shard(self, dataloader: Any, trainer: Any) -> bool:
+    def _should_shard(self, dataloader: Any, trainer: Any, world_size: int) -> bool:
         return (
-            getattr(self, "_shard_loaders", False)
+            bool(self._shard_loaders)
             and trainer is not None
-            and self.world_size > 1
+            and world_size > 1
             and trainer.state.fn != self._api.TrainerFn.PREDICTING
             and isinstance(dataloader, DataLoader)
             and not isinstance(dataloader.sampler, DistributedSampler)

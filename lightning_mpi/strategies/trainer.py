@@ -1,49 +1,96 @@
-"""The Trainer frontend: Lightning's lifecycle calls the rule's hooks here.
+"""The Trainer strategy: what happens over MPI at setup, every step, at checkpoints and at teardown.
 
-:class:`TrainerMPIStrategy` is mixed into the ``ParallelStrategy`` of each Trainer package
-(``pytorch_lightning``, ``lightning.pytorch``) by :mod:`lightning_mpi.strategies.build`; the class
-attributes ``_api`` and ``_fabric_api`` name that package's classes. Each method has one job:
+:func:`trainer_strategy` defines ``MPIStrategy`` on the ``ParallelStrategy`` of one Trainer package
+(``pytorch_lightning`` or ``lightning.pytorch``: :mod:`.build` calls it once per package). Every
+Lightning method it overrides has one job and calls the collaborator that does it:
 
-- ``setup``: the model on its device, every rank on rank 0's weights, the rule bound to the
-  trainable parameters.
+================================  ========================================================
+collaborator                      its job
+================================  ========================================================
+:class:`.rule_runner.RuleRunner`  bind, pause, checkpoint and close the exchange rule
+:mod:`.replicas`                  the same model and rank 0's weights on every rank
+:mod:`.collectives`               ``reduce``/``all_gather``/``broadcast``/``barrier`` over MPI
+:class:`.failures.RunFailures`    each run's transport; one rank's exception on every rank
+:class:`.convergence.ConvergenceAids`  ``lr_scaling``, ``warmup_steps``, ``momentum_correction``
+:class:`.decisions.StopDecisions`  stop decisions without barriers (asynchronous rules)
+:class:`.preemption.PreemptionWatch`  a consistent checkpoint on SIGTERM/SIGUSR1, exit 0
+:class:`.resume.AutoResume`       ``fit`` resumes by itself after a restart
+:class:`.sharding.LoaderSharding`  every loader sharded over the ranks
+================================  ========================================================
+
+The lifecycle, top to bottom:
+
+- construction: the options are checked, MPI's ranks and nodes become the cluster environment;
+- ``setup``: the model on this rank's device, the same model and rank 0's weights everywhere, the
+  rule bound to the trainable parameters (when fitting);
+- ``on_train_start``: the rule starts, the aids say what they do, the preemption vote starts;
+- every batch: another rank's failure or a preemption vote stops this rank;
 - ``optimizer_step``: backward runs inside Lightning's closure, so the closure is wrapped: after
-  backward the rule exchanges (``before_step``); a rejected exchange skips the step on every rank.
-  Lightning calls ``optimizer_step`` only on steps that update, so gradient accumulation
-  exchanges once per update. Then ``after_step``.
-- ``on_train_end``: the rule leaves its consensus weights in the module.
-- ``fit``/``validate``/``test``/``predict`` run inside :meth:`~.failures.FailurePropagation.propagate_errors`
-  (through a launcher that runs them in this process): an exception on one rank is posted to the
-  others, which raise ``RankFailedError``, and the run is abandoned before Lightning's exception
-  hooks run; ``on_exception`` does the same for an exception raised outside it.
+  backward the rule exchanges (``before_step``), and a rejected exchange skips the update on every
+  rank; then ``after_step``. Lightning calls it only on steps that update, so gradient
+  accumulation exchanges once per update;
+- ``save_checkpoint`` / ``load_checkpoint``: the rule's state travels under ``"lightning_mpi"``;
+- ``on_train_end``: the rule leaves its consensus weights in the module;
+- ``on_exception``: the run fails on every rank (other ranks raise ``RankFailedError``);
+- ``teardown``: the rule's threads and windows are released.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable, Generator
-from contextlib import contextmanager, nullcontext
-from typing import Any, Literal, Optional
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from typing import Any
 
+import torch
 from torch.optim import Optimizer
+from typing_extensions import override
 
+from lightning_mpi.comm.transport import Transport
 from lightning_mpi.lr_scaling import StepOverrides
-from lightning_mpi.rules.base import Rule
-from lightning_mpi.strategies.aids import ConvergenceAids
-from lightning_mpi.strategies.core import CHECKPOINT_KEY, MPIStrategyCore
-from lightning_mpi.strategies.failures import install_abort_hook
+from lightning_mpi.options import check_one
+from lightning_mpi.rules.base import BoundRule, Rule
+from lightning_mpi.rules.sync import SyncRule
+from lightning_mpi.strategies import collectives, replicas
+from lightning_mpi.strategies.common_options import CommonOptions
+from lightning_mpi.strategies.convergence import ConvergenceAids
+from lightning_mpi.strategies.decisions import StopDecisions
+from lightning_mpi.strategies.environment import rank_device
+from lightning_mpi.strategies.failures import RunFailures, install_abort_hook
+from lightning_mpi.strategies.lightning_api import TrainerAPI
+from lightning_mpi.strategies.preemption import PreemptionWatch
+from lightning_mpi.strategies.resume import AutoResume, resume_checkpoint
+from lightning_mpi.strategies.rule_runner import RuleRunner
+from lightning_mpi.strategies.sharding import LoaderSharding
+from lightning_mpi.strategies.signatures import check_rule, document_frontend
+
+#: Key of the rule's state in a checkpoint dictionary.
+CHECKPOINT_KEY = "lightning_mpi"
+
+#: The Trainer strategy's own arguments (beside the common options), documented once.
+TRAINER_ARGUMENTS = {
+    "rule": "what to exchange and when (a lightning_mpi `Rule`); None is `SyncRule()`: average gradients with one "
+    "Allreduce every step. The named strategies build it from their arguments.",
+    "log_stats": "log the rule's per-step numbers (exchange time, bytes, skipped steps, ...) and the convergence "
+    "aids' values to the trainer's loggers under `mpi/`.",
+    "accelerator": "as for any Lightning strategy; normally left to the Trainer.",
+    "checkpoint_io": "as for any Lightning strategy; by default checkpoint files are written atomically.",
+    "precision_plugin": "as for any Lightning strategy; normally left to the Trainer.",
+}
 
 
 class _InProcessLauncher:
     """Lightning's launcher slot, used to run ``fit``/``validate``/``test``/``predict`` inside
-    :meth:`~.failures.FailurePropagation.propagate_errors` in this process (``mpiexec`` started the
+    :meth:`~.failures.RunFailures.propagate_errors` in this process (``mpiexec`` started the
     ranks): a failure is posted before Lightning's ``on_exception`` hooks run, so that callbacks
     that make collectives there (a checkpoint on exception) start on fresh communicators everywhere."""
 
     is_interactive_compatible = True
 
-    def __init__(self, strategy: "TrainerMPIStrategy") -> None:
-        self._strategy = strategy
+    def __init__(self, failures: RunFailures) -> None:
+        self._failures = failures
 
-    def launch(self, function: Callable[..., Any], *args: Any, trainer: Optional[Any] = None, **kwargs: Any) -> Any:
-        with self._strategy.propagate_errors():
+    def launch(self, function: Callable[..., Any], *args: Any, trainer: Any | None = None, **kwargs: Any) -> Any:
+        with self._failures.propagate_errors():
             return function(*args, **kwargs)
 
     def kill(self, signum: Any) -> None:
@@ -54,227 +101,382 @@ class _SkipStep(Exception):
     """Raised from inside the optimizer closure to abandon a step before the update runs."""
 
 
-class TrainerMPIStrategy(ConvergenceAids, MPIStrategyCore):
-    """Data-parallel training over MPI with an exchange rule.
+def trainer_strategy(api: TrainerAPI, environment_class: type, checkpoint_io_class: type) -> type:
+    """``MPIStrategy`` on Trainer package ``api``'s ``ParallelStrategy`` (see the module docstring).
 
-    Args:
-        rule: what to exchange and when; defaults to :class:`~lightning_mpi.rules.sync.SyncRule`
-            (average gradients with one Allreduce every step).
-        log_stats: log the rule's per-step numbers (exchange time, bytes, skips) to the trainer's
-            loggers under ``mpi/``.
-        abort_on_exception: ``False`` (default): an exception on one rank inside
-            ``fit``/``validate``/``test``/``predict`` propagates there, and every other rank raises
-            :class:`~lightning_mpi.RankFailedError` naming it within seconds, so ``try: trainer.fit(...)``
-            works as with one process; only an exception that nobody catches ends every rank
-            (``MPI_Abort`` from ``sys.excepthook``). ``True``: the failing rank prints its
-            traceback and calls ``MPI_Abort`` at once (world size > 1 only).
-        collective_timeout: seconds any collective may wait for the other ranks before it raises
-            ``CollectiveTimeout``; ``None`` waits forever. A rank that hung outside any
-            collective, or ranks that run different numbers of steps, are caught this way (a rank
-            that raised is caught at once, see ``abort_on_exception``).
-        lr_scaling: ``"linear"`` multiplies every learning rate by the world size W, ``"sqrt"`` by
-            √W (Goyal et al. 2017); ``None`` (default) leaves them alone. Applied to the update
-            only: ``training_step``, LR schedulers, ``LearningRateMonitor`` and checkpoints see
-            your unscaled values (``on_before_optimizer_step`` sees the scaled ones). Rank 0 prints
-            what it does at train start, and the factor is logged as ``mpi/lr_scale``. Goyal's
-            rule is for averaged gradients; DOWNPOUR and EAMSGD already move the center about W×
-            per epoch (see :mod:`lightning_mpi.rules.server`).
-        warmup_steps: gradual warm-up of that factor: from x1 at optimizer step 0 linearly to the
-            full factor at this step (0 = no warm-up). Counted in optimizer steps (``global_step``),
-            so it resumes where a checkpoint left off.
-        accelerator, checkpoint_io, precision_plugin: as for any Lightning strategy; normally
-            left to the ``Trainer``.
-
-    Subclasses take these (``log_stats`` onwards) as keyword arguments and pass them on.
-
-    Ranks come from ``MPI.COMM_WORLD``: launch with ``mpiexec -n N python train.py`` (or the
-    ``lightning-mpi`` launcher); plain ``python train.py`` is world size 1. Devices need no
-    bookkeeping: rank ``r`` uses accelerator device ``local_rank % devices_on_this_host``.
+    ``environment_class`` and ``checkpoint_io_class`` are the MPI cluster environment and the
+    atomic checkpoint IO on the same package's Fabric.
     """
+    base: Any = api.ParallelStrategy  # a class of the package the user imported: known at run time only
 
-    _api: Any  # TrainerAPI of the package this class is built on
-    _fabric_api: Any
+    class MPIStrategy(base):
+        """Data-parallel training over MPI with an exchange rule, for the Lightning Trainer.
 
-    def __init__(
-        self,
-        rule: Optional[Rule] = None,
-        log_stats: bool = True,
-        abort_on_exception: bool = False,
-        collective_timeout: Optional[float] = 1800.0,
-        lr_scaling: Optional[Literal["linear", "sqrt"]] = None,
-        warmup_steps: int = 0,
-        accelerator: Optional[Any] = None,
-        checkpoint_io: Optional[Any] = None,
-        precision_plugin: Optional[Any] = None,
-    ) -> None:
-        placement = self._placement(rule, collective_timeout, lr_scaling, warmup_steps, checkpoint_io)
-        # the package's ParallelStrategy
-        super().__init__(accelerator=accelerator, precision_plugin=precision_plugin, **placement)  # type: ignore[call-arg]
-        self._init_core(rule, placement["cluster_environment"].comm, collective_timeout)
-        self._init_aids(lr_scaling, warmup_steps)
-        self.log_stats = log_stats
-        self.abort_on_exception = abort_on_exception
-        self._steps_seen = 0  # optimizer steps without a trainer to count them
-        self.set_world_ranks()
-
-    # -- where this rank lives -------------------------------------------------------------------
-    @property
-    def num_nodes(self) -> int:
-        return self.cluster_environment.num_nodes  # type: ignore[attr-defined]
-
-    @num_nodes.setter
-    def num_nodes(self, value: int) -> None:
-        # The Trainer assigns its num_nodes flag; MPI knows better, so the flag is ignored.
-        pass
-
-    def set_world_ranks(self) -> None:
-        # Lightning decides "rank zero only" output (progress bar, model summary, warnings) from these.
-        self._api.rank_zero_only.rank = self._fabric_api.rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
-
-    @property
-    def is_distributed(self) -> bool:
-        return self.world_size > 1
-
-    def _configure_launcher(self) -> None:
-        self._launcher = _InProcessLauncher(self)
-
-    def setup_environment(self) -> None:
-        super().setup_environment()  # type: ignore[misc]
-        if self.world_size > 1:
-            install_abort_hook(self.global_rank, self.world_size)
-
-    def batch_to_device(self, batch: Any, device: Optional[Any] = None, dataloader_idx: int = 0) -> Any:
-        self.check_peers()  # every batch of every loop: stop within a batch of another rank's failure
-        return super().batch_to_device(batch, device, dataloader_idx)  # type: ignore[misc]
-
-    # -- setup -------------------------------------------------------------------------------------
-    def setup(self, trainer: Any) -> None:
-        assert self.accelerator is not None and self.model is not None  # type: ignore[attr-defined]
-        self.accelerator.setup(trainer)  # type: ignore[attr-defined]
-        self.model = self.precision_plugin.convert_module(self.model)  # type: ignore[attr-defined]
-        self.model_to_device()
-        self.prepare_module(self.model)
-        fitting = trainer.state.fn == self._api.TrainerFn.FITTING
-        if fitting:
-            self.setup_optimizers(trainer)  # type: ignore[attr-defined]
-        self.setup_precision_plugin()  # type: ignore[attr-defined]
-        if fitting:
-            self._fabric_api.optimizers_to_device(self.optimizers, self.root_device)  # type: ignore[attr-defined]
-            self.bind_rule(self.model)
-        self.connect_metrics(self.model)
-
-    def model_to_device(self) -> None:
-        assert self.model is not None  # type: ignore[attr-defined]
-        self.model.to(self.root_device)  # type: ignore[attr-defined]
-
-    # -- training ----------------------------------------------------------------------------------
-    @contextmanager
-    def block_backward_sync(self) -> Generator[None, None, None]:
-        """Lightning wraps backward in this while it accumulates gradients."""
-        with self.exchanges_paused():
-            yield
-
-    def on_train_start(self) -> None:
-        super().on_train_start()  # type: ignore[misc]
-        if self._bound is not None:
-            self._bound.on_train_start()
-        self._announce_convergence_aids()
-
-    def _optimizer_step_count(self) -> int:
-        trainer = getattr(self._lightning_module, "_trainer", None) if self._lightning_module is not None else None  # type: ignore[attr-defined]
-        return int(trainer.global_step) if trainer is not None else self._steps_seen
-
-    def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Optional[Any] = None,
-                       **kwargs: Any) -> Any:
-        # The aids wrap the whole ``optimizer.step`` (LBFGS reads its lr before it calls the
-        # closure) and are lifted while the closure runs (SGD/Adam call it first, then read the lr),
-        # so only the update sees them; ``with`` puts the user's values back on every exit: a
-        # finished step, a skipped one (``_SkipStep``) or an exception.
-        self.check_peers()
-        overrides = self._step_overrides(optimizer)
-        try:
-            with overrides if overrides is not None else nullcontext():
-                output = self._exchange_and_step(optimizer, closure, overrides, model, **kwargs)
-        finally:
-            self._steps_seen += 1
-        if overrides is not None:
-            self._record_aid_stats(overrides)
-        self._log_rule_stats()
-        return output
-
-    def _exchange_and_step(self, optimizer: Optimizer, closure: Callable[[], Any], overrides: Optional[StepOverrides],
-                           model: Optional[Any] = None, **kwargs: Any) -> Any:
-        """Backward (the closure), the rule's exchange, the update, the rule's ``after_step``."""
-        lift = overrides.wrap_closure if overrides is not None else (lambda f: f)
-        bound = self._bound
-        if bound is None:
-            return super().optimizer_step(optimizer, lift(closure), model, **kwargs)  # type: ignore[misc]
-        # A GradScaler (16-mixed) already skips steps with inf gradients and lowers its scale; it
-        # must see them, so with a scaler the step is not abandoned here.
-        scaler_handles_inf = getattr(self.precision_plugin, "scaler", None) is not None  # type: ignore[attr-defined]
-
-        def closure_then_exchange() -> Any:
-            result = closure()
-            if not bound.before_step(optimizer) and not scaler_handles_inf:
-                raise _SkipStep
-            return result
-
-        try:
-            # backward and the exchange see the user's values; the update sees the aids
-            output = super().optimizer_step(optimizer, lift(closure_then_exchange), model, **kwargs)  # type: ignore[misc]
-        except _SkipStep:
-            output = None
-        else:
-            bound.after_step(optimizer)
-        return output
-
-    def _log_rule_stats(self) -> None:
-        """Rank 0 logs the rule's numbers (world size > 1) and the convergence aids' values."""
-        if not self.log_stats:
-            return
-        trainer = getattr(self.lightning_module, "_trainer", None)  # type: ignore[attr-defined]
-        if trainer is None or not trainer.loggers:
-            return
-        if (trainer.global_step + 1) % max(1, trainer.log_every_n_steps) != 0:
-            return
-        metrics: dict[str, float] = {}
-        if self._bound is not None and self.world_size > 1:
-            metrics.update({f"mpi/{self.rule.name}/{k}": v for k, v in self._bound.stats().items()})
-        metrics.update(self._aid_stats)
-        if metrics and self.is_global_zero:  # type: ignore[attr-defined]
-            for logger in trainer.loggers:
-                logger.log_metrics(metrics, step=trainer.global_step)
-
-    def on_train_end(self) -> None:
-        if self._bound is not None:
-            self._bound.on_train_end()
-        super().on_train_end()  # type: ignore[misc]
-
-    def on_exception(self, exception: BaseException) -> None:
-        """Fail the run on every rank (see :mod:`.failures`) if the launcher has not already: post the
-        exception, abandon the run. Loggers are finalised by Lightning right after."""
-        super().on_exception(exception)  # type: ignore[misc]
-        self.fail_run(exception)
-
-    def teardown(self) -> None:
-        self.close_rule()
-        super().teardown()  # type: ignore[misc]
-
-    # -- checkpoints ---------------------------------------------------------------------------------
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
-        """Rank 0 writes; the rule's state (center, clocks, ...) is added to the checkpoint first.
-
-        Called on every rank, so a rule with sharded state may gather it here.
+        Ranks come from ``MPI.COMM_WORLD``: launch with ``mpiexec -n N python train.py`` (or the
+        ``lightning-mpi`` launcher); plain ``python train.py`` is world size 1. Devices need no
+        bookkeeping: rank ``r`` uses accelerator device ``local_rank % devices_on_this_host``.
         """
-        entry = self.rule_checkpoint()
-        if entry is not None:
-            checkpoint[CHECKPOINT_KEY] = entry
-        super().save_checkpoint(checkpoint, filepath, storage_options)  # type: ignore[misc]
 
-    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
-        """Every rank reads the checkpoint; the rule's state is restored when the rule is bound."""
-        checkpoint = super().load_checkpoint(  # type: ignore[misc]
-            checkpoint_path, weights_only=False if weights_only is None else weights_only
-        )
-        self.restore_rule(checkpoint.get(CHECKPOINT_KEY))
-        return checkpoint
+        model: Any  # Lightning's property (the wrapped module); declared for the type checker only
+
+        def __init__(
+            self,
+            rule: Rule | None = None,
+            log_stats: bool = True,
+            accelerator: Any | None = None,
+            checkpoint_io: Any | None = None,
+            precision_plugin: Any | None = None,
+            **options: Any,
+        ) -> None:
+            # Every argument is checked before the environment's first collective (it splits COMM_WORLD).
+            rule = check_rule(rule) or SyncRule()
+            self.options = CommonOptions(**options)
+            self._aids = ConvergenceAids(
+                self.options.lr_scaling,
+                self.options.warmup_steps,
+                self.options.momentum_correction,
+                rule,
+                api.fabric.rank_zero_info,
+                api.fabric.rank_zero_warn,
+            )
+            environment = environment_class()
+            super().__init__(
+                accelerator=accelerator,
+                parallel_devices=None,
+                cluster_environment=environment,
+                checkpoint_io=checkpoint_io if checkpoint_io is not None else checkpoint_io_class(),
+                precision_plugin=precision_plugin,
+            )
+            self.log_stats = log_stats
+            self._runner = RuleRunner(rule)
+            self._failures = RunFailures(
+                environment.comm,
+                self.global_rank,
+                self.world_size,
+                self.options.collective_timeout,
+                self.options.abort_on_exception,
+                on_abandon=self._runner.abandon,
+            )
+            self._decisions = StopDecisions(api.Callback)
+            self._preemption = PreemptionWatch()
+            self._sharding = LoaderSharding(api)
+            self._steps_seen = 0  # optimizer steps without a trainer to count them
+            self.set_world_ranks()
+
+        # -- what the user reads and sets ----------------------------------------------------------------
+        @property
+        def rule(self) -> Rule:
+            """The rule's hyperparameters."""
+            return self._runner.rule
+
+        @property
+        def bound_rule(self) -> BoundRule | None:
+            """The running rule while training (None before it is bound; the closed one after)."""
+            return self._runner.bound
+
+        @property
+        def transport(self) -> Transport:
+            """The current run's MPI transport (a fresh one after a failed run)."""
+            return self._failures.transport
+
+        @property
+        def collective_timeout(self) -> float | None:
+            return self._failures.timeout
+
+        @collective_timeout.setter
+        def collective_timeout(self, value: float | None) -> None:
+            self._failures.timeout = check_one(CommonOptions, "collective_timeout", value)
+
+        @property
+        def abort_on_exception(self) -> bool:
+            return self._failures.abort_on_exception
+
+        lr_scaling = property(lambda self: self.options.lr_scaling)
+        warmup_steps = property(lambda self: self.options.warmup_steps)
+        momentum_correction = property(lambda self: self.options.momentum_correction)
+
+        def stats(self) -> dict[str, float]:
+            """What ``log_stats`` logs: the rule's numbers for the last step (``mpi/<rule>/...``, world
+            size > 1) and the convergence aids' values (``mpi/lr_scale``, ``mpi/momentum_*``)."""
+            return {**self._runner.stats(self.world_size), **self._aids.stats}
+
+        @contextmanager
+        def propagate_errors(self) -> Generator[None, None, None]:
+            """An exception inside fails the run on every rank (see :mod:`.failures`)."""
+            with self._failures.propagate_errors():
+                yield
+
+        # -- where this rank lives -----------------------------------------------------------------------
+        @property
+        @override
+        def root_device(self) -> torch.device:
+            """Rank ``r`` uses device ``local_rank % devices_on_this_host`` (the CPU without devices)."""
+            return rank_device(self.parallel_devices, self.local_rank)
+
+        @property
+        def num_nodes(self) -> int:
+            return int(self.cluster_environment.num_nodes)
+
+        @num_nodes.setter
+        def num_nodes(self, value: int) -> None:
+            # The Trainer assigns its num_nodes flag; MPI knows better, so the flag is ignored.
+            pass
+
+        @property
+        @override
+        def distributed_sampler_kwargs(self) -> dict[str, Any]:
+            return {"num_replicas": self.world_size, "rank": self.global_rank}
+
+        @property
+        @override
+        def is_distributed(self) -> bool:
+            return self.world_size > 1
+
+        def set_world_ranks(self) -> None:
+            # Lightning decides "rank zero only" output (progress bar, model summary, warnings) from these.
+            api.rank_zero_only.rank = api.fabric.rank_zero_only.rank = self.global_rank
+
+        @override
+        def _configure_launcher(self) -> None:
+            self._launcher = AutoResume(_InProcessLauncher(self._failures), api.TrainerFn.FITTING, self._resume_from)
+
+        def _resume_from(self, trainer: Any, reason: str) -> str | None:
+            return resume_checkpoint(trainer, self.transport, self.global_rank, self.world_size, reason)
+
+        @override
+        def setup_environment(self) -> None:
+            super().setup_environment()
+            if self.world_size > 1:
+                install_abort_hook(self.global_rank, self.world_size)
+
+        # -- setup -----------------------------------------------------------------------------------------
+        @override
+        def setup(self, trainer: Any) -> None:
+            self._sharding.take_over(trainer)  # before Lightning builds this stage's loaders
+            assert self.accelerator is not None and self.model is not None
+            self.accelerator.setup(trainer)
+            model: torch.nn.Module = self.precision_plugin.convert_module(self.model)
+            self.model = model
+            self.model_to_device()
+            replicas.prepare_module(self.transport, model)
+            fitting = trainer.state.fn == api.TrainerFn.FITTING
+            if fitting:
+                self.setup_optimizers(trainer)
+            self.setup_precision_plugin()
+            if fitting:
+                api.fabric.optimizers_to_device(self.optimizers, self.root_device)
+                self._runner.bind(self.transport, model, self._aids.rule_to_bind(self.world_size))
+            collectives.connect_metrics(model, self.world_size, lambda: self.transport)
+
+        @override
+        def model_to_device(self) -> None:
+            assert self.model is not None
+            self.model.to(self.root_device)
+
+        @override
+        def process_dataloader(self, dataloader: Any) -> Any:
+            dataloader = super().process_dataloader(dataloader)
+            trainer = getattr(self.lightning_module, "_trainer", None)
+            return self._sharding.shard(dataloader, trainer, self.world_size, self.global_rank)
+
+        # -- training --------------------------------------------------------------------------------------
+        @override
+        def on_train_start(self) -> None:
+            super().on_train_start()
+            bound = self._runner.bound
+            if bound is not None:
+                bound.on_train_start()
+            self._aids.announce(self.world_size, self.optimizers)
+            # Asynchronous rules must not wait for the vote; their checkpoint decisions stay collective.
+            self._preemption.start(self.transport, lockstep=not self.rule.asynchronous)
+            if self.rule.asynchronous:
+                self._decisions.scope_checkpoint_hooks(self.lightning_module.trainer)
+
+        @override
+        def batch_to_device(self, batch: Any, device: Any | None = None, dataloader_idx: int = 0) -> Any:
+            self._failures.check_peers()  # every batch of every loop: stop within a batch of another rank's failure
+            return super().batch_to_device(batch, device, dataloader_idx)
+
+        @override
+        def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+            super().on_train_batch_start(batch, batch_idx)
+            if self._preemption.requested():
+                self._preempt()
+
+        @override
+        @contextmanager
+        def block_backward_sync(self) -> Generator[None, None, None]:
+            """Lightning wraps backward in this while it accumulates gradients."""
+            with self._runner.paused():
+                yield
+
+        @override
+        def optimizer_step(
+            self, optimizer: Optimizer, closure: Callable[[], Any], model: Any | None = None, **kwargs: Any
+        ) -> Any:
+            # The aids wrap the whole ``optimizer.step`` (LBFGS reads its lr before it calls the
+            # closure) and are lifted while the closure runs (SGD/Adam call it first, then read the lr),
+            # so only the update sees them; ``with`` puts the user's values back on every exit: a
+            # finished step, a skipped one (``_SkipStep``) or an exception.
+            self._failures.check_peers()
+            overrides = self._aids.overrides(optimizer, self.world_size, self._optimizer_step_count())
+            try:
+                with overrides if overrides is not None else nullcontext():
+                    output = self._exchange_and_step(optimizer, closure, overrides, model, **kwargs)
+            finally:
+                self._steps_seen += 1
+            if overrides is not None:
+                self._aids.record(overrides)
+            self._log_stats()
+            return output
+
+        def _optimizer_step_count(self) -> int:
+            trainer = getattr(self._lightning_module, "_trainer", None) if self._lightning_module is not None else None
+            return int(trainer.global_step) if trainer is not None else self._steps_seen
+
+        def _exchange_and_step(
+            self,
+            optimizer: Optimizer,
+            closure: Callable[[], Any],
+            overrides: StepOverrides | None,
+            model: Any | None = None,
+            **kwargs: Any,
+        ) -> Any:
+            """Backward (the closure), the rule's exchange, the update, the rule's ``after_step``."""
+            lift = overrides.wrap_closure if overrides is not None else (lambda f: f)
+            bound = self._runner.bound
+            if bound is None:
+                return super().optimizer_step(optimizer, lift(closure), model, **kwargs)
+            # A GradScaler (16-mixed) already skips steps with inf gradients and lowers its scale; it
+            # must see them, so with a scaler the step is not abandoned here.
+            scaler_handles_inf = getattr(self.precision_plugin, "scaler", None) is not None
+
+            def closure_then_exchange() -> Any:
+                result = closure()
+                if not bound.before_step(optimizer) and not scaler_handles_inf:
+                    raise _SkipStep
+                return result
+
+            try:
+                # backward and the exchange see the user's values; the update sees the aids
+                output = super().optimizer_step(optimizer, lift(closure_then_exchange), model, **kwargs)
+            except _SkipStep:
+                return None
+            bound.after_step(optimizer)
+            return output
+
+        def _log_stats(self) -> None:
+            """Rank 0 logs :meth:`stats` every ``log_every_n_steps``."""
+            trainer = getattr(self.lightning_module, "_trainer", None)
+            if not self.log_stats or trainer is None or not trainer.loggers:
+                return
+            if (trainer.global_step + 1) % max(1, trainer.log_every_n_steps) != 0:
+                return
+            metrics = self.stats()
+            if metrics and self.is_global_zero:
+                for logger in trainer.loggers:
+                    logger.log_metrics(metrics, step=trainer.global_step)
+
+        @override
+        def on_train_end(self) -> None:
+            if self._preemption.requested_at_end():  # drains the votes: a signal at the last batch counts
+                self._preempt()
+            self._preemption.stop()
+            bound = self._runner.bound
+            if bound is not None:
+                bound.on_train_end()  # collective for asynchronous rules: every rank is here
+            super().on_train_end()
+
+        def _preempt(self) -> None:
+            """Every rank writes the preemption checkpoint and stops (raises ``Preempted``)."""
+            bound = self._runner.bound
+            self._preemption.checkpoint_and_exit(
+                self.lightning_module.trainer,
+                self.global_rank,
+                self._decisions.collective_decisions,
+                end_training=bound.on_train_end if bound is not None else (lambda: None),
+            )
+
+        @override
+        def on_exception(self, exception: BaseException) -> None:
+            """Fail the run on every rank (see :mod:`.failures`) if the launcher has not already: post
+            the exception, abandon the run. A preemption stop is no failure. Loggers are finalised by
+            Lightning right after."""
+            self._preemption.stop()
+            super().on_exception(exception)
+            self._failures.fail_run(exception)
+
+        @override
+        def teardown(self) -> None:
+            self._decisions.unscope_hooks()
+            self._runner.close()
+            super().teardown()
+
+        # -- collectives (Lightning's, and its stop decisions) -------------------------------------------
+        @override
+        def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any | None = "mean") -> Any:
+            collectives.check_group(group)
+            return collectives.reduce(self.transport, tensor, reduce_op)
+
+        @override
+        def all_gather(self, tensor: torch.Tensor, group: Any | None = None, sync_grads: bool = False) -> torch.Tensor:
+            collectives.check_group(group)
+            return collectives.all_gather(self.transport, tensor, sync_grads)
+
+        @override
+        def barrier(self, name: str | None = None) -> None:
+            collectives.barrier(self.transport)
+
+        @override
+        def broadcast(self, obj: Any, src: int = 0) -> Any:
+            """A bool (a stop decision) is published on the rule's board while an asynchronous rule
+            trains (no barrier: see :mod:`.decisions`); anything else is a collective."""
+            board = self._decision_board() if isinstance(obj, bool) else None
+            if board is not None:
+                return board.broadcast_flag(obj, src)
+            return collectives.broadcast(self.transport, obj, src)
+
+        @override
+        def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+            board = self._decision_board()
+            if board is not None:
+                return bool(board.reduce_flag(bool(decision), all))
+            return bool(super().reduce_boolean_decision(decision, all))
+
+        def _decision_board(self) -> Any | None:
+            board = self._decisions.board(self._runner.bound)
+            if board is not None:
+                self._failures.check_peers()  # a board read waits for no rank: look for a failure first
+            return board
+
+        def collective_decisions(self) -> AbstractContextManager[None]:
+            """A scope in which every decision is a collective (see :mod:`.decisions`)."""
+            return self._decisions.collective_decisions()
+
+        # -- checkpoints -----------------------------------------------------------------------------------
+        @override
+        def save_checkpoint(
+            self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
+        ) -> None:
+            """Rank 0 writes; the rule's state (center, clocks, ...) is added to the checkpoint first.
+
+            Called on every rank, so a rule with sharded state may gather it here.
+            """
+            entry = self._runner.checkpoint(self.world_size)
+            if entry is not None:
+                checkpoint[CHECKPOINT_KEY] = entry
+            super().save_checkpoint(checkpoint, filepath, storage_options)
+
+        @override
+        def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+            """Every rank reads the checkpoint; the rule's state is restored when the rule is bound.
+            The file holds the rule's own objects, so it is read with ``weights_only=False`` unless
+            you say otherwise."""
+            checkpoint: dict[str, Any] = super().load_checkpoint(
+                checkpoint_path, weights_only=False if weights_only is None else weights_only
+            )
+            self._runner.restore(checkpoint.get(CHECKPOINT_KEY), self.world_size)
+            return checkpoint
+
+    document_frontend(MPIStrategy, TRAINER_ARGUMENTS)
+    return MPIStrategy

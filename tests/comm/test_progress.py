@@ -1,4 +1,4 @@
-"""The exchange scheduler (comm/engine.Progress) in one process, with stand-in requests: the
+"""The exchange scheduler (comm/engine.ExchangeScheduler) in one process, with stand-in requests: the
 progress thread may advance exchanges, and what fails there fails in the training thread; and the
 progress thread itself (comm/progress.ProgressThread)."""
 import threading
@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from lightning_mpi.comm.engine import Progress
+from lightning_mpi.comm.engine import ExchangeScheduler
 
 
 class Request:
@@ -30,7 +30,7 @@ def two_phase(log: list, first: Request, second: Request, fail_after_first: bool
 
 
 def test_another_thread_advances_an_exchange_to_its_next_phase():
-    progress, log, first, second = Progress(timeout=5), [], Request(), Request()
+    progress, log, first, second = ExchangeScheduler(timeout=5), [], Request(), Request()
     progress.start(two_phase(log, first, second))
     assert log == ["sent"] and len(progress) == 1
     first.done = True
@@ -44,7 +44,7 @@ def test_another_thread_advances_an_exchange_to_its_next_phase():
 
 
 def test_an_error_in_the_progress_thread_is_raised_in_the_training_thread():
-    progress, log_a, log_b = Progress(timeout=5), [], []
+    progress, log_a, log_b = ExchangeScheduler(timeout=5), [], []
     a1, b1, b2 = Request(), Request(), Request()
     progress.start(two_phase(log_a, a1, Request(), fail_after_first=True))
     progress.start(two_phase(log_b, b1, b2))
@@ -61,7 +61,7 @@ def test_an_error_in_the_progress_thread_is_raised_in_the_training_thread():
 
 
 def test_try_poll_never_waits_for_the_training_thread():
-    progress = Progress(timeout=5)
+    progress = ExchangeScheduler(timeout=5)
     request, second = Request(), Request()
     second.done = True
     progress.start(two_phase([], request, second))
@@ -98,3 +98,15 @@ def test_progress_thread_polls_only_while_running_and_closes_once():
     thread.close()
     thread.close()
     assert not thread.alive and closed == [1]
+
+
+def test_a_probing_thread_frees_its_private_communicator_through_the_run(MPI):
+    from lightning_mpi.comm.progress import ProgressThread
+    from lightning_mpi.comm.resources import RunResources, live_handles
+
+    before = live_handles()
+    run = RunResources()
+    thread = ProgressThread.probing(MPI.COMM_SELF, 1e-3, "this test", resources=run)
+    assert thread.alive and run.counts()[1] == 1
+    thread.close()
+    assert not thread.alive and run.counts()[1] == 0 and live_handles() == before

@@ -8,6 +8,9 @@ import torch
 from lightning_mpi.comm.buffers import make_buckets, padded_numel
 from lightning_mpi.comm.codecs import BF16, FP16, FP32, INT8, ONEBIT, get_codec
 from lightning_mpi.comm.collectives import ASAWorkspace, asa_mean_steps
+from lightning_mpi.comm.errors import AbandonedRunError
+from lightning_mpi.comm.resources import live_handles
+from lightning_mpi.comm.transport import CollectiveTimeout, Transport, wait_request
 from tests.mpi_utils import REPO, run_mpi
 
 SCRIPT = str(REPO / "tests" / "scripts" / "comm_check.py")
@@ -219,3 +222,68 @@ def test_asa_without_feedback_on_simulated_ranks(codec, world):
     assert all(torch.equal(flats[0], f) for f in flats[1:])
     err = (flats[0] - torch.stack(grads).mean(dim=0)).abs().max().item()
     assert err == pytest.approx(0.0, abs=1e-6) if codec is FP32 else err < (2.0 if codec is ONEBIT else 0.05)
+
+
+# -- waits and the transport's own objects (comm/transport), on one rank ---------------------------
+class _CompletesAfter:
+    """A stand-in request that completes at its ``n``-th ``Test`` (never, for ``None``)."""
+
+    def __init__(self, n):
+        self.n, self.tests = n, 0
+
+    def Test(self):  # noqa: N802  (mpi4py's name)
+        self.tests += 1
+        return self.n is not None and self.tests >= self.n
+
+
+def _failed():
+    raise RuntimeError("rank 2 failed")
+
+
+def test_a_wait_that_nobody_joins_times_out_with_the_fix():
+    expected = r"broadcast on rank 1 waited more than 0.01 s for the other 2 rank"
+    with pytest.raises(CollectiveTimeout, match=expected) as info:
+        wait_request(_CompletesAfter(None), 0.01, "broadcast", 1, 3)
+    assert "collective_timeout" in str(info.value)
+
+
+def test_a_wait_raises_what_the_watch_raises():
+    with pytest.raises(RuntimeError, match="rank 2 failed"):
+        wait_request(_CompletesAfter(None), None, "barrier", 0, 3, watch=_failed)
+
+
+def test_a_settling_wait_completes_an_agreement_another_rank_already_finished():
+    # The failure is known, but the request completes: every rank joined, so go on.
+    request = _CompletesAfter(150)
+    wait_request(request, None, "barrier", 0, 3, watch=_failed, settle=True)
+    assert request.tests >= 150
+
+
+def test_transport_on_one_rank(MPI):
+    before = live_handles()
+    transport = Transport(MPI.COMM_SELF, timeout=10)
+    assert (transport.rank, transport.size) == (0, 1)
+    assert transport.broadcast_object({"a": [1, 2]}) == {"a": [1, 2]}
+    assert transport.allgather_object(("x", 3)) == [("x", 3)]
+    assert transport.agree(7) == [7]
+    x = torch.arange(4, dtype=torch.float32)
+    assert transport.allreduce_(x.clone(), "max").tolist() == x.tolist()
+    with pytest.raises(TypeError, match="upcast to float32"):
+        transport.allreduce_(x.half())
+    twin = transport.dup()
+    assert twin.resources is transport.resources and live_handles()["comms"] == before["comms"] + 1
+    twin.free()
+    local, leaders = transport.node_split()
+    assert local.size == 1 and leaders is not None and leaders.size == 1
+    local.free()
+    leaders.free()
+    transport.free()  # COMM_SELF itself is never freed
+    assert live_handles() == before
+
+
+def test_an_abandoned_run_refuses_its_transport(MPI):
+    transport = Transport(MPI.COMM_SELF, timeout=10)
+    transport.resources.abandon()
+    assert transport.abandoned
+    with pytest.raises(AbandonedRunError, match="start a new run"):
+        transport.barrier()

@@ -129,7 +129,7 @@ def test_fit_without_val_dataset_skips_validation():
     assert loader_threads() == []
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (pinned side-stream copies)")
+@pytest.mark.cuda  # pinned side-stream copies
 def test_cuda_batches_are_copied_on_a_side_stream():
     cpu = list(PrefetchLoader(IndexDataset(10), batch_size=4, shuffle=False))
     gpu = list(PrefetchLoader(IndexDataset(10), batch_size=4, shuffle=False, device="cuda", num_threads=2))

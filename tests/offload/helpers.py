@@ -1,8 +1,8 @@
 """What the offload tests share: a tiny 3D U-Net, its data, and ways to fit it and compare runs.
 
 Every model here is tiny: a fit takes a second or two on a shared 2-core box. CUDA paths
-(pinned pool, side streams) run only where a GPU is present: :data:`needs_cuda` skips them with a
-reason otherwise.
+(pinned pool, side streams) run only where a GPU is present: :data:`needs_cuda` (the ``cuda``
+marker) skips them otherwise.
 """
 from __future__ import annotations
 
@@ -21,9 +21,9 @@ from tests.quiet_trainer import QUIET_NO_VAL
 
 torch.set_num_threads(1)
 CUDA = torch.cuda.is_available()
-needs_cuda = pytest.mark.skipif(
-    not CUDA, reason="needs a CUDA GPU: pinned-memory pool, side streams and record_stream are CUDA-only"
-)
+#: Pinned-memory pool, side streams and record_stream are CUDA-only: the ``cuda`` marker skips
+#: these tests without a GPU (tests/conftest.py) and ``pytest -m cuda`` selects them on one.
+needs_cuda = pytest.mark.cuda
 
 SEED = 1234
 STEPS = 3

@@ -42,8 +42,9 @@ def _run_without_lightning(code: str) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.timeout(90)
-def test_only_the_callback_module_imports_lightning():
-    modules = sorted(p.stem for p in (PACKAGE_DIR / "offload").glob("*.py") if p.stem not in ("__init__", "callback"))
+def test_no_offload_module_imports_lightning():
+    # lightning_mpi.LMSOffload (alias lightning_mpi.offload.LMSOffload) is built by the strategy layer.
+    modules = sorted(p.stem for p in (PACKAGE_DIR / "offload").glob("*.py") if p.stem != "__init__")
     assert {"hooks", "session", "pool", "tiers", "disk", "tensors"} <= set(modules)
     result = _run_without_lightning(
         f"""
@@ -52,7 +53,7 @@ def test_only_the_callback_module_imports_lightning():
         for name in {modules!r}:
             importlib.import_module("lightning_mpi.offload." + name)
         try:
-            import lightning_mpi.offload.callback
+            import pytorch_lightning
         except ImportError as error:
             print("callback:", error)
         """

@@ -14,7 +14,7 @@ from mpi4py import MPI
 from lightning_mpi.comm.buffers import make_buckets
 from lightning_mpi.comm.codecs import BF16, FP16, FP32
 from lightning_mpi.comm.collectives import ASAWorkspace, allreduce_mean_, asa_mean_steps
-from lightning_mpi.comm.engine import Progress
+from lightning_mpi.comm.engine import ExchangeScheduler
 from lightning_mpi.comm.transport import Transport
 
 t = Transport(MPI.COMM_WORLD)
@@ -31,7 +31,7 @@ def data(rank, n, dtype=torch.float32, seed=0):
 
 def asa_mean_(transport, flat, codec):
     """The strategies' ASA exchange, driven to completion by their scheduler."""
-    progress = Progress(timeout=60, rank=transport.rank, size=transport.size)
+    progress = ExchangeScheduler(timeout=60, rank=transport.rank, size=transport.size)
     progress.start(asa_mean_steps(transport, flat, codec, ASAWorkspace.for_buffer(flat, transport.size, codec)))
     progress.wait_all()
 

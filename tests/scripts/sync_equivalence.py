@@ -21,7 +21,7 @@ from mpi4py import MPI  # noqa: E402
 
 import lightning_mpi  # noqa: E402,F401
 from tests.quiet_trainer import QUIET  # noqa: E402
-from tiny_task import dataset, make_net  # noqa: E402  (beside this script)
+from tiny_task import dataset, make_net, one_process_reference  # noqa: E402  (beside this script)
 
 PACKAGE = os.environ.get("LIGHTNING_PACKAGE", "pytorch_lightning")
 pl = importlib.import_module(PACKAGE)
@@ -60,20 +60,7 @@ class ReplicaCheck(pl.Callback):
 
 def reference(initial, accumulate, momentum):
     """One process, batch W·B·accumulate, same samples in the same order."""
-    net = make_net()
-    net.load_state_dict(initial)
-    opt = torch.optim.SGD(net.parameters(), lr=LR, momentum=momentum)
-    ds = dataset(W * B * STEPS * accumulate)
-    # Lightning gives training loaders a DistributedSampler(shuffle=True, seed=0): rank r reads
-    # perm[r::W], so step k of all ranks together covers perm[k·W·B : (k+1)·W·B].
-    seed = int(os.getenv("PL_GLOBAL_SEED", 0))  # the sampler's seed, as Lightning picks it
-    perm = torch.randperm(len(ds), generator=torch.Generator().manual_seed(seed)) if W > 1 else torch.arange(len(ds))
-    loader = DataLoader(torch.utils.data.Subset(ds, perm.tolist()), batch_size=W * B * accumulate, shuffle=False)
-    for x, y in loader:
-        opt.zero_grad()
-        nn.functional.cross_entropy(net(x), y).backward()
-        opt.step()
-    return net.state_dict()
+    return one_process_reference(initial, W, B, STEPS, LR, momentum, accumulate)
 
 
 def run(strategy_name, kwargs=None, accumulate=1, momentum=0.0):

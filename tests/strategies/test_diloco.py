@@ -1,172 +1,18 @@
-"""DiLoCo and Streaming DiLoCo: the math against hand computation, the rules on one rank against a
-hand-written DiLoCo loop, and the strategies through the Trainer and Fabric on 2 and 3 ranks."""
+"""DiLoCo and Streaming DiLoCo strategies: bad arguments, the registered names, and the strategies
+through the Trainer and Fabric on 2 and 3 ranks (the rules' math: tests/rules/test_diloco.py)."""
 from __future__ import annotations
 
 import json
 
 import pytest
-import torch
-from torch import nn
 
-from lightning_mpi.comm.codecs import FP32, INT4, INT8, get_codec
-from lightning_mpi.comm.collectives import encode_with_feedback_
 from lightning_mpi.rules.diloco import (
-    DiLoCoRule, last_start, make_outer_optimizer, mix_, outer_step_, pseudo_gradient, starts_at,
+    DiLoCoRule,
 )
-from lightning_mpi.rules.outer_fragment import OuterFragment, exchange_bytes
-from lightning_mpi.rules.streaming_diloco import StreamingDiLoCoRule, fragment_offsets, split_fragments
+from lightning_mpi.rules.streaming_diloco import StreamingDiLoCoRule
 from tests.mpi_utils import REPO, run_mpi
 
 SCRIPTS = REPO / "tests" / "scripts"
-
-
-# -- pure functions against hand math ------------------------------------------------------------
-def test_outer_step_is_nesterov_sgd_on_the_pseudo_gradient():
-    lr, mu = 0.7, 0.9
-    theta = torch.tensor([1.0, -2.0, 3.0])
-    opt = make_outer_optimizer([theta], lr, mu)
-    d1, d2 = torch.tensor([0.5, 0.25, -1.0]), torch.tensor([-0.5, 1.0, 0.125])
-    expected, buf = theta.clone(), torch.zeros(3)
-    for delta in (d1, d2):
-        outer_step_(opt, theta, delta.clone())
-        buf = mu * buf + delta
-        expected = expected - lr * (delta + mu * buf)
-        assert torch.allclose(theta, expected, atol=1e-6)
-        assert theta.grad is None
-
-
-def test_outer_lr_one_without_momentum_is_the_average_of_the_replicas():
-    theta_global = torch.tensor([1.0, 2.0])
-    replicas = [torch.tensor([0.0, 3.0]), torch.tensor([4.0, 1.0]), torch.tensor([2.0, 2.0])]
-    mean_delta = torch.stack([pseudo_gradient(theta_global, r) for r in replicas]).mean(0)
-    outer_step_(make_outer_optimizer([theta_global], 1.0, 0.0), theta_global, mean_delta)
-    assert torch.allclose(theta_global, torch.stack(replicas).mean(0))
-
-
-def test_mix_keeps_alpha_of_the_local_weights():
-    local, global_ = torch.tensor([2.0, 4.0]), torch.tensor([0.0, 8.0])
-    assert torch.equal(mix_(local.clone(), global_, 0.25), torch.tensor([0.5, 7.0]))
-    assert torch.equal(mix_(local.clone(), global_, 0.0), global_)
-
-
-def test_fragment_schedule_staggers_one_exchange_every_period_over_fragments():
-    period, fragments = 8, 4
-    offsets = fragment_offsets(period, fragments)
-    assert offsets == [2, 4, 6, 8]
-    assert fragment_offsets(period, 1) == [period]  # one fragment: DiLoCo's steps H, 2H, ...
-    for step in range(1, 33):
-        due = [p for p, o in enumerate(offsets) if starts_at(step, o, period)]
-        assert due == ([(step // 2 - 1) % fragments] if step % 2 == 0 else []), step
-    assert [last_start(s, 2, 8) for s in (1, 2, 9, 10, 17)] == [0, 2, 2, 10, 10]
-    assert fragment_offsets(10, 3) == [3, 6, 10]
-
-
-def test_fragments_are_contiguous_nonempty_and_balanced():
-    assert split_fragments([10, 10, 10, 10], 2) == [0, 0, 1, 1]
-    assert split_fragments([5, 5, 10, 1, 9], 2) == [0, 0, 1, 1, 1]
-    skewed = split_fragments([100, 1, 1, 1], 3)
-    assert skewed[0] == 0 and skewed[-1] == 2 and sorted(set(skewed)) == [0, 1, 2]
-    assert all(0 <= b - a <= 1 for a, b in zip(skewed, skewed[1:]))
-    with pytest.raises(ValueError, match="fragments=5"):
-        split_fragments([1, 2, 3], 5)
-
-
-@pytest.mark.parametrize("wire", ["fp32", "int8", "int4"])
-def test_peak_bytes_per_exchange_are_a_fragment_of_diloco(wire):
-    codec, world, fragments = get_codec(wire), 4, 4
-    params = [p for layer in [nn.Linear(64, 64) for _ in range(4)] for p in layer.parameters()]
-    groups = [[p for p, g in zip(params, split_fragments([p.numel() for p in params], fragments)) if g == k]
-              for k in range(fragments)]
-    whole = OuterFragment(params, world, codec).bytes_per_exchange
-    peak = max(OuterFragment(group, world, codec).bytes_per_exchange for group in groups)
-    headers = 2 * (world - 1) * (codec.wire_numel(0) * torch.empty((), dtype=codec.wire_dtype).element_size())
-    assert peak <= whole / fragments + headers  # a lossy row's 8-byte header is paid per exchange
-    streaming_default = max(OuterFragment(group, world, INT4).bytes_per_exchange for group in groups)
-    assert streaming_default <= OuterFragment(params, world, FP32).bytes_per_exchange / fragments / 7
-    assert exchange_bytes(400, 1, codec) == 0
-    assert exchange_bytes(400, 4, FP32) == 2 * 3 / 4 * 400 * 4
-
-
-def test_int4_codec_quantizes_on_a_16_level_power_of_two_grid_with_exact_feedback():
-    torch.manual_seed(0)
-    for chunk in (1, 2, 7, 64):
-        x = torch.randn(3, chunk)
-        wire = torch.empty(3, INT4.wire_numel(chunk), dtype=torch.uint8)
-        rows, residual, decoded = x.clone(), torch.zeros_like(x), torch.empty_like(x)
-        encode_with_feedback_(INT4, rows, wire, residual, decoded)
-        assert torch.equal(decoded + residual, x)  # error feedback loses nothing
-        assert ((decoded - x).abs().amax(1) <= (x.amax(1) - x.amin(1)) / 14 + 1e-7).all()
-    assert INT4.wire_numel(1000) * 2 <= INT8.wire_numel(1000) + 8
-    x = torch.tensor([[0.0, 1.0, 2.0, 3.0, 13.0], [float("nan"), 0.0, 1.0, 2.0, 3.0]])
-    out = torch.empty_like(x)
-    wire = torch.empty(2, INT4.wire_numel(5), dtype=torch.uint8)
-    INT4.encode(x, wire)
-    INT4.decode(wire, out)
-    assert torch.equal(out[0], x[0]) and out[1].isnan().all()
-
-
-# -- the rules on one rank, against a hand-written DiLoCo loop -----------------------------------
-def _self_transport():
-    from mpi4py import MPI
-
-    from lightning_mpi.comm.transport import Transport
-
-    return Transport(MPI.COMM_SELF)
-
-
-def _train(bound, net, steps, seed=0):
-    torch.manual_seed(seed)
-    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.5)
-    bound.on_train_start()
-    for _ in range(steps):
-        opt.zero_grad()
-        net(torch.randn(6, 3)).pow(2).mean().backward()
-        assert bound.before_step(opt)
-        opt.step()
-        bound.after_step(opt)
-    bound.on_train_end()
-    bound.close()
-
-
-def test_diloco_on_one_rank_is_the_papers_loop():
-    period, steps, lr, mu = 3, 8, 0.7, 0.9
-    torch.manual_seed(1)
-    net, ref = nn.Linear(3, 2), nn.Linear(3, 2)
-    ref.load_state_dict(net.state_dict())
-    _train(DiLoCoRule(period=period).bind(_self_transport(), list(net.parameters())), net, steps)
-
-    torch.manual_seed(0)
-    opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.5)
-    theta_global = [p.detach().clone() for p in ref.parameters()]
-    buffers = [torch.zeros_like(t) for t in theta_global]
-
-    def outer():
-        with torch.no_grad():
-            for p, g, b in zip(ref.parameters(), theta_global, buffers):
-                delta = g - p
-                b.mul_(mu).add_(delta)
-                g.sub_(lr * (delta + mu * b))
-                p.copy_(g)
-
-    for step in range(1, steps + 1):
-        opt.zero_grad()
-        ref(torch.randn(6, 3)).pow(2).mean().backward()
-        opt.step()
-        if step % period == 0:
-            outer()
-    outer()  # the end folds in the steps since the last outer step
-    for p, q in zip(net.parameters(), ref.parameters()):
-        assert torch.allclose(p, q, atol=1e-6)
-
-
-def test_streaming_with_one_fragment_no_overlap_no_mixing_is_diloco_on_one_rank():
-    torch.manual_seed(2)
-    a, b = nn.Linear(3, 2), nn.Linear(3, 2)
-    b.load_state_dict(a.state_dict())
-    _train(DiLoCoRule(period=3, wire="int8").bind(_self_transport(), list(a.parameters())), a, 8)
-    rule = StreamingDiLoCoRule(period=3, fragments=1, overlap_steps=0, mix_alpha=0.0, wire="int8")
-    _train(rule.bind(_self_transport(), list(b.parameters())), b, 8)
-    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
 
 
 # -- bad arguments ------------------------------------------------------------------------------------
@@ -226,11 +72,3 @@ def test_diloco_strategies_on_ranks(world, tmp_path):
     # (f) Fabric
     assert r["fabric_diloco"] == {"identical": True, "outer_steps": 3.0, "class": "lightning_mpi.fabric.DiLoCoStrategy"}
     assert r["fabric_streaming"]["identical"] and r["fabric_streaming"]["outer_steps"] == 4.0
-
-
-def test_a_model_with_fewer_tensors_than_fragments_gets_one_fragment_per_tensor():
-    net = nn.Linear(3, 2)
-    with pytest.warns(RuntimeWarning, match="fragments=4 is more than the model's 2 trainable tensors"):
-        bound = StreamingDiLoCoRule(period=8, fragments=4).bind(_self_transport(), list(net.parameters()))
-    assert len(bound.fragments) == 2 and bound.offsets == [4, 8]
-    bound.close()

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 import lightning_mpi
-from lightning_mpi.strategies.build import EXPORTS, STRATEGY_CLASSES
+from lightning_mpi.strategies.build import EXPORTS, STRATEGY_RULES
 from tests.mpi_utils import REPO, mpi_env
 
 pytestmark = pytest.mark.timeout(120)
@@ -79,15 +79,20 @@ def test_bad_values_name_the_argument_at_construction(package):
         classes.DownpourStrategy(momentum_correction="yes")
 
 
-def test_one_options_class_serves_every_frontend():
-    # No strategy is written per package: every frontend's class has the same options class,
-    # and the frontends differ only in their Lightning base.
-    for class_name, (options_class, _) in STRATEGY_CLASSES.items():
+def test_one_rule_class_serves_every_frontend():
+    # No strategy is written per package: every frontend's class trains the same rule class, takes
+    # its options, and sits directly on the frontend's MPIStrategy (AsyncMPIStrategy for
+    # asynchronous rules), which sits directly on Lightning's ParallelStrategy.
+    for class_name, rule_class in STRATEGY_RULES.items():
         for package in EXPORTS:
-            cls = getattr(classes_of(package), class_name)
-            assert cls.__mro__[1] is options_class, (package, class_name)
-            assert cls.__doc__ == options_class.__doc__
+            module = classes_of(package)
+            cls = getattr(module, class_name)
+            assert cls.rule_class is rule_class
+            parent = module.AsyncMPIStrategy if rule_class.asynchronous else module.MPIStrategy
+            assert cls.__mro__[1] is parent, (package, class_name)
+            assert module.MPIStrategy.__mro__[1].__name__ == "ParallelStrategy"
             assert cls.__module__ == EXPORTS[package]
+            assert cls.__doc__.split("\n")[0] == rule_class.__doc__.split("\n")[0]
 
 
 @pytest.mark.parametrize("package", list(EXPORTS))

@@ -1,0 +1,55 @@
+"""The options every strategy takes, beside its rule's, defined once.
+
+Both frontends (:mod:`.trainer`, :mod:`.fabric`) take them as keyword arguments; the strategy
+classes show them in their signatures and docstrings, and ``docs/strategies.md`` in its table,
+all from the definitions below.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+from lightning_mpi.options import integer, number, option, optional, options_class, validate
+
+
+@options_class
+class CommonOptions:
+    """Options every strategy takes."""
+
+    abort_on_exception: bool = option(
+        default=False,
+        doc="`False`: an exception on one rank propagates there, and every other rank raises "
+        "`lightning_mpi.RankFailedError` naming it within seconds, so `try: trainer.fit(...)` works as with one "
+        "process; only an exception nobody catches ends every rank. `True`: the failing rank calls `MPI_Abort` at "
+        "once.",
+    )
+    collective_timeout: float | None = option(
+        default=1800.0,
+        doc="seconds any collective may wait for the other ranks before it raises `CollectiveTimeout` "
+        "(> 0; None waits forever): a rank that hangs, or ranks that run different numbers of steps, are caught "
+        "this way.",
+        check=optional(number(0.0, math.inf, low_open=True)),
+    )
+    lr_scaling: Literal["linear", "sqrt"] | None = option(
+        default=None,
+        doc='`"linear"` multiplies every learning rate by the world size W, `"sqrt"` by √W (Goyal et al. 2017), '
+        "for the update only: schedulers, `LearningRateMonitor` and checkpoints see your values. Rank 0 says what "
+        "it does; the factor is logged as `mpi/lr_scale`.",
+    )
+    warmup_steps: int = option(
+        default=0,
+        doc="linear warm-up of that factor from x1 at optimizer step 0 to the full factor at this step (0: none); "
+        "counted in optimizer steps, so it resumes where a checkpoint left off.",
+        check=integer(0),
+    )
+    momentum_correction: bool = option(
+        default=False,
+        doc="asynchronous rules only: lower the explicit momentum by the implicit momentum 1 - 1/W that W "
+        "asynchronous workers add (Mitliagkas et al. 2016), μ → max(0, μ - (1 - 1/W)), for each update (SGD "
+        "`momentum`, Adam-family `betas[0]`, EAMSGD's δ). Rank 0 prints both values; they are logged as "
+        "`mpi/momentum_explicit` and `mpi/momentum_implicit`.",
+    )
+
+    def __post_init__(self) -> None:
+        validate(self)
