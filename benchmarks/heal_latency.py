@@ -13,6 +13,7 @@ sums; this script reads the timings). Prints, per phase, the median over runs an
 - replaced: from the kill to the first step completed with a spawned replacement (the phases
   that respawn; the replacement runs the script, so this includes its Python and torch imports).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,8 +29,18 @@ REPO = Path(__file__).resolve().parents[1]
 
 def one_run() -> list[dict]:
     with tempfile.TemporaryDirectory() as out:
-        cmd = [sys.executable, "-m", "lightning_mpi", "-n", "3", "--heal", "--grace", "3",
-               str(REPO / "tests" / "scripts" / "ulfm_heal.py"), out]
+        cmd = [
+            sys.executable,
+            "-m",
+            "lightning_mpi",
+            "-n",
+            "3",
+            "--heal",
+            "--grace",
+            "3",
+            str(REPO / "tests" / "scripts" / "ulfm_heal.py"),
+            out,
+        ]
         proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
         if proc.returncode != 0:
             raise SystemExit(f"exit {proc.returncode}\n{proc.stderr[-3000:]}")
@@ -38,13 +49,15 @@ def one_run() -> list[dict]:
         for result in Path(out).glob("out.*.json"):
             for event in json.loads(result.read_text())["events"]:
                 kill = kills[event["phase"]]
-                rows.append({
-                    "phase": event["phase"],
-                    "detect": event["detected_at"] - kill,
-                    "heal": event["heal_seconds"],
-                    "next collective": event["healed_collective_at"] - kill,
-                    "replaced": event["next_step_at"] - kill if "respawned_at" in event else None,
-                })
+                rows.append(
+                    {
+                        "phase": event["phase"],
+                        "detect": event["detected_at"] - kill,
+                        "heal": event["heal_seconds"],
+                        "next collective": event["healed_collective_at"] - kill,
+                        "replaced": event["next_step_at"] - kill if "respawned_at" in event else None,
+                    }
+                )
         return rows
 
 
@@ -53,16 +66,20 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3)
     args = parser.parse_args()
     rows = [row for _ in range(args.runs) for row in one_run()]
-    print(f"| phase (W = 3, one rank SIGKILLed) | detect ms | heal ms | next collective ms | replaced s |"
-          f"  (median of {args.runs} runs x 2 survivors)")
+    print(
+        f"| phase (W = 3, one rank SIGKILLed) | detect ms | heal ms | next collective ms | replaced s |"
+        f"  (median of {args.runs} runs x 2 survivors)"
+    )
     print("|---|---|---|---|---|")
     for phase in ("allreduce", "iallreduce", "window"):
         mine = [r for r in rows if r["phase"] == phase]
         med = {k: statistics.median(r[k] for r in mine) for k in ("detect", "heal", "next collective")}
         replaced = [r["replaced"] for r in mine if r["replaced"] is not None]
-        print(f"| {phase} | {med['detect'] * 1e3:.0f} | {med['heal'] * 1e3:.1f} | {med['next collective'] * 1e3:.0f} | "
-              f"{statistics.median(replaced):.1f} |" if replaced else
-              f"| {phase} | {med['detect'] * 1e3:.0f} | {med['heal'] * 1e3:.1f} | {med['next collective'] * 1e3:.0f} | - |")
+        replaced_s = f"{statistics.median(replaced):.1f}" if replaced else "-"
+        print(
+            f"| {phase} | {med['detect'] * 1e3:.0f} | {med['heal'] * 1e3:.1f} | {med['next collective'] * 1e3:.0f} | "
+            f"{replaced_s} |"
+        )
 
 
 if __name__ == "__main__":

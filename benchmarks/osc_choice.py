@@ -9,6 +9,7 @@ Accumulate / Unlock on every shard) and reads (``read``) the whole vector ``--co
 timing each. Prints one table row per setting: the component Open MPI selected, how many
 ``osc_ucx_component`` error lines the ranks printed, and the median and p90 times.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -47,7 +48,8 @@ else:
         t = time.perf_counter(); vec.add(delta); add_ms.append((time.perf_counter() - t) * 1e3)
         t = time.perf_counter(); vec.read(out); read_ms.append((time.perf_counter() - t) * 1e3)
     assert float(out[0]) == commits and float(out[-1]) == commits, "an update was lost"
-    print("RESULT", np.median(add_ms), np.percentile(add_ms, 90), np.median(read_ms), np.percentile(read_ms, 90), flush=True)
+    stats = (np.median(add_ms), np.percentile(add_ms, 90), np.median(read_ms), np.percentile(read_ms, 90))
+    print("RESULT", *stats, flush=True)
     comm.Ibarrier().Wait()
 thread.close()
 vec.free()
@@ -63,16 +65,19 @@ def run(setting: str, commits: int, mb: float) -> str:
     cmd = [str(mpiexec), "-np", "2", "--bind-to", "none", "--oversubscribe"]
     if os.geteuid() == 0:
         cmd.append("--allow-run-as-root")
-    out = subprocess.run([*cmd, sys.executable, "-c", RANK, str(commits), str(mb)], env=env, capture_output=True,
-                         text=True, timeout=600)
+    out = subprocess.run(
+        [*cmd, sys.executable, "-c", RANK, str(commits), str(mb)], env=env, capture_output=True, text=True, timeout=600
+    )
     if out.returncode != 0:
         raise SystemExit(f"{setting}: exit {out.returncode}\n{out.stderr[-3000:]}")
     text = out.stdout + out.stderr
     selected = sorted(set(re.findall(r"select: component (\w+) selected", text)))
     errors = text.count("osc_ucx_component.c")
     add_med, add_p90, read_med, read_p90 = map(float, re.search(r"RESULT (.*)", out.stdout).group(1).split())
-    return (f"| `{setting}` | {','.join(selected)} | {errors} | {add_med:.2f} | {add_p90:.2f} | {read_med:.2f} | "
-            f"{read_p90:.2f} |")
+    return (
+        f"| `{setting}` | {','.join(selected)} | {errors} | {add_med:.2f} | {add_p90:.2f} | {read_med:.2f} | "
+        f"{read_p90:.2f} |"
+    )
 
 
 def main() -> None:
@@ -80,8 +85,10 @@ def main() -> None:
     parser.add_argument("--commits", type=int, default=40)
     parser.add_argument("--mb", type=float, default=4.0)
     args = parser.parse_args()
-    print(f"| OMPI_MCA_osc | component | error lines | add median ms | add p90 ms | read median ms | read p90 ms |"
-          f"  ({args.mb:g} MiB, {args.commits} commits, 2 ranks)")
+    print(
+        f"| OMPI_MCA_osc | component | error lines | add median ms | add p90 ms | read median ms | read p90 ms |"
+        f"  ({args.mb:g} MiB, {args.commits} commits, 2 ranks)"
+    )
     print("|---|---|---|---|---|---|---|")
     for setting in ("default", "^ucx", "default", "^ucx"):
         print(run(setting, args.commits, args.mb), flush=True)

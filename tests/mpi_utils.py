@@ -15,7 +15,6 @@ import functools
 import os
 import signal
 import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -29,7 +28,7 @@ def mpiexec_path() -> str:
     return find_mpiexec()
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def mpi_flavor() -> str:
     """``"mpich"`` or ``"openmpi"`` (or ``"unknown"``): the MPI of :func:`mpiexec_path`."""
     from lightning_mpi.launcher.checks import flavor_from_version, mpiexec_version

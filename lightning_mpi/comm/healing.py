@@ -38,6 +38,7 @@ closes the rule through ``before_release``), (3) rebuilds its node layout and bi
 ``heal="replace"`` it then calls :func:`grow_run`, and the new processes call :func:`join_run` and
 receive the state from a survivor.
 """
+
 from __future__ import annotations
 
 import warnings
@@ -47,8 +48,8 @@ from typing import Any
 
 from lightning_mpi.comm.errors import ErrorChannel
 from lightning_mpi.comm.resources import RunResources, keep_pending
-from lightning_mpi.comm.transport import Transport
 from lightning_mpi.comm.respawn import Respawned, join_parent, respawn
+from lightning_mpi.comm.transport import Transport
 from lightning_mpi.comm.ulfm import Healed, free, heal
 
 __all__ = ["HealedRun", "build_run", "grow_run", "heal_run", "join_run", "release_failed_run", "run_communicators"]
@@ -121,6 +122,7 @@ def release_failed_run(resources: RunResources, transport: Transport) -> list[Ru
             "lightning_mpi: after a heal the survivors held different windows, so the failed run's windows "
             "are kept instead of freed.",
             RuntimeWarning,
+            stacklevel=2,
         )
         return [resources]
     for box in resources.mailboxes:
@@ -134,8 +136,14 @@ def release_failed_run(resources: RunResources, transport: Transport) -> list[Ru
     return []
 
 
-def heal_run(transport: Transport, base: Any, *, serial: int = 0, also: Sequence[Any] = (),
-             before_release: Callable[[], None] | None = None) -> HealedRun:
+def heal_run(
+    transport: Transport,
+    base: Any,
+    *,
+    serial: int = 0,
+    also: Sequence[Any] = (),
+    before_release: Callable[[], None] | None = None,
+) -> HealedRun:
     """Heal after :class:`~.ulfm.ProcessFailed`: revoke everything the run made, shrink ``base`` to
     the survivors (:func:`~.ulfm.heal`), build a new error channel and transport over the
     survivors' communicator, and release the failed run.
@@ -159,8 +167,9 @@ def heal_run(transport: Transport, base: Any, *, serial: int = 0, also: Sequence
     return HealedRun(healed.comm, errors, fresh, healed=healed, kept=kept)
 
 
-def grow_run(run: HealedRun, script: str, argv: Sequence[str] = (), n: int = 1, *, serial: int = 0,
-             python: str | None = None) -> HealedRun:
+def grow_run(
+    run: HealedRun, script: str, argv: Sequence[str] = (), n: int = 1, *, serial: int = 0, python: str | None = None
+) -> HealedRun:
     """After :func:`heal_run`: spawn ``n`` processes (``python script argv...``, which call
     :func:`join_run`) and rebuild the run over survivors + new ranks (:func:`~.ulfm.respawn`).
 

@@ -25,6 +25,7 @@ lightning_mpi too), whatever their import order; with ``--hosts`` / ``--hostfile
 does not pass it on (:data:`APPLIED`), since Open MPI forwards ``OMPI_MCA_*`` variables to every
 host and a compute node may have the devices that the launching node lacks.
 """
+
 from __future__ import annotations
 
 import os

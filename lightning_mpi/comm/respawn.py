@@ -17,6 +17,7 @@ three things need care, each handled here:
 
 MPI only (mpi4py, loaded on first use): no torch, no Lightning.
 """
+
 from __future__ import annotations
 
 import sys
@@ -53,8 +54,16 @@ class Respawned:
     attempts: int = 1
 
 
-def respawn(comm: Any, script: str, argv: Sequence[str] = (), n: int = 1, *, python: str = sys.executable,
-            join_timeout: float = JOIN_TIMEOUT, attempts: int = 2) -> Respawned:
+def respawn(
+    comm: Any,
+    script: str,
+    argv: Sequence[str] = (),
+    n: int = 1,
+    *,
+    python: str = sys.executable,
+    join_timeout: float = JOIN_TIMEOUT,
+    attempts: int = 2,
+) -> Respawned:
     """Start ``n`` new processes running ``python script argv...`` and merge them after the ranks of
     ``comm`` (the healed communicator). Collective over ``comm``; the new processes must call
     :func:`join_parent` (their half) within ``join_timeout`` seconds of starting.
@@ -77,7 +86,8 @@ def respawn(comm: Any, script: str, argv: Sequence[str] = (), n: int = 1, *, pyt
     require_heal()
     start = time.perf_counter()
     for attempt in range(1, attempts + 1):
-        merged = inter = None
+        merged: Any = None
+        inter: Any = None
         heard: list[int] = []
         try:
             inter = comm.Spawn(python, args=[script, *argv], maxprocs=n, root=0)
@@ -122,17 +132,16 @@ def respawn(comm: Any, script: str, argv: Sequence[str] = (), n: int = 1, *, pyt
 def _hellos(inter: Any, timeout: float) -> list[int]:
     """On rank 0 of the parents: the spawned processes that said hello within ``timeout`` seconds
     (all of them as soon as they have)."""
-    from mpi4py import MPI
 
     size = inter.Get_remote_size()
     inbox = np.zeros(size, dtype=np.int32)
-    requests = [inter.Irecv(inbox[i:i + 1], source=i, tag=HELLO_TAG) for i in range(size)]
+    requests = [inter.Irecv(inbox[i : i + 1], source=i, tag=HELLO_TAG) for i in range(size)]
     done = [False] * size
     deadline = time.monotonic() + timeout
     while not all(done) and time.monotonic() < deadline:
-        done = [d or bool(r.Test()) for d, r in zip(done, requests)]
+        done = [d or bool(r.Test()) for d, r in zip(done, requests, strict=True)]
         time.sleep(0.001)
-    for request, completed in zip(requests, done):
+    for request, completed in zip(requests, done, strict=True):
         if not completed:
             request.Cancel()
     return [i for i in range(size) if done[i]]
@@ -181,6 +190,6 @@ def _connect_every_pair(comm: Any) -> None:
     requests = []
     for peer in range(size):
         if peer != rank:
-            requests.append(comm.Irecv(inbox[peer:peer + 1], source=peer, tag=7411))
-            requests.append(comm.Isend(out[peer:peer + 1], dest=peer, tag=7411))
+            requests.append(comm.Irecv(inbox[peer : peer + 1], source=peer, tag=7411))
+            requests.append(comm.Isend(out[peer : peer + 1], dest=peer, tag=7411))
     MPI.Request.Waitall(requests)

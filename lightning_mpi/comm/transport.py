@@ -80,8 +80,9 @@ def wait_request(
         raise failed from error
 
 
-def _wait_request(request: Any, timeout: float | None, what: str, rank: int, size: int,
-                  watch: Callable[[], None] | None, settle: bool) -> None:
+def _wait_request(
+    request: Any, timeout: float | None, what: str, rank: int, size: int, watch: Callable[[], None] | None, settle: bool
+) -> None:
     deadline = time.monotonic() + timeout if timeout is not None else None
     spins = 0
     while not request.Test():

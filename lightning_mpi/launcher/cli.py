@@ -276,8 +276,9 @@ def _prepare(args: argparse.Namespace, environ: Mapping[str, str]) -> _Plan:
     return _Plan(spec, flavor, command, topology, notes, tuple(entries), library_name)
 
 
-def _open_mpi_permissions(args: argparse.Namespace, flavor: Flavor, entries: Sequence[HostEntry],
-                          notes: list[str]) -> tuple[bool, bool]:
+def _open_mpi_permissions(
+    args: argparse.Namespace, flavor: Flavor, entries: Sequence[HostEntry], notes: list[str]
+) -> tuple[bool, bool]:
     """``(oversubscribe, as_root)`` for the command: what hydra does by itself and Open MPI only
     when told, so that one command line works with either MPI. Adds a note for each one passed
     without being asked for."""
@@ -295,8 +296,9 @@ def _open_mpi_permissions(args: argparse.Namespace, flavor: Flavor, entries: Seq
     return oversubscribe, as_root
 
 
-def _topology(spec: LaunchSpec, flavor: Flavor, entries: Sequence[HostEntry], environ: Mapping[str, str],
-              library: str = "") -> list[str]:
+def _topology(
+    spec: LaunchSpec, flavor: Flavor, entries: Sequence[HostEntry], environ: Mapping[str, str], library: str = ""
+) -> list[str]:
     """The lines printed before a launch: how many ranks via which launcher and MPI, and where."""
     header = f"{spec.nprocs} rank{'s' if spec.nprocs != 1 else ''} via {FLAVOR_NAMES[flavor]} ({spec.launcher})"
     if library:
@@ -366,8 +368,9 @@ def _run_with_restarts(plan: _Plan, args: argparse.Namespace, environ: Mapping[s
                 command = build_command(spec, plan.flavor)
             print(f"{PROG}: command: {shlex.join(command)}", file=sys.stderr, flush=True)
             finished = (lambda: marked_finished(outcome_dir)) if args.heal else None
-            outcome = run_job(command, grace_s=args.grace, sigint_as=sigint_as, env=_job_environ(plan.entries),
-                              finished=finished)
+            outcome = run_job(
+                command, grace_s=args.grace, sigint_as=sigint_as, env=_job_environ(plan.entries), finished=finished
+            )
             code, note = healed_exit_code(outcome.code, outcome_dir if args.heal else None, outcome.ended_after_finish)
         if note:
             print(f"{PROG}: note: {note}", file=sys.stderr)

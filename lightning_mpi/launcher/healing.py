@@ -16,6 +16,7 @@ it. A job with such a file that ends by a signal (code > 128), or that is still 
 note. An exception (code 1) is never overridden. The directory is local to the launcher's host
 (where rank 0 usually runs); on a shared file system any rank's file counts.
 """
+
 from __future__ import annotations
 
 import os
@@ -47,12 +48,16 @@ def healed_exit_code(code: int, outcome_dir: str | None, ended_after_finish: boo
     if outcome_dir is None:
         return code, None
     if ended_after_finish:
-        return 0, ("training finished, but the job had not ended --grace seconds later (Open MPI can wait "
-                   "forever in MPI_Finalize after ranks were lost); stopped it")
+        return 0, (
+            "training finished, but the job had not ended --grace seconds later (Open MPI can wait "
+            "forever in MPI_Finalize after ranks were lost); stopped it"
+        )
     if code <= 128 or not marked_finished(outcome_dir):
         return code, None
-    return 0, (f"training finished; mpirun reported {describe_exit(code)} for ranks lost on the way "
-               "(with --heal that is not a failure)")
+    return 0, (
+        f"training finished; mpirun reported {describe_exit(code)} for ranks lost on the way "
+        "(with --heal that is not a failure)"
+    )
 
 
 class OutcomeDir:

@@ -178,8 +178,12 @@ def run_job(
     stopper = _Stopper(proc, grace_s, sigint_as)
     ended_after_finish = threading.Event()
     if finished is not None:
-        threading.Thread(target=_end_after_finish, args=(proc, stopper, finished, grace_s, ended_after_finish),
-                         name="lightning-mpi finish watcher", daemon=True).start()
+        threading.Thread(
+            target=_end_after_finish,
+            args=(proc, stopper, finished, grace_s, ended_after_finish),
+            name="lightning-mpi finish watcher",
+            daemon=True,
+        ).start()
     # what signal.signal() returned: a handler, SIG_DFL or SIG_IGN, or None (not set from Python)
     previous: dict[signal.Signals, Callable[[int, FrameType | None], Any] | int | signal.Handlers | None] = {}
     if threading.current_thread() is threading.main_thread():
@@ -201,8 +205,9 @@ def run_job(
     return JobOutcome(code, returncode, stopper.signum, tuple(stopper.notices), ended_after_finish.is_set())
 
 
-def _end_after_finish(proc: subprocess.Popen, stopper: _Stopper, finished: Callable[[], bool], grace_s: float,
-                      ended: threading.Event) -> None:
+def _end_after_finish(
+    proc: subprocess.Popen, stopper: _Stopper, finished: Callable[[], bool], grace_s: float, ended: threading.Event
+) -> None:
     """Kill the job if it is still running ``grace_s`` seconds after ``finished()`` became true."""
     while proc.poll() is None and not finished():
         time.sleep(0.5)

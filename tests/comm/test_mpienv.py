@@ -1,4 +1,5 @@
 """Tests of lightning_mpi.comm.mpienv: Open MPI's one-sided component chosen before MPI starts."""
+
 from __future__ import annotations
 
 import os
@@ -39,10 +40,13 @@ def test_apply_sets_what_it_chose(tmp_path):
 def test_import_lightning_mpi_sets_it_before_mpi_starts():
     env = {k: v for k, v in os.environ.items() if not k.startswith("OMPI_MCA_")}
     env["PYTHONPATH"] = str(REPO)
-    code = ("import os, lightning_mpi, sys\n"
-            "from lightning_mpi.comm.mpienv import APPLIED\n"
-            "print(os.environ.get('OMPI_MCA_osc'), APPLIED, 'mpi4py.MPI' in sys.modules)")
+    code = (
+        "import os, lightning_mpi, sys\n"
+        "from lightning_mpi.comm.mpienv import APPLIED\n"
+        "print(os.environ.get('OMPI_MCA_osc'), APPLIED, 'mpi4py.MPI' in sys.modules)"
+    )
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=50)
     assert out.returncode == 0, out.stderr
-    expected = "None {} False" if any(d.startswith("mlx") for d in rdma_devices()) else "^ucx {'OMPI_MCA_osc': '^ucx'} False"
+    has_mlx = any(d.startswith("mlx") for d in rdma_devices())
+    expected = "None {} False" if has_mlx else "^ucx {'OMPI_MCA_osc': '^ucx'} False"
     assert out.stdout.strip() == expected

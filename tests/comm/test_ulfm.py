@@ -11,6 +11,7 @@ as a user would launch it, in two launches:
 - W = 4 (``tests/scripts/ulfm_shrink.py``, mpi4py only): two ranks lost at once, a rank lost
   during a heal, and a replacement that dies before it joins.
 """
+
 from __future__ import annotations
 
 import json
@@ -46,10 +47,13 @@ def test_heal_support_names_what_is_missing_and_the_fix():
 def test_process_failed_is_a_rank_failure_that_names_the_ranks():
     failed = ProcessFailed((3, 1), "allreduce", "MPI_ERR_PROC_FAILED")
     assert isinstance(failed, RankFailedError) and failed.ranks == (1, 3) and failed.rank == 1
-    assert str(failed) == ("lightning_mpi: ranks 1, 3 of the communicator died (MPI_ERR_PROC_FAILED in allreduce); "
-                           "the survivors can heal (lightning_mpi.comm.ulfm.heal)")
+    assert str(failed) == (
+        "lightning_mpi: ranks 1, 3 of the communicator died (MPI_ERR_PROC_FAILED in allreduce); "
+        "the survivors can heal (lightning_mpi.comm.ulfm.heal)"
+    )
     unknown = ProcessFailed((), "a progress thread", "MPI_ERR_REVOKED")
-    assert unknown.rank == -1 and str(unknown).startswith("lightning_mpi: a rank of the communicator died (MPI_ERR_REVOKED")
+    assert unknown.rank == -1
+    assert str(unknown).startswith("lightning_mpi: a rank of the communicator died (MPI_ERR_REVOKED")
     copy = pickle.loads(pickle.dumps(failed))
     assert (type(copy), copy.ranks, copy.where, str(copy)) == (ProcessFailed, failed.ranks, failed.where, str(failed))
 
@@ -132,7 +136,7 @@ def test_survivors_heal_a_loop_a_window_and_a_progress_thread_and_replacements_j
             assert all(total == result["sizes"][phase][step] for step, total in sums.items()), phase
         events = {e["phase"]: e for e in result["events"]}
         assert sorted(events) == ["allreduce", "iallreduce", "window"]
-        for phase, event in events.items():
+        for event in events.values():
             assert event["caught"] == "ProcessFailed" and event["lost"] == [2] and event["old_ranks"] == [0, 1]
             assert event["error_class"] in ("MPI_ERR_PROC_FAILED", "MPI_ERR_REVOKED", "MPI_ERR_PROC_FAILED_PENDING")
             assert event["ranks"] in ([], [2])

