@@ -21,10 +21,15 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from lightning_mpi.comm.mpienv import apply_mpi_defaults
+
+# Before anything imports mpi4py.MPI (which initialises MPI): see lightning_mpi.comm.mpienv.
+apply_mpi_defaults()
+
 # ``X as X``: re-exported public names (``__all__`` below is built, so linters cannot read it)
-from lightning_mpi.strategies.registry import STRATEGIES as STRATEGIES
-from lightning_mpi.strategies.registry import install_registration_hooks
-from lightning_mpi.strategies.registry import register_strategies as register_strategies
+from lightning_mpi.strategies.registry import STRATEGIES as STRATEGIES  # noqa: E402
+from lightning_mpi.strategies.registry import install_registration_hooks  # noqa: E402
+from lightning_mpi.strategies.registry import register_strategies as register_strategies  # noqa: E402
 
 __version__ = "0.1.0"
 

@@ -3,13 +3,18 @@
 Multi-rank behaviour is tested for real: each test writes a small script, launches it on N
 ranks and compares what the ranks print or save against single-process math. The timeout makes
 a hang fail fast instead of eating CI.
+
+The MPI is this environment's (the ``mpiexec`` next to ``sys.executable``, then PATH): MPICH
+or Open MPI. The command comes from the launcher's own builder, so it carries what Open MPI
+needs on a small shared machine (``--oversubscribe``, ``--bind-to none``, ``--allow-run-as-root``
+as root), and ``ft=True`` launches with ULFM (Open MPI only: :func:`require_ulfm`).
 """
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -21,6 +26,35 @@ def mpiexec_path() -> str:
     from lightning_mpi.launcher.checks import find_mpiexec
 
     return find_mpiexec()
+
+
+@functools.cache
+def mpi_flavor() -> str:
+    """``"mpich"`` or ``"openmpi"`` (or ``"unknown"``): the MPI of :func:`mpiexec_path`."""
+    from lightning_mpi.launcher.checks import flavor_from_version, mpiexec_version
+
+    return flavor_from_version(mpiexec_version(mpiexec_path())) or "unknown"
+
+
+def require_ulfm() -> None:
+    """Skip the calling test unless this environment's MPI can heal (Open MPI with ULFM)."""
+    import pytest
+
+    if mpi_flavor() != "openmpi":
+        pytest.skip(f"needs Open MPI with ULFM (this environment's MPI is {mpi_flavor()}); "
+                    "run it in the Open MPI environment: LIGHTNING_MPI_TEST_MPI=openmpi, see .ci/run")
+
+
+def mpiexec_command(n: int, args: list[str], ft: bool = False) -> list[str]:
+    """``mpiexec -n n [flags] python args...`` for this environment's MPI (module docstring)."""
+    from lightning_mpi.launcher.command import LaunchSpec, build_command
+
+    spec = LaunchSpec(
+        nprocs=n, script=args[0], script_args=tuple(args[1:]), launcher=mpiexec_path(),
+        oversubscribe=True, as_root=hasattr(os, "geteuid") and os.geteuid() == 0, heal=ft,
+    )
+    flavor = mpi_flavor()
+    return build_command(spec, flavor if flavor in ("mpich", "openmpi") else "mpich")
 
 
 def mpi_env(extra: dict[str, str] | None = None) -> dict[str, str]:
@@ -47,9 +81,10 @@ def run_mpi(
     env: dict[str, str] | None = None,
     cwd: str | os.PathLike | None = None,
     check: bool = True,
+    ft: bool = False,
 ) -> subprocess.CompletedProcess:
-    """Run ``mpiexec -n n python args...``; kill the whole process group on timeout."""
-    cmd = [mpiexec_path(), "-n", str(n), sys.executable, *args]
+    """Run ``mpiexec -n n python args...`` (``ft``: with ULFM); kill the whole process group on timeout."""
+    cmd = mpiexec_command(n, args, ft=ft)
     proc = subprocess.Popen(
         cmd,
         stdout=subprocess.PIPE,

@@ -35,6 +35,13 @@ ACK_TAG = 2
 LINGER_SECONDS = 5.0
 
 
+def _is_process_failure(error: BaseException) -> bool:
+    """A rank died (ULFM), rather than this rank failed: see :mod:`lightning_mpi.comm.ulfm`."""
+    from lightning_mpi.comm.ulfm import process_failure
+
+    return process_failure(error) is not None
+
+
 def describe(error: BaseException) -> str:
     """``"TypeName: message"`` (what the other ranks are told)."""
     text = str(error)
@@ -98,6 +105,8 @@ class ErrorChannel:
     def post(self, error: BaseException) -> None:
         """This rank failed with ``error``: tell every other rank (non-blocking). Once per generation;
         from then on every :meth:`check` of this rank raises too."""
+        if _is_process_failure(error):
+            return  # a dead rank (ULFM): every survivor learns it from MPI, and the dead cannot be told
         with self._lock:
             if self._posted is not None:
                 return
@@ -171,9 +180,24 @@ class ErrorChannel:
         assert self._failure is not None
         return RankFailedError(self._failure.rank, self._failure.error)
 
+    def _probe(self, status: Any, raise_failure: bool) -> bool:
+        """``Iprobe`` for any message; under ULFM a dead rank raises
+        :class:`~lightning_mpi.comm.ulfm.ProcessFailed` (or, while lingering, ends the probing)."""
+        try:
+            return self.comm.Iprobe(source=self.MPI.ANY_SOURCE, tag=self.MPI.ANY_TAG, status=status)
+        except self.MPI.Exception as error:
+            from lightning_mpi.comm.ulfm import process_failure
+
+            failed = process_failure(error, self.comm, "the error channel")
+            if failed is None:
+                raise
+            if raise_failure:
+                raise failed from error
+            return False
+
     def _receive_all(self, raise_failure: bool) -> None:
         status = self.MPI.Status()
-        while self.comm.Iprobe(source=self.MPI.ANY_SOURCE, tag=self.MPI.ANY_TAG, status=status):
+        while self._probe(status, raise_failure):
             source, tag = status.Get_source(), status.Get_tag()
             payload = bytearray(status.Get_count(self.MPI.BYTE))
             self.comm.Recv([payload, self.MPI.BYTE], source=source, tag=tag)

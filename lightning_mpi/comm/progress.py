@@ -105,19 +105,21 @@ class ProgressThread:
         :class:`~lightning_mpi.comm.resources.RunResources`, when given)."""
         from mpi4py import MPI  # deferred: importing it initialises MPI (see lightning_mpi.comm)
 
+        from lightning_mpi.comm.ulfm import failures_raised
+
         private = comm.Dup()
         if resources is not None:
             resources.comm(private)
             free = lambda: resources.free_comm(private)  # noqa: E731
         else:
             free = private.Free
-        return cls(
-            lambda: private.Iprobe(source=MPI.ANY_SOURCE, tag=MPI.ANY_TAG),
-            interval,
-            who,
-            on_close=free,
-            on_error=on_error,
-        )
+
+        def probe() -> Any:
+            # Under ULFM a dead rank fails the any-source probe: raised as ProcessFailed.
+            with failures_raised(private, f"a progress thread ({who})"):
+                return private.Iprobe(source=MPI.ANY_SOURCE, tag=MPI.ANY_TAG)
+
+        return cls(probe, interval, who, on_close=free, on_error=on_error)
 
     def _run(self) -> None:
         while True:

@@ -48,6 +48,7 @@ def wait_request(
     size: int,
     watch: Callable[[], None] | None = None,
     settle: bool = False,
+    comm: Any = None,
 ) -> None:
     """Wait for ``request``; raise :class:`CollectiveTimeout` after ``timeout`` seconds (``None``:
     never), or whatever ``watch()`` raises (another rank failed: see
@@ -63,7 +64,25 @@ def wait_request(
     once one rank's request completed, every rank has joined and will enter that collective, so a
     rank that learns of a failure keeps waiting for up to :data:`SETTLE_SECONDS` and goes ahead if
     the request completes; it raises only if the request cannot complete (a rank never joined).
+
+    Under ULFM, an MPI error that reports a dead rank (from ``Test`` or ``watch``) is raised as
+    :class:`~lightning_mpi.comm.ulfm.ProcessFailed` naming the dead ranks of ``comm`` (when given).
     """
+    try:
+        _wait_request(request, timeout, what, rank, size, watch, settle)
+    except Exception as error:
+        from lightning_mpi.comm.ulfm import process_failure
+
+        failed = process_failure(error, comm, what)
+        if failed is None or failed is error:
+            raise
+        keep_pending(request)  # it can never complete now; MPI may still hold its buffers
+        raise failed from error
+
+
+def _wait_request(
+    request: Any, timeout: float | None, what: str, rank: int, size: int, watch: Callable[[], None] | None, settle: bool
+) -> None:
     deadline = time.monotonic() + timeout if timeout is not None else None
     spins = 0
     while not request.Test():
@@ -266,7 +285,7 @@ class Transport:
     def _wait(self, request: Any, what: str, settle: bool = False) -> None:
         if self.resources.abandoned:
             self.watch()
-        wait_request(request, self.timeout, what, self.rank, self.size, self.watch, settle=settle)
+        wait_request(request, self.timeout, what, self.rank, self.size, self.watch, settle=settle, comm=self.comm)
 
     def dup(self) -> Transport:
         """A transport over a duplicate communicator (collective over this one: a watched ``Idup``).

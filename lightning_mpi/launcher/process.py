@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -146,12 +147,15 @@ class JobOutcome:
     - ``stopped_by``: the SIGINT/SIGTERM this process received and forwarded, or ``None``: a job
       that was asked to stop is never restarted.
     - ``notices``: the SIGUSR1 notices passed on to the job while it ran.
+    - ``ended_after_finish``: the job was killed because it did not end within the grace period
+      after ``finished()`` became true (see :func:`run_job`).
     """
 
     code: int
     returncode: int
     stopped_by: int | None = None
     notices: tuple[int, ...] = ()
+    ended_after_finish: bool = False
 
 
 def run_job(
@@ -160,12 +164,26 @@ def run_job(
     grace_s: float = KILL_GRACE_S,
     sigint_as: int = signal.SIGINT,
     env: Mapping[str, str] | None = None,
+    finished: Callable[[], bool] | None = None,
 ) -> JobOutcome:
-    """Run ``cmd`` in a new session and report how it ended (see :func:`run_command`)."""
+    """Run ``cmd`` in a new session and report how it ended (see :func:`run_command`).
+
+    ``finished``, polled twice a second, says that the job's work is done (``--heal``: every
+    surviving rank marked it): a job still running ``grace_s`` seconds later is killed, as Open MPI
+    can wait forever in ``MPI_Finalize`` after ranks were lost (``ended_after_finish``).
+    """
     # A new session keeps a terminal's Ctrl-C from reaching the job directly: we forward it
     # once, in order, and own the escalation.
     proc = subprocess.Popen(list(cmd), start_new_session=True, env=None if env is None else dict(env))
     stopper = _Stopper(proc, grace_s, sigint_as)
+    ended_after_finish = threading.Event()
+    if finished is not None:
+        threading.Thread(
+            target=_end_after_finish,
+            args=(proc, stopper, finished, grace_s, ended_after_finish),
+            name="lightning-mpi finish watcher",
+            daemon=True,
+        ).start()
     # what signal.signal() returned: a handler, SIG_DFL or SIG_IGN, or None (not set from Python)
     previous: dict[signal.Signals, Callable[[int, FrameType | None], Any] | int | signal.Handlers | None] = {}
     if threading.current_thread() is threading.main_thread():
@@ -184,7 +202,22 @@ def run_job(
         code = 128 + stopper.signum
     else:
         code = 128 - returncode if returncode < 0 else returncode
-    return JobOutcome(code, returncode, stopper.signum, tuple(stopper.notices))
+    return JobOutcome(code, returncode, stopper.signum, tuple(stopper.notices), ended_after_finish.is_set())
+
+
+def _end_after_finish(
+    proc: subprocess.Popen, stopper: _Stopper, finished: Callable[[], bool], grace_s: float, ended: threading.Event
+) -> None:
+    """Kill the job if it is still running ``grace_s`` seconds after ``finished()`` became true."""
+    while proc.poll() is None and not finished():
+        time.sleep(0.5)
+    deadline = time.monotonic() + grace_s
+    while proc.poll() is None:
+        if time.monotonic() > deadline:
+            ended.set()
+            stopper.kill()
+            return
+        time.sleep(0.1)
 
 
 def run_command(

@@ -4,11 +4,12 @@ summary printed before a launch.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 from .hosts import HostEntry
 
-__all__ = ["format_topology", "plan_topology"]
+__all__ = ["format_topology", "oversubscribed", "plan_topology"]
 
 
 def plan_topology(nprocs: int, hosts: Sequence[HostEntry], ppn: int | None = None) -> list[tuple[str, list[int]]]:
@@ -57,3 +58,21 @@ def format_topology(placement: Sequence[tuple[str, Sequence[int]]]) -> list[str]
         noun = "rank" if count == 1 else "ranks"
         lines.append(f"{host}: {count} {noun}" + (f" ({_ranges(ranks)})" if ranks else ""))
     return lines
+
+
+def oversubscribed(nprocs: int, hosts: Sequence[HostEntry], ppn: int | None, local_cpus: int) -> str | None:
+    """Why the job puts more ranks on some host than Open MPI gives it slots, or ``None``.
+
+    On one machine (no hosts) the slots are the CPUs (``local_cpus``). On hosts: with ``ppn``,
+    ``ppn`` per host (``--map-by ppr:K:node``); else what :func:`~.command.build_command` writes,
+    each host's explicit slots or ``ceil(nprocs / hosts)``.
+    Hydra runs an oversubscribed job as it is (:func:`plan_topology` wraps around); Open MPI
+    refuses it unless given ``--oversubscribe``.
+    """
+    if not hosts:
+        return f"{nprocs} ranks on {local_cpus} CPUs" if nprocs > local_cpus else None
+    if ppn:
+        capacity = ppn * len(hosts)
+    else:
+        capacity = sum(e.slots or math.ceil(nprocs / len(hosts)) for e in hosts)
+    return f"{nprocs} ranks on {capacity} slots" if nprocs > capacity else None

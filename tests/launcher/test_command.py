@@ -1,7 +1,8 @@
 """Tests of :mod:`lightning_mpi.launcher.command`: the launch spec's validation and the pure
 command builder for MPICH hydra, Open MPI and srun.
 
-Open MPI and srun are only checked as command lines here: neither is installed on these machines.
+srun is only checked as a command line here; Open MPI runs for real in
+tests/launcher/test_openmpi.py (in the Open MPI environment).
 """
 from __future__ import annotations
 
@@ -42,23 +43,40 @@ class TestBuildCommand:
     def test_openmpi_hosts_ppn_env(self):
         cmd = build_command(spec(hosts=("a", "b"), ppn=2, env=(("A", "1"),), launcher="mpirun"), "openmpi")
         assert cmd == [
-            "mpirun", "-np", "4", "--host", "a:2,b:2", "--map-by", "ppr:2:node", "-x", "A=1",
-            "py", "train.py", "fit", "--x=1",
+            "mpirun", "-np", "4", "--bind-to", "none", "--host", "a:2,b:2", "--map-by", "ppr:2:node",
+            "-x", "A=1", "py", "train.py", "fit", "--x=1",
         ]
 
     def test_openmpi_hosts_without_slots_go_round_robin(self):
         # 3 ranks on 2 hosts: enough slots on each (ceil(3/2) = 2) and mapped by node, as hydra does.
         cmd = build_command(spec(nprocs=3, hosts=("a", "b"), launcher="mpirun"), "openmpi")
-        assert cmd[:7] == ["mpirun", "-np", "3", "--host", "a:2,b:2", "--map-by", "node"]
+        assert cmd[:9] == ["mpirun", "-np", "3", "--bind-to", "none", "--host", "a:2,b:2", "--map-by", "node"]
 
     def test_openmpi_explicit_slots_fill_by_slot(self):
         cmd = build_command(spec(nprocs=5, hosts=("a:4", "b"), launcher="mpirun"), "openmpi")
-        assert cmd[:5] == ["mpirun", "-np", "5", "--host", "a:4,b:3"]
+        assert cmd[:7] == ["mpirun", "-np", "5", "--bind-to", "none", "--host", "a:4,b:3"]
         assert "--map-by" not in cmd
 
     def test_openmpi_hostfile(self):
         cmd = build_command(spec(hostfile="hf", ppn=8, launcher="mpirun"), "openmpi")
-        assert cmd[:7] == ["mpirun", "-np", "4", "--hostfile", "hf", "--map-by", "ppr:8:node"]
+        assert cmd[:9] == ["mpirun", "-np", "4", "--bind-to", "none", "--hostfile", "hf", "--map-by", "ppr:8:node"]
+
+    def test_openmpi_heal_oversubscribe_root(self):
+        # Healing, more ranks than slots and running as root: Open MPI does each only when told.
+        cmd = build_command(spec(nprocs=3, heal=True, oversubscribe=True, as_root=True, launcher="mpirun"), "openmpi")
+        assert cmd == [
+            "mpirun", "-np", "3", "--with-ft", "ulfm", "--oversubscribe", "--allow-run-as-root",
+            "--bind-to", "none", "py", "train.py", "fit", "--x=1",
+        ]
+
+    def test_mpich_needs_no_permission_and_cannot_heal(self):
+        # Hydra oversubscribes and runs as root by itself: the same spec gives the plain command.
+        assert build_command(spec(nprocs=2, oversubscribe=True, as_root=True), "mpich") == build_command(
+            spec(nprocs=2), "mpich"
+        )
+        for flavor in ("mpich", "srun"):
+            with pytest.raises(ValueError, match="heal=True: .* cannot keep a job running when a rank dies"):
+                build_command(spec(heal=True, launcher="x"), flavor)
 
     def test_srun(self):
         cmd = build_command(
@@ -68,6 +86,10 @@ class TestBuildCommand:
             "srun", "--ntasks=4", "--nodes=2", "--nodelist=n1,n2", "--ntasks-per-node=2",
             "--export=ALL,A=1,B=2", "--kill-on-bad-exit=1", "py", "train.py", "fit", "--x=1",
         ]
+
+    def test_srun_overcommits_when_oversubscribed(self):
+        cmd = build_command(spec(nprocs=4, script_args=(), oversubscribe=True, launcher="srun"), "srun")
+        assert cmd == ["srun", "--ntasks=4", "--overcommit", "--kill-on-bad-exit=1", "py", "train.py"]
 
     def test_srun_inside_allocation_minimal(self):
         assert build_command(spec(nprocs=2, script_args=(), launcher="srun"), "srun") == [

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from lightning_mpi.launcher.hosts import HostEntry
-from lightning_mpi.launcher.topology import format_topology, plan_topology
+from lightning_mpi.launcher.topology import format_topology, oversubscribed, plan_topology
 
 
 @pytest.mark.timeout(10)
@@ -32,3 +32,22 @@ class TestTopology:
         hosts = [HostEntry("a"), HostEntry("b"), HostEntry("a"), HostEntry("c")]
         assert plan_topology(3, hosts) == [("a", [0, 2]), ("b", [1]), ("c", [])]
         assert format_topology(plan_topology(3, hosts))[-1] == "c: 0 ranks"
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize(
+    "nprocs, hosts, ppn, why",
+    [
+        (2, [], None, None),
+        (3, [], None, "3 ranks on 2 CPUs"),
+        (3, ["a", "b"], None, None),  # slots made to fit: ceil(3 / 2) each
+        (5, ["a:4", "b"], None, None),  # b gets ceil(5 / 2) = 3
+        (5, ["a:2", "b:2"], None, "5 ranks on 4 slots"),
+        (4, ["a", "b"], 2, None),
+        (5, ["a", "b"], 2, "5 ranks on 4 slots"),
+    ],
+)
+def test_oversubscribed_is_where_open_mpi_needs_permission(nprocs, hosts, ppn, why):
+    from lightning_mpi.launcher.hosts import parse_host
+
+    assert oversubscribed(nprocs, [parse_host(h) for h in hosts], ppn, local_cpus=2) == why

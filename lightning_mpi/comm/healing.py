@@ -1,0 +1,196 @@
+"""A run rebuilt after a heal: what a run made over its communicator, what happens to each piece
+when ranks die, and the calls that replace them (:func:`heal_run`, :func:`grow_run`,
+:func:`join_run`). MPI only, no Lightning; the strategy rebinds its rule on the result.
+
+What a run builds over its communicator, and what a heal does with it:
+
+=====================================  ==========================================================
+made by (module)                       after a shrink
+=====================================  ==========================================================
+base communicator (the strategy's      revoked; the healed communicator becomes the base. Ranks,
+``COMM_WORLD.Dup()``) and its node     world size, local ranks and the node count are read again
+communicator (``Split_type``)          from it, and the node communicator is split again.
+:class:`~.errors.ErrorChannel`         its ``Dup`` is revoked and freed (locally); a new channel
+                                       is made over the healed base (generation 0 on every rank).
+each run's :class:`~.transport.        revoked; its :class:`~.resources.RunResources` abandoned;
+Transport` (a ``Dup`` of the base)     a new transport over a ``Dup`` of the healed base.
+``Transport.dup`` (buckets, pipelined  revoked; freed locally by :func:`release_failed_run`;
+segments, the preemption vote),        made again when the rule is bound again (the buckets are
+``Transport.node_split``               padded to the world size, the node layout may change).
+:class:`~.window.ShardedVector`,       never reused (windows are not fault tolerant): their
+:class:`~.window.Counters`,            communicators revoked; the windows freed once every
+:class:`~.window.DecisionBoard`        survivor agreed on the same list (else kept for the life
+(a ``Dup`` + ``Win.Allocate``)         of the process); new windows on the new transport, filled
+                                       from the survivors' state (the lost rank's shard of a
+                                       center is gone: the rule rebuilds it).
+:class:`~.progress.ProgressThread`     stops polling at the first failure; it must be closed
+(a private ``Dup``)                    (``before_release``) before its communicator is freed;
+                                       the rebound rule starts a new one.
+:class:`~.mailbox.Mailbox` (gossip)    sends to a dead rank never complete: their requests are
+                                       kept (:func:`~.resources.keep_pending`), the communicator
+                                       freed; messages in flight are dropped.
+requests in flight (buckets, votes)    never completed: kept with their buffers.
+=====================================  ==========================================================
+
+A survivor therefore (1) catches :class:`~.ulfm.ProcessFailed`, (2) calls :func:`heal_run` (which
+closes the rule through ``before_release``), (3) rebuilds its node layout and binds its rule on
+``run.transport`` with the state it kept, and (4) redoes the interrupted exchange. With
+``heal="replace"`` it then calls :func:`grow_run`, and the new processes call :func:`join_run` and
+receive the state from a survivor.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from lightning_mpi.comm.errors import ErrorChannel
+from lightning_mpi.comm.resources import RunResources, keep_pending
+from lightning_mpi.comm.respawn import Respawned, join_parent, respawn
+from lightning_mpi.comm.transport import Transport
+from lightning_mpi.comm.ulfm import Healed, free, heal
+
+__all__ = ["HealedRun", "build_run", "grow_run", "heal_run", "join_run", "release_failed_run", "run_communicators"]
+
+
+@dataclass
+class HealedRun:
+    """A run rebuilt over a new base communicator (the same on every rank of it).
+
+    - ``base``: the new base communicator (survivors, then spawned ranks after :func:`grow_run`).
+    - ``errors``: a new :class:`~.errors.ErrorChannel` over ``base``.
+    - ``transport``: a new :class:`~.transport.Transport` over a ``Dup`` of ``base``, watching ``errors``.
+    - ``healed``: what :func:`~.ulfm.heal` reported (lost ranks, old -> new ranks, seconds);
+      ``None`` on a spawned rank (:func:`join_run`).
+    - ``respawned``: what :func:`~.ulfm.respawn` reported, after :func:`grow_run`.
+    - ``kept``: failed runs' resources that could not be released (kept referenced).
+    """
+
+    base: Any
+    errors: ErrorChannel
+    transport: Transport
+    healed: Healed | None = None
+    respawned: Respawned | None = None
+    kept: list[RunResources] | None = None
+
+    def close(self) -> None:
+        """Free the transport, the error channel and the base communicator (local). Do it before
+        the program ends: Open MPI's ``MPI_Finalize`` crashes on communicators still reaching a
+        spawned process that died (:func:`~.ulfm.free`)."""
+        self.transport.free()
+        self.errors.close()
+        free(self.base)
+
+
+def run_communicators(transport: Transport) -> list[Any]:
+    """Every communicator the run of ``transport`` uses: its own, those made over it
+    (duplicates, node splits, windows' and mailboxes' duplicates, progress threads' private ones,
+    all tracked by its :class:`~.resources.RunResources`), and its error channel's."""
+    comms = [transport.comm, *transport.resources.comms]
+    if transport.errors is not None and transport.errors.comm is not None:
+        comms.append(transport.errors.comm)
+    return comms
+
+
+def build_run(base: Any, timeout: float | None, serial: int = 0) -> tuple[ErrorChannel, Transport]:
+    """A new error channel and transport over ``base`` (collective over it: two ``Dup``\\ s, in
+    this order on every rank, survivors and spawned ranks alike)."""
+    errors = ErrorChannel(base)
+    resources = RunResources(serial)
+    return errors, Transport(resources.comm(base.Dup()), timeout, errors, resources)
+
+
+def release_failed_run(resources: RunResources, transport: Transport) -> list[RunResources]:
+    """Release what a run with dead ranks made, collectively over the survivors' ``transport``;
+    returns ``[resources]`` when it kept them instead (nothing released).
+
+    The survivors first agree that each made the same windows (the counts of every rank's
+    ``resources``); a window's free synchronises, so it is freed only when all of them free it.
+    Windows are freed in creation order and communicators locally, each ignoring the MPI error
+    that the dead ranks cause (Open MPI 5 returns one and frees the window); mailboxes' sends to a
+    dead rank never complete, so their requests are kept for the life of the process. Call it
+    once nothing uses these resources any more: no thread polls them, no rule reads window memory.
+    """
+    from mpi4py import MPI
+
+    resources.abandon()
+    mine = resources.counts()[1:]  # serials may differ: a survivor counts its own runs
+    if any(theirs != mine for theirs in transport.agree(mine)):
+        warnings.warn(
+            "lightning_mpi: after a heal the survivors held different windows, so the failed run's windows "
+            "are kept instead of freed.",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        return [resources]
+    for box in resources.mailboxes:
+        keep_pending(box)  # with its sends to the dead ranks, which never complete
+    for handle in (*resources.windows, *resources.comms):
+        try:
+            handle.Free()
+        except MPI.Exception:
+            pass  # the dead ranks' share is gone; the handle is released locally
+    resources.windows, resources.comms, resources.mailboxes = [], [], []
+    return []
+
+
+def heal_run(
+    transport: Transport,
+    base: Any,
+    *,
+    serial: int = 0,
+    also: Sequence[Any] = (),
+    before_release: Callable[[], None] | None = None,
+) -> HealedRun:
+    """Heal after :class:`~.ulfm.ProcessFailed`: revoke everything the run made, shrink ``base`` to
+    the survivors (:func:`~.ulfm.heal`), build a new error channel and transport over the
+    survivors' communicator, and release the failed run.
+
+    Collective over the survivors (each calls it once it caught the failure, wherever it did).
+    ``also``: more communicators to revoke (the node communicator, a user's). ``before_release``
+    runs after the new transport exists and before the failed run is released: close the rule
+    there (stop its progress threads). ``serial`` numbers the new run's resources. ``base`` is
+    freed (it is revoked: use ``run.base`` from now on).
+    """
+    old_errors = transport.errors
+    healed = heal(base, also=[*run_communicators(transport), *also])
+    transport.resources.abandon()
+    errors, fresh = build_run(healed.comm, transport.timeout, serial)
+    if before_release is not None:
+        before_release()
+    kept = release_failed_run(transport.resources, fresh)
+    if old_errors is not None:
+        old_errors.close()
+    free(base)
+    return HealedRun(healed.comm, errors, fresh, healed=healed, kept=kept)
+
+
+def grow_run(
+    run: HealedRun, script: str, argv: Sequence[str] = (), n: int = 1, *, serial: int = 0, python: str | None = None
+) -> HealedRun:
+    """After :func:`heal_run`: spawn ``n`` processes (``python script argv...``, which call
+    :func:`join_run`) and rebuild the run over survivors + new ranks (:func:`~.ulfm.respawn`).
+
+    Collective over ``run.base``. The survivors keep their ranks; the new ranks come after them.
+    The previous transport and channel are closed (the survivors' communicator stays, as the
+    parent of the merged one). On :class:`~.ulfm.ProcessFailed` from the spawn (new processes kept
+    dying), ``run`` is still intact: go on without replacements.
+    """
+    import sys
+
+    respawned = respawn(run.base, script, argv, n, python=python or sys.executable)
+    errors, fresh = build_run(respawned.comm, run.transport.timeout, serial)
+    run.close()
+    return HealedRun(respawned.comm, errors, fresh, healed=run.healed, respawned=respawned, kept=run.kept)
+
+
+def join_run(timeout: float | None, serial: int = 0) -> HealedRun | None:
+    """In a process spawned by :func:`grow_run`: join the survivors and build the same run (its
+    half of the collectives of :func:`grow_run`); ``None`` in a process that was not spawned."""
+    merged = join_parent()
+    if merged is None:
+        return None
+    errors, transport = build_run(merged, timeout, serial)
+    return HealedRun(merged, errors, transport)

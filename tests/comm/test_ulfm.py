@@ -1,0 +1,169 @@
+"""Healing after a lost rank (lightning_mpi.comm.ulfm, .respawn, .healing).
+
+The pure parts run everywhere. The healing itself needs Open MPI with ULFM and runs in the Open
+MPI environment (``LIGHTNING_MPI_TEST_MPI=openmpi``, see .ci/run), through ``lightning-mpi --heal``
+as a user would launch it, in two launches:
+
+- W = 3 (``tests/scripts/ulfm_heal.py``, torch transports): a rank SIGKILLed in a blocking
+  Allreduce loop, in an Iallreduce polled with Test, and while a window is used with a progress
+  thread; each time the survivors heal, redo the interrupted step and spawn a replacement, and
+  the replacements are the ranks killed next;
+- W = 4 (``tests/scripts/ulfm_shrink.py``, mpi4py only): two ranks lost at once, a rank lost
+  during a heal, and a replacement that dies before it joins.
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from lightning_mpi.comm.errors import RankFailedError
+from lightning_mpi.comm.ulfm import FT_ENV, HEAL_OUTCOME_ENV, Healed, ProcessFailed, heal_support, process_failure
+from lightning_mpi.launcher.healing import HEAL_OUTCOME_ENV as LAUNCHER_OUTCOME_ENV
+from tests.launcher.helpers import finish, launch
+from tests.mpi_utils import REPO, mpi_env, mpi_flavor, require_ulfm
+
+SCRIPTS = REPO / "tests" / "scripts"
+OPEN_MPI = "Open MPI v5.0.11, package: Open MPI user@localhost Distribution, ident: 5.0.11"
+
+
+@pytest.mark.timeout(10)
+def test_heal_support_names_what_is_missing_and_the_fix():
+    assert heal_support(OPEN_MPI, {FT_ENV: "1"}).ok
+    mpich = heal_support("MPICH Version:      5.0.2\nMPICH Release date: ...", {FT_ENV: "1"})
+    assert not mpich.ok and "healing needs ULFM, which this MPI (MPICH Version: 5.0.2) does not provide" in mpich.reason
+    no_ft = heal_support(OPEN_MPI, {})
+    assert not no_ft.ok and "launched with fault tolerance on, and this one was not" in no_ft.reason
+    for support in (mpich, no_ft):
+        assert "fix: run under Open MPI 5 with ULFM: launch with `lightning-mpi --heal" in support.reason
+
+
+@pytest.mark.timeout(10)
+def test_process_failed_is_a_rank_failure_that_names_the_ranks():
+    failed = ProcessFailed((3, 1), "allreduce", "MPI_ERR_PROC_FAILED")
+    assert isinstance(failed, RankFailedError) and failed.ranks == (1, 3) and failed.rank == 1
+    assert str(failed) == (
+        "lightning_mpi: ranks 1, 3 of the communicator died (MPI_ERR_PROC_FAILED in allreduce); "
+        "the survivors can heal (lightning_mpi.comm.ulfm.heal)"
+    )
+    unknown = ProcessFailed((), "a progress thread", "MPI_ERR_REVOKED")
+    assert unknown.rank == -1
+    assert str(unknown).startswith("lightning_mpi: a rank of the communicator died (MPI_ERR_REVOKED")
+    copy = pickle.loads(pickle.dumps(failed))
+    assert (type(copy), copy.ranks, copy.where, str(copy)) == (ProcessFailed, failed.ranks, failed.where, str(failed))
+
+
+@pytest.mark.timeout(10)
+def test_process_failure_finds_a_failure_behind_other_exceptions():
+    failed = ProcessFailed((2,), "x")
+    try:
+        try:
+            raise failed
+        except ProcessFailed as inner:
+            raise RuntimeError("a library wrapped it") from inner
+    except RuntimeError as outer:
+        assert process_failure(outer) is failed
+    assert process_failure(ValueError("not a failure")) is None
+    assert process_failure(None) is None
+
+
+@pytest.mark.timeout(10)
+def test_healed_maps_old_ranks_to_new():
+    healed = Healed(comm=None, old_ranks=(0, 2, 3), lost=(1,), seconds=0.01)
+    assert healed.size == 3 and healed.old_to_new == {0: 0, 2: 1, 3: 2}
+    assert healed.new_rank(3) == 2 and healed.new_rank(1) is None
+
+
+@pytest.mark.timeout(10)
+def test_the_launcher_and_the_ranks_agree_on_the_outcome_variable():
+    assert HEAL_OUTCOME_ENV == LAUNCHER_OUTCOME_ENV
+
+
+@pytest.mark.timeout(60)
+def test_heal_refuses_with_the_fix_where_the_mpi_cannot_heal(tmp_path):
+    # A singleton (no mpiexec): under MPICH there is no ULFM; under Open MPI no --with-ft ulfm.
+    code = (
+        "from mpi4py import MPI\n"
+        "from lightning_mpi.comm.ulfm import HealUnavailable, heal\n"
+        "try:\n"
+        "    heal(MPI.COMM_WORLD)\n"
+        "except HealUnavailable as error:\n"
+        "    print(error)\n"
+    )
+    env = mpi_env()
+    env.pop(FT_ENV, None)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=50)
+    assert out.returncode == 0, out.stderr
+    if mpi_flavor() == "mpich":
+        assert "healing needs ULFM, which this MPI (MPICH" in out.stdout
+    else:
+        assert "needs the job to be launched with fault tolerance on" in out.stdout
+    assert "fix: run under Open MPI 5 with ULFM: launch with `lightning-mpi --heal" in out.stdout
+
+
+def _heal_launch(tmp_path: Path, n: int, script: str, timeout: float) -> tuple[str, list[dict], dict[str, float]]:
+    """``lightning-mpi --heal -n n script OUT`` (exit 0 expected); returns stderr, each finishing
+    process's output and the kill times."""
+    out = tmp_path / "out"
+    out.mkdir()
+    proc = launch([sys.executable, "-m", "lightning_mpi", "-n", n, "--heal", "--grace", 3, SCRIPTS / script, out], REPO)
+    code, _, err = finish(proc, timeout)
+    assert code == 0, err[-4000:]
+    results = [json.loads(p.read_text()) for p in sorted(out.glob("out.*.json"))]
+    kills = {p.suffix[1:]: float(p.read_text()) for p in out.glob("kill.*")}
+    return err, results, kills
+
+
+@pytest.mark.mpi
+@pytest.mark.openmpi_core
+@pytest.mark.timeout(200)
+def test_survivors_heal_a_loop_a_window_and_a_progress_thread_and_replacements_join(tmp_path):
+    require_ulfm()
+    err, results, kills = _heal_launch(tmp_path, 3, "ulfm_heal.py", 180)
+    assert sorted(kills) == ["allreduce", "iallreduce", "window"]
+    assert len(results) == 2 and not any(r["spawned"] for r in results)  # the replacements were killed
+    assert "training finished; mpirun reported exit code 137" in err or "training finished, but" in err
+    assert "osc_ucx_component" not in err  # the launcher's one-sided default reached the ranks
+    for result in results:
+        assert result["size"] == 2
+        for phase, sums in result["sums"].items():
+            assert sorted(map(int, sums)) == list(range(24)), phase  # every step, none lost
+            assert all(total == result["sizes"][phase][step] for step, total in sums.items()), phase
+        events = {e["phase"]: e for e in result["events"]}
+        assert sorted(events) == ["allreduce", "iallreduce", "window"]
+        for event in events.values():
+            assert event["caught"] == "ProcessFailed" and event["lost"] == [2] and event["old_ranks"] == [0, 1]
+            assert event["error_class"] in ("MPI_ERR_PROC_FAILED", "MPI_ERR_REVOKED", "MPI_ERR_PROC_FAILED_PENDING")
+            assert event["ranks"] in ([], [2])
+        assert events["window"]["where"].startswith("a progress thread")
+        for phase in ("allreduce", "iallreduce"):
+            assert events[phase]["size_after_respawn"] == 3 and events[phase]["respawn_attempts"] == 1
+        # The window made on the healed communicator lost no update.
+        window = result["window"]
+        assert window["total"] == [float(sum(window["adds"]))] * 12
+
+
+@pytest.mark.mpi
+@pytest.mark.openmpi_core
+@pytest.mark.timeout(200)
+def test_two_lost_at_once_a_loss_during_a_heal_and_a_replacement_lost_before_it_joined(tmp_path):
+    require_ulfm()
+    err, results, _ = _heal_launch(tmp_path, 4, "ulfm_shrink.py", 180)
+    assert len(results) == 2  # original ranks 0 and 1
+    for result in results:
+        first, second = result["events"]
+        assert first["lost"] == [2, 3] and first["shrinks"] == 1 and first["size"] == 2
+        assert first["new_ranks"] == [2, 3] and first["size_after_respawn"] == 4
+        # replacement 3 died; replacement 2 died inside the heal, after the first shrink
+        assert second["lost"] == [2, 3] and second["shrinks"] == 2 and second["size"] == 2
+        # the first process spawned for it died before joining: spawned again
+        assert second["attempts"] == 2 and second["size_after_respawn"] == 3
+        sums = {int(step): value for step, value in result["sums"].items()}
+        assert sorted(sums) == list(range(12))
+        assert all(total == size for total, size in sums.values())
+        assert [sums[s][1] for s in range(12)] == [4] * 8 + [3] * 4
