@@ -145,6 +145,8 @@ def test_asynchronous_ranks_stop_on_one_vote_and_write_one_checkpoint(tmp_path):
     assert sorted(os.listdir(tmp_path / "ckpt")) == ["preempted.ckpt"]
     assert not (tmp_path / "final.pt").exists()
     trained = [len((tmp_path / f"steps.0.{r}").read_text().split()) for r in range(2)]
-    assert all(6 <= n < 60 for n in trained), trained  # both stopped after the signal, long before the end
+    # Rank 1 signals itself at its step 5 and stops after it; rank 0 runs apart (asynchronous rule) and
+    # may be behind (a CI run under load saw it stop at its step 5): both stop long before the end.
+    assert trained[1] >= 6 and all(1 <= n < 60 for n in trained), trained
     saved = torch.load(tmp_path / "ckpt" / "preempted.ckpt", weights_only=False)
     assert "lightning_mpi" in saved and saved["global_step"] >= 5  # the center travels with it
