@@ -93,7 +93,7 @@ def test_atomic_checkpoint_write_leaves_old_file_on_failure(tmp_path, monkeypatc
 
 @pytest.mark.mpi
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("strategy", ["mpi_allreduce", "mpi_asa16"])
+@pytest.mark.parametrize("strategy", ["mpi_asa16"])  # the resume path is the same for every synchronous rule
 def test_resume_reaches_the_uninterrupted_weights(tmp_path, strategy):
     for mode in ("full", "first", "resume"):
         run_mpi(2, [RESUME, mode, str(tmp_path), strategy], timeout=120)
