@@ -4,6 +4,8 @@
     python benchmarks/compression.py                 # everything (root needed for the hosts)
     python benchmarks/compression.py --skip-speed    # accuracy and bytes only
     python benchmarks/compression.py --skip-acc --repeat 5    # speed only, 5 interleaved rounds
+    python benchmarks/compression.py --skip-acc --rows ddp "mpi_asa (fp32)" topk --steps 45 --skip 23
+                                                     # speed of some rows only (label substrings), timed after step 23
 
 1. Accuracy and bytes: sklearn's ``digits`` (real 8x8 handwritten digits, 1,797 images, 25% held
    out), an MLP, 2 ranks on this machine, every codec with and without error feedback, against
@@ -36,11 +38,15 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
 
+#: mpi_topk as it was before issue 25's recipe: error feedback only, one threshold per bucket.
+TOPK_BEFORE = {"codec": "topk", "ratio": 0.01, "momentum_correction": False, "layerwise": False,
+               "ratio_warmup_steps": 0}
 ACC_ROWS = [
     ("mpi_asa (fp32)", "mpi_asa", {}),
     ("int8 + EF", "compressed", {"codec": "int8"}),
     ("int8, no EF", "compressed", {"codec": "int8", "error_feedback": False}),
-    ("topk 1% + EF", "compressed", {"codec": "topk", "ratio": 0.01}),
+    ("mpi_topk (defaults)", "compressed", {"codec": "topk"}),
+    ("topk 1% + EF only (before issue 25)", "compressed", TOPK_BEFORE),
     ("topk 1%, no EF", "compressed", {"codec": "topk", "ratio": 0.01, "error_feedback": False}),
     ("topk 1% + EF + DGC mc + warm-up", "compressed",
      {"codec": "topk", "ratio": 0.01, "momentum_correction": True, "momentum": 0.9, "ratio_warmup_steps": 200}),
@@ -52,7 +58,8 @@ SPEED_ROWS = [
     ("mpi_asa (fp32)", "mpi_asa", {}),
     ("int8 + EF", "compressed", {"codec": "int8"}),
     ("int8, no EF", "compressed", {"codec": "int8", "error_feedback": False}),
-    ("topk 1% + EF", "compressed", {"codec": "topk", "ratio": 0.01}),
+    ("mpi_topk (defaults)", "compressed", {"codec": "topk"}),
+    ("topk 1% + EF only (before issue 25)", "compressed", TOPK_BEFORE),
     ("topk 1%, no EF", "compressed", {"codec": "topk", "ratio": 0.01, "error_feedback": False}),
     ("onebit + EF", "compressed", {"codec": "onebit"}),
     ("onebit, no EF", "compressed", {"codec": "onebit", "error_feedback": False}),
@@ -73,7 +80,7 @@ def _strategy(kind: str, params: dict):
     return kind
 
 
-def worker(mode: str, rows: list, out: str, epochs: int, steps: int, repeat: int = 1) -> None:
+def worker(mode: str, rows: list, out: str, epochs: int, steps: int, repeat: int = 1, skip: int = 3) -> None:
     import warnings
 
     warnings.filterwarnings("ignore")
@@ -174,7 +181,7 @@ def worker(mode: str, rows: list, out: str, epochs: int, steps: int, repeat: int
                 row["accuracy"] = float((model(xte).argmax(dim=1) == yte).float().mean()) * 100
             results[label] = row
         else:
-            t, c = timer.times[3:], timer.cpu[3:]  # skip warm-up steps
+            t, c = timer.times[skip:], timer.cpu[skip:]  # skip warm-up steps
             row["samples_per_s"] = 32 * world * (len(t) - 1) / (t[-1] - t[0])
             row["step_ms"] = 1e3 * sorted(b - a for a, b in zip(t, t[1:]))[(len(t) - 1) // 2]
             row["cpu_ms_per_step"] = sum(comm.allgather(1e3 * (c[-1] - c[0]) / (len(c) - 1))) / world
@@ -212,15 +219,15 @@ def run_acc(epochs: int) -> dict:
     return json.loads(out.read_text())
 
 
-def run_speed(steps: int, repeat: int) -> dict:
+def run_speed(steps: int, repeat: int, rows: list[str] | None = None, skip: int = 3) -> dict:
     sys.path.insert(0, str(HERE.parent))
     from benchmarks.cluster import SimCluster
 
     out = RESULTS / "compression_speed_raw.json"
     with SimCluster(2, rate="1gbit") as cluster:
         res = cluster.run_mpi([sys.executable, __file__, "--worker", "speed", "--out", str(out), "--steps", str(steps),
-                               "--repeat", str(repeat)],
-                              timeout=3000 * repeat, env={"PYTHONWARNINGS": "ignore"})
+                               "--repeat", str(repeat), "--skip", str(skip), *(["--rows", *rows] if rows else [])],
+                              timeout=3000 * repeat, env={"PYTHONWARNINGS": "ignore", "PYTHONPATH": str(HERE.parent)})
         if res.returncode != 0:
             print(res.stdout[-3000:], res.stderr[-6000:], file=sys.stderr)
             raise SystemExit(f"speed run failed ({res.returncode})")
@@ -309,12 +316,16 @@ def main() -> None:
     ap.add_argument("--epochs", type=int, default=15, help="accuracy part: epochs on digits")
     ap.add_argument("--steps", type=int, default=25, help="speed part: steps per run (the first 3 are not timed)")
     ap.add_argument("--repeat", type=int, default=3, help="speed part: interleaved rounds over all rows")
+    ap.add_argument("--skip", type=int, default=3, help="speed part: untimed first steps (past a ratio warm-up)")
+    ap.add_argument("--rows", nargs="+", help="speed part: only the rows whose label contains one of these")
     ap.add_argument("--skip-speed", action="store_true")
     ap.add_argument("--skip-acc", action="store_true")
     args = ap.parse_args()
     if args.worker:
         rows = ACC_ROWS if args.worker == "acc" else SPEED_ROWS
-        worker(args.worker, rows, args.out, args.epochs, args.steps, args.repeat)
+        if args.rows:
+            rows = [row for row in rows if any(part in row[0] for part in args.rows)]
+        worker(args.worker, rows, args.out, args.epochs, args.steps, args.repeat, args.skip)
         return
     RESULTS.mkdir(exist_ok=True)
     path = RESULTS / "compression.json"
@@ -337,7 +348,7 @@ def main() -> None:
         print(table(["exchange", "kB sent/rank/step", "fewer bytes than fp32", "test acc %", "Δ vs fp32 (points)"], rows))
     if not args.skip_speed:
         load_before = os.getloadavg()
-        speed = run_speed(args.steps, args.repeat)
+        speed = run_speed(args.steps, args.repeat, args.rows, args.skip)
         load_after = os.getloadavg()
         report["speed"] = speed
         report["speed_conditions"] = {"repeat": args.repeat, "steps": args.steps, "loadavg_before": load_before,

@@ -9,7 +9,9 @@ Deep Gradient Compression 2018).
 With error feedback the unsent entries stay in a residual and join the next step's gradient.
 With DGC's momentum correction the momentum is accumulated locally before selection
 (``u = m·u + g; v = v + u``), ``v`` is what is selected from, and both ``u`` and ``v`` are cleared
-where entries were sent (momentum factor masking).
+where entries were sent (momentum factor masking). With ``sections`` the ``k`` entries are chosen
+section by section (one per tensor: DGC's layer-wise selection), ``k_i`` of section ``i``; the
+wire is the same, ``k = sum(k_i)`` pairs.
 """
 
 from __future__ import annotations
@@ -90,6 +92,36 @@ def topk_select(values: Tensor, k: int, magnitude: Tensor | None = None, mask: T
     return candidates[keep]
 
 
+#: A section of a flat buffer: (offset, numel, k): choose ``k`` entries among ``flat[offset:offset+numel]``.
+Section = tuple[int, int, int]
+
+
+def section_counts(sizes: list[int], ratio: float) -> list[int]:
+    """``k`` of each section of ``sizes`` entries at ``ratio`` (:func:`topk_count` each: at least one)."""
+    return [topk_count(n, ratio) for n in sizes]
+
+
+def topk_select_sections(
+    values: Tensor, sections: list[Section], magnitude: Tensor | None = None, mask: Tensor | None = None
+) -> Tensor:
+    """:func:`topk_select` section by section: the indices (into ``values``) of each section's
+    ``k`` largest-magnitude entries, sections in order. ``magnitude`` and ``mask``: scratch like
+    ``values`` (or ``None``)."""
+    picked = []
+    for offset, numel, k in sections:
+        if k == 0:
+            continue
+        end = offset + numel
+        part = topk_select(
+            values[offset:end],
+            k,
+            magnitude[offset:end] if magnitude is not None else None,
+            mask[offset:end] if mask is not None else None,
+        )
+        picked.append(part.add_(offset) if offset else part)
+    return torch.cat(picked) if len(picked) != 1 else picked[0]
+
+
 def pack_pairs(values: Tensor, index: Tensor, wire: Tensor) -> None:
     """Write ``index`` and ``values[index]`` into the ``int32[2k]`` ``wire``."""
     k = index.numel()
@@ -133,11 +165,15 @@ def topk_mean_steps(
     residual: Tensor | None = None,
     momentum_buf: Tensor | None = None,
     momentum: float = 0.0,
+    sections: list[Section] | None = None,
+    mask_momentum: bool = True,
 ) -> Exchange:
     """Mean over ranks of every rank's top-``k`` entries, left dense in ``flat`` on every rank.
 
     ``k`` counts entries of ``flat[:numel]`` for the caller's ``numel``; ``residual`` (error
     feedback) and ``momentum_buf`` (momentum correction) are shaped like ``flat`` or ``None``.
+    ``sections`` (their ``k_i`` summing to ``k``): choose per section instead of over all of ``flat``.
+    ``mask_momentum``: clear ``momentum_buf`` where entries were sent (DGC's momentum factor masking).
     """
     world = transport.size
     source = flat
@@ -149,11 +185,15 @@ def topk_mean_steps(
         source = residual
     n = source.numel()
     scratch = work.magnitude is not None and work.magnitude.numel() == n and source.dtype == work.magnitude.dtype
-    index = topk_select(source, k, work.magnitude if scratch else None, work.mask if scratch else None)
+    magnitude, mask = (work.magnitude, work.mask) if scratch else (None, None)
+    if sections is not None:
+        index = topk_select_sections(source, sections, magnitude, mask)
+    else:
+        index = topk_select(source, k, magnitude, mask)
     pack_pairs(source, index, work.send[0])
     if residual is not None:
         residual[index] = 0
-    if momentum_buf is not None:
+    if momentum_buf is not None and mask_momentum:
         momentum_buf[index] = 0
     yield from transport.iallgather(work.send, work.recv)
     flat.zero_()

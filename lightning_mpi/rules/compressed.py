@@ -11,16 +11,36 @@ With ``error_feedback`` (the default) what a rank did not send is kept in a resi
 its next gradient; the owner of an ASA chunk also keeps the residual of re-encoding the chunk's
 mean. Summed over steps, the applied updates plus the pending residuals equal the mean of the
 gradients. Residuals are part of :meth:`BoundCompressedSync.state_dict`, so a checkpoint resumes
-them. ``momentum_correction`` (top-k only) is Deep Gradient Compression's: momentum is accumulated
-locally before selection and masked where entries were sent; use it with an optimizer *without*
-momentum. ``ratio_warmup_steps`` lowers the top-k ratio geometrically from 1 to ``ratio`` over the
-first steps (DGC's exponential warm-up, per step).
+them.
+
+Top-k follows Deep Gradient Compression (Lin et al. 2018), each piece switchable, the defaults
+being those measured best on digits (``benchmarks/topk_accuracy.py``, docs/convergence.md):
+
+- **Warm-up of the sparsity** (``ratio_warmup_steps``, on: 40 steps): the ratio falls geometrically
+  from 1 to ``ratio``. Early on the weights move fast, and an entry held back in a residual for a
+  hundred steps points where the weights no longer are; a denser exchange while that lasts costs a
+  few dense exchanges' bytes once per run.
+- **Momentum correction** (``momentum_correction``, off): sparsifying the gradient and applying
+  momentum to the sparse sum is not momentum SGD on the gradients; DGC accumulates the velocity
+  ``u = m·u + g`` locally and selects from the sum of velocities. It composes with an optimizer that
+  has momentum of its own: the optimizer is handed ``S_t − m·S_(t−1)`` for the exchanged update
+  ``S_t`` (:func:`compensate_`), which makes its momentum buffer ``S_t``, so momentum is applied
+  once; at ``ratio=1`` without masking that is exactly the optimizer on the mean gradient.
+  **Momentum factor masking** (``momentum_masking``) clears the velocity where entries were sent, so
+  a stale velocity does not keep pushing a coordinate that was just updated.
+- **Local gradient clipping** (``clip_norm``, off): clipping the summed gradient cannot bound what
+  accumulates in a residual over many steps, so each rank clips its own gradient before adding it,
+  to the global threshold times ``N^(-1/2)``.
+- **Layer-wise selection** (``layerwise``, off): ``ratio`` of every tensor instead of one threshold
+  per bucket, as DGC selects per layer.
 
 At world size 1 nothing crosses a wire, so nothing is compressed.
 """
 
 from __future__ import annotations
 
+import itertools
+import math
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -34,9 +54,9 @@ from lightning_mpi.comm.buffers import Bucket
 from lightning_mpi.comm.codecs import get_codec
 from lightning_mpi.comm.collectives import ASAWorkspace, asa_mean_steps, segments
 from lightning_mpi.comm.engine import Exchange
-from lightning_mpi.comm.sparse import TopKWorkspace, topk_count, topk_mean_steps
+from lightning_mpi.comm.sparse import Section, TopKWorkspace, section_counts, topk_count, topk_mean_steps
 from lightning_mpi.comm.transport import Transport
-from lightning_mpi.options import integer, number, option, options_class
+from lightning_mpi.options import integer, number, option, optional, options_class
 from lightning_mpi.rules.bucket_exchanger import BucketExchanger
 from lightning_mpi.rules.sync import BoundSync, SyncRule
 
@@ -65,15 +85,38 @@ class CompressedSyncRule(SyncRule):
     )
     momentum_correction: bool = option(
         default=False,
-        doc='Deep Gradient Compression\'s momentum correction (`codec="topk"` only): momentum is applied locally '
-        "before sparsification, so use an optimizer without momentum.",
+        doc='Deep Gradient Compression\'s momentum correction (`codec="topk"` only): each rank accumulates its '
+        "velocity `u = m*u + g` and selects from the sum of velocities. With an optimizer that has momentum, it is "
+        "handed `(S_t - m*S_(t-1))/(1 - dampening)` for the exchanged update `S_t`, so its momentum buffer is `S_t`: "
+        "momentum is applied once. Off: on digits it cost accuracy (docs/convergence.md).",
     )
-    momentum: float = option(
-        default=0.9, doc="the momentum of `momentum_correction`, in [0, 1).", check=number(0.0, 1.0, high_open=True)
+    momentum: float | None = option(
+        default=None,
+        doc="the `m` of `momentum_correction`, in [0, 1); None: the optimizer's `momentum`, or 0.9 (DGC's) if it "
+        "has none.",
+        check=optional(number(0.0, 1.0, high_open=True)),
+    )
+    momentum_masking: bool = option(
+        default=True,
+        doc="with `momentum_correction`, DGC's momentum factor masking: clear the velocity where entries were sent, "
+        "so a delayed update stops pushing once it landed (False: at `ratio=1` the updates are the optimizer's own).",
+    )
+    layerwise: bool = option(
+        default=False,
+        doc="`\"topk\"` chooses `ratio` of every tensor's entries (DGC's per-layer selection; the same wire, "
+        "`sum(ceil(ratio*n_i))` pairs) instead of `ratio` of the bucket. Off: on digits it cost accuracy.",
+    )
+    clip_norm: float | None = option(
+        default=None,
+        doc="DGC's local gradient clipping (`\"topk\"` only): before accumulating, each rank scales a bucket's "
+        "gradient to an L2 norm of at most `clip_norm * sqrt(n_bucket / n_model) / sqrt(W)`; give your global "
+        "clipping threshold (None: no clipping).",
+        check=optional(number(0.0, low_open=True)),
     )
     ratio_warmup_steps: int = option(
-        default=0,
-        doc="steps over which the top-k ratio falls geometrically from 1 to `ratio` (0: none).",
+        default=40,
+        doc="steps over which the top-k ratio falls geometrically from 1 to `ratio` (DGC's warm-up of the "
+        "sparsity; 0: none). The first steps move the weights most, when a delayed entry costs most.",
         check=integer(0),
     )
 
@@ -92,6 +135,16 @@ class CompressedSyncRule(SyncRule):
                 "momentum_correction=True needs codec='topk' (DGC corrects momentum for sparsified exchange); "
                 f"got codec={self.codec!r}"
             )
+        if self.clip_norm is not None and self.codec != "topk":
+            raise ValueError(
+                f"clip_norm={self.clip_norm!r} needs codec='topk' (DGC's local clipping before accumulation); "
+                f"got codec={self.codec!r}"
+            )
+
+    @property
+    def corrects_momentum(self) -> bool:
+        """Whether top-k runs DGC's momentum correction."""
+        return self.codec == "topk" and self.momentum_correction
 
     def ratio_at(self, step: int) -> float:
         """Top-k ratio on update ``step`` (0-based): geometric warm-up from 1 to ``ratio``."""
@@ -111,6 +164,31 @@ class _SegmentState:
     owner_residual: Tensor | None  # one chunk (ASA): unsent part of the mean this rank owns
     momentum: Tensor | None  # like the segment (top-k with momentum correction)
     numel: int  # real (unpadded) entries, for k
+    sizes: list[int] = field(default_factory=list)  # top-k, layer-wise: the members' sizes, in order
+    clip: float = 0.0  # top-k local clipping: this segment's norm threshold (0: none)
+
+
+#: Momentum correction's ``m`` when neither the rule nor the optimizer gives one (Lin et al. use 0.9).
+DGC_MOMENTUM = 0.9
+
+
+def clip_(grad: Tensor, max_norm: float) -> None:
+    """Scale ``grad`` in place to an L2 norm of at most ``max_norm`` (as ``clip_grad_norm_``: no
+    host sync; a non-finite gradient stays non-finite, and the step is skipped on every rank)."""
+    norm = torch.linalg.vector_norm(grad)
+    grad.mul_(torch.clamp(max_norm / (norm + 1e-6), max=1.0))
+
+
+def compensate_(grad: Tensor, previous: Tensor, momentum: float, dampening: float, first: bool) -> None:
+    """Turn the exchanged update ``S_t`` (in ``grad``) into what an optimizer with heavy-ball momentum
+    must be handed for its momentum buffer to become ``S_t``: ``(S_t - m*S_(t-1)) / (1 - dampening)``
+    (SGD's first step takes its input whole: no division). ``previous`` holds ``S_(t-1)`` and is
+    left holding ``S_t``; two passes, no scratch."""
+    previous.mul_(momentum)
+    grad.sub_(previous)  # S_t - m*S_(t-1)
+    previous.add_(grad)  # S_t
+    if dampening and not first:
+        grad.div_(1.0 - dampening)
 
 
 class CompressedExchanger(BucketExchanger):
@@ -130,6 +208,9 @@ class CompressedExchanger(BucketExchanger):
         if not self.topk:
             self.codec = get_codec(rule.codec)
         self.step = 0  # updating steps so far (top-k warm-up)
+        #: the ``m`` of momentum correction: the rule's, else the optimizer's (set at its first step;
+        #: the first exchange does not need it, momentum buffers are still zero then)
+        self.momentum = rule.momentum if rule.momentum is not None else DGC_MOMENTUM
         #: per bucket (by index): this rank's residual, owned-chunk residuals, momentum
         self.residuals: list[Tensor] = []
         self.owner_residuals: list[Tensor] = []
@@ -140,6 +221,7 @@ class CompressedExchanger(BucketExchanger):
     def prepare(self, buckets: Sequence[Bucket]) -> None:
         world = self.transport.size
         rule = self.rule
+        total = sum(bucket.numel for bucket in buckets)
         for bucket in buckets:
             flat = bucket.flat
             team = self.transport.dup()
@@ -150,7 +232,7 @@ class CompressedExchanger(BucketExchanger):
             self._slots[id(bucket)] = (None, parts, [team] + [team.dup() for _ in parts[1:]])
             residual = torch.zeros_like(flat) if rule.error_feedback else None
             owner = torch.zeros(flat.numel() // world, dtype=flat.dtype, device=flat.device)
-            momentum = torch.zeros_like(flat) if rule.momentum_correction else None
+            momentum = torch.zeros_like(flat) if rule.corrects_momentum else None
             self.residuals.append(residual if residual is not None else flat.new_zeros(0))
             self.owner_residuals.append(owner if rule.error_feedback and not self.topk else flat.new_zeros(0))
             self.momenta.append(momentum if momentum is not None else flat.new_zeros(0))
@@ -163,9 +245,25 @@ class CompressedExchanger(BucketExchanger):
                     owner_residual=None if residual is None or self.topk else owner[owner_start : owner_start + chunk],
                     momentum=None if momentum is None else momentum[start : start + n],
                     numel=min(n, max(0, bucket.numel - start)),
+                    sizes=[t.numel() for t in bucket.tensors] if self.topk and rule.layerwise else [],
+                    clip=self._clip_threshold(bucket.numel, total) if self.topk else 0.0,
                 )
                 start += n
                 owner_start += chunk
+
+    def _clip_threshold(self, numel: int, total: int) -> float:
+        """DGC's local threshold: the global ``clip_norm`` times ``N^-1/2`` (the share of one of N ranks
+        with alike gradients), times ``sqrt(numel / total)`` (a bucket's share: buckets leave during
+        backward, before this rank's whole gradient exists)."""
+        if self.rule.clip_norm is None or not total:
+            return 0.0
+        return self.rule.clip_norm * math.sqrt(numel / total / self.transport.size)
+
+    def release_momentum(self) -> None:
+        """Drop the momentum buffers (the optimizer has no momentum: ``m = 0`` needs none)."""
+        for state in self._states.values():
+            state.momentum = None
+        self.momenta = [t.new_zeros(0) for t in self.momenta]
 
     def current_ratio(self) -> float:
         return self.rule.ratio_at(self.step)
@@ -176,8 +274,18 @@ class CompressedExchanger(BucketExchanger):
             return 0
         if not self.topk:
             return super().wire_bytes_for(bucket)
-        k = topk_count(bucket.numel, self.current_ratio())
+        state = self._states[(bucket.flat.data_ptr(), bucket.flat.numel())]
+        k = sum(self._sections(state)[1])
         return (world - 1) * 2 * k * 4  # Allgather out: k int32 indices + k float32 values
+
+    def _sections(self, state: _SegmentState) -> tuple[list[Section] | None, list[int]]:
+        """The selection's sections (None: the whole segment) and their ``k`` at the current ratio."""
+        ratio = self.current_ratio()
+        if not state.sizes:
+            return None, [topk_count(state.numel, ratio)]
+        counts = section_counts(state.sizes, ratio)
+        offsets = itertools.accumulate(state.sizes[:-1], initial=0)
+        return [(o, n, k) for o, n, k in zip(offsets, state.sizes, counts, strict=True)], counts
 
     def dense_bytes_for(self, bucket: Bucket) -> int:
         """What fp32 ASA would send for ``bucket`` (for the compression factor)."""
@@ -188,14 +296,27 @@ class CompressedExchanger(BucketExchanger):
         key = (segment.data_ptr(), segment.numel())
         state = self._states[key]
         if self.topk:
-            k = topk_count(state.numel, self.current_ratio())
+            sections, counts = self._sections(state)
+            k = sum(counts)
+            if state.clip:
+                clip_(segment, state.clip)
             topk_work = self._topk_work.get(key)
             if topk_work is None:
                 topk_work = self._topk_work[key] = TopKWorkspace(
                     k, team.size, segment.device, segment.numel(), segment.dtype
                 )
             topk_work.resize(k)  # new wire buffers only while the warm-up changes k
-            return topk_mean_steps(team, segment, k, topk_work, state.residual, state.momentum, self.rule.momentum)
+            return topk_mean_steps(
+                team,
+                segment,
+                k,
+                topk_work,
+                state.residual,
+                state.momentum,
+                self.momentum,
+                sections,
+                self.rule.momentum_masking,
+            )
         work = self._workspaces.get(key)
         if work is None:
             work = self._workspaces[key] = ASAWorkspace.for_buffer(segment, team.size, self.codec)
@@ -226,23 +347,63 @@ class BoundCompressedSync(BoundSync):
 
     def __init__(self, rule: CompressedSyncRule, transport: Transport, params: Sequence[Tensor]) -> None:
         super().__init__(rule, transport, params)
-        self._warned_momentum = False
         self.dense_bytes = 0
+        self._momentum_known = False
+        #: per bucket: the last exchanged update S_(t-1) (the same on every rank), for handing an
+        #: optimizer with momentum S_t - m*S_(t-1); allocated once an optimizer with momentum is seen
+        self.previous: list[Tensor] = []
+        self._previous_views: dict[int, Tensor] = {}  # id(param) -> view into previous
+        self.compensated_steps = 0
 
     def make_exchanger(self, transport: Transport, rule: SyncRule) -> BucketExchanger:
         assert isinstance(rule, CompressedSyncRule)
         return CompressedExchanger(transport, rule)
 
-    def before_step(self, optimizer: Optimizer) -> bool:
-        if self.rule.momentum_correction and not self._warned_momentum:
-            self._warned_momentum = True
-            if any(g.get("momentum", 0) for g in optimizer.param_groups):
-                warnings.warn(
-                    "lightning_mpi: momentum_correction=True applies momentum before the exchange; "
-                    "the optimizer should have momentum=0, or momentum is applied twice.",
-                    RuntimeWarning,
-                    stacklevel=2,
+    def _learn_momentum(self, optimizer: Optimizer) -> None:
+        """At the first step: the ``m`` of momentum correction (the rule's, else the optimizer's),
+        and whether the optimizer's own momentum must be compensated."""
+        self._momentum_known = True
+        members = {id(p) for p in self.params}
+        groups = [g for g in optimizer.param_groups if any(id(p) in members for p in g["params"])]
+        found = sorted({float(g.get("momentum", 0.0) or 0.0) for g in groups})
+        if self.rule.momentum is None:
+            if len(found) > 1:
+                raise ValueError(
+                    f"momentum=None takes the optimizer's momentum, but its parameter groups have {found}: "
+                    "pass momentum=<one value> to the strategy"
                 )
+            self.exchanger.momentum = found[0] if found and found[0] else DGC_MOMENTUM
+        if self.exchanger.momentum == 0.0:
+            self.exchanger.release_momentum()  # m = 0: u = g, plain error feedback
+        if any(g.get("momentum", 0.0) for g in groups) and not self.previous:
+            self.previous = [torch.zeros_like(b.flat) for b in self.buckets]
+            self._map_previous()
+
+    def _map_previous(self) -> None:
+        self._previous_views = {
+            id(t): view.view_as(t)
+            for bucket, prev in zip(self.buckets, self.previous, strict=True)
+            for t, o in zip(bucket.tensors, bucket.offsets, strict=True)
+            for view in [prev[o : o + t.numel()]]
+        }
+
+    def _compensate(self, optimizer: Optimizer) -> None:
+        """:func:`compensate_` every parameter of every optimizer group that has momentum."""
+        first = self.compensated_steps == 0
+        for group in optimizer.param_groups:
+            m = float(group.get("momentum", 0.0) or 0.0)
+            if not m:
+                continue
+            dampening = float(group.get("dampening", 0.0) or 0.0)
+            for p in group["params"]:
+                prev = self._previous_views.get(id(p))
+                if prev is not None and p.grad is not None:
+                    compensate_(p.grad, prev, m, dampening, first)
+        self.compensated_steps += 1
+
+    def before_step(self, optimizer: Optimizer) -> bool:
+        if self.rule.corrects_momentum and not self._momentum_known:
+            self._learn_momentum(optimizer)
         if self.transport.size > 1:
             members = {id(p) for g in optimizer.param_groups for p in g["params"]}
             self.dense_bytes = sum(
@@ -253,6 +414,8 @@ class BoundCompressedSync(BoundSync):
             # The skipped step's inf/NaN must not live on in the feedback buffers.
             for buf in (*self.exchanger.residuals, *self.exchanger.owner_residuals, *self.exchanger.momenta):
                 torch.nan_to_num_(buf, nan=0.0, posinf=0.0, neginf=0.0)
+        elif self.previous and self.transport.size > 1:
+            self._compensate(optimizer)
         if self.transport.size > 1:
             self.exchanger.step += 1
         return finite
@@ -280,6 +443,11 @@ class BoundCompressedSync(BoundSync):
         state["step"] = self.exchanger.step
         state["world_size"] = self.transport.size
         state["codec"] = self.rule.codec
+        if self._momentum_known:
+            state["momentum"] = self.exchanger.momentum
+        if self.previous:  # the same on every rank
+            state["previous"] = [t.detach().cpu().clone() for t in self.previous]
+            state["compensated_steps"] = self.compensated_steps
         if self.transport.size > 1:
             state["ranks"] = self.transport.allgather_object(self._local_state())
         return state
@@ -287,6 +455,17 @@ class BoundCompressedSync(BoundSync):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
         self.exchanger.step = int(state.get("step", 0))
+        if "momentum" in state and self.rule.momentum is None:
+            # Known before the resumed run's first exchange, which already needs it.
+            self.exchanger.momentum = float(state["momentum"])
+        previous = state.get("previous")
+        if previous and state.get("codec") == self.rule.codec and len(previous) == len(self.buckets):
+            # Members sit at the same offsets at any world size; only the padding differs.
+            self.previous = [torch.zeros_like(b.flat) for b in self.buckets]
+            for dst, src, bucket in zip(self.previous, previous, self.buckets, strict=True):
+                dst[: bucket.numel].copy_(src[: bucket.numel])
+            self._map_previous()
+            self.compensated_steps = int(state.get("compensated_steps", 1))
         ranks = state.get("ranks")
         if not ranks or self.transport.size == 1:
             return
@@ -303,6 +482,8 @@ class BoundCompressedSync(BoundSync):
             mine = ranks[self.transport.rank]
             for name in ("residuals", "owner_residuals", "momenta"):
                 for dst, src in zip(getattr(ex, name), mine[name], strict=True):
+                    if name == "momenta" and not src.numel():
+                        continue  # released (the optimizer had no momentum): nothing to restore
                     if dst.shape != src.shape:
                         raise ValueError(
                             f"checkpoint {name} of shape {tuple(src.shape)} do not fit buffers of {tuple(dst.shape)}"

@@ -69,6 +69,29 @@ for name, (rule, make) in cases.items():
 asa.close()
 
 
+# -- momentum correction handed to an optimizer with momentum of its own: at ratio 1 without
+#    masking, the trajectory of fp32 ASA with the same optimizer (DGC's velocity, applied once) ----
+params_a, params_b = make_params(), make_params()
+asa = SyncRule(exchange="asa", **SMALL).bind(T, params_a)
+dgc = CompressedSyncRule(codec="topk", ratio=1.0, momentum_correction=True, momentum_masking=False, **SMALL).bind(T, params_b)
+opt_a = torch.optim.SGD(params_a, lr=0.1, momentum=0.9)
+opt_b = torch.optim.SGD(params_b, lr=0.1, momentum=0.9)
+for step in range(6):
+    grads = random_grads(50 + step)
+    for params, bound, opt in ((params_a, asa, opt_a), (params_b, dgc, opt_b)):
+        for p, g in zip(params, grads):
+            p.grad = g.clone()
+        bound.before_step(opt)
+        opt.step()
+result["topk_momentum_ratio1"] = {
+    "max_abs_diff": max(float((a - b).abs().max()) for a, b in zip(params_a, params_b)),
+    "momentum": dgc.exchanger.momentum,
+    "compensated_steps": dgc.compensated_steps,
+}
+asa.close()
+dgc.close()
+
+
 # -- mass conservation ----------------------------------------------------------------------------
 def allsum(t):
     t = t.double().contiguous()

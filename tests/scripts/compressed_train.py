@@ -51,7 +51,7 @@ result = {}
 for name, strategy in [
     ("mpi_asa_int8", "mpi_asa_int8"),
     ("mpi_topk", CompressedSyncStrategy(codec="topk", ratio=0.1, ratio_warmup_steps=4)),
-    ("mpi_topk_mc", CompressedSyncStrategy(codec="topk", ratio=0.1, momentum_correction=True, momentum=0.5)),
+    ("mpi_topk_mc", CompressedSyncStrategy(codec="topk", ratio=0.1, momentum_correction=True, momentum=0.5, ratio_warmup_steps=0)),
     ("mpi_onebit", "mpi_onebit"),
 ]:
     torch.manual_seed(1 + RANK)  # different initial weights: the strategy must broadcast rank 0's

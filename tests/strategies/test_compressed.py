@@ -78,6 +78,15 @@ def test_lossless_cases_match_fp32_asa_bitwise(exchange, case):
 
 @pytest.mark.mpi
 @pytest.mark.timeout(300)
+def test_topk_momentum_correction_with_a_momentum_optimizer_applies_momentum_once(exchange):
+    # ratio 1, no masking: DGC's local velocity + the compensation = fp32 ASA with SGD(momentum=0.9)
+    r = exchange["topk_momentum_ratio1"]
+    assert r["momentum"] == 0.9 and r["compensated_steps"] == 6
+    assert r["max_abs_diff"] < 1e-5
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("codec", ["int8", "topk", "onebit"])
 def test_error_feedback_conserves_mass_over_many_steps(exchange, codec):
     # sum of applied updates + pending residuals == mean of all gradients, to the last bit

@@ -1,0 +1,134 @@
+"""The top-k recipe's math on one process (Deep Gradient Compression, Lin et al. 2018).
+
+Layer-wise selection, momentum correction with and without momentum factor masking, the hand-off
+to an optimizer that has momentum of its own, and local clipping; ``topk_mean_steps`` runs on a
+world of one (``COMM_SELF``), which exercises the whole exchange but the wire.
+"""
+
+import pytest
+import torch
+from mpi4py import MPI
+
+from lightning_mpi.comm.sparse import TopKWorkspace, section_counts, topk_mean_steps, topk_select_sections
+from lightning_mpi.comm.transport import Transport
+from lightning_mpi.rules.compressed import CompressedSyncRule, clip_, compensate_
+
+
+def run(steps):
+    for _ in steps:
+        pass
+
+
+@pytest.fixture(scope="module")
+def self_transport():
+    return Transport(MPI.COMM_SELF)
+
+
+@pytest.mark.timeout(60)
+def test_layerwise_selection_takes_k_of_every_section():
+    gen = torch.Generator().manual_seed(0)
+    sizes = [300, 7, 50]
+    # The first tensor's entries dwarf the others: one threshold over the bucket would take only them.
+    values = torch.cat([100 * torch.randn(300, generator=gen), torch.randn(7, generator=gen), torch.randn(50, generator=gen)])
+    counts = section_counts(sizes, 0.1)
+    assert counts == [30, 1, 5]
+    offsets = [0, 300, 307]
+    index = topk_select_sections(values, list(zip(offsets, sizes, counts, strict=True)))
+    assert index.numel() == sum(counts)
+    for offset, n, k in zip(offsets, sizes, counts, strict=True):
+        mine = sorted(i - offset for i in index.tolist() if offset <= i < offset + n)
+        want = sorted(torch.topk(values[offset : offset + n].abs(), k).indices.tolist())
+        assert mine == want
+
+
+@pytest.mark.timeout(60)
+def test_momentum_correction_accumulates_velocity_and_masks(self_transport):
+    gen = torch.Generator().manual_seed(1)
+    n, k, m = 40, 4, 0.5
+    grads = [torch.randn(n, generator=gen) for _ in range(6)]
+    for masking in (True, False):
+        u, v = torch.zeros(n), torch.zeros(n)  # the algorithm, written out
+        residual, velocity = torch.zeros(n), torch.zeros(n)  # the implementation's buffers
+        work = TopKWorkspace(k, 1, torch.device("cpu"), n)
+        for g in grads:
+            u = m * u + g
+            v = v + u
+            sent = torch.topk(v.abs(), k).indices
+            want = torch.zeros(n)
+            want[sent] = v[sent]
+            v[sent] = 0
+            if masking:
+                u[sent] = 0
+            flat = g.clone()
+            run(topk_mean_steps(self_transport, flat, k, work, residual, velocity, m, mask_momentum=masking))
+            torch.testing.assert_close(flat, want)
+            torch.testing.assert_close(residual, v)
+            torch.testing.assert_close(velocity, u)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("dampening", [0.0, 0.3])
+def test_compensation_makes_the_optimizer_momentum_buffer_the_exchanged_update(dampening):
+    """SGD with momentum, handed ``compensate_``'s gradient, steps by exactly the exchanged ``S_t``."""
+    gen = torch.Generator().manual_seed(2)
+    m, lr = 0.9, 0.1
+    p = torch.zeros(25, requires_grad=True)
+    opt = torch.optim.SGD([p], lr=lr, momentum=m, dampening=dampening)
+    previous = torch.zeros(25)
+    want = torch.zeros(25)
+    for step in range(8):
+        update = torch.randn(25, generator=gen)
+        p.grad = update.clone()
+        compensate_(p.grad, previous, m, dampening, first=step == 0)
+        opt.step()
+        want -= lr * update
+        torch.testing.assert_close(opt.state[p]["momentum_buffer"], update)
+        torch.testing.assert_close(previous, update)
+    torch.testing.assert_close(p.detach(), want)
+
+
+@pytest.mark.timeout(60)
+def test_ratio_one_without_masking_is_the_dense_optimizer(self_transport):
+    """At ratio 1, unmasked momentum correction + compensation = plain SGD with momentum."""
+    gen = torch.Generator().manual_seed(3)
+    m, lr, n = 0.9, 0.05, 30
+    grads = [torch.randn(n, generator=gen) for _ in range(10)]
+    dense = torch.zeros(n, requires_grad=True)
+    sparse = torch.zeros(n, requires_grad=True)
+    opt_d = torch.optim.SGD([dense], lr=lr, momentum=m)
+    opt_s = torch.optim.SGD([sparse], lr=lr, momentum=m)
+    residual, velocity, previous = torch.zeros(n), torch.zeros(n), torch.zeros(n)
+    work = TopKWorkspace(n, 1, torch.device("cpu"), n)
+    for step, g in enumerate(grads):
+        dense.grad = g.clone()
+        opt_d.step()
+        flat = g.clone()
+        run(topk_mean_steps(self_transport, flat, n, work, residual, velocity, m, mask_momentum=False))
+        compensate_(flat, previous, m, 0.0, first=step == 0)
+        sparse.grad = flat
+        opt_s.step()
+    torch.testing.assert_close(sparse.detach(), dense.detach())
+
+
+@pytest.mark.timeout(60)
+def test_local_clipping_scales_down_only():
+    g = torch.tensor([3.0, 4.0])
+    clip_(g, 1.0)
+    torch.testing.assert_close(torch.linalg.vector_norm(g), torch.tensor(1.0), atol=1e-5, rtol=0)
+    small = torch.tensor([0.3, 0.4])
+    clip_(small, 1.0)
+    torch.testing.assert_close(small, torch.tensor([0.3, 0.4]))
+
+
+@pytest.mark.timeout(60)
+def test_recipe_defaults_and_bad_input():
+    rule = CompressedSyncRule(codec="topk")
+    assert rule.ratio_warmup_steps == 40 and rule.ratio_at(0) == 1.0 and rule.ratio_at(40) == 0.01
+    assert not rule.corrects_momentum and not rule.layerwise and rule.clip_norm is None  # measured: off
+    assert CompressedSyncRule(codec="topk", momentum_correction=True).corrects_momentum
+    with pytest.raises(ValueError, match="clip_norm="):
+        CompressedSyncRule(codec="topk", clip_norm=0.0)
+    with pytest.raises(ValueError, match="clip_norm="):
+        CompressedSyncRule(codec="int8", clip_norm=1.0)
+    with pytest.raises(ValueError, match="momentum="):
+        CompressedSyncRule(codec="topk", momentum=1.5)
