@@ -175,7 +175,7 @@ def plot(summary: dict, seeds: list[int], path: Path, title: str) -> None:
     import matplotlib.pyplot as plt
 
     arms = list(summary)
-    fig, ax = plt.subplots(figsize=(9, 0.5 * len(arms) + 1.5))
+    fig, ax = plt.subplots(figsize=(10, 0.45 * len(arms) + 2))
     for i, arm in enumerate(arms):
         e = summary[arm]
         ax.scatter(e["accuracy"], [i] * len(seeds), color="tab:blue", s=18, zorder=3)
@@ -185,7 +185,8 @@ def plot(summary: dict, seeds: list[int], path: Path, title: str) -> None:
         ax.axvline(summary["mpi_asa"]["mean"] - 0.5, color="gray", lw=0.8, ls=":")
     ax.set_yticks(range(len(arms)), [a.replace("mpi_topk@", "topk @ ").replace("+", " + ") for a in arms], fontsize=7)
     ax.invert_yaxis()
-    ax.set(xlabel="validation accuracy % (dots: seeds, bar: mean; dashed: mpi_asa mean, dotted: -0.5)", title=title)
+    ax.set_xlabel("validation accuracy % (dots: seeds; bar: mean; dashed: mpi_asa's mean; dotted: 0.5 below)")
+    ax.set_title(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -197,12 +198,18 @@ def main() -> None:
     ap.add_argument("--epochs", type=int, default=8)
     ap.add_argument("--ranks", type=int, default=2)
     ap.add_argument("--name", default="topk_accuracy", help="results file stem under benchmarks/results")
+    ap.add_argument("--replot", metavar="JSON", help="print the table and redraw the plot of a saved run")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--seed", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
         worker(args.seed, args.epochs, args.arms, args.out)
+        return
+    if args.replot:
+        record = json.loads(Path(args.replot).read_text())
+        print(report(record["summary"], record["seeds"]))
+        plot(record["summary"], record["seeds"], Path(args.replot).with_suffix(".png"), record["task"])
         return
     per_seed = {}
     for seed in args.seeds:
