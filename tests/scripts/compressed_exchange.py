@@ -173,6 +173,32 @@ for codec in ("int8", "topk", "onebit"):
     }
     for r in (a, b, fresh):
         r.close()
+
+# Momentum correction beside an optimizer with momentum: the velocity, S_(t-1) and m come back.
+params = make_params()
+rule = CompressedSyncRule(codec="topk", ratio=0.1, momentum_correction=True, ratio_warmup_steps=0, **SMALL)
+a = rule.bind(T, params)
+
+
+def exchange_m(bound, grads):
+    for p, g in zip(params, grads):
+        p.grad = g.clone()
+    bound.before_step(torch.optim.SGD(params, lr=0.1, momentum=0.8))
+    return [p.grad.clone() for p in params]
+
+
+for step in range(4):
+    exchange_m(a, random_grads(step))
+b = rule.bind(T, params)
+b.load_state_dict(a.state_dict())
+ga, gb = exchange_m(a, random_grads(99)), exchange_m(b, random_grads(99))
+restored_equal["topk_momentum"] = {
+    "next_step_equal": all(torch.equal(x, y) for x, y in zip(ga, gb)),
+    "momentum": b.exchanger.momentum,
+    "previous_nonzero": any(float(t.abs().sum()) > 0 for t in a.previous),
+}
+a.close()
+b.close()
 result["checkpoint"] = restored_equal
 
 if RANK == 0:

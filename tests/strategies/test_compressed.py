@@ -97,6 +97,13 @@ def test_error_feedback_conserves_mass_over_many_steps(exchange, codec):
 
 @pytest.mark.mpi
 @pytest.mark.timeout(300)
+def test_state_dict_restores_momentum_correction_beside_a_momentum_optimizer(exchange):
+    r = exchange["checkpoint"]["topk_momentum"]
+    assert r["next_step_equal"] and r["previous_nonzero"] and r["momentum"] == 0.8
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("codec", ["int8", "topk", "onebit"])
 def test_state_dict_restores_residuals(exchange, codec):
     r = exchange["checkpoint"][codec]
