@@ -132,3 +132,21 @@ def test_recipe_defaults_and_bad_input():
         CompressedSyncRule(codec="int8", clip_norm=1.0)
     with pytest.raises(ValueError, match="momentum="):
         CompressedSyncRule(codec="topk", momentum=1.5)
+
+
+@pytest.mark.timeout(60)
+def test_layerwise_sections_follow_the_bucket_members(self_transport):
+    from lightning_mpi.comm.buffers import make_buckets
+    from lightning_mpi.rules.compressed import CompressedExchanger
+
+    tensors = [torch.zeros(300), torch.zeros(7), torch.zeros(5, 10)]
+    (bucket,) = make_buckets(tensors, 1, bucket_bytes=None)
+    exchanger = CompressedExchanger(self_transport, CompressedSyncRule(codec="topk", ratio=0.1, layerwise=True))
+    exchanger.prepare([bucket])
+    exchanger.step = 10**6  # past the warm-up
+    state = next(iter(exchanger._states.values()))
+    sections, counts = exchanger._sections(state)
+    members = [t.numel() for t in bucket.tensors]
+    assert [(o, n) for o, n, _ in sections] == list(zip(bucket.offsets, members, strict=True))
+    assert counts == [k for _, _, k in sections] == section_counts(members, 0.1)
+    exchanger.close()
