@@ -29,7 +29,8 @@ def test_layerwise_selection_takes_k_of_every_section():
     gen = torch.Generator().manual_seed(0)
     sizes = [300, 7, 50]
     # The first tensor's entries dwarf the others: one threshold over the bucket would take only them.
-    values = torch.cat([100 * torch.randn(300, generator=gen), torch.randn(7, generator=gen), torch.randn(50, generator=gen)])
+    big, small, mid = (torch.randn(n, generator=gen) for n in sizes)
+    values = torch.cat([100 * big, small, mid])
     counts = section_counts(sizes, 0.1)
     assert counts == [30, 1, 5]
     offsets = [0, 300, 307]
