@@ -25,8 +25,9 @@ being those measured best on digits (``benchmarks/topk_accuracy.py``, docs/conve
   momentum to the sparse sum is not momentum SGD on the gradients; DGC accumulates the velocity
   ``u = m·u + g`` locally and selects from the sum of velocities. It composes with an optimizer that
   has momentum of its own: the optimizer is handed ``S_t − m·S_(t−1)`` for the exchanged update
-  ``S_t`` (:func:`compensate_`), which makes its momentum buffer ``S_t``, so momentum is applied
-  once; at ``ratio=1`` without masking that is exactly the optimizer on the mean gradient.
+  ``S_t``, which makes its momentum buffer ``S_t``, so momentum is applied once
+  (:mod:`~lightning_mpi.rules.momentum_handoff`); at ``ratio=1`` without masking that is exactly
+  the optimizer on the mean gradient.
   **Momentum factor masking** (``momentum_masking``) clears the velocity where entries were sent, so
   a stale velocity does not keep pushing a coordinate that was just updated.
 - **Local gradient clipping** (``clip_norm``, off): clipping the summed gradient cannot bound what
@@ -59,6 +60,7 @@ from lightning_mpi.comm.sparse import Section, TopKWorkspace, section_counts, to
 from lightning_mpi.comm.transport import Transport
 from lightning_mpi.options import integer, number, option, optional, options_class
 from lightning_mpi.rules.bucket_exchanger import BucketExchanger
+from lightning_mpi.rules.momentum_handoff import DGC_MOMENTUM, MomentumHandoff, optimizer_momentum
 from lightning_mpi.rules.sync import BoundSync, SyncRule
 
 
@@ -169,27 +171,11 @@ class _SegmentState:
     clip: float = 0.0  # top-k local clipping: this segment's norm threshold (0: none)
 
 
-#: Momentum correction's ``m`` when neither the rule nor the optimizer gives one (Lin et al. use 0.9).
-DGC_MOMENTUM = 0.9
-
-
 def clip_(grad: Tensor, max_norm: float) -> None:
     """Scale ``grad`` in place to an L2 norm of at most ``max_norm`` (as ``clip_grad_norm_``: no
     host sync; a non-finite gradient stays non-finite, and the step is skipped on every rank)."""
     norm = torch.linalg.vector_norm(grad)
     grad.mul_(torch.clamp(max_norm / (norm + 1e-6), max=1.0))
-
-
-def compensate_(grad: Tensor, previous: Tensor, momentum: float, dampening: float, first: bool) -> None:
-    """Turn the exchanged update ``S_t`` (in ``grad``) into what an optimizer with heavy-ball momentum
-    must be handed for its momentum buffer to become ``S_t``: ``(S_t - m*S_(t-1)) / (1 - dampening)``
-    (SGD's first step takes its input whole: no division). ``previous`` holds ``S_(t-1)`` and is
-    left holding ``S_t``; two passes, no scratch."""
-    previous.mul_(momentum)
-    grad.sub_(previous)  # S_t - m*S_(t-1)
-    previous.add_(grad)  # S_t
-    if dampening and not first:
-        grad.div_(1.0 - dampening)
 
 
 class CompressedExchanger(BucketExchanger):
@@ -350,57 +336,20 @@ class BoundCompressedSync(BoundSync):
         super().__init__(rule, transport, params)
         self.dense_bytes = 0
         self._momentum_known = False
-        #: per bucket: the last exchanged update S_(t-1) (the same on every rank), for handing an
-        #: optimizer with momentum S_t - m*S_(t-1); allocated once an optimizer with momentum is seen
-        self.previous: list[Tensor] = []
-        self._previous_views: dict[int, Tensor] = {}  # id(param) -> view into previous
-        self.compensated_steps = 0
+        self.handoff = MomentumHandoff(self.buckets)  # used with momentum correction only
 
     def make_exchanger(self, transport: Transport, rule: SyncRule) -> BucketExchanger:
         assert isinstance(rule, CompressedSyncRule)
         return CompressedExchanger(transport, rule)
 
     def _learn_momentum(self, optimizer: Optimizer) -> None:
-        """At the first step: the ``m`` of momentum correction (the rule's, else the optimizer's),
-        and whether the optimizer's own momentum must be compensated."""
+        """At the first step: the ``m`` of momentum correction, and whether an optimizer with
+        momentum of its own must be handed the update (:mod:`lightning_mpi.rules.momentum_handoff`)."""
         self._momentum_known = True
-        members = {id(p) for p in self.params}
-        groups = [g for g in optimizer.param_groups if any(id(p) in members for p in g["params"])]
-        found = sorted({float(g.get("momentum", 0.0) or 0.0) for g in groups})
-        if self.rule.momentum is None:
-            if len(found) > 1:
-                raise ValueError(
-                    f"momentum=None takes the optimizer's momentum, but its parameter groups have {found}: "
-                    "pass momentum=<one value> to the strategy"
-                )
-            self.exchanger.momentum = found[0] if found and found[0] else DGC_MOMENTUM
+        self.exchanger.momentum = optimizer_momentum(optimizer, self.params, self.rule.momentum)
         if self.exchanger.momentum == 0.0:
             self.exchanger.release_momentum()  # m = 0: u = g, plain error feedback
-        if any(g.get("momentum", 0.0) for g in groups) and not self.previous:
-            self.previous = [torch.zeros_like(b.flat) for b in self.buckets]
-            self._map_previous()
-
-    def _map_previous(self) -> None:
-        self._previous_views = {
-            id(t): view.view_as(t)
-            for bucket, prev in zip(self.buckets, self.previous, strict=True)
-            for t, o in zip(bucket.tensors, bucket.offsets, strict=True)
-            for view in [prev[o : o + t.numel()]]
-        }
-
-    def _compensate(self, optimizer: Optimizer) -> None:
-        """:func:`compensate_` every parameter of every optimizer group that has momentum."""
-        first = self.compensated_steps == 0
-        for group in optimizer.param_groups:
-            m = float(group.get("momentum", 0.0) or 0.0)
-            if not m:
-                continue
-            dampening = float(group.get("dampening", 0.0) or 0.0)
-            for p in group["params"]:
-                prev = self._previous_views.get(id(p))
-                if prev is not None and p.grad is not None:
-                    compensate_(p.grad, prev, m, dampening, first)
-        self.compensated_steps += 1
+        self.handoff.watch(optimizer)
 
     def before_step(self, optimizer: Optimizer) -> bool:
         if self.rule.corrects_momentum and not self._momentum_known:
@@ -415,8 +364,8 @@ class BoundCompressedSync(BoundSync):
             # The skipped step's inf/NaN must not live on in the feedback buffers.
             for buf in (*self.exchanger.residuals, *self.exchanger.owner_residuals, *self.exchanger.momenta):
                 torch.nan_to_num_(buf, nan=0.0, posinf=0.0, neginf=0.0)
-        elif self.previous and self.transport.size > 1:
-            self._compensate(optimizer)
+        elif self.handoff.active and self.transport.size > 1:
+            self.handoff.hand_off(optimizer)
         if self.transport.size > 1:
             self.exchanger.step += 1
         return finite
@@ -446,9 +395,7 @@ class BoundCompressedSync(BoundSync):
         state["codec"] = self.rule.codec
         if self._momentum_known:
             state["momentum"] = self.exchanger.momentum
-        if self.previous:  # the same on every rank
-            state["previous"] = [t.detach().cpu().clone() for t in self.previous]
-            state["compensated_steps"] = self.compensated_steps
+        state.update(self.handoff.state_dict())  # the same on every rank
         if self.transport.size > 1:
             state["ranks"] = self.transport.allgather_object(self._local_state())
         return state
@@ -459,14 +406,8 @@ class BoundCompressedSync(BoundSync):
         if "momentum" in state and self.rule.momentum is None:
             # Known before the resumed run's first exchange, which already needs it.
             self.exchanger.momentum = float(state["momentum"])
-        previous = state.get("previous")
-        if previous and state.get("codec") == self.rule.codec and len(previous) == len(self.buckets):
-            # Members sit at the same offsets at any world size; only the padding differs.
-            self.previous = [torch.zeros_like(b.flat) for b in self.buckets]
-            for dst, src, bucket in zip(self.previous, previous, self.buckets, strict=True):
-                dst[: bucket.numel].copy_(src[: bucket.numel])
-            self._map_previous()
-            self.compensated_steps = int(state.get("compensated_steps", 1))
+        if state.get("codec") == self.rule.codec:
+            self.handoff.load_state_dict(state)
         ranks = state.get("ranks")
         if not ranks or self.transport.size == 1:
             return

@@ -11,7 +11,8 @@ from mpi4py import MPI
 
 from lightning_mpi.comm.sparse import TopKWorkspace, section_counts, topk_mean_steps, topk_select_sections
 from lightning_mpi.comm.transport import Transport
-from lightning_mpi.rules.compressed import CompressedSyncRule, clip_, compensate_
+from lightning_mpi.rules.compressed import CompressedSyncRule, clip_
+from lightning_mpi.rules.momentum_handoff import compensate_
 
 
 def run(steps):

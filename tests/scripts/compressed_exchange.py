@@ -86,7 +86,7 @@ for step in range(6):
 result["topk_momentum_ratio1"] = {
     "max_abs_diff": max(float((a - b).abs().max()) for a, b in zip(params_a, params_b)),
     "momentum": dgc.exchanger.momentum,
-    "compensated_steps": dgc.compensated_steps,
+    "compensated_steps": dgc.handoff.steps,
 }
 asa.close()
 dgc.close()
@@ -195,7 +195,7 @@ ga, gb = exchange_m(a, random_grads(99)), exchange_m(b, random_grads(99))
 restored_equal["topk_momentum"] = {
     "next_step_equal": all(torch.equal(x, y) for x, y in zip(ga, gb)),
     "momentum": b.exchanger.momentum,
-    "previous_nonzero": any(float(t.abs().sum()) > 0 for t in a.previous),
+    "previous_nonzero": any(float(t.abs().sum()) > 0 for t in a.handoff.previous),
 }
 a.close()
 b.close()
