@@ -152,3 +152,14 @@ def test_layerwise_sections_follow_the_bucket_members(self_transport):
     assert [(o, n) for o, n, _ in sections] == list(zip(bucket.offsets, members, strict=True))
     assert counts == [k for _, _, k in sections] == section_counts(members, 0.1)
     exchanger.close()
+
+
+@pytest.mark.timeout(60)
+def test_warmup_can_start_below_one():
+    rule = CompressedSyncRule(codec="topk", ratio=0.01, ratio_warmup_steps=4, ratio_warmup_start=0.25)
+    ratios = [rule.ratio_at(s) for s in range(6)]
+    assert ratios[0] == 0.25 and ratios[4] == ratios[5] == 0.01
+    assert abs(ratios[2] - 0.05) < 1e-12  # geometric: sqrt(0.25 * 0.01)
+    assert CompressedSyncRule(codec="topk", ratio=0.5, ratio_warmup_start=0.25).ratio_at(0) == 0.5  # never below ratio
+    with pytest.raises(ValueError, match="ratio_warmup_start="):
+        CompressedSyncRule(codec="topk", ratio_warmup_start=0.0)
