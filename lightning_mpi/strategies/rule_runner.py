@@ -43,6 +43,20 @@ class RuleRunner:
             self._pending_state = None
         return self.bound
 
+    def rebind(
+        self, transport: Transport, module: torch.nn.Module, rule: Rule | None, state: dict[str, Any]
+    ) -> BoundRule:
+        """After a heal: bind again on the healed run's ``transport`` and load ``state`` (what the
+        abandoned binding kept, :func:`~.healing.kept_state`); a rule that was training starts
+        again (``on_train_start``), since the survivors hold the same weights where it keeps them so."""
+        training = self.bound is not None and self.bound.training
+        self.bound = None  # abandoned already: nothing to close
+        self._pending_state = state
+        bound = self.bind(transport, module, rule)
+        if training:
+            bound.on_train_start()
+        return bound
+
     def close(self) -> None:
         """Release the bound rule's threads, windows and requests (safe to call twice, or when none
         is bound). The closed rule stays readable as :attr:`bound` (its ``stats()``) until the next
