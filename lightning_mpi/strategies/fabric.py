@@ -152,7 +152,7 @@ def fabric_strategy(api: FabricAPI, environment_class: type, checkpoint_io_class
                 self.options.min_ranks,
                 self._failures,
                 environment,
-                bound=lambda: self._runner.bound,
+                bound=lambda: self._runner.bound if self._runner.live else None,
                 adopt=self._adopt_healed_run,
                 abandon=self._runner.abandon,
                 rule_name=rule.name,
@@ -340,7 +340,7 @@ def fabric_strategy(api: FabricAPI, environment_class: type, checkpoint_io_class
             transport with ``state``. The loop's loaders keep their shards: call
             ``fabric.setup_dataloaders`` again at the next epoch to shard over the survivors."""
             self._set_world_ranks()
-            if self._runner.bound is not None and self._module is not None:
+            if self._runner.was_live and self._module is not None:
                 bound = self._runner.rebind(
                     self.transport, self._module, self._aids.rule_to_bind(self.world_size), state
                 )

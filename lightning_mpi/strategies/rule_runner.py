@@ -30,6 +30,8 @@ class RuleRunner:
     def __init__(self, rule: Rule) -> None:
         self.rule = rule
         self.bound: BoundRule | None = None
+        self.live = False  # bound and not closed since
+        self.was_live = False  # whether the rule was live when it was last abandoned (a heal rebinds it)
         self._pending_state: dict[str, Any] | None = None
 
     def bind(self, transport: Transport, module: torch.nn.Module, rule: Rule | None = None) -> BoundRule:
@@ -38,6 +40,7 @@ class RuleRunner:
         self.close()
         params = [p for p in module.parameters() if p.requires_grad]
         self.bound = (rule or self.rule).bind(transport, params)
+        self.live = True
         if self._pending_state is not None:
             self.bound.load_state_dict(self._pending_state)
             self._pending_state = None
@@ -63,6 +66,7 @@ class RuleRunner:
         :meth:`bind`."""
         if self.bound is not None:
             self.bound.close()
+        self.live = False
 
     def abandon(self) -> None:
         """Drop the bound rule of a failed run without a collective.
@@ -71,6 +75,7 @@ class RuleRunner:
         receive) that MPI can complete at any later progress: they are kept for the life of the
         process, or MPI would write into freed memory.
         """
+        self.was_live = self.live
         if self.bound is not None:
             keep_pending(self.bound)
         self.close()

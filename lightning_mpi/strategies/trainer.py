@@ -171,7 +171,7 @@ def trainer_strategy(api: TrainerAPI, environment_class: type, checkpoint_io_cla
                 self.options.min_ranks,
                 self._failures,
                 environment,
-                bound=lambda: self._runner.bound,
+                bound=lambda: self._runner.bound if self._runner.live else None,
                 adopt=self._adopt_healed_run,
                 abandon=self._runner.abandon,
                 rule_name=rule.name,
@@ -424,7 +424,7 @@ def trainer_strategy(api: TrainerAPI, environment_class: type, checkpoint_io_cla
             on the new transport with ``state``, the vote restarted, the loaders sharded anew from
             the next epoch (see :mod:`.healing`)."""
             self.set_world_ranks()
-            if self._runner.bound is not None and self.model is not None:
+            if self._runner.was_live and self.model is not None:
                 bound = self._runner.rebind(self.transport, self.model, self._aids.rule_to_bind(self.world_size), state)
                 if self._optimizer_sharding.active:  # not reached: ZeRO does not heal yet (healing.kept_state)
                     self._optimizer_sharding.attach(bound, self.optimizers)

@@ -7,7 +7,8 @@ Usage: ``lightning-mpi --heal -n 4 heal_train.py OUT_DIR`` (Open MPI with ULFM).
    overlapped buckets), ``self.log(..., sync_dist=True)`` every step (Lightning's ``reduce``);
    the last rank SIGKILLs itself at the start of step KILL_STEP (the second batch of the second
    epoch), so the survivors heal in the middle of an epoch and train on to MAX_STEPS over three
-   ranks, sharded anew from the third epoch.
+   ranks, sharded anew from the third epoch; validation at every epoch's end (its loader sharded
+   anew at the first validation after the heal), a ``ModelCheckpoint`` and an ``EarlyStopping``.
 2. ``fabric``: then, in the same processes, ``L.Fabric`` with
    ``ModelAveragingStrategy(period=PERIOD, heal="shrink")`` built after that heal (it spans the
    survivors); the last of them dies at Fabric step FABRIC_KILL, in a period whose weight average
@@ -104,11 +105,21 @@ def trainer_phase() -> dict:
             if self.global_step == KILL_STEP and RANK == W - 1:
                 die()
 
+        def validation_step(self, batch, batch_idx):
+            index, x, y = batch
+            self.log("val_loss", nn.functional.mse_loss(self.net(x), y), sync_dist=True)
+            record(phase="validation", step=self.global_step, world=self.trainer.world_size, indices=index.tolist())
+
+        def val_dataloader(self):
+            return DataLoader(torch.utils.data.Subset(Indexed(), range(12)), batch_size=B)
+
         def configure_optimizers(self):
             return torch.optim.SGD(self.parameters(), lr=LR)
 
         def train_dataloader(self):
             return DataLoader(Indexed(), batch_size=B, shuffle=True)
+
+    from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 
     model = Net()
     initial = weights(model.net)
@@ -118,7 +129,10 @@ def trainer_phase() -> dict:
         accelerator="cpu",
         max_steps=MAX_STEPS,
         logger=False,
-        enable_checkpointing=False,
+        num_sanity_val_steps=0,
+        # after the heal: the epoch-end checkpoints (rank 0 writes; the path is broadcast) and the
+        # early-stopping decision (a reduce) go on over the survivors
+        callbacks=[ModelCheckpoint(dirpath=OUT / "checkpoints", save_top_k=-1), EarlyStopping("val_loss", patience=99)],
         enable_progress_bar=False,
         enable_model_summary=False,
     )

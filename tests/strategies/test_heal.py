@@ -189,14 +189,14 @@ def healed(tmp_path_factory):
         for line in path.read_text().splitlines():
             entry = json.loads(line)
             records[entry["phase"]][entry["step"]].append((int(path.suffixes[0][1:]), entry))
-    return err, finals, records
+    return err, finals, records, out
 
 
 @pytest.mark.mpi
 @pytest.mark.openmpi_core
 @pytest.mark.timeout(480)
 def test_trainer_survivors_heal_mid_epoch_and_match_a_replay(healed):
-    err, finals, records = healed
+    err, finals, records, out = healed
     assert sorted(finals["trainer"]) == [0, 1, 2]  # rank 3 died
     steps = records["trainer"]
     assert sorted(steps) == list(range(12))  # no step lost, none repeated
@@ -223,6 +223,15 @@ def test_trainer_survivors_heal_mid_epoch_and_match_a_replay(healed):
         (event,) = result["history"]
         assert event["lost"] == [3] and event["old_world_size"] == 4 and event["world_size"] == 3
         assert event["seconds"] < 60  # no timing target here: benchmarks/heal_latency.py measures
+    # Lightning's callbacks and validation go on after the heal: validation at the end of epochs 0
+    # (4 ranks), 1 and 2 (3 ranks, its loader sharded anew), a checkpoint at the end of each and of training
+    validation = records["validation"]
+    assert sorted(validation) == [3, 6, 10]  # global step at each epoch's end
+    for step, world in ((3, 4), (6, 3), (10, 3)):
+        assert {e["world"] for _, e in validation[step]} == {world}
+        assert sorted(i for _, e in validation[step] for i in e["indices"]) == list(range(12))
+    saved = sorted(p.name for p in (out / "checkpoints").glob("*.ckpt"))
+    assert saved == ["epoch=0-step=3.ckpt", "epoch=1-step=6.ckpt", "epoch=2-step=10.ckpt", "epoch=3-step=12.ckpt"]
     line = [x for x in err.splitlines() if "lightning_mpi: healed: rank 3 of 4 lost" in x]
     assert len(line) == 1 and "training goes on at world size 3" in line[0], err[-3000:]
 
@@ -231,7 +240,7 @@ def test_trainer_survivors_heal_mid_epoch_and_match_a_replay(healed):
 @pytest.mark.openmpi_core
 @pytest.mark.timeout(480)
 def test_fabric_model_averaging_built_after_a_heal_heals_again_then_min_ranks_stops(healed):
-    err, finals, records = healed
+    err, finals, records, out = healed
     steps = records["fabric"]
     assert sorted(steps) == list(range(6))
     for step, entries in steps.items():
