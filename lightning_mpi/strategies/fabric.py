@@ -334,13 +334,13 @@ def fabric_strategy(api: FabricAPI, environment_class: type, checkpoint_io_class
                 return bound.before_step(optimizer)
             return heal_grads(self._healing, self._runner, optimizer, self._module)
 
-        def _adopt_healed_run(self, state: dict[str, Any]) -> None:
+        def _adopt_healed_run(self, state: dict[str, Any] | None) -> None:
             """After a heal (collective over the survivors): ranks and world size as the healed run
             has them (``fabric.world_size``, ``fabric.global_rank``), the rule bound again on the new
             transport with ``state``. The loop's loaders keep their shards: call
             ``fabric.setup_dataloaders`` again at the next epoch to shard over the survivors."""
             self._set_world_ranks()
-            if self._runner.was_live and self._module is not None:
+            if state is not None and self._module is not None:
                 bound = self._runner.rebind(
                     self.transport, self._module, self._aids.rule_to_bind(self.world_size), state
                 )

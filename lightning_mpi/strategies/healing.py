@@ -44,7 +44,7 @@ import torch
 
 from lightning_mpi.comm.errors import RankFailedError
 from lightning_mpi.comm.healing import HealedRun, heal_run
-from lightning_mpi.comm.ulfm import ProcessFailed, process_failure, require_heal
+from lightning_mpi.comm.ulfm import HEAL_ATTEMPTS, ProcessFailed, process_failure, require_heal
 from lightning_mpi.rules.averaging import BoundModelAveraging, averages_at
 from lightning_mpi.rules.base import BoundRule
 from lightning_mpi.rules.easgd import BoundEASGD
@@ -86,11 +86,12 @@ def _stopped(rank: int, message: str) -> RankFailedError:
     return error
 
 
-def kept_state(bound: BoundRule | None) -> dict[str, Any]:
+def kept_state(bound: BoundRule | None) -> dict[str, Any] | None:
     """What the bound rule carries into the healed run (its state, read locally: the other ranks
-    are not reachable any more); raises ``LookupError`` naming why for a rule that cannot heal yet."""
+    are not reachable any more), ``None`` when no rule is live (nothing to bind again); raises
+    ``LookupError`` naming why for a rule that cannot heal yet."""
     if bound is None:
-        return {}
+        return None
     if type(bound) is BoundSync:
         if bound.rule.average != "gradients":
             raise LookupError(f'average={bound.rule.average!r}: only average="gradients" heals so far')
@@ -112,8 +113,9 @@ class RunHealing:
         failures: the strategy's :class:`~.failures.RunFailures` (its transport, channel, ranks).
         environment: the strategy's MPI cluster environment (:class:`~.environment.MPIClusterMixin`).
         bound: returns the bound rule (or ``None``).
-        adopt: called after a heal, collectively, with the kept rule state: the strategy rebinds
-            its rule on the new transport, updates what Lightning reads, restarts its vote.
+        adopt: called after a heal, collectively, with the kept rule state (``None``: no rule is
+            live): the strategy rebinds its rule on the new transport, updates what Lightning
+            reads, restarts its vote.
         abandon: drops the bound rule without a collective (``RuleRunner.abandon``).
         rule_name: the rule's name, for messages.
     """
@@ -125,7 +127,7 @@ class RunHealing:
         failures: Any,
         environment: Any,
         bound: Callable[[], BoundRule | None],
-        adopt: Callable[[dict[str, Any]], None],
+        adopt: Callable[[dict[str, Any] | None], None],
         abandon: Callable[[], None],
         rule_name: str,
     ) -> None:
@@ -227,8 +229,31 @@ class RunHealing:
             state = kept_state(self._bound())
         except LookupError as why:
             raise HealNotSupported(self._rule_name, str(why), failure) from error
+        old_size = self._failures.world_size
+        for _ in range(HEAL_ATTEMPTS):
+            try:
+                return self._heal_once(failure, where, error, state, detected, old_size)
+            except Exception as again:
+                if isinstance(again, RankFailedError) and not isinstance(again, ProcessFailed):
+                    raise  # the survivors stop (min_ranks, too far apart): no failure to heal
+                failed = process_failure(again)
+                if failed is None:
+                    raise
+                # one more rank died while the survivors healed: heal the healed run again
+                failure, error = failed, again
+        raise _stopped(-1, f"ranks kept dying while the survivors healed ({HEAL_ATTEMPTS} heals)") from error
+
+    def _heal_once(
+        self,
+        failure: ProcessFailed,
+        where: str,
+        error: BaseException,
+        state: dict[str, Any] | None,
+        detected: float,
+        old_size: int,
+    ) -> Any:
         failures, environment = self._failures, self._environment
-        old_rank, old_size = failures.rank, failures.world_size
+        old_rank = failures.rank
         run: HealedRun = heal_run(
             failures.transport,
             failures.base_comm,

@@ -31,7 +31,6 @@ class RuleRunner:
         self.rule = rule
         self.bound: BoundRule | None = None
         self.live = False  # bound and not closed since
-        self.was_live = False  # whether the rule was live when it was last abandoned (a heal rebinds it)
         self._pending_state: dict[str, Any] | None = None
 
     def bind(self, transport: Transport, module: torch.nn.Module, rule: Rule | None = None) -> BoundRule:
@@ -75,7 +74,6 @@ class RuleRunner:
         receive) that MPI can complete at any later progress: they are kept for the life of the
         process, or MPI would write into freed memory.
         """
-        self.was_live = self.live
         if self.bound is not None:
             keep_pending(self.bound)
         self.close()

@@ -419,12 +419,12 @@ def trainer_strategy(api: TrainerAPI, environment_class: type, checkpoint_io_cla
                 for logger in trainer.loggers:
                     logger.log_metrics(metrics, step=trainer.global_step)
 
-        def _adopt_healed_run(self, state: dict[str, Any]) -> None:
+        def _adopt_healed_run(self, state: dict[str, Any] | None) -> None:
             """After a heal (collective over the survivors): Lightning's ranks, the rule bound again
             on the new transport with ``state``, the vote restarted, the loaders sharded anew from
             the next epoch (see :mod:`.healing`)."""
             self.set_world_ranks()
-            if self._runner.was_live and self.model is not None:
+            if state is not None and self.model is not None:
                 bound = self._runner.rebind(self.transport, self.model, self._aids.rule_to_bind(self.world_size), state)
                 if self._optimizer_sharding.active:  # not reached: ZeRO does not heal yet (healing.kept_state)
                     self._optimizer_sharding.attach(bound, self.optimizers)

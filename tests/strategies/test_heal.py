@@ -58,7 +58,7 @@ def test_rules_that_cannot_heal_yet_say_so():
         sync.rule, sync.skipped_steps = rule, 3
         return sync
 
-    assert kept_state(None) == {}
+    assert kept_state(None) is None  # no live rule: nothing to bind again
     assert kept_state(bound(SyncRule())) == {"skipped_steps": 3}
     with pytest.raises(LookupError, match='average="gradients"'):
         kept_state(bound(SyncRule(average="weights")))
@@ -317,7 +317,7 @@ def test_a_survivor_behind_takes_the_result_and_the_others_redo(monkeypatch, cap
     behind, adopted = _healing(monkeypatch, _FakeTransport(1, [(6, "allreduce", "MPI_ERR_REVOKED", 0)], "rank 0's"))
     behind.completed = 5
     assert behind.operation("allreduce", fails_once, take=lambda kept: f"took {kept}") == "took rank 0's"
-    assert len(calls) == 1 and behind.completed == 6 and adopted == [{}]
+    assert len(calls) == 1 and behind.completed == 6 and adopted == [None]
     assert behind.history[0]["redo"] is False and behind.stats["mpi/heal/events"] == 1.0
     # rank 0, ahead, sends the result it kept and redoes the operation it was in (its 7th)
     calls.clear()
@@ -332,3 +332,27 @@ def test_a_survivor_behind_takes_the_result_and_the_others_redo(monkeypatch, cap
     far.completed = 5
     with pytest.raises(RankFailedError, match="3 operations apart"):
         far.operation("x", lambda: (_ for _ in ()).throw(ProcessFailed((2,), "x")))
+
+
+@pytest.mark.timeout(10)
+def test_a_rank_lost_during_the_heal_heals_again(monkeypatch):
+    from lightning_mpi.comm.ulfm import ProcessFailed
+
+    class DiesOnce(_FakeTransport):
+        def allgather_object(self, mine):
+            if not getattr(self, "died", False):
+                self.died = True
+                raise ProcessFailed((1,), "allgather")
+            return [mine]
+
+    healing, adopted = _healing(monkeypatch, DiesOnce(0, []))
+    runs = iter([Exception("first run failed"), "redone"])
+
+    def run():
+        result = next(runs)
+        if isinstance(result, Exception):
+            raise ProcessFailed((2,), "allreduce")
+        return result
+
+    assert healing.operation("allreduce", run) == "redone"
+    assert adopted == [None] and healing.events == 1  # one heal, made of two shrinks
