@@ -34,6 +34,7 @@ Rank 0 prints one line per heal; :attr:`RunHealing.stats` are logged as ``mpi/he
 
 from __future__ import annotations
 
+import atexit
 import itertools
 import sys
 import time
@@ -44,7 +45,7 @@ import torch
 
 from lightning_mpi.comm.errors import RankFailedError
 from lightning_mpi.comm.healing import HealedRun, heal_run
-from lightning_mpi.comm.ulfm import HEAL_ATTEMPTS, ProcessFailed, process_failure, require_heal
+from lightning_mpi.comm.ulfm import HEAL_ATTEMPTS, ProcessFailed, mark_finished, process_failure, require_heal
 from lightning_mpi.rules.averaging import BoundModelAveraging, averages_at
 from lightning_mpi.rules.base import BoundRule
 from lightning_mpi.rules.easgd import BoundEASGD
@@ -262,6 +263,9 @@ class RunHealing:
             before_release=self._abandon,
         )
         assert run.healed is not None
+        if not _HEALED:
+            atexit.register(_finished_at_exit)
+        _HEALED[:] = [run.base]
         failures.adopt(run)
         environment.adopt(run.base)
         transport = run.transport
@@ -390,6 +394,24 @@ def heal_after_step(healing: RunHealing, runner: Any, optimizer: Any) -> None:
         put_back,
         counted=lambda: exchanged(runner.bound, before),
     )
+
+
+#: the survivors' communicator of the latest heal in this process (for :func:`_finished_at_exit`)
+_HEALED: list[Any] = []
+
+
+def _finished_at_exit() -> None:
+    """At the end of a process that healed: tell ``lightning-mpi --heal`` that training finished
+    (:func:`~lightning_mpi.comm.ulfm.mark_finished`: a barrier of the survivors, then a mark), so
+    that a job that Open MPI then keeps waiting in ``MPI_Finalize`` (it can, after ranks died) is
+    ended after ``--grace`` seconds with exit code 0. Runs before mpi4py finalizes MPI; a survivor
+    that never gets here (it died or raised) fails the barrier, and nothing is marked."""
+    if not _HEALED:
+        return
+    try:
+        mark_finished(_HEALED[0])
+    except Exception:  # noqa: BLE001  (at exit: a failed barrier means no mark, nothing more)
+        pass
 
 
 class _Nothing:

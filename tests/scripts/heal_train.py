@@ -1,7 +1,7 @@
 """Training that loses a rank and heals (``heal="shrink"``), twice in one launch
 (tests/strategies/test_heal.py).
 
-Usage: ``lightning-mpi --heal -n 4 heal_train.py OUT_DIR`` (Open MPI with ULFM).
+Usage: ``lightning-mpi --heal -n 5 heal_train.py OUT_DIR`` (Open MPI with ULFM).
 
 1. ``trainer``: the Trainer with ``SyncStrategy(exchange="asa", heal="shrink")`` (gradient hooks,
    overlapped buckets), ``self.log(..., sync_dist=True)`` every step (Lightning's ``reduce``);
@@ -13,7 +13,8 @@ Usage: ``lightning-mpi --heal -n 4 heal_train.py OUT_DIR`` (Open MPI with ULFM).
    ``ModelAveragingStrategy(period=PERIOD, heal="shrink")`` built after that heal (it spans the
    survivors); the last of them dies at Fabric step FABRIC_KILL, in a period whose weight average
    the two left then make, and they finish FABRIC_STEPS.
-3. ``min_ranks``: a Fabric run with ``min_ranks=2`` on those two loses one more rank; the survivor
+3. ``easgd``: the same with ``EASGDStrategy(period=PERIOD)`` on the three left (5 -> 4 -> 3 -> 2).
+4. ``min_ranks``: a Fabric run with ``min_ranks=2`` on those two loses one more rank; the survivor
    raises ``RankFailedError`` (what ``--max-restarts`` takes over from).
 
 Every process appends a record per step to ``OUT_DIR/steps.<rank>.jsonl`` (its rank at launch):
@@ -37,7 +38,7 @@ from torch.utils.data import DataLoader, Dataset
 warnings.filterwarnings("ignore")
 torch.set_num_threads(1)
 OUT, RANK, W = Path("."), 0, 1  # set by main(); the test imports Indexed and make_net without MPI
-N, B, LR = 48, 4, 0.1  # W = 4: 12 samples, 3 batches per rank and epoch; W = 3: 4 batches
+N, B, LR, VAL = 60, 4, 0.1, 20  # W = 5: 12 samples, 3 batches per rank and epoch; W = 4: 15, 4 batches
 KILL_STEP, MAX_STEPS = 4, 12
 FABRIC_KILL, FABRIC_STEPS, PERIOD = 3, 6, 2
 
@@ -111,7 +112,7 @@ def trainer_phase() -> dict:
             record(phase="validation", step=self.global_step, world=self.trainer.world_size, indices=index.tolist())
 
         def val_dataloader(self):
-            return DataLoader(torch.utils.data.Subset(Indexed(), range(12)), batch_size=B)
+            return DataLoader(torch.utils.data.Subset(Indexed(), range(VAL)), batch_size=B)
 
         def configure_optimizers(self):
             return torch.optim.SGD(self.parameters(), lr=LR)
@@ -182,6 +183,31 @@ def fabric_phase() -> dict:
     }
 
 
+def easgd_phase() -> dict:
+    """EASGD (its center replicated) on the three left; one dies in the elastic exchange's step."""
+    import lightning as L
+
+    from lightning_mpi.fabric import EASGDStrategy
+
+    strategy = EASGDStrategy(period=PERIOD, heal="shrink")
+    fabric = L.Fabric(strategy=strategy, accelerator="cpu")
+    fabric.launch()
+    net = make_net()
+    initial = weights(net)
+    model, opt = fabric.setup(net, torch.optim.SGD(net.parameters(), lr=LR))
+    data = Indexed()
+    for step in range(FABRIC_STEPS):
+        if step == FABRIC_KILL and fabric.global_rank == fabric.world_size - 1:
+            die()
+        index = [(step * 5 + fabric.global_rank * B + k) % N for k in range(B)]
+        opt.zero_grad()
+        fabric.backward(nn.functional.mse_loss(model(data.x[index]), data.y[index]))
+        opt.step()
+        record(phase="easgd", step=step, world=fabric.world_size, rank=fabric.global_rank, indices=index)
+    strategy.finish_training()  # every rank's weights become the center
+    return {"initial": initial, "final": weights(net), "history": strategy._healing.history}
+
+
 def min_ranks_phase() -> dict:
     """Two ranks left and ``min_ranks=2``: the survivor of one more loss raises ``RankFailedError``."""
     import lightning as L
@@ -212,7 +238,13 @@ def main() -> None:
     from mpi4py import MPI
 
     OUT, RANK, W = Path(sys.argv[1]), MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
-    for name, phase in (("trainer", trainer_phase), ("fabric", fabric_phase), ("min_ranks", min_ranks_phase)):
+    phases = (
+        ("trainer", trainer_phase),
+        ("fabric", fabric_phase),
+        ("easgd", easgd_phase),
+        ("min_ranks", min_ranks_phase),
+    )
+    for name, phase in phases:
         (OUT / f"{name}.{RANK}.json").write_text(json.dumps(phase()))
 
 

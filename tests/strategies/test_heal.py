@@ -1,13 +1,14 @@
 """``heal="shrink"``: the survivors of a dead rank go on training (lightning_mpi.strategies.healing).
 
-The options are checked everywhere (cheap). The healing itself runs under Open MPI with ULFM
-(``LIGHTNING_MPI_TEST_MPI=openmpi``, ``./run test-openmpi``), in one launch of
-``tests/scripts/heal_train.py`` through ``lightning-mpi --heal -n 4``: a Trainer run on
-``SyncStrategy(exchange="asa")`` loses a rank mid-epoch (W 4 -> 3), then a Fabric run on
-``ModelAveragingStrategy`` built after that heal loses another (W 3 -> 2), then ``min_ranks=2``
-stops the last two when one more dies. The survivors must exit 0, finish every step, end bitwise
-identical, and equal a one-process replay that averages over the ranks alive at each step, with
-the same samples; the sampler shards over the survivors from the next epoch.
+The options, the reconciliation of survivors and the refusals are checked everywhere (cheap). The
+healing itself runs under Open MPI with ULFM (``LIGHTNING_MPI_TEST_MPI=openmpi``, ``./run
+test-openmpi``), in one launch of ``tests/scripts/heal_train.py`` through ``lightning-mpi --heal
+-n 5``: a Trainer run on ``SyncStrategy(exchange="asa")`` loses a rank mid-epoch (W 5 -> 4), with
+validation, checkpoints and early stopping going on; then Fabric runs built after that heal lose
+one rank each: ``ModelAveragingStrategy`` (4 -> 3), ``EASGDStrategy`` (3 -> 2); then
+``min_ranks=2`` stops the last two when one more dies. The survivors must exit 0, finish every
+step, end bitwise identical, and equal a one-process replay over the ranks alive at each step,
+with the same samples; the sampler shards over the survivors from the next epoch.
 """
 
 from __future__ import annotations
@@ -169,6 +170,40 @@ def _replay_model_averaging(initial: list, steps: list[dict[int, list[int]]], pe
     return [p.detach().double().flatten().tolist() for p in net.parameters()]
 
 
+def _replay_easgd(initial: list, steps: list[dict[int, list[int]]], period: int) -> list:
+    """One process per rank, synchronous EASGD: local SGD steps; every ``period`` steps, with the W
+    ranks alive then and α = 0.9 / W, θᵢ ← θᵢ − α(θᵢ − c) and c ← c + α Σᵢ(θᵢ − c); the center at the end."""
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        from heal_train import LR, Indexed, make_net
+    finally:
+        sys.path.pop(0)
+    data = Indexed()
+    nets, center = {}, [torch.tensor(w, dtype=torch.float32) for w in initial]
+    for rank in steps[0]:
+        nets[rank] = make_net()
+        with torch.no_grad():
+            for p, w in zip(nets[rank].parameters(), center, strict=True):
+                p.copy_(w.view_as(p))
+    opts = {rank: torch.optim.SGD(net.parameters(), lr=LR) for rank, net in nets.items()}
+    for step, batches in enumerate(steps):
+        for rank in [r for r in nets if r not in batches]:  # died
+            del nets[rank]
+        for rank, index in batches.items():
+            opts[rank].zero_grad()
+            torch.nn.functional.mse_loss(nets[rank](data.x[index]), data.y[index]).backward()
+            opts[rank].step()
+        if (step + 1) % period == 0:
+            alpha = 0.9 / len(nets)
+            with torch.no_grad():
+                for i, ps in enumerate(zip(*(net.parameters() for net in nets.values()), strict=True)):
+                    total = sum(p.detach().flatten() - center[i] for p in ps)
+                    for p in ps:
+                        p.sub_(alpha * (p.detach() - center[i].view_as(p)))
+                    center[i] = center[i] + alpha * total
+    return [c.double().tolist() for c in center]
+
+
 def _close(a: list, b: list, tol: float = 1e-5) -> bool:
     return all(torch.allclose(torch.tensor(x), torch.tensor(y), rtol=tol, atol=tol) for x, y in zip(a, b, strict=True))
 
@@ -177,7 +212,7 @@ def _close(a: list, b: list, tol: float = 1e-5) -> bool:
 def healed(tmp_path_factory):
     require_ulfm()
     out = tmp_path_factory.mktemp("heal")
-    proc = launch([sys.executable, "-m", "lightning_mpi", "-n", 4, "--heal", "--grace", 3, SCRIPT, out], REPO)
+    proc = launch([sys.executable, "-m", "lightning_mpi", "-n", 5, "--heal", "--grace", 3, SCRIPT, out], REPO)
     code, _, err = finish(proc, 420)  # mostly start-up: 4 ranks importing Lightning on a loaded machine
     assert code == 0, err[-6000:]
     finals = defaultdict(dict)  # phase -> launch rank -> what the survivor wrote
@@ -197,43 +232,43 @@ def healed(tmp_path_factory):
 @pytest.mark.timeout(480)
 def test_trainer_survivors_heal_mid_epoch_and_match_a_replay(healed):
     err, finals, records, out = healed
-    assert sorted(finals["trainer"]) == [0, 1, 2]  # rank 3 died
+    assert sorted(finals["trainer"]) == [0, 1, 2, 3]  # rank 4 died
     steps = records["trainer"]
     assert sorted(steps) == list(range(12))  # no step lost, none repeated
     for step, entries in steps.items():
-        assert len(entries) == (4 if step < 4 else 3), step
+        assert len(entries) == (5 if step < 4 else 4), step
         assert len({rank for rank, _ in entries}) == len(entries), step
     # mid-epoch the survivors keep their shards (the lost rank's two batches are not seen); from
     # the next epoch the sampler deals every sample over the three survivors
     epoch1 = [i for s in (3, 4, 5) for _, e in steps[s] for i in e["indices"]]
-    assert len(epoch1) == len(set(epoch1)) == 48 - 2 * 4
+    assert len(epoch1) == len(set(epoch1)) == 60 - 2 * 4
     epoch2 = sorted(i for s in (6, 7, 8, 9) for _, e in steps[s] for i in e["indices"])
-    assert epoch2 == list(range(48)) and all(e["epoch"] == 2 for s in (6, 7, 8, 9) for _, e in steps[s])
-    ours = [finals["trainer"][r] for r in (0, 1, 2)]
-    assert ours[0]["final"] == ours[1]["final"] == ours[2]["final"]  # bitwise identical survivors
+    assert epoch2 == list(range(60)) and all(e["epoch"] == 2 for s in (6, 7, 8, 9) for _, e in steps[s])
+    ours = [finals["trainer"][r] for r in (0, 1, 2, 3)]
+    assert all(result["final"] == ours[0]["final"] for result in ours)  # bitwise identical survivors
     replay = _replay(ours[0]["initial"], [[e["indices"] for _, e in steps[s]] for s in range(12)])
     assert _close(ours[0]["final"], replay)
     for result in ours:
-        assert result["global_step"] == 12 and result["world_size"] == 3
+        assert result["global_step"] == 12 and result["world_size"] == 4
         assert result["stats"] == {
             "mpi/heal/events": 1.0,
             "mpi/heal/seconds": pytest.approx(result["history"][0]["seconds"]),
-            "mpi/heal/world_size": 3.0,
+            "mpi/heal/world_size": 4.0,
         }
         (event,) = result["history"]
-        assert event["lost"] == [3] and event["old_world_size"] == 4 and event["world_size"] == 3
+        assert event["lost"] == [4] and event["old_world_size"] == 5 and event["world_size"] == 4
         assert event["seconds"] < 60  # no timing target here: benchmarks/heal_latency.py measures
     # Lightning's callbacks and validation go on after the heal: validation at the end of epochs 0
     # (4 ranks), 1 and 2 (3 ranks, its loader sharded anew), a checkpoint at the end of each and of training
     validation = records["validation"]
     assert sorted(validation) == [3, 6, 10]  # global step at each epoch's end
-    for step, world in ((3, 4), (6, 3), (10, 3)):
+    for step, world in ((3, 5), (6, 4), (10, 4)):
         assert {e["world"] for _, e in validation[step]} == {world}
-        assert sorted(i for _, e in validation[step] for i in e["indices"]) == list(range(12))
+        assert sorted(i for _, e in validation[step] for i in e["indices"]) == list(range(20))
     saved = sorted(p.name for p in (out / "checkpoints").glob("*.ckpt"))
     assert saved == ["epoch=0-step=3.ckpt", "epoch=1-step=6.ckpt", "epoch=2-step=10.ckpt", "epoch=3-step=12.ckpt"]
-    line = [x for x in err.splitlines() if "lightning_mpi: healed: rank 3 of 4 lost" in x]
-    assert len(line) == 1 and "training goes on at world size 3" in line[0], err[-3000:]
+    line = [x for x in err.splitlines() if "lightning_mpi: healed: rank 4 of 5 lost" in x]
+    assert len(line) == 1 and "training goes on at world size 4" in line[0], err[-3000:]
 
 
 @pytest.mark.mpi
@@ -244,20 +279,30 @@ def test_fabric_model_averaging_built_after_a_heal_heals_again_then_min_ranks_st
     steps = records["fabric"]
     assert sorted(steps) == list(range(6))
     for step, entries in steps.items():
-        assert len(entries) == (3 if step < 3 else 2), step
+        assert len(entries) == (4 if step < 3 else 3), step
         assert all(e["world"] == len(entries) and e["ones"] == len(entries) for _, e in entries), step
-    assert sorted(finals["fabric"]) == [0, 1]  # rank 2 died
-    ours = [finals["fabric"][r] for r in (0, 1)]
-    assert ours[0]["final"] == ours[1]["final"]
+    assert sorted(finals["fabric"]) == [0, 1, 2]  # rank 3 died
+    ours = [finals["fabric"][r] for r in (0, 1, 2)]
+    assert all(result["final"] == ours[0]["final"] for result in ours)
     replay = _replay_model_averaging(
         ours[0]["initial"], [{rank: e["indices"] for rank, e in steps[s]} for s in range(6)], period=2
     )
     assert _close(ours[0]["final"], replay)
     for result in ours:
-        assert result["world_size"] == 2
+        assert result["world_size"] == 3
         (event,) = result["history"]
-        assert event["lost"] == [2] and event["world_size"] == 2
-    assert sum("lightning_mpi: healed: rank 2 of 3 lost" in x for x in err.splitlines()) == 1
+        assert event["lost"] == [3] and event["world_size"] == 3
+    assert sum("lightning_mpi: healed: rank 3 of 4 lost" in x for x in err.splitlines()) == 1
+    # then EASGD on the three left loses one in the step of an elastic exchange
+    steps = records["easgd"]
+    assert sorted(steps) == list(range(6))
+    for step, entries in steps.items():
+        assert len(entries) == (3 if step < 3 else 2) and all(e["world"] == len(entries) for _, e in entries), step
+    ours = [finals["easgd"][r] for r in (0, 1)]
+    assert ours[0]["final"] == ours[1]["final"]  # the center, the same on every survivor
+    replay = _replay_easgd(ours[0]["initial"], [{rank: e["indices"] for rank, e in steps[s]} for s in range(6)], 2)
+    assert _close(ours[0]["final"], replay)
+    assert [e["lost"] for e in ours[0]["history"]] == [[2]]
     # then min_ranks=2 on the two left: the survivor of one more loss raises RankFailedError
     (survivor,) = finals["min_ranks"].values()
     assert survivor["caught"] == "RankFailedError" and survivor["step"] == 1
