@@ -54,7 +54,8 @@ from lightning_mpi.strategies.convergence import ConvergenceAids
 from lightning_mpi.strategies.environment import device_local_rank, rank_device
 from lightning_mpi.strategies.failures import RunFailures, install_abort_hook
 from lightning_mpi.strategies.flags import check_num_nodes, checked_parallel_devices
-from lightning_mpi.strategies.healing import RunHealing, heal_after_step, heal_grads
+from lightning_mpi.strategies.healing import RunHealing
+from lightning_mpi.strategies.healing_rules import heal_after_step, heal_grads
 from lightning_mpi.strategies.lightning_api import FabricAPI
 from lightning_mpi.strategies.optimizer_sharding import OptimizerSharding
 from lightning_mpi.strategies.rule_runner import RuleRunner

@@ -25,7 +25,7 @@ import torch
 from lightning_mpi.comm.errors import RankFailedError
 from lightning_mpi.comm.ulfm import FT_ENV
 from lightning_mpi.strategies.common_options import CommonOptions
-from lightning_mpi.strategies.healing import kept_state
+from lightning_mpi.strategies.healing_rules import kept_state
 from tests.launcher.helpers import finish, launch
 from tests.mpi_utils import REPO, mpi_env, mpi_flavor, require_ulfm
 
