@@ -15,7 +15,14 @@ needs root) and trains through a ``pytorch_lightning`` Trainer for a wall-clock 
   read off its curve), ``ddp_powersgd1``, ``ddp_powersgd4`` (``benchmarks/ddp_peers.py``);
 - ours: any registered strategy name (``mpi_asa16``, ``mpi_diloco``, ...; a name this checkout
   does not have is reported as "not available"); ``name:key=value,...`` overrides its arguments;
-- ``local``: one process without any exchange (run once): the compute ceiling.
+- ``local``: one process without any exchange, run for W·T (W: the most ranks of any setting),
+  with a snapshot every ``T / LOCAL_POINTS_PER_T``: the real limit. Each arm's **effective
+  speedup** is the time ``local`` needs to reach the arm's loss in T, divided by T (ideal W).
+
+``--runs N`` runs ``local`` N times and, per setting, every arm once and then the headline arms
+N - 1 times more (``ttq_report.headline_arms``: ``ddp_fp16``, the best PowerSGD peer, ``mpi_auto``
+and the best fixed ``mpi_*`` arm of the first run; ``--repeat`` names them instead); the tables
+show the mean and the spread. The long peer runs ``--peer-factor`` x T in its first run only.
 
 An arm that fails is reported with its error; one that outlives its run plus ``--margin`` seconds
 is killed (SIGKILL, the whole job) and reported as "hung", with how far it got. The run goes on.
@@ -23,13 +30,16 @@ is killed (SIGKILL, the whole job) and reported as "hung", with how far it got. 
     python benchmarks/time_to_quality.py                     # 4 settings x 13 arms, ~30 min
     python benchmarks/time_to_quality.py --settings hosts:2:100mbit --budget 10 --arms ddp local mpi_asa16
     python benchmarks/time_to_quality.py --smoke             # 2 ranks, shared memory, seconds
+    python benchmarks/time_to_quality.py --settings hosts:2:100mbit --runs 3 --peer-factor 1 \
+        --arms local ddp_fp16 ddp_powersgd1 mpi_auto mpi_diloco mpi_streaming_diloco
 
-Per setting it prints a markdown table (loss in T; time to reach the best loss ddp reaches in T;
-samples/s and steps/s against ``local``; ddp_fp16's loss at 3T and 5T and whether each arm's
-loss in T is as low; peak bytes per exchange where the rule's ``stats()`` reports them; whether
-every rank ends with the same weights) and saves ``benchmarks/results/time_to_quality.json``,
-``.md`` and one PNG per setting (``ttq_report.py``). The curve points before the last are rank 0's
-own weights (a worker's, for local-step and asynchronous rules); the last point is the weights
+Per setting it prints a markdown table (loss in T; effective speedup; time to reach the best loss
+ddp reaches in T; samples/s and steps/s against ``local``; ddp_fp16's loss at 3T and 5T and
+whether each arm's loss in T is as low; peak bytes per exchange where the rule's ``stats()``
+reports them; whether every rank ends with the same weights), a table of each arm's effective
+speedup over each peer's, and saves ``benchmarks/results/time_to_quality.json``, ``.md`` and one
+PNG per setting (``ttq_report.py``: the curves, and the effective speedups beside them). The
+curve points before the last are rank 0's own weights (a worker's, for local-step and asynchronous rules); the last point is the weights
 ``fit`` leaves (the average or center). Figures depend on the machine and its load.
 """
 from __future__ import annotations
@@ -63,6 +73,8 @@ LONG_PEER = "ddp_fp16"
 #: seconds an arm takes beyond its run (start-up: imports, data, process group; evaluation of the
 #: snapshots): a base, plus per rank sharing a core (a rank imports torch and Lightning in ~5 CPU s)
 OVERHEAD_BASE, OVERHEAD_PER_RANK_PER_CORE = 10.0, 5.0
+#: local snapshots per T: its curve is the yardstick of every effective speedup, so it is finer
+LOCAL_POINTS_PER_T = 10
 SMOKE_TASK = TaskConfig(hidden=256, train_bytes=1 << 20, held_out_bytes=64 << 10, train_windows=1 << 14,
                         held_out_windows=128)
 
@@ -77,8 +89,28 @@ def available(arm: str) -> bool:
     return name in STRATEGIES
 
 
-def run_seconds(arm: str, args: argparse.Namespace) -> float:
-    return args.budget * (args.peer_factor if parse_arm(arm)[0] == LONG_PEER else 1)
+def world_of(setting: str) -> int:
+    """Ranks of ``hosts:N:RATE`` or ``shm:N``."""
+    return int(setting.split(":")[1])
+
+
+def run_seconds(arm: str, args: argparse.Namespace, first: bool = True) -> float:
+    """An arm's run: T; the long peer's first run ``peer_factor`` x T; ``local`` W·T (W: the most
+    ranks of any setting)."""
+    name = parse_arm(arm)[0]
+    if name == "local":
+        return args.budget * max([world_of(s) for s in args.settings] or [1])
+    return args.budget * (args.peer_factor if name == LONG_PEER and first else 1)
+
+
+def arm_marks(arm: str, run: float, budget: float) -> list[float]:
+    """Snapshot times: ``local`` every ``T / LOCAL_POINTS_PER_T`` and at every multiple of T; others
+    :func:`snapshot_marks`."""
+    if parse_arm(arm)[0] != "local":
+        return snapshot_marks(run, budget)
+    points = max(10, round(run / budget * LOCAL_POINTS_PER_T))
+    multiples = {k * budget for k in range(1, int(run / budget) + 1)}
+    return sorted(set(snapshot_marks(run, budget, points)) | {m for m in multiples if m < run})
 
 
 def snapshot_marks(run: float, budget: float, points: int = 10) -> list[float]:
@@ -102,13 +134,14 @@ def _progress(path: Path) -> str:
     return f"rank 0 last reported: {p['phase']}, {p['steps']} steps, t={p['t']} s"
 
 
-def run_arm(setting: str, arm: str, args: argparse.Namespace, task: TaskConfig, data: Path, cluster=None) -> dict:
+def run_arm(setting: str, arm: str, args: argparse.Namespace, task: TaskConfig, data: Path, cluster=None,
+            first: bool = True) -> dict:
     """Run one arm in one setting; its result dict with ``status`` ok / failed / hung."""
-    run = run_seconds(arm, args)
+    run = run_seconds(arm, args, first)
     timeout = run + args.margin
     with tempfile.TemporaryDirectory(prefix="ttq-") as tmp:
         tmp = Path(tmp)
-        spec = {"arm": arm, "run_seconds": run, "marks": snapshot_marks(run, args.budget), "batch": args.batch,
+        spec = {"arm": arm, "run_seconds": run, "marks": arm_marks(arm, run, args.budget), "batch": args.batch,
                 "task": asdict(task), "data": str(data), "out": str(tmp / "result.json"),
                 "progress": str(tmp / "progress.json")}
         (tmp / "spec.json").write_text(json.dumps(spec))
@@ -154,25 +187,35 @@ def _run_killable(cmd: list[str], env: dict, timeout: float) -> subprocess.Compl
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
-def run_setting(setting: str, arms: list[str], args, task, data) -> dict[str, dict]:
-    """Every arm (but ``local``) in ``setting``; one simulated cluster for all of them."""
-    results = {}
+def run_setting(setting: str, arms: list[str], args, task, data) -> tuple[dict[str, dict], dict[str, list[dict]]]:
+    """Every arm (but ``local``) in ``setting`` once, then the arms to repeat ``args.runs - 1`` times
+    more; one simulated cluster for all of them. Returns (first runs, further runs per arm)."""
+    results: dict[str, dict] = {}
     todo = [a for a in arms if a != "local"]
     for arm in todo:
         if not available(arm):
             results[arm] = {"arm": arm, "status": "not available", "reason": "not a strategy in this checkout"}
     runnable = [a for a in todo if a not in results]
+    repeats: dict[str, list[dict]] = {}
     kind, *rest = setting.split(":")
+
+    def go(cluster=None) -> None:
+        for arm in runnable:
+            results[arm] = _logged(setting, arm, run_arm(setting, arm, args, task, data, cluster))
+        again = [a for a in (args.repeat or ttq_report.headline_arms(results, args.budget)) if a in runnable]
+        for run in range(2, args.runs + 1):
+            for arm in again:
+                r = run_arm(setting, arm, args, task, data, cluster, first=False)
+                repeats.setdefault(arm, []).append(_logged(f"{setting} run {run}", arm, r))
+
     if kind == "hosts" and runnable:
         from benchmarks.cluster import SimCluster
 
         with SimCluster(int(rest[0]), rate=rest[1]) as cluster:
-            for arm in runnable:
-                results[arm] = _logged(setting, arm, run_arm(setting, arm, args, task, data, cluster))
+            go(cluster)
     else:
-        for arm in runnable:
-            results[arm] = _logged(setting, arm, run_arm(setting, arm, args, task, data))
-    return {a: results[a] for a in todo}
+        go()
+    return {a: results[a] for a in todo}, repeats
 
 
 def _logged(setting: str, arm: str, r: dict) -> dict:
@@ -190,12 +233,15 @@ def overhead_estimate(ranks: int) -> float:
 
 
 def estimate_seconds(settings: list[str], arms: list[str], args) -> float:
-    """Expected wall time of the whole run (no arm hanging)."""
+    """Expected wall time of the whole run (no arm hanging; 4 arms repeated when ``--runs`` > 1)."""
     runnable = [a for a in arms if a != "local" and available(a)]
-    total = args.budget + overhead_estimate(1) if "local" in arms else 0.0
+    # the headline arms are chosen after the first run: estimate them as the first four runnable
+    again = [a for a in args.repeat if a in runnable] if args.repeat else runnable[:4]
+    total = args.runs * (run_seconds("local", args) + overhead_estimate(1)) if "local" in arms else 0.0
     for setting in settings:
-        ranks = int(setting.split(":")[1])
+        ranks = world_of(setting)
         total += sum(run_seconds(a, args) + overhead_estimate(ranks) for a in runnable)
+        total += (args.runs - 1) * sum(run_seconds(a, args, first=False) + overhead_estimate(ranks) for a in again)
     return total
 
 
@@ -207,6 +253,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--peer-factor", type=float, default=None, help=f"{LONG_PEER} runs this many T (default 5)")
     p.add_argument("--batch", type=int, default=16, help="per-rank batch")
     p.add_argument("--margin", type=float, default=None, help="seconds past its run before an arm counts as hung (default 90)")
+    p.add_argument("--runs", type=int, default=1, help="runs of local and of the headline arms (default 1)")
+    p.add_argument("--repeat", nargs="+", default=None,
+                   help="the arms to run --runs times (default: ddp_fp16, the best ddp_powersgd*, mpi_auto, "
+                        "the best fixed mpi_* arm of the first run)")
     p.add_argument("--smoke", action="store_true", help="2 ranks on shared memory, a small model, a 3 s budget")
     p.add_argument("--out", default=None, help="result JSON (default benchmarks/results/time_to_quality[_smoke].json)")
     args = p.parse_args(argv)
@@ -218,7 +268,14 @@ def parse_args(argv=None) -> argparse.Namespace:
             setattr(args, key, value)
     if args.budget <= 0 or args.peer_factor < 1:
         p.error(f"--budget={args.budget} must be > 0 and --peer-factor={args.peer_factor} >= 1")
+    if args.runs < 1:
+        p.error(f"--runs={args.runs} must be >= 1")
     return args
+
+
+def _load() -> str:
+    """The load averages (1, 5, 15 min), as ``uptime`` prints them."""
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
 def main(argv=None) -> int:
@@ -237,12 +294,19 @@ def main(argv=None) -> int:
           f"({LONG_PEER}: {args.peer_factor:g} T); estimated total {estimate / 60:.1f} min "
           f"(+ up to {args.margin:g} s per hung arm)", file=sys.stderr, flush=True)
     started = time.perf_counter()
-    local = _logged("local", "local", run_arm("local", "local", args, task, data)) if "local" in args.arms else None
-    settings = {s: run_setting(s, args.arms, args, task, data) for s in args.settings}
+    load = {"local": _load()}
+    local_runs = [_logged(f"local run {i + 1}", "local", run_arm("local", "local", args, task, data))
+                  for i in range(args.runs if "local" in args.arms else 0)]
+    local = local_runs[0] if local_runs else None
+    settings, repeats = {}, {}
+    for s in args.settings:
+        load[s] = _load()
+        settings[s], repeats[s] = run_setting(s, args.arms, args, task, data)
     report = {"created": time.strftime("%Y-%m-%d %H:%M"), "args": vars(args), "task": asdict(task),
-              "total_seconds": time.perf_counter() - started, "estimated_seconds": estimate,
-              "local": local, "settings": settings,
-              "summary": {s: ttq_report.summarize(r, local, args.budget, args.peer_factor) for s, r in settings.items()}}
+              "total_seconds": time.perf_counter() - started, "estimated_seconds": estimate, "load": load,
+              "local": local, "local_runs": local_runs, "settings": settings, "repeats": repeats,
+              "summary": {s: ttq_report.summarize(r, local, args.budget, args.peer_factor, repeats[s], local_runs)
+                          for s, r in settings.items()}}
     out.write_text(json.dumps(report, indent=1))
     text = ttq_report.markdown(report)
     print(text)
