@@ -257,6 +257,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--repeat", nargs="+", default=None,
                    help="the arms to run --runs times (default: ddp_fp16, the best ddp_powersgd*, mpi_auto, "
                         "the best fixed mpi_* arm of the first run)")
+    p.add_argument("--add-to", default=None,
+                   help="an earlier result JSON: add this run's arms to it (and use its local runs unless "
+                        "--arms has local); the same T, batch and task; written to --out (default: that file)")
     p.add_argument("--smoke", action="store_true", help="2 ranks on shared memory, a small model, a 3 s budget")
     p.add_argument("--out", default=None, help="result JSON (default benchmarks/results/time_to_quality[_smoke].json)")
     args = p.parse_args(argv)
@@ -273,6 +276,41 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+def _previous(args, task: TaskConfig) -> dict | None:
+    """The report ``--add-to`` names, checked to be comparable (the same T, batch and task)."""
+    if not args.add_to:
+        return None
+    previous = json.loads(Path(args.add_to).read_text())
+    mine = {"budget": args.budget, "batch": args.batch, "peer_factor": args.peer_factor, "task": asdict(task)}
+    theirs = {**{k: previous["args"][k] for k in ("budget", "batch", "peer_factor")}, "task": previous["task"]}
+    for key, value in mine.items():
+        if theirs[key] != value:
+            raise SystemExit(f"--add-to={args.add_to}: it was run with {key}={theirs[key]!r}, this run has "
+                             f"{value!r}; use the same --budget/--batch/--peer-factor/--smoke, or another --out")
+    return previous
+
+
+def merge_reports(old: dict, new: dict) -> dict:
+    """``new``'s arms added to ``old``'s (an arm run anew replaces its old runs); ``new``'s local
+    runs replace ``old``'s when it has any; loads and commands appended."""
+    merged = {**old, "created": new["created"], "commands": old.get("commands", []) + new["commands"],
+              "total_seconds": old["total_seconds"] + new["total_seconds"],
+              "local_runs": new["local_runs"] or old.get("local_runs") or ([old["local"]] if old.get("local") else []),
+              "settings": {s: dict(arms) for s, arms in old["settings"].items()},
+              "repeats": {s: dict(arms) for s, arms in old.get("repeats", {}).items()}}
+    load = dict(old.get("load", {}))
+    for key, value in new["load"].items():
+        load[key] = f"{load[key]}, then {value}" if key in load else value
+    merged["load"] = load
+    for setting, arms in new["settings"].items():
+        merged["settings"].setdefault(setting, {}).update(arms)
+        again = merged["repeats"].setdefault(setting, {})
+        for arm in arms:
+            again.pop(arm, None)
+        again.update(new["repeats"].get(setting, {}))
+    return merged
+
+
 def _load() -> str:
     """The load averages (1, 5, 15 min), as ``uptime`` prints them."""
     return " ".join(f"{x:.2f}" for x in os.getloadavg())
@@ -282,7 +320,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     task = SMOKE_TASK if args.smoke else TaskConfig()
     tag = "time_to_quality_smoke" if args.smoke else "time_to_quality"
-    out = Path(args.out) if args.out else RESULTS / f"{tag}.json"
+    out = Path(args.out) if args.out else Path(args.add_to) if args.add_to else RESULTS / f"{tag}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.mkdir(parents=True, exist_ok=True)
     from benchmarks.ttq_task import load_texts
@@ -293,25 +331,30 @@ def main(argv=None) -> int:
     print(f"# time to quality: {len(args.settings)} settings x {len(args.arms)} arms, T = {args.budget:g} s "
           f"({LONG_PEER}: {args.peer_factor:g} T); estimated total {estimate / 60:.1f} min "
           f"(+ up to {args.margin:g} s per hung arm)", file=sys.stderr, flush=True)
+    previous = _previous(args, task)
     started = time.perf_counter()
-    load = {"local": _load()}
+    load = {"local": _load()} if "local" in args.arms else {}
     local_runs = [_logged(f"local run {i + 1}", "local", run_arm("local", "local", args, task, data))
                   for i in range(args.runs if "local" in args.arms else 0)]
-    local = local_runs[0] if local_runs else None
     settings, repeats = {}, {}
     for s in args.settings:
         load[s] = _load()
         settings[s], repeats[s] = run_setting(s, args.arms, args, task, data)
     report = {"created": time.strftime("%Y-%m-%d %H:%M"), "args": vars(args), "task": asdict(task),
-              "total_seconds": time.perf_counter() - started, "estimated_seconds": estimate, "load": load,
-              "local": local, "local_runs": local_runs, "settings": settings, "repeats": repeats,
-              "summary": {s: ttq_report.summarize(r, local, args.budget, args.peer_factor, repeats[s], local_runs)
-                          for s, r in settings.items()}}
+              "commands": [" ".join(["python", *sys.argv])], "total_seconds": time.perf_counter() - started,
+              "estimated_seconds": estimate, "load": load, "local_runs": local_runs, "settings": settings,
+              "repeats": repeats}
+    if previous:
+        report = merge_reports(previous, report)
+    local_runs = report["local_runs"]
+    report["local"] = local = local_runs[0] if local_runs else None
+    report["summary"] = {s: ttq_report.summarize(r, local, args.budget, args.peer_factor, report["repeats"].get(s),
+                                                 local_runs) for s, r in report["settings"].items()}
     out.write_text(json.dumps(report, indent=1))
     text = ttq_report.markdown(report)
     print(text)
     out.with_suffix(".md").write_text(text + "\n")
-    for setting in settings:
+    for setting in report["settings"]:
         ttq_report.plot(report, setting, out.with_name(f"{out.stem}_{setting.replace(':', '_')}.png"))
     print(f"# total {report['total_seconds'] / 60:.1f} min; results: {out}", file=sys.stderr)
     return 0

@@ -203,6 +203,8 @@ def markdown(report: dict) -> str:
     budget, factor = args["budget"], args["peer_factor"]
     lines = [f"# time to quality ({report['created']}): byte-level LM over the stdlib source, "
              f"batch {args['batch']} per rank, T = {budget:g} s; {report['total_seconds'] / 60:.1f} min in all"]
+    for command in report.get("commands", []):
+        lines.append(f"command: `{command}`")
     if report.get("load"):
         lines.append("load (uptime, 1/5/15 min) before each setting: "
                      + "; ".join(f"{s}: {v}" for s, v in report["load"].items()))

@@ -160,6 +160,22 @@ def test_summary_gives_effective_speedups_their_spread_and_the_ratio_to_each_pee
     assert "| mpi_y | 1.000 | ≥ 3.00 |" in text and "x ddp_fp16 (≤ 4.0)" in text and "| mpi_x | 3.50 |" in text
 
 
+def test_a_later_run_adds_its_arms_to_an_earlier_report():
+    old = {"args": {}, "task": {}, "commands": ["a"], "total_seconds": 10.0, "load": {"local": "1", "shm:2": "2"},
+           "local_runs": ["L1", "L2"], "settings": {"shm:2": {"x": "x1", "y": "y1"}},
+           "repeats": {"shm:2": {"x": ["x2"], "y": ["y2"]}}}
+    new = {"created": "now", "commands": ["b"], "total_seconds": 5.0, "load": {"shm:2": "3", "hosts:2:1gbit": "4"},
+           "local_runs": [], "settings": {"shm:2": {"y": "y9", "z": "z1"}, "hosts:2:1gbit": {"x": "h1"}},
+           "repeats": {"shm:2": {"z": ["z2"]}, "hosts:2:1gbit": {}}}
+    m = ttq.merge_reports(old, new)
+    assert m["local_runs"] == ["L1", "L2"] and m["commands"] == ["a", "b"] and m["total_seconds"] == 15.0
+    assert m["settings"] == {"shm:2": {"x": "x1", "y": "y9", "z": "z1"}, "hosts:2:1gbit": {"x": "h1"}}
+    assert m["repeats"]["shm:2"] == {"x": ["x2"], "z": ["z2"]}  # y ran anew: its old repeats go
+    assert m["load"] == {"local": "1", "shm:2": "2, then 3", "hosts:2:1gbit": "4"}
+    assert old["settings"]["shm:2"] == {"x": "x1", "y": "y1"}  # the earlier report is not changed
+    assert ttq.merge_reports(old, {**new, "local_runs": ["L3"]})["local_runs"] == ["L3"]
+
+
 def test_a_hung_job_is_killed_with_its_whole_process_group(tmp_path):
     pid_file = tmp_path / "grandchild"
     script = (f"import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
