@@ -21,6 +21,10 @@ from dataclasses import dataclass
 #: ``period="auto"``: "hides behind H steps" read as "costs at most 10% of their time", because
 #: a blocking exchange cannot overlap them.
 BLOCKING_BUDGET = 0.1
+#: The share of the time of its inner steps that overlapped exchanges (Streaming DiLoCo) may keep
+#: the link busy: moving bytes costs CPU beside the compute even when it is hidden (measured on 2
+#: cores, the exchange's kernel work shares them), so the link is kept at most half busy.
+LINK_SHARE = 0.5
 #: The smallest period ``period="auto"`` picks. DiLoCo's outer Nesterov step (momentum 0.9, lr 0.7)
 #: amplifies a steady pseudo-gradient by lr/(1 − μ) = 7: with a handful of inner steps Δ is close
 #: to a gradient step and the outer step overshoots; Douillard et al. report H down to 50 and
@@ -66,6 +70,7 @@ def hidden_schedule(
     overlap_steps: int = 0,
     *,
     budget: float = BLOCKING_BUDGET,
+    link_share: float = LINK_SHARE,
     min_period: int = MIN_AUTO_PERIOD,
     max_period: int = MAX_AUTO_PERIOD,
 ) -> tuple[int, int]:
@@ -78,8 +83,8 @@ def hidden_schedule(
       compute: ``H = ceil(t_x / (budget · t_step))``.
     - Overlapped (Streaming DiLoCo, ``overlap_steps ≥ 1``): each fragment's exchange must arrive
       within τ steps, so τ is raised to ``ceil(t_x / t_step)`` where the given one is too short;
-      the P fragments take turns every H/P steps and τ < H/P, so ``H = P · (τ + 1)``, which also
-      keeps the link busy for at most P·t_x of the H·t_step seconds.
+      the P fragments take turns every H/P steps and τ < H/P, so ``H ≥ P · (τ + 1)``, and the
+      link may be busy ``link_share`` of the time: ``H ≥ P · t_x / (link_share · t_step)``.
 
     The period is then clipped to ``[max(min_period, P·(τ + 1)), max_period]`` and rounded up to a
     multiple of P (every fragment gets the same number of steps).
@@ -95,7 +100,8 @@ def hidden_schedule(
     else:
         tau = max(overlap_steps, math.ceil(min(steps_per_exchange, max_period)))
         tau = min(tau, max(1, max_period // fragments - 1))
-        wanted = fragments * (tau + 1)
+        busy = fragments * steps_per_exchange / link_share
+        wanted = max(fragments * (tau + 1), math.ceil(min(busy, max_period)))
     floor = max(min_period, fragments * (tau + 1))
     period = min(max(wanted, floor), max(max_period, floor))
     period = -(-period // fragments) * fragments

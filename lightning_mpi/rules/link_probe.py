@@ -89,7 +89,7 @@ class LinkProbe:
             times.append(time.perf_counter() - start)
         return min(times)
 
-    def measure(self, step_seconds: float, exchange: Callable[[], None], nbytes: int) -> Measurement:
+    def measure(self, step_seconds: float, exchange: Callable[[], object], nbytes: int) -> Measurement:
         """Collective. Time a tiny Allreduce and ``exchange`` (one rank sends ``nbytes`` in it), then
         agree ``step_seconds`` and both times over the ranks (their maxima)."""
         tiny = torch.zeros(1, dtype=torch.float32)

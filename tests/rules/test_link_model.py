@@ -34,8 +34,9 @@ def test_blocking_period_keeps_the_exchange_under_a_tenth_of_the_steps():
 
 
 def test_overlapped_period_raises_tau_until_one_fragment_hides_and_keeps_tau_below_h_over_p():
-    # one fragment's exchange takes 2.5 steps: τ = 3, H = P (τ + 1) = 16 for P = 4
-    assert hidden_schedule(0.25, 0.1, fragments=4, overlap_steps=1) == (16, 3)
+    # one fragment's exchange takes 2.5 steps: τ = 3; the link at most half busy: H ≥ 4 · 2.5 / 0.5 = 20
+    assert hidden_schedule(0.25, 0.1, fragments=4, overlap_steps=1) == (20, 3)
+    assert hidden_schedule(0.25, 0.1, fragments=4, overlap_steps=1, link_share=1.0) == (16, 3)
     # a fast link keeps the user's τ; the floor min_period, rounded to a multiple of P
     assert hidden_schedule(1e-3, 0.1, fragments=3, overlap_steps=1) == (9, 1)
     period, tau = hidden_schedule(0.25, 0.1, fragments=4, overlap_steps=1)
