@@ -158,6 +158,7 @@ class BoundAuto(BoundRule):
         self.clock = StepClock()
         self.held: deque[float] = deque(maxlen=16)  # seconds the arm's hooks held each step
         self._held = 0.0
+        self._counted = False
         self._observed_share = 0.0
         #: arm -> (exposed seconds per step seen in it, the link bandwidth then), agreed over ranks
         self.observed: dict[str, tuple[float, float]] = {}
@@ -179,16 +180,29 @@ class BoundAuto(BoundRule):
         start = time.perf_counter()
         accepted = self.inner.before_step(optimizer)
         self._held = time.perf_counter() - start
+        if not accepted and self.choice.arm in ("probing", "streaming"):
+            # A local-step arm rejected this rank's own step (non-finite gradients): the strategy
+            # skips after_step on this rank only, but the step counts on every rank, so count it
+            # (and decide, if due) here; the other ranks do the same in after_step, and nothing
+            # collective runs between the two points.
+            self._count_step(optimizer)
+            self._counted = True
         return accepted
 
     def after_step(self, optimizer: Optimizer) -> None:
         start = time.perf_counter()
         self.inner.after_step(optimizer)
         self.held.append(self._held + time.perf_counter() - start)
+        if self._counted:  # counted in before_step (a GradScaler makes the strategy call this anyway)
+            self._counted = False
+        else:
+            self._count_step(optimizer)
+        self.clock.resume()
+
+    def _count_step(self, optimizer: Optimizer) -> None:
         self.steps += 1
         if self._decision_due():
             self._decide(optimizer)
-        self.clock.resume()
 
     def on_train_end(self) -> None:
         self.inner.on_train_end()
