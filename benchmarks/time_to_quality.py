@@ -19,7 +19,8 @@ needs root) and trains through a ``pytorch_lightning`` Trainer for a wall-clock 
   with a snapshot every ``T / LOCAL_POINTS_PER_T``: the real limit. Each arm's **effective
   speedup** is the time ``local`` needs to reach the arm's loss in T, divided by T (ideal W).
 
-``--runs N`` runs ``local`` N times and, per setting, every arm once and then the headline arms
+``--runs N`` runs ``local`` N times (local run k before round k of the first setting, so that the
+local runs meet the load the arms meet) and, per setting, every arm once and then the headline arms
 N - 1 times more (``ttq_report.headline_arms``: ``ddp_fp16``, the best PowerSGD peer, ``mpi_auto``
 and the best fixed ``mpi_*`` arm of the first run; ``--repeat`` names them instead); the tables
 show the mean and the spread. The long peer runs ``--peer-factor`` x T in its first run only.
@@ -187,9 +188,11 @@ def _run_killable(cmd: list[str], env: dict, timeout: float) -> subprocess.Compl
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
-def run_setting(setting: str, arms: list[str], args, task, data) -> tuple[dict[str, dict], dict[str, list[dict]]]:
+def run_setting(setting: str, arms: list[str], args, task, data,
+                before_round=None) -> tuple[dict[str, dict], dict[str, list[dict]]]:
     """Every arm (but ``local``) in ``setting`` once, then the arms to repeat ``args.runs - 1`` times
-    more; one simulated cluster for all of them. Returns (first runs, further runs per arm)."""
+    more; one simulated cluster for all of them; ``before_round(k)`` is called before round k
+    (1: every arm; 2..runs: the repeats). Returns (first runs, further runs per arm)."""
     results: dict[str, dict] = {}
     todo = [a for a in arms if a != "local"]
     for arm in todo:
@@ -200,10 +203,14 @@ def run_setting(setting: str, arms: list[str], args, task, data) -> tuple[dict[s
     kind, *rest = setting.split(":")
 
     def go(cluster=None) -> None:
+        if before_round:
+            before_round(1)
         for arm in runnable:
             results[arm] = _logged(setting, arm, run_arm(setting, arm, args, task, data, cluster))
         again = [a for a in (args.repeat or ttq_report.headline_arms(results, args.budget)) if a in runnable]
         for run in range(2, args.runs + 1):
+            if before_round:
+                before_round(run)
             for arm in again:
                 r = run_arm(setting, arm, args, task, data, cluster, first=False)
                 repeats.setdefault(arm, []).append(_logged(f"{setting} run {run}", arm, r))
@@ -258,8 +265,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="the arms to run --runs times (default: ddp_fp16, the best ddp_powersgd*, mpi_auto, "
                         "the best fixed mpi_* arm of the first run)")
     p.add_argument("--add-to", default=None,
-                   help="an earlier result JSON: add this run's arms to it (and use its local runs unless "
-                        "--arms has local); the same T, batch and task; written to --out (default: that file)")
+                   help="an earlier result JSON (the same T, batch and task): add this run's arm and local runs to "
+                        "its runs, so that runs can be spread over several invocations; written to --out "
+                        "(default: that file)")
     p.add_argument("--smoke", action="store_true", help="2 ranks on shared memory, a small model, a 3 s budget")
     p.add_argument("--out", default=None, help="result JSON (default benchmarks/results/time_to_quality[_smoke].json)")
     args = p.parse_args(argv)
@@ -281,33 +289,35 @@ def _previous(args, task: TaskConfig) -> dict | None:
     if not args.add_to:
         return None
     previous = json.loads(Path(args.add_to).read_text())
-    mine = {"budget": args.budget, "batch": args.batch, "peer_factor": args.peer_factor, "task": asdict(task)}
-    theirs = {**{k: previous["args"][k] for k in ("budget", "batch", "peer_factor")}, "task": previous["task"]}
+    mine = {"budget": args.budget, "batch": args.batch, "task": asdict(task)}
+    theirs = {**{k: previous["args"][k] for k in ("budget", "batch")}, "task": previous["task"]}
     for key, value in mine.items():
         if theirs[key] != value:
             raise SystemExit(f"--add-to={args.add_to}: it was run with {key}={theirs[key]!r}, this run has "
-                             f"{value!r}; use the same --budget/--batch/--peer-factor/--smoke, or another --out")
+                             f"{value!r}; use the same --budget/--batch/--smoke, or another --out")
     return previous
 
 
 def merge_reports(old: dict, new: dict) -> dict:
-    """``new``'s arms added to ``old``'s (an arm run anew replaces its old runs); ``new``'s local
-    runs replace ``old``'s when it has any; loads and commands appended."""
+    """``new``'s runs added to ``old``'s: a new arm's runs, or further runs of an arm ``old`` has
+    (appended to its repeats), and ``new``'s local runs after ``old``'s; loads and commands appended."""
     merged = {**old, "created": new["created"], "commands": old.get("commands", []) + new["commands"],
               "total_seconds": old["total_seconds"] + new["total_seconds"],
-              "local_runs": new["local_runs"] or old.get("local_runs") or ([old["local"]] if old.get("local") else []),
+              "local_runs": (old.get("local_runs") or ([old["local"]] if old.get("local") else [])) + new["local_runs"],
               "settings": {s: dict(arms) for s, arms in old["settings"].items()},
-              "repeats": {s: dict(arms) for s, arms in old.get("repeats", {}).items()}}
+              "repeats": {s: {a: list(runs) for a, runs in arms.items()} for s, arms in old.get("repeats", {}).items()}}
     load = dict(old.get("load", {}))
     for key, value in new["load"].items():
         load[key] = f"{load[key]}, then {value}" if key in load else value
     merged["load"] = load
     for setting, arms in new["settings"].items():
-        merged["settings"].setdefault(setting, {}).update(arms)
+        first = merged["settings"].setdefault(setting, {})
         again = merged["repeats"].setdefault(setting, {})
-        for arm in arms:
-            again.pop(arm, None)
-        again.update(new["repeats"].get(setting, {}))
+        for arm, result in arms.items():
+            runs = [result, *new["repeats"].get(setting, {}).get(arm, [])]
+            if arm not in first or first[arm].get("status") == "not available":
+                first[arm], runs = runs[0], runs[1:]
+            again.setdefault(arm, []).extend(runs)
     return merged
 
 
@@ -334,12 +344,19 @@ def main(argv=None) -> int:
     previous = _previous(args, task)
     started = time.perf_counter()
     load = {"local": _load()} if "local" in args.arms else {}
-    local_runs = [_logged(f"local run {i + 1}", "local", run_arm("local", "local", args, task, data))
-                  for i in range(args.runs if "local" in args.arms else 0)]
+    local_runs: list[dict] = []
+
+    def local_run(k: int) -> None:
+        """Local run k, before round k of the first setting: the local runs meet the same load as the arms."""
+        if "local" in args.arms and len(local_runs) < k:
+            local_runs.append(_logged(f"local run {k}", "local", run_arm("local", "local", args, task, data)))
+
     settings, repeats = {}, {}
-    for s in args.settings:
+    for i, s in enumerate(args.settings):
         load[s] = _load()
-        settings[s], repeats[s] = run_setting(s, args.arms, args, task, data)
+        settings[s], repeats[s] = run_setting(s, args.arms, args, task, data, local_run if i == 0 else None)
+    for k in range(1, args.runs + 1):  # no setting, or fewer rounds than runs (no arm to repeat)
+        local_run(k)
     report = {"created": time.strftime("%Y-%m-%d %H:%M"), "args": vars(args), "task": asdict(task),
               "commands": [" ".join(["python", *sys.argv])], "total_seconds": time.perf_counter() - started,
               "estimated_seconds": estimate, "load": load, "local_runs": local_runs, "settings": settings,

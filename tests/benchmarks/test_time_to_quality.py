@@ -33,7 +33,8 @@ def test_smoke_run_writes_every_field_and_reports_a_missing_arm(tmp_path):
     out = tmp_path / "ttq.json"
     result = subprocess.run(
         [sys.executable, str(REPO / "benchmarks" / "time_to_quality.py"), "--smoke", "--budget", "2",
-         "--peer-factor", "1.5", "--arms", "local", "ddp_fp16", "mpi_asa16", "mpi_no_such_rule", "--out", str(out)],
+         "--peer-factor", "1.5", "--margin", "150", "--arms", "local", "ddp_fp16", "mpi_asa16", "mpi_no_such_rule",
+         "--out", str(out)],
         env=mpi_env(), capture_output=True, text=True, timeout=400, cwd=REPO,
     )
     assert result.returncode == 0, result.stderr[-3000:]
@@ -160,20 +161,22 @@ def test_summary_gives_effective_speedups_their_spread_and_the_ratio_to_each_pee
     assert "| mpi_y | 1.000 | ≥ 3.00 |" in text and "x ddp_fp16 (≤ 4.0)" in text and "| mpi_x | 3.50 |" in text
 
 
-def test_a_later_run_adds_its_arms_to_an_earlier_report():
+def test_a_later_run_adds_its_runs_to_an_earlier_report():
     old = {"args": {}, "task": {}, "commands": ["a"], "total_seconds": 10.0, "load": {"local": "1", "shm:2": "2"},
-           "local_runs": ["L1", "L2"], "settings": {"shm:2": {"x": "x1", "y": "y1"}},
-           "repeats": {"shm:2": {"x": ["x2"], "y": ["y2"]}}}
+           "local_runs": ["L1"],
+           "settings": {"shm:2": {"x": {"r": "x1"}, "y": {"r": "y1"}, "n": {"status": "not available"}}},
+           "repeats": {"shm:2": {"x": [{"r": "x2"}]}}}
     new = {"created": "now", "commands": ["b"], "total_seconds": 5.0, "load": {"shm:2": "3", "hosts:2:1gbit": "4"},
-           "local_runs": [], "settings": {"shm:2": {"y": "y9", "z": "z1"}, "hosts:2:1gbit": {"x": "h1"}},
-           "repeats": {"shm:2": {"z": ["z2"]}, "hosts:2:1gbit": {}}}
+           "local_runs": ["L2"], "settings": {"shm:2": {"x": {"r": "x3"}, "z": {"r": "z1"}, "n": {"r": "n1"}},
+                                              "hosts:2:1gbit": {"x": {"r": "h1"}}},
+           "repeats": {"shm:2": {"z": [{"r": "z2"}], "x": [{"r": "x4"}]}, "hosts:2:1gbit": {}}}
     m = ttq.merge_reports(old, new)
     assert m["local_runs"] == ["L1", "L2"] and m["commands"] == ["a", "b"] and m["total_seconds"] == 15.0
-    assert m["settings"] == {"shm:2": {"x": "x1", "y": "y9", "z": "z1"}, "hosts:2:1gbit": {"x": "h1"}}
-    assert m["repeats"]["shm:2"] == {"x": ["x2"], "z": ["z2"]}  # y ran anew: its old repeats go
+    assert m["settings"]["shm:2"] == {"x": {"r": "x1"}, "y": {"r": "y1"}, "z": {"r": "z1"}, "n": {"r": "n1"}}
+    assert m["settings"]["hosts:2:1gbit"] == {"x": {"r": "h1"}}
+    assert m["repeats"]["shm:2"] == {"x": [{"r": "x2"}, {"r": "x3"}, {"r": "x4"}], "z": [{"r": "z2"}], "n": []}
     assert m["load"] == {"local": "1", "shm:2": "2, then 3", "hosts:2:1gbit": "4"}
-    assert old["settings"]["shm:2"] == {"x": "x1", "y": "y1"}  # the earlier report is not changed
-    assert ttq.merge_reports(old, {**new, "local_runs": ["L3"]})["local_runs"] == ["L3"]
+    assert old["repeats"]["shm:2"]["x"] == [{"r": "x2"}] and "z" not in old["settings"]["shm:2"]  # old unchanged
 
 
 def test_a_hung_job_is_killed_with_its_whole_process_group(tmp_path):
