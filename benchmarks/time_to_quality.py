@@ -169,7 +169,10 @@ def run_arm(setting: str, arm: str, args: argparse.Namespace, task: TaskConfig, 
         if res.returncode != 0 or not out.exists():
             return {"arm": arm, "status": "failed", "wall_seconds": wall,
                     "reason": f"exit {res.returncode}: {_reason(res.stderr + res.stdout)}"}
-        return {**json.loads(out.read_text()), "status": "ok", "wall_seconds": wall}
+        # the strategies' own one-line reports (mpi_auto's choices), for the tables' readers
+        notes = [line.strip() for line in res.stdout.splitlines() + res.stderr.splitlines()
+                 if line.startswith("lightning_mpi:")]
+        return {**json.loads(out.read_text()), "status": "ok", "wall_seconds": wall, "notes": notes}
 
 
 def _run_killable(cmd: list[str], env: dict, timeout: float) -> subprocess.CompletedProcess:

@@ -131,7 +131,8 @@ def summarize(results: dict[str, dict], local: dict | None, budget: float, peer_
         sps, steps_ps = r["samples"] / r["seconds"], r["steps"] / r["seconds"]
         row = {"status": "ok", "loss_T": loss_T, "time_to_ddp_best": reached[0] if reached else None,
                "samples_per_s": sps, "steps_per_s": steps_ps, "steps": r["steps"], "world": r["world"],
-               "peak_exchange_bytes": r.get("peak_exchange_bytes"), "same_weights": r.get("same_weights")}
+               "peak_exchange_bytes": r.get("peak_exchange_bytes"), "same_weights": r.get("same_weights"),
+               "notes": r.get("notes") or []}
         if local_ok:
             row["samples_vs_local"] = sps / (local_ok["samples"] / local_ok["seconds"])
             row["steps_vs_local"] = steps_ps / (local_ok["steps"] / local_ok["seconds"])
@@ -243,6 +244,9 @@ def markdown(report: dict) -> str:
                 f"| {row['steps_per_s']:.2f} ({_f(row.get('steps_vs_local'), '{:.2f}x')}) "
                 f"| {_yes(row.get(f'le_{LONG_PEER}_3T'))} | {_yes(row.get(f'le_{LONG_PEER}_last'))} "
                 f"| {_bytes(row['peak_exchange_bytes'])} | {_yes(row['same_weights'])} |")
+        for arm, row in summary.items():
+            for note in row.get("notes") or []:
+                lines.append(f"- {arm} (first run): {note}")
         peers = ref.get("peer_speedup") or {}
         ours = [a for a, row in summary.items() if not a.startswith("_") and row.get("vs_peers")]
         if peers and ours:
@@ -312,3 +316,28 @@ def plot(report: dict, setting: str, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def rebuild(path: Path) -> str:
+    """Summary, markdown and plots of a saved report again (after a change to this module)."""
+    import json
+
+    report = json.loads(path.read_text())
+    args = report["args"]
+    local_runs = report.get("local_runs") or ([report["local"]] if report.get("local") else [])
+    report["summary"] = {s: summarize(r, local_runs[0] if local_runs else None, args["budget"], args["peer_factor"],
+                                      report.get("repeats", {}).get(s), local_runs)
+                         for s, r in report["settings"].items()}
+    path.write_text(json.dumps(report, indent=1))
+    text = markdown(report)
+    path.with_suffix(".md").write_text(text + "\n")
+    for setting in report["settings"]:
+        plot(report, setting, path.with_name(f"{path.stem}_{setting.replace(':', '_')}.png"))
+    return text
+
+
+if __name__ == "__main__":
+    import sys
+
+    for name in sys.argv[1:] or ["benchmarks/results/time_to_quality.json"]:
+        print(rebuild(Path(name)))
