@@ -318,14 +318,29 @@ def plot(report: dict, setting: str, path: Path) -> None:
     plt.close(fig)
 
 
-def rebuild(path: Path) -> str:
-    """Summary, markdown and plots of a saved report again (after a change to this module)."""
+def rebuild(path: Path, add: list[Path] = ()) -> str:
+    """Summary, markdown and plots of a saved report again (after a change to this module), with
+    the runs of the reports ``add`` names added (``time_to_quality.merge_reports``; the same T,
+    batch and task)."""
     import json
 
+    from benchmarks.time_to_quality import merge_reports
+
     report = json.loads(path.read_text())
+    for other_path in add:
+        other = json.loads(other_path.read_text())
+        for key in ("budget", "batch"):
+            if other["args"][key] != report["args"][key] or other["task"] != report["task"]:
+                raise SystemExit(f"{other_path}: {key}={other['args'][key]!r} or its task differs from {path}'s")
+        other.setdefault("local_runs", [other["local"]] if other.get("local") else [])
+        other.setdefault("repeats", {})
+        other.setdefault("commands", [f"(the runs of {other_path}, created {other['created']})"])
+        other.setdefault("load", {})
+        report = merge_reports(report, other)
     args = report["args"]
     local_runs = report.get("local_runs") or ([report["local"]] if report.get("local") else [])
-    report["summary"] = {s: summarize(r, local_runs[0] if local_runs else None, args["budget"], args["peer_factor"],
+    report["local"] = local_runs[0] if local_runs else None
+    report["summary"] = {s: summarize(r, report["local"], args["budget"], args["peer_factor"],
                                       report.get("repeats", {}).get(s), local_runs)
                          for s, r in report["settings"].items()}
     path.write_text(json.dumps(report, indent=1))
@@ -337,7 +352,12 @@ def rebuild(path: Path) -> str:
 
 
 if __name__ == "__main__":
+    import argparse
     import sys
 
-    for name in sys.argv[1:] or ["benchmarks/results/time_to_quality.json"]:
-        print(rebuild(Path(name)))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    parser = argparse.ArgumentParser(description="rebuild the tables and plots of a time-to-quality report")
+    parser.add_argument("report", type=Path, help="a result JSON of benchmarks/time_to_quality.py (rewritten)")
+    parser.add_argument("--add", type=Path, nargs="+", default=[], help="other reports whose runs to add to it")
+    ns = parser.parse_args()
+    print(rebuild(ns.report, ns.add))
