@@ -9,7 +9,7 @@ from the link) on slow links::
 
     steps 1 .. 5       local steps (no exchange): the first is not timed, the next 4 are
     after step 5       measure, agree, choose; switch to the chosen arm
-    10 steps after a switch, and every measure_every steps otherwise
+    6 steps after a switch, and every measure_every steps otherwise
                        measure again (and take the arm's own exposed time per step);
                        switch when the choice changed (hysteresis in auto_choice)
 
@@ -43,9 +43,12 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
+from lightning_mpi.comm.codecs import FP16
+from lightning_mpi.comm.collectives import ASAWorkspace, asa_mean_steps
+from lightning_mpi.comm.engine import ExchangeScheduler
 from lightning_mpi.comm.transport import Transport
 from lightning_mpi.options import integer, number, option, options_class
-from lightning_mpi.rules.auto_choice import Choice, Sizes, choose
+from lightning_mpi.rules.auto_choice import BACKWARD_SHARE, KEEP, Choice, Sizes, choose, predicted_exposed
 from lightning_mpi.rules.base import BoundRule, Rule
 from lightning_mpi.rules.diloco import DiLoCoRule
 from lightning_mpi.rules.link_model import Link
@@ -59,7 +62,7 @@ PROBE_STEPS = 5
 #: Steps after a switch before the next decision (at most ``measure_every``): an arm's own cost
 #: (PowerSGD's matrix products, Python's overhead per bucket) is seen soon, not ``measure_every``
 #: steps later.
-CONFIRM_STEPS = 10
+CONFIRM_STEPS = 6
 #: The arm of the first steps: local steps, then one 4-bit average at the switch.
 PROBING = Choice("probing")
 #: Values of the bandwidth probe (fp32): 1 MiB, a few ms on 1 Gbit/s, 80 ms on 100 Mbit/s.
@@ -230,10 +233,31 @@ class BoundAuto(BoundRule):
         probe = torch.zeros(min(PROBE_NUMEL, max(1, self.sizes.numel)), dtype=torch.float32)
         nbytes = int(2 * (self.transport.size - 1) / self.transport.size * probe.numel() * 4)
         measured = LinkProbe(self.transport).measure(step, lambda: self.transport.allreduce_(probe), nbytes)
+        self._dry_sync(measured)
         if observed is not None:
             agreed = torch.tensor([observed], dtype=torch.float64)
             observed = float(self.transport.allreduce_(agreed, "max")[0])
         return measured, observed
+
+    def _dry_sync(self, measured: Measurement) -> None:
+        """Collective: where the link says every-step ASA could hide, time one fp16 ASA exchange of
+        the real gradient size (zeros), and keep what backward could not hide of it as the ASA
+        arm's observed cost: only its link part, at most backward, can overlap; its CPU work
+        (casts, sums, copies) adds to the step."""
+        step, link = measured.step_seconds, measured.link
+        if predicted_exposed("sync", step, link, self.sizes) > self.rule.tolerance * KEEP * step:
+            return
+        size = self.transport.size
+        flat = torch.zeros(-(-self.sizes.numel // size) * size, dtype=torch.float32)
+        work = ASAWorkspace.for_buffer(flat, size, FP16)
+        scheduler = ExchangeScheduler(self.transport.timeout, self.transport.rank, size)
+        start = time.perf_counter()
+        scheduler.start(asa_mean_steps(self.transport, flat, FP16, work))
+        scheduler.wait_all()
+        agreed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+        real = float(self.transport.allreduce_(agreed, "max")[0])
+        hidden = min(link.seconds(self.sizes.sync_bytes()), BACKWARD_SHARE * step)
+        self.observed["sync"] = (max(0.0, real - hidden), link.bandwidth)
 
     def _decide(self, optimizer: Optimizer) -> None:
         self.measured, observed = self._measure()
