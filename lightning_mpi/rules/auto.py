@@ -9,7 +9,7 @@ from the link) on slow links::
 
     steps 1 .. 5       local steps (no exchange): the first is not timed, the next 4 are
     after step 5       measure, agree, choose; switch to the chosen arm
-    every measure_every steps after that
+    6 steps after a switch, and every measure_every steps otherwise
                        measure again (and take the arm's own exposed time per step);
                        switch when the choice changed (hysteresis in auto_choice)
 
@@ -43,9 +43,12 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
+from lightning_mpi.comm.codecs import FP16
+from lightning_mpi.comm.collectives import ASAWorkspace, asa_mean_steps
+from lightning_mpi.comm.engine import ExchangeScheduler
 from lightning_mpi.comm.transport import Transport
 from lightning_mpi.options import integer, number, option, options_class
-from lightning_mpi.rules.auto_choice import Choice, Sizes, choose
+from lightning_mpi.rules.auto_choice import BACKWARD_SHARE, KEEP, Choice, Sizes, choose, predicted_exposed
 from lightning_mpi.rules.base import BoundRule, Rule
 from lightning_mpi.rules.diloco import DiLoCoRule
 from lightning_mpi.rules.link_model import Link
@@ -56,6 +59,10 @@ from lightning_mpi.rules.sync import SyncRule
 
 #: Steps before the first decision; the first is not timed (caches, allocators warm up).
 PROBE_STEPS = 5
+#: Steps after a switch before the next decision (at most ``measure_every``): an arm's own cost
+#: (PowerSGD's matrix products, Python's overhead per bucket) is seen soon, not ``measure_every``
+#: steps later.
+CONFIRM_STEPS = 6
 #: The arm of the first steps: local steps, then one 4-bit average at the switch.
 PROBING = Choice("probing")
 #: Values of the bandwidth probe (fp32): 1 MiB, a few ms on 1 Gbit/s, 80 ms on 100 Mbit/s.
@@ -100,7 +107,8 @@ class AutoRule(Rule):
 
     measure_every: int = option(
         default=100,
-        doc="steps between measurements after the first decision (≥ 0; 0: decide once, after step 5).",
+        doc="steps between measurements after the first decision (≥ 0; 0: decide once, after step 5); after a "
+        "switch the next one comes within 10 steps, so that the new arm's own cost is seen early.",
         check=integer(0),
     )
     tolerance: float = option(
@@ -151,6 +159,7 @@ class BoundAuto(BoundRule):
         self.choice = PROBING if transport.size > 1 else Choice("sync", "fp16")
         self.inner: BoundRule = arm_rule(self.choice).bind(transport, self.params)
         self.steps = 0
+        self.next_decision = PROBE_STEPS
         self.decisions = 0
         self.switches = 0
         self.measured: Measurement | None = None
@@ -212,12 +221,7 @@ class BoundAuto(BoundRule):
 
     # -- decisions ------------------------------------------------------------------------------------
     def _decision_due(self) -> bool:
-        if self.transport.size == 1:
-            return False
-        if self.steps == PROBE_STEPS:
-            return True
-        every = self.rule.measure_every
-        return every > 0 and self.steps > PROBE_STEPS and (self.steps - PROBE_STEPS) % every == 0
+        return self.transport.size > 1 and self.steps == self.next_decision
 
     def _measure(self) -> tuple[Measurement, float | None]:
         """Collective: this decision's measurement and the arm's observed exposed seconds, agreed."""
@@ -229,10 +233,31 @@ class BoundAuto(BoundRule):
         probe = torch.zeros(min(PROBE_NUMEL, max(1, self.sizes.numel)), dtype=torch.float32)
         nbytes = int(2 * (self.transport.size - 1) / self.transport.size * probe.numel() * 4)
         measured = LinkProbe(self.transport).measure(step, lambda: self.transport.allreduce_(probe), nbytes)
+        self._dry_sync(measured)
         if observed is not None:
             agreed = torch.tensor([observed], dtype=torch.float64)
             observed = float(self.transport.allreduce_(agreed, "max")[0])
         return measured, observed
+
+    def _dry_sync(self, measured: Measurement) -> None:
+        """Collective: where the link says every-step ASA could hide, time one fp16 ASA exchange of
+        the real gradient size (zeros), and keep what backward could not hide of it as the ASA
+        arm's observed cost: only its link part, at most backward, can overlap; its CPU work
+        (casts, sums, copies) adds to the step."""
+        step, link = measured.step_seconds, measured.link
+        if predicted_exposed("sync", step, link, self.sizes) > self.rule.tolerance * KEEP * step:
+            return
+        size = self.transport.size
+        flat = torch.zeros(-(-self.sizes.numel // size) * size, dtype=torch.float32)
+        work = ASAWorkspace.for_buffer(flat, size, FP16)
+        scheduler = ExchangeScheduler(self.transport.timeout, self.transport.rank, size)
+        start = time.perf_counter()
+        scheduler.start(asa_mean_steps(self.transport, flat, FP16, work))
+        scheduler.wait_all()
+        agreed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+        real = float(self.transport.allreduce_(agreed, "max")[0])
+        hidden = min(link.seconds(self.sizes.sync_bytes()), BACKWARD_SHARE * step)
+        self.observed["sync"] = (max(0.0, real - hidden), link.bandwidth)
 
     def _decide(self, optimizer: Optimizer) -> None:
         self.measured, observed = self._measure()
@@ -247,8 +272,11 @@ class BoundAuto(BoundRule):
             self.measured.step_seconds, self.measured.link, self.sizes, current, valid, self.rule.tolerance
         )
         self.decisions += 1
+        every = self.rule.measure_every
         if choice != self.choice:
             self._switch(choice, optimizer)
+            every = min(every, CONFIRM_STEPS) if every > 0 else 0
+        self.next_decision = self.steps + every if every > 0 else -1
 
     def _switch(self, choice: Choice, optimizer: Optimizer) -> None:
         """Hand over to ``choice``'s rule at this step (every rank is here; see the module docstring)."""
@@ -293,6 +321,7 @@ class BoundAuto(BoundRule):
             "choice": self.choice.as_dict(),
             "inner": self.inner.state_dict(),
             "steps": self.steps,
+            "next_decision": self.next_decision,
             "decisions": self.decisions,
             "switches": self.switches,
             "measured": None if self.measured is None else self.measured.as_dict(),
@@ -309,6 +338,7 @@ class BoundAuto(BoundRule):
             self.choice = choice
         self.inner.load_state_dict(state["inner"])
         self.steps = int(state["steps"])
+        self.next_decision = int(state["next_decision"])
         self.decisions = int(state["decisions"])
         self.switches = int(state["switches"])
         measured = state.get("measured")

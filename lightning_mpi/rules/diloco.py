@@ -53,13 +53,13 @@ from lightning_mpi.comm.transport import Transport
 from lightning_mpi.options import integer, number, option, options_class
 from lightning_mpi.rules.base import BoundLocalStepRule, Rule
 from lightning_mpi.rules.diloco_math import (  # noqa: F401  (the math, re-exported beside the rule)
+    averages_at,
     last_start,
     make_outer_optimizer,
     mix_,
     outer_step_,
     pseudo_gradient,
     starts_at,
-    warmup_lr,
 )
 from lightning_mpi.rules.link_model import hidden_schedule
 from lightning_mpi.rules.link_probe import LinkProbe, Measurement, StepClock
@@ -111,8 +111,8 @@ class OuterOptions(Rule):
     )
     outer_warmup: int = option(
         default=0,
-        doc="outer steps (per fragment) over which the outer learning rate rises linearly to `outer_lr` "
-        "(k-th step: outer_lr·k/(outer_warmup+1)); keeps the first outer steps of a short run from overshooting.",
+        doc="the first outer steps of each fragment that average the replicas (θ_global ← mean θᵢ: outer lr 1, "
+        "no momentum) before the Nesterov steps start; keeps a short run's first outer steps from overshooting.",
         check=integer(0),
     )
 
@@ -240,13 +240,12 @@ class BoundDiLoCo(BoundLocalStepRule):
         self.period, self.overlap_steps = period, overlap_steps
         self.offsets = [start + offset for offset in self.offsets_for(period)]
 
-    def outer_lr_for(self, index: int) -> float:
-        """The outer learning rate of fragment ``index``'s exchange that started last (outer warm-up)."""
+    def outer_count(self, index: int) -> int:
+        """Which outer step (1-based) of fragment ``index`` its last started exchange makes."""
         if self.period is None:
-            return warmup_lr(self.rule.outer_lr, 1, self.rule.outer_warmup)
+            return 1
         fragment, offset = self.fragments[index], self.offsets[index]
-        count = (fragment.started - offset) // self.period + 1 if fragment.started >= offset else 1
-        return warmup_lr(self.rule.outer_lr, count, self.rule.outer_warmup)
+        return (fragment.started - offset) // self.period + 1 if fragment.started >= offset else 1
 
     def _start(self, index: int) -> None:
         """Δ of fragment ``index`` from this rank's weights, and the start of its averaging."""
@@ -273,8 +272,10 @@ class BoundDiLoCo(BoundLocalStepRule):
         """The outer step of fragment ``index`` with its mean Δ, then mix it into the local weights."""
         self._wait()
         fragment = self.fragments[index]
-        self.outer.param_groups[0]["lr"] = self.outer_lr_for(index)
-        outer_step_(self.outer, fragment.theta_global, fragment.delta)
+        if averages_at(self.outer_count(index), self.rule.outer_warmup):
+            fragment.theta_global.sub_(fragment.delta)  # the mean of the replicas; no momentum yet
+        else:
+            outer_step_(self.outer, fragment.theta_global, fragment.delta)
         local = fragment.local.pull()
         mix_(local, fragment.theta_global, alpha)
         fragment.local.push()

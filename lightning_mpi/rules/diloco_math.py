@@ -48,9 +48,8 @@ def last_start(step: int, offset: int, period: int) -> int:
     return 0 if step < offset else offset + (step - offset) // period * period
 
 
-def warmup_lr(outer_lr: float, outer_step: int, warmup: int) -> float:
-    """The outer learning rate of a fragment's ``outer_step``-th outer step (1-based): raised
-    linearly over the first ``warmup`` outer steps, ``outer_lr · k / (warmup + 1)``, then ``outer_lr``."""
-    if warmup <= 0 or outer_step > warmup:
-        return outer_lr
-    return outer_lr * outer_step / (warmup + 1)
+def averages_at(outer_step: int, warmup: int) -> bool:
+    """Whether a fragment's ``outer_step``-th outer step (1-based) is one of its first ``warmup``,
+    which average the replicas (θ_global ← θ_global − Δ = the mean θᵢ) instead of taking a
+    Nesterov step."""
+    return outer_step <= warmup

@@ -1,4 +1,4 @@
-"""The link model and period="auto" (lightning_mpi.rules.link_model, .diloco_math.warmup_lr, the rules'
+"""The link model and period="auto" (lightning_mpi.rules.link_model, .diloco_math.averages_at, the rules'
 options): pure functions against hand computation, and DiLoCo choosing its period on one rank."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_mpi.rules.diloco import AUTO_PROBE_STEPS, DiLoCoRule, warmup_lr
+from lightning_mpi.rules.diloco import AUTO_PROBE_STEPS, DiLoCoRule, averages_at
 from lightning_mpi.rules.link_model import Link, exposed_seconds, fit_link, hidden_schedule
 from lightning_mpi.rules.streaming_diloco import StreamingDiLoCoRule
 from tests.rules.test_diloco import _self_transport
@@ -50,9 +50,9 @@ def test_exposed_seconds():
     assert Link(1e6, 0.0).seconds(1e6) == 1.0
 
 
-def test_outer_warmup_raises_the_outer_lr_linearly():
-    assert [warmup_lr(0.7, k, 3) for k in (1, 2, 3, 4, 9)] == pytest.approx([0.175, 0.35, 0.525, 0.7, 0.7])
-    assert warmup_lr(0.7, 1, 0) == 0.7
+def test_outer_warmup_averages_the_first_outer_steps():
+    assert [averages_at(k, 2) for k in (1, 2, 3, 9)] == [True, True, False, False]
+    assert not averages_at(1, 0)
 
 
 @pytest.mark.parametrize("make, kwargs, name", [
