@@ -74,6 +74,8 @@ LONG_PEER = "ddp_fp16"
 #: seconds an arm takes beyond its run (start-up: imports, data, process group; evaluation of the
 #: snapshots): a base, plus per rank sharing a core (a rank imports torch and Lightning in ~5 CPU s)
 OVERHEAD_BASE, OVERHEAD_PER_RANK_PER_CORE = 10.0, 5.0
+#: this driver run: each arm run's speedup is read off the local runs of its own invocation
+INVOCATION = f"{time.strftime('%Y-%m-%d %H:%M:%S')} pid {os.getpid()}"
 #: local snapshots per T: its curve is the yardstick of every effective speedup, so it is finer
 LOCAL_POINTS_PER_T = 10
 SMOKE_TASK = TaskConfig(hidden=256, train_bytes=1 << 20, held_out_bytes=64 << 10, train_windows=1 << 14,
@@ -172,7 +174,8 @@ def run_arm(setting: str, arm: str, args: argparse.Namespace, task: TaskConfig, 
         # the strategies' own one-line reports (mpi_auto's choices), for the tables' readers
         notes = [line.strip() for line in res.stdout.splitlines() + res.stderr.splitlines()
                  if line.startswith("lightning_mpi:")]
-        return {**json.loads(out.read_text()), "status": "ok", "wall_seconds": wall, "notes": notes}
+        return {**json.loads(out.read_text()), "status": "ok", "wall_seconds": wall, "notes": notes,
+                "invocation": INVOCATION}
 
 
 def _run_killable(cmd: list[str], env: dict, timeout: float) -> subprocess.CompletedProcess:

@@ -14,7 +14,8 @@
 - ``speedup``: the **effective speedup**: the time one process without any exchange (``local``,
   run for W·T) needs to reach the arm's loss in T, divided by T (ideal: W). The time is read off
   the local curve by linear interpolation between its snapshots (:func:`time_to_reach`), averaged
-  over the local runs; an arm whose loss no local run reaches gets a lower bound (the local run's
+  over the local runs of the arm run's own invocation (``invocation``: the same load), or over
+  every local run when its invocation has none; an arm whose loss no local run reaches gets a lower bound (the local run's
   length / T, flagged ``lower_bound``). With ``--runs N`` the arms chosen by :func:`headline_arms`
   run N times: ``loss_T`` and ``speedup`` are then the mean, with the spread in ``*_runs``
   (:func:`aggregate`);
@@ -121,6 +122,13 @@ def summarize(results: dict[str, dict], local: dict | None, budget: float, peer_
     local_ok = local if local and local.get("status") == "ok" else None
     locals_ok = [r for r in (local_runs if local_runs is not None else [local]) if r and r.get("status") == "ok"]
     local_curves = [points(r) for r in locals_ok]
+    by_invocation: dict = {}
+    for x in locals_ok:
+        by_invocation.setdefault(x.get("invocation"), []).append(points(x))
+
+    def yardstick(x: dict) -> list:
+        """The local runs of ``x``'s own invocation (the same load), else every local run."""
+        return by_invocation.get(x.get("invocation")) or local_curves if x.get("invocation") else local_curves
     summary = {}
     for arm, r in results.items():
         if r["status"] != "ok":
@@ -144,7 +152,7 @@ def summarize(results: dict[str, dict], local: dict | None, budget: float, peer_
         row["loss_T_runs"] = aggregate(losses)
         row["failed_runs"] = 1 + len((repeats or {}).get(arm, [])) - len(runs)
         if local_curves:
-            speedups = [effective_speedup(loss, local_curves, budget) for loss in losses]
+            speedups = [effective_speedup(loss, yardstick(x), budget) for loss, x in zip(losses, runs, strict=True)]
             row["speedup_runs"] = aggregate([v for v, _ in speedups])
             row["speedup"] = row["speedup_runs"]["mean"]
             row["speedup_lower_bound"] = any(b for _, b in speedups)

@@ -154,6 +154,11 @@ def test_summary_gives_effective_speedups_their_spread_and_the_ratio_to_each_pee
     assert s["mpi_y"]["speedup_lower_bound"] is True and s["mpi_y"]["speedup"] == pytest.approx(3.0)
     ref = s["_reference"]
     assert ref["world"] == 2 and ref["peer_bound"] == {"ddp_fp16": pytest.approx(4.0)}
+    # an arm run is measured against the local runs of its own invocation (the same load) when there are any
+    fast = _arm([(0, 5.0), (10, 3.0)], 2.0, 20.0, 300, 4800, world=1)
+    paired = summarize({"mpi_x": {**results["mpi_x"], "invocation": "b"}}, local[0], budget=10.0, peer_factor=1.0,
+                       local_runs=[{**local[0], "invocation": "a"}, {**fast, "invocation": "b"}])
+    assert paired["mpi_x"]["speedup"] == pytest.approx(1.0)  # fast local reaches 3.0 at 10 s; "a" would say 2.0
     assert ref["local"]["loss_T"] == 4.0 and ref["local"]["loss_last_runs"]["mean"] == pytest.approx(2.25)
     text = markdown({"args": {"budget": 10.0, "peer_factor": 1.0, "batch": 16}, "created": "now", "total_seconds": 60,
                      "load": {"hosts:2:1gbit": "1.00 1.00 1.00"}, "summary": {"hosts:2:1gbit": s}})
