@@ -181,6 +181,13 @@ class BoundAuto(BoundRule):
     def sync_enabled(self, value: bool) -> None:
         self.inner.sync_enabled = value
 
+    def __getattr__(self, name: str) -> Any:
+        """Anything else (``skipped_steps``, ...) is the arm's in use."""
+        inner = self.__dict__.get("inner")
+        if inner is None:
+            raise AttributeError(name)
+        return getattr(inner, name)
+
     def on_train_start(self) -> None:
         self.inner.on_train_start()
 
