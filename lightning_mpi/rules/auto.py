@@ -22,8 +22,9 @@ every rank is, after the update:
 
 - leaving Streaming DiLoCo (or the first local steps): its ``on_train_end`` folds in what is in
   flight and the steps since each fragment's last exchange, and leaves θ_global, identical on
-  every rank; the inner optimizer's per-parameter state (momentum, Adam's moments), which
-  differed between ranks, is averaged, so every rank continues from the same state;
+  every rank; for an every-step arm, the inner optimizer's per-parameter state (momentum, Adam's
+  moments), which differed between ranks, is averaged, so every rank continues from the same
+  state (Streaming DiLoCo keeps each rank's own, as it does between its exchanges);
 - leaving an every-step arm: weights and optimizer state are already identical on every rank;
 - the new arm is bound to the same parameters and started (``on_train_start``).
 
@@ -290,7 +291,8 @@ class BoundAuto(BoundRule):
         previous = self.choice
         if previous.arm in ("probing", "streaming"):
             self.inner.on_train_end()  # every rank now holds θ_global
-            self._average_optimizer_state(optimizer)
+            if choice.arm in ("sync", "powersgd"):  # a local-step arm keeps each rank's own state
+                self._average_optimizer_state(optimizer)
         enabled = self.inner.sync_enabled
         self.inner.close()
         self.inner = arm_rule(choice).bind(self.transport, self.params)
