@@ -22,8 +22,9 @@ every rank is, after the update:
 
 - leaving Streaming DiLoCo (or the first local steps): its ``on_train_end`` folds in what is in
   flight and the steps since each fragment's last exchange, and leaves θ_global, identical on
-  every rank; the inner optimizer's per-parameter state (momentum, Adam's moments), which
-  differed between ranks, is averaged, so every rank continues from the same state;
+  every rank; for an every-step arm, the inner optimizer's per-parameter state (momentum, Adam's
+  moments), which differed between ranks, is averaged, so every rank continues from the same
+  state (Streaming DiLoCo keeps each rank's own, as it does between its exchanges);
 - leaving an every-step arm: weights and optimizer state are already identical on every rank;
 - the new arm is bound to the same parameters and started (``on_train_start``).
 
@@ -108,7 +109,7 @@ class AutoRule(Rule):
     measure_every: int = option(
         default=100,
         doc="steps between measurements after the first decision (≥ 0; 0: decide once, after step 5); after a "
-        "switch the next one comes within 10 steps, so that the new arm's own cost is seen early.",
+        "switch the next one comes within 6 steps, so that the new arm's own cost is seen early.",
         check=integer(0),
     )
     tolerance: float = option(
@@ -180,6 +181,13 @@ class BoundAuto(BoundRule):
     @sync_enabled.setter
     def sync_enabled(self, value: bool) -> None:
         self.inner.sync_enabled = value
+
+    def __getattr__(self, name: str) -> Any:
+        """Anything else (``skipped_steps``, ...) is the arm's in use."""
+        inner = self.__dict__.get("inner")
+        if inner is None:
+            raise AttributeError(name)
+        return getattr(inner, name)
 
     def on_train_start(self) -> None:
         self.inner.on_train_start()
@@ -283,7 +291,8 @@ class BoundAuto(BoundRule):
         previous = self.choice
         if previous.arm in ("probing", "streaming"):
             self.inner.on_train_end()  # every rank now holds θ_global
-            self._average_optimizer_state(optimizer)
+            if choice.arm in ("sync", "powersgd"):  # a local-step arm keeps each rank's own state
+                self._average_optimizer_state(optimizer)
         enabled = self.inner.sync_enabled
         self.inner.close()
         self.inner = arm_rule(choice).bind(self.transport, self.params)

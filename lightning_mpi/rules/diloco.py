@@ -18,11 +18,13 @@ gradient. ``wire`` picks how Δ travels: fp32 (one Allreduce), or bf16, int8 or 
 ASA with error feedback (the unsent part of Δ joins the next outer step's Δ).
 
 Defaults, cited: Douillard et al. use outer SGD with Nesterov momentum, ``outer_lr = 0.7``,
-``outer_momentum = 0.9``, and H = 500 inner steps of AdamW. H = 500 assumes runs of tens of
-thousands of steps; our runs are hundreds to a few thousand, and 500 would leave them with a
-handful of outer steps or none. We take ``period = 50``: their ablation shows quality improving
-as H falls (at more communication), and at 50 one exchange still costs about 2% of the steps'
-compute on a 1 Gbit/s link for a 17M-parameter model (0.1 s for Δ against about 10 s of steps).
+``outer_momentum = 0.9`` (ours from the second outer step: ``outer_warmup = 1`` makes the
+first an average of the replicas, measured in ``benchmarks/outer_warmup.py``), and H = 500
+inner steps of AdamW. H = 500 assumes runs of tens of thousands of steps; our runs are hundreds
+to a few thousand, and 500 would leave them with a handful of outer steps or none. We take
+``period = 50``: their ablation shows quality improving as H falls (at more communication), and
+at 50 one exchange still costs about 2% of the steps' compute on a 1 Gbit/s link for a
+17M-parameter model (0.1 s for Δ against about 10 s of steps).
 
 State: θ_global, the outer momentum and the step count are the same on every rank; every
 rank's local weights, inner-optimizer state and feedback residuals differ between exchanges, so
@@ -110,7 +112,7 @@ class OuterOptions(Rule):
         doc='how Δ travels: `"fp32"` (one Allreduce), `"bf16"`, `"int8"` or `"int4"` (ASA with error feedback).',
     )
     outer_warmup: int = option(
-        default=0,
+        default=1,
         doc="the first outer steps of each fragment that average the replicas (θ_global ← mean θᵢ: outer lr 1, "
         "no momentum) before the Nesterov steps start; keeps a short run's first outer steps from overshooting.",
         check=integer(0),

@@ -88,3 +88,30 @@ def test_assumed_measurements_and_bad_options_name_themselves():
         AutoRule(tolerance=1.5)
     with pytest.raises(ValueError, match="measure_every="):
         AutoRule(measure_every=-1)
+
+
+def test_on_one_rank_the_rule_is_a_plain_every_step_rule_and_round_trips():
+    import torch
+    from torch import nn
+
+    from tests.rules.test_diloco import _self_transport
+
+    net = nn.Linear(3, 2)
+    bound = AutoRule().bind(_self_transport(), list(net.parameters()))
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    bound.on_train_start()
+    for _ in range(7):
+        opt.zero_grad()
+        net(torch.randn(4, 3)).sum().backward()
+        assert bound.before_step(opt)
+        opt.step()
+        bound.after_step(opt)
+    assert bound.choice.arm == "sync" and bound.decisions == 0 and bound.skipped_steps == 0  # the arm's own
+    bound.sync_enabled = False
+    assert bound.inner.sync_enabled is False
+    fresh = AutoRule().bind(_self_transport(), list(net.parameters()))
+    fresh.load_state_dict(bound.state_dict())
+    assert fresh.steps == 7 and fresh.choice == bound.choice
+    bound.on_train_end()
+    bound.close()
+    fresh.close()
