@@ -40,8 +40,8 @@ whether each arm's loss in T is as low; peak bytes per exchange where the rule's
 reports them; whether every rank ends with the same weights), a table of each arm's effective
 speedup over each peer's, and saves ``benchmarks/results/time_to_quality.json``, ``.md`` and one
 PNG per setting (``ttq_report.py``: the curves, and the effective speedups beside them). The
-curve points before the last are rank 0's own weights (a worker's, for local-step and asynchronous rules); the last point is the weights
-``fit`` leaves (the average or center). Figures depend on the machine and its load.
+curve points before the last are rank 0's own weights (a worker's, for local-step and asynchronous
+rules); the last point is the weights ``fit`` leaves (the average or center). Figures depend on the machine and its load.
 """
 from __future__ import annotations
 

@@ -15,8 +15,8 @@
   run for W·T) needs to reach the arm's loss in T, divided by T (ideal: W). The time is read off
   the local curve by linear interpolation between its snapshots (:func:`time_to_reach`), averaged
   over the local runs of the arm run's own invocation (``invocation``: the same load), or over
-  every local run when its invocation has none; an arm whose loss no local run reaches gets a lower bound (the local run's
-  length / T, flagged ``lower_bound``). With ``--runs N`` the arms chosen by :func:`headline_arms`
+  every local run when its invocation has none; an arm whose loss no local run reaches gets a
+  lower bound (the local run's length / T, flagged ``lower_bound``). With ``--runs N`` the arms chosen by :func:`headline_arms`
   run N times: ``loss_T`` and ``speedup`` are then the mean, with the spread in ``*_runs``
   (:func:`aggregate`);
 - ``vs_peers``: for each of our arms, its mean effective speedup over each ddp peer's; a ratio is
