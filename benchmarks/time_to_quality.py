@@ -15,7 +15,15 @@ needs root) and trains through a ``pytorch_lightning`` Trainer for a wall-clock 
   read off its curve), ``ddp_powersgd1``, ``ddp_powersgd4`` (``benchmarks/ddp_peers.py``);
 - ours: any registered strategy name (``mpi_asa16``, ``mpi_diloco``, ...; a name this checkout
   does not have is reported as "not available"); ``name:key=value,...`` overrides its arguments;
-- ``local``: one process without any exchange (run once): the compute ceiling.
+- ``local``: one process without any exchange, run for W·T (W: the most ranks of any setting),
+  with a snapshot every ``T / LOCAL_POINTS_PER_T``: the real limit. Each arm's **effective
+  speedup** is the time ``local`` needs to reach the arm's loss in T, divided by T (ideal W).
+
+``--runs N`` runs ``local`` N times (local run k before round k of the first setting, so that the
+local runs meet the load the arms meet) and, per setting, every arm once and then the headline arms
+N - 1 times more (``ttq_report.headline_arms``: ``ddp_fp16``, the best PowerSGD peer, ``mpi_auto``
+and the best fixed ``mpi_*`` arm of the first run; ``--repeat`` names them instead); the tables
+show the mean and the spread. The long peer runs ``--peer-factor`` x T in its first run only.
 
 An arm that fails is reported with its error; one that outlives its run plus ``--margin`` seconds
 is killed (SIGKILL, the whole job) and reported as "hung", with how far it got. The run goes on.
@@ -23,14 +31,17 @@ is killed (SIGKILL, the whole job) and reported as "hung", with how far it got. 
     python benchmarks/time_to_quality.py                     # 4 settings x 13 arms, ~30 min
     python benchmarks/time_to_quality.py --settings hosts:2:100mbit --budget 10 --arms ddp local mpi_asa16
     python benchmarks/time_to_quality.py --smoke             # 2 ranks, shared memory, seconds
+    python benchmarks/time_to_quality.py --settings hosts:2:100mbit --runs 3 --peer-factor 1 \
+        --arms local ddp_fp16 ddp_powersgd1 mpi_auto mpi_diloco mpi_streaming_diloco
 
-Per setting it prints a markdown table (loss in T; time to reach the best loss ddp reaches in T;
-samples/s and steps/s against ``local``; ddp_fp16's loss at 3T and 5T and whether each arm's
-loss in T is as low; peak bytes per exchange where the rule's ``stats()`` reports them; whether
-every rank ends with the same weights) and saves ``benchmarks/results/time_to_quality.json``,
-``.md`` and one PNG per setting (``ttq_report.py``). The curve points before the last are rank 0's
-own weights (a worker's, for local-step and asynchronous rules); the last point is the weights
-``fit`` leaves (the average or center). Figures depend on the machine and its load.
+Per setting it prints a markdown table (loss in T; effective speedup; time to reach the best loss
+ddp reaches in T; samples/s and steps/s against ``local``; ddp_fp16's loss at 3T and 5T and
+whether each arm's loss in T is as low; peak bytes per exchange where the rule's ``stats()``
+reports them; whether every rank ends with the same weights), a table of each arm's effective
+speedup over each peer's, and saves ``benchmarks/results/time_to_quality.json``, ``.md`` and one
+PNG per setting (``ttq_report.py``: the curves, and the effective speedups beside them). The
+curve points before the last are rank 0's own weights (a worker's, for local-step and asynchronous
+rules); the last point is the weights ``fit`` leaves (the average or center). Figures depend on the machine and its load.
 """
 from __future__ import annotations
 
@@ -63,6 +74,10 @@ LONG_PEER = "ddp_fp16"
 #: seconds an arm takes beyond its run (start-up: imports, data, process group; evaluation of the
 #: snapshots): a base, plus per rank sharing a core (a rank imports torch and Lightning in ~5 CPU s)
 OVERHEAD_BASE, OVERHEAD_PER_RANK_PER_CORE = 10.0, 5.0
+#: this driver run: each arm run's speedup is read off the local runs of its own invocation
+INVOCATION = f"{time.strftime('%Y-%m-%d %H:%M:%S')} pid {os.getpid()}"
+#: local snapshots per T: its curve is the yardstick of every effective speedup, so it is finer
+LOCAL_POINTS_PER_T = 10
 SMOKE_TASK = TaskConfig(hidden=256, train_bytes=1 << 20, held_out_bytes=64 << 10, train_windows=1 << 14,
                         held_out_windows=128)
 
@@ -77,8 +92,28 @@ def available(arm: str) -> bool:
     return name in STRATEGIES
 
 
-def run_seconds(arm: str, args: argparse.Namespace) -> float:
-    return args.budget * (args.peer_factor if parse_arm(arm)[0] == LONG_PEER else 1)
+def world_of(setting: str) -> int:
+    """Ranks of ``hosts:N:RATE`` or ``shm:N``."""
+    return int(setting.split(":")[1])
+
+
+def run_seconds(arm: str, args: argparse.Namespace, first: bool = True) -> float:
+    """An arm's run: T; the long peer's first run ``peer_factor`` x T; ``local`` W·T (W: the most
+    ranks of any setting)."""
+    name = parse_arm(arm)[0]
+    if name == "local":
+        return args.budget * max([world_of(s) for s in args.settings] or [1])
+    return args.budget * (args.peer_factor if name == LONG_PEER and first else 1)
+
+
+def arm_marks(arm: str, run: float, budget: float) -> list[float]:
+    """Snapshot times: ``local`` every ``T / LOCAL_POINTS_PER_T`` and at every multiple of T; others
+    :func:`snapshot_marks`."""
+    if parse_arm(arm)[0] != "local":
+        return snapshot_marks(run, budget)
+    points = max(10, round(run / budget * LOCAL_POINTS_PER_T))
+    multiples = {k * budget for k in range(1, int(run / budget) + 1)}
+    return sorted(set(snapshot_marks(run, budget, points)) | {m for m in multiples if m < run})
 
 
 def snapshot_marks(run: float, budget: float, points: int = 10) -> list[float]:
@@ -102,13 +137,14 @@ def _progress(path: Path) -> str:
     return f"rank 0 last reported: {p['phase']}, {p['steps']} steps, t={p['t']} s"
 
 
-def run_arm(setting: str, arm: str, args: argparse.Namespace, task: TaskConfig, data: Path, cluster=None) -> dict:
+def run_arm(setting: str, arm: str, args: argparse.Namespace, task: TaskConfig, data: Path, cluster=None,
+            first: bool = True) -> dict:
     """Run one arm in one setting; its result dict with ``status`` ok / failed / hung."""
-    run = run_seconds(arm, args)
+    run = run_seconds(arm, args, first)
     timeout = run + args.margin
     with tempfile.TemporaryDirectory(prefix="ttq-") as tmp:
         tmp = Path(tmp)
-        spec = {"arm": arm, "run_seconds": run, "marks": snapshot_marks(run, args.budget), "batch": args.batch,
+        spec = {"arm": arm, "run_seconds": run, "marks": arm_marks(arm, run, args.budget), "batch": args.batch,
                 "task": asdict(task), "data": str(data), "out": str(tmp / "result.json"),
                 "progress": str(tmp / "progress.json")}
         (tmp / "spec.json").write_text(json.dumps(spec))
@@ -135,7 +171,11 @@ def run_arm(setting: str, arm: str, args: argparse.Namespace, task: TaskConfig, 
         if res.returncode != 0 or not out.exists():
             return {"arm": arm, "status": "failed", "wall_seconds": wall,
                     "reason": f"exit {res.returncode}: {_reason(res.stderr + res.stdout)}"}
-        return {**json.loads(out.read_text()), "status": "ok", "wall_seconds": wall}
+        # the strategies' own one-line reports (mpi_auto's choices), for the tables' readers
+        notes = [line.strip() for line in res.stdout.splitlines() + res.stderr.splitlines()
+                 if line.startswith("lightning_mpi:")]
+        return {**json.loads(out.read_text()), "status": "ok", "wall_seconds": wall, "notes": notes,
+                "invocation": INVOCATION}
 
 
 def _run_killable(cmd: list[str], env: dict, timeout: float) -> subprocess.CompletedProcess:
@@ -154,25 +194,41 @@ def _run_killable(cmd: list[str], env: dict, timeout: float) -> subprocess.Compl
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
-def run_setting(setting: str, arms: list[str], args, task, data) -> dict[str, dict]:
-    """Every arm (but ``local``) in ``setting``; one simulated cluster for all of them."""
-    results = {}
+def run_setting(setting: str, arms: list[str], args, task, data,
+                before_round=None) -> tuple[dict[str, dict], dict[str, list[dict]]]:
+    """Every arm (but ``local``) in ``setting`` once, then the arms to repeat ``args.runs - 1`` times
+    more; one simulated cluster for all of them; ``before_round(k)`` is called before round k
+    (1: every arm; 2..runs: the repeats). Returns (first runs, further runs per arm)."""
+    results: dict[str, dict] = {}
     todo = [a for a in arms if a != "local"]
     for arm in todo:
         if not available(arm):
             results[arm] = {"arm": arm, "status": "not available", "reason": "not a strategy in this checkout"}
     runnable = [a for a in todo if a not in results]
+    repeats: dict[str, list[dict]] = {}
     kind, *rest = setting.split(":")
+
+    def go(cluster=None) -> None:
+        if before_round:
+            before_round(1)
+        for arm in runnable:
+            results[arm] = _logged(setting, arm, run_arm(setting, arm, args, task, data, cluster))
+        again = [a for a in (args.repeat or ttq_report.headline_arms(results, args.budget)) if a in runnable]
+        for run in range(2, args.runs + 1):
+            if before_round:
+                before_round(run)
+            for arm in again:
+                r = run_arm(setting, arm, args, task, data, cluster, first=False)
+                repeats.setdefault(arm, []).append(_logged(f"{setting} run {run}", arm, r))
+
     if kind == "hosts" and runnable:
         from benchmarks.cluster import SimCluster
 
         with SimCluster(int(rest[0]), rate=rest[1]) as cluster:
-            for arm in runnable:
-                results[arm] = _logged(setting, arm, run_arm(setting, arm, args, task, data, cluster))
+            go(cluster)
     else:
-        for arm in runnable:
-            results[arm] = _logged(setting, arm, run_arm(setting, arm, args, task, data))
-    return {a: results[a] for a in todo}
+        go()
+    return {a: results[a] for a in todo}, repeats
 
 
 def _logged(setting: str, arm: str, r: dict) -> dict:
@@ -190,12 +246,15 @@ def overhead_estimate(ranks: int) -> float:
 
 
 def estimate_seconds(settings: list[str], arms: list[str], args) -> float:
-    """Expected wall time of the whole run (no arm hanging)."""
+    """Expected wall time of the whole run (no arm hanging; 4 arms repeated when ``--runs`` > 1)."""
     runnable = [a for a in arms if a != "local" and available(a)]
-    total = args.budget + overhead_estimate(1) if "local" in arms else 0.0
+    # the headline arms are chosen after the first run: estimate them as the first four runnable
+    again = [a for a in args.repeat if a in runnable] if args.repeat else runnable[:4]
+    total = args.runs * (run_seconds("local", args) + overhead_estimate(1)) if "local" in arms else 0.0
     for setting in settings:
-        ranks = int(setting.split(":")[1])
+        ranks = world_of(setting)
         total += sum(run_seconds(a, args) + overhead_estimate(ranks) for a in runnable)
+        total += (args.runs - 1) * sum(run_seconds(a, args, first=False) + overhead_estimate(ranks) for a in again)
     return total
 
 
@@ -207,6 +266,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--peer-factor", type=float, default=None, help=f"{LONG_PEER} runs this many T (default 5)")
     p.add_argument("--batch", type=int, default=16, help="per-rank batch")
     p.add_argument("--margin", type=float, default=None, help="seconds past its run before an arm counts as hung (default 90)")
+    p.add_argument("--runs", type=int, default=1, help="runs of local and of the headline arms (default 1)")
+    p.add_argument("--repeat", nargs="+", default=None,
+                   help="the arms to run --runs times (default: ddp_fp16, the best ddp_powersgd*, mpi_auto, "
+                        "the best fixed mpi_* arm of the first run)")
+    p.add_argument("--add-to", default=None,
+                   help="an earlier result JSON (the same T, batch and task): add this run's arm and local runs to "
+                        "its runs, so that runs can be spread over several invocations; written to --out "
+                        "(default: that file)")
     p.add_argument("--smoke", action="store_true", help="2 ranks on shared memory, a small model, a 3 s budget")
     p.add_argument("--out", default=None, help="result JSON (default benchmarks/results/time_to_quality[_smoke].json)")
     args = p.parse_args(argv)
@@ -218,14 +285,58 @@ def parse_args(argv=None) -> argparse.Namespace:
             setattr(args, key, value)
     if args.budget <= 0 or args.peer_factor < 1:
         p.error(f"--budget={args.budget} must be > 0 and --peer-factor={args.peer_factor} >= 1")
+    if args.runs < 1:
+        p.error(f"--runs={args.runs} must be >= 1")
     return args
+
+
+def _previous(args, task: TaskConfig) -> dict | None:
+    """The report ``--add-to`` names, checked to be comparable (the same T, batch and task)."""
+    if not args.add_to:
+        return None
+    previous = json.loads(Path(args.add_to).read_text())
+    mine = {"budget": args.budget, "batch": args.batch, "task": asdict(task)}
+    theirs = {**{k: previous["args"][k] for k in ("budget", "batch")}, "task": previous["task"]}
+    for key, value in mine.items():
+        if theirs[key] != value:
+            raise SystemExit(f"--add-to={args.add_to}: it was run with {key}={theirs[key]!r}, this run has "
+                             f"{value!r}; use the same --budget/--batch/--smoke, or another --out")
+    return previous
+
+
+def merge_reports(old: dict, new: dict) -> dict:
+    """``new``'s runs added to ``old``'s: a new arm's runs, or further runs of an arm ``old`` has
+    (appended to its repeats), and ``new``'s local runs after ``old``'s; loads and commands appended."""
+    merged = {**old, "created": new["created"], "commands": old.get("commands", []) + new["commands"],
+              "total_seconds": old["total_seconds"] + new["total_seconds"],
+              "local_runs": (old.get("local_runs") or ([old["local"]] if old.get("local") else [])) + new["local_runs"],
+              "settings": {s: dict(arms) for s, arms in old["settings"].items()},
+              "repeats": {s: {a: list(runs) for a, runs in arms.items()} for s, arms in old.get("repeats", {}).items()}}
+    load = dict(old.get("load", {}))
+    for key, value in new["load"].items():
+        load[key] = f"{load[key]}, then {value}" if key in load else value
+    merged["load"] = load
+    for setting, arms in new["settings"].items():
+        first = merged["settings"].setdefault(setting, {})
+        again = merged["repeats"].setdefault(setting, {})
+        for arm, result in arms.items():
+            runs = [result, *new["repeats"].get(setting, {}).get(arm, [])]
+            if arm not in first or first[arm].get("status") == "not available":
+                first[arm], runs = runs[0], runs[1:]
+            again.setdefault(arm, []).extend(runs)
+    return merged
+
+
+def _load() -> str:
+    """The load averages (1, 5, 15 min), as ``uptime`` prints them."""
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
     task = SMOKE_TASK if args.smoke else TaskConfig()
     tag = "time_to_quality_smoke" if args.smoke else "time_to_quality"
-    out = Path(args.out) if args.out else RESULTS / f"{tag}.json"
+    out = Path(args.out) if args.out else Path(args.add_to) if args.add_to else RESULTS / f"{tag}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.mkdir(parents=True, exist_ok=True)
     from benchmarks.ttq_task import load_texts
@@ -236,18 +347,37 @@ def main(argv=None) -> int:
     print(f"# time to quality: {len(args.settings)} settings x {len(args.arms)} arms, T = {args.budget:g} s "
           f"({LONG_PEER}: {args.peer_factor:g} T); estimated total {estimate / 60:.1f} min "
           f"(+ up to {args.margin:g} s per hung arm)", file=sys.stderr, flush=True)
+    previous = _previous(args, task)
     started = time.perf_counter()
-    local = _logged("local", "local", run_arm("local", "local", args, task, data)) if "local" in args.arms else None
-    settings = {s: run_setting(s, args.arms, args, task, data) for s in args.settings}
+    load = {"local": _load()} if "local" in args.arms else {}
+    local_runs: list[dict] = []
+
+    def local_run(k: int) -> None:
+        """Local run k, before round k of the first setting: the local runs meet the same load as the arms."""
+        if "local" in args.arms and len(local_runs) < k:
+            local_runs.append(_logged(f"local run {k}", "local", run_arm("local", "local", args, task, data)))
+
+    settings, repeats = {}, {}
+    for i, s in enumerate(args.settings):
+        load[s] = _load()
+        settings[s], repeats[s] = run_setting(s, args.arms, args, task, data, local_run if i == 0 else None)
+    for k in range(1, args.runs + 1):  # no setting, or fewer rounds than runs (no arm to repeat)
+        local_run(k)
     report = {"created": time.strftime("%Y-%m-%d %H:%M"), "args": vars(args), "task": asdict(task),
-              "total_seconds": time.perf_counter() - started, "estimated_seconds": estimate,
-              "local": local, "settings": settings,
-              "summary": {s: ttq_report.summarize(r, local, args.budget, args.peer_factor) for s, r in settings.items()}}
+              "commands": [" ".join(["python", *sys.argv])], "total_seconds": time.perf_counter() - started,
+              "estimated_seconds": estimate, "load": load, "local_runs": local_runs, "settings": settings,
+              "repeats": repeats}
+    if previous:
+        report = merge_reports(previous, report)
+    local_runs = report["local_runs"]
+    report["local"] = local = local_runs[0] if local_runs else None
+    report["summary"] = {s: ttq_report.summarize(r, local, args.budget, args.peer_factor, report["repeats"].get(s),
+                                                 local_runs) for s, r in report["settings"].items()}
     out.write_text(json.dumps(report, indent=1))
     text = ttq_report.markdown(report)
     print(text)
     out.with_suffix(".md").write_text(text + "\n")
-    for setting in settings:
+    for setting in report["settings"]:
         ttq_report.plot(report, setting, out.with_name(f"{out.stem}_{setting.replace(':', '_')}.png"))
     print(f"# total {report['total_seconds'] / 60:.1f} min; results: {out}", file=sys.stderr)
     return 0

@@ -51,6 +51,7 @@ _PYTORCH_LIGHTNING_CLASSES = (
     "PowerSGDStrategy",
     "DiLoCoStrategy",
     "StreamingDiLoCoStrategy",
+    "AutoStrategy",
     "MPIClusterEnvironment",
     "AtomicCheckpointIO",
     "LMSOffload",
@@ -75,6 +76,7 @@ _MODULES = {
     "EAMSGDRule": "lightning_mpi.rules.server",
     "DiLoCoRule": "lightning_mpi.rules.diloco",
     "StreamingDiLoCoRule": "lightning_mpi.rules.streaming_diloco",
+    "AutoRule": "lightning_mpi.rules.auto",
     "RankFailedError": "lightning_mpi.comm.errors",
 }
 

@@ -18,11 +18,13 @@ gradient. ``wire`` picks how Δ travels: fp32 (one Allreduce), or bf16, int8 or 
 ASA with error feedback (the unsent part of Δ joins the next outer step's Δ).
 
 Defaults, cited: Douillard et al. use outer SGD with Nesterov momentum, ``outer_lr = 0.7``,
-``outer_momentum = 0.9``, and H = 500 inner steps of AdamW. H = 500 assumes runs of tens of
-thousands of steps; our runs are hundreds to a few thousand, and 500 would leave them with a
-handful of outer steps or none. We take ``period = 50``: their ablation shows quality improving
-as H falls (at more communication), and at 50 one exchange still costs about 2% of the steps'
-compute on a 1 Gbit/s link for a 17M-parameter model (0.1 s for Δ against about 10 s of steps).
+``outer_momentum = 0.9`` (ours from the second outer step: ``outer_warmup = 1`` makes the
+first an average of the replicas, measured in ``benchmarks/outer_warmup.py``), and H = 500
+inner steps of AdamW. H = 500 assumes runs of tens of thousands of steps; our runs are hundreds
+to a few thousand, and 500 would leave them with a handful of outer steps or none. We take
+``period = 50``: their ablation shows quality improving as H falls (at more communication), and
+at 50 one exchange still costs about 2% of the steps' compute on a 1 Gbit/s link for a
+17M-parameter model (0.1 s for Δ against about 10 s of steps).
 
 State: θ_global, the outer momentum and the step count are the same on every rank; every
 rank's local weights, inner-optimizer state and feedback residuals differ between exchanges, so
@@ -39,7 +41,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 import torch
@@ -52,59 +54,47 @@ from lightning_mpi.comm.progress import ProgressThread
 from lightning_mpi.comm.transport import Transport
 from lightning_mpi.options import integer, number, option, options_class
 from lightning_mpi.rules.base import BoundLocalStepRule, Rule
+from lightning_mpi.rules.diloco_math import (  # noqa: F401  (the math, re-exported beside the rule)
+    averages_at,
+    last_start,
+    make_outer_optimizer,
+    mix_,
+    outer_step_,
+    pseudo_gradient,
+    starts_at,
+)
+from lightning_mpi.rules.link_model import hidden_schedule
+from lightning_mpi.rules.link_probe import LinkProbe, Measurement, StepClock
 from lightning_mpi.rules.outer_fragment import OuterFragment
 from lightning_mpi.rules.replica_state import ReplicaState
 
 #: wire formats of the pseudo-gradient
 
 
-# -- pure math ------------------------------------------------------------------------------------
-def pseudo_gradient(theta_global: Tensor, theta_local: Tensor) -> Tensor:
-    """Δᵢ = θ_global − θᵢ: how far this rank's inner steps moved it (the outer optimizer's gradient)."""
-    return theta_global - theta_local
+#: Inner steps timed before ``period="auto"`` decides (the first step, which warms caches and
+#: allocators, is not timed).
+AUTO_PROBE_STEPS = 4
 
 
-def make_outer_optimizer(globals_: Sequence[Tensor], outer_lr: float, outer_momentum: float) -> torch.optim.SGD:
-    """The outer optimizer over the global weights: SGD, with Nesterov momentum when momentum > 0."""
-    return torch.optim.SGD(list(globals_), lr=outer_lr, momentum=outer_momentum, nesterov=outer_momentum > 0)
-
-
-def outer_step_(optimizer: torch.optim.SGD, theta_global: Tensor, mean_delta: Tensor) -> Tensor:
-    """One outer step on ``theta_global`` (one of ``optimizer``'s tensors) with gradient ``mean_delta``.
-
-    Only this tensor moves: the optimizer's other tensors have no gradient and SGD skips them.
-    With Nesterov momentum μ and rate η: ``b ← μ b + Δ``, ``θ ← θ − η (Δ + μ b)``."""
-    theta_global.grad = mean_delta
-    optimizer.step()
-    theta_global.grad = None
-    return theta_global
-
-
-def mix_(theta_local: Tensor, theta_global: Tensor, alpha: float) -> Tensor:
-    """θ_local ← α·θ_local + (1 − α)·θ_global in place (α = 0 copies θ_global exactly)."""
-    if alpha == 0.0:
-        return theta_local.copy_(theta_global)
-    return theta_local.mul_(alpha).add_(theta_global, alpha=1.0 - alpha)
-
-
-def starts_at(step: int, offset: int, period: int) -> bool:
-    """Whether a fragment with this ``offset`` starts an exchange after update ``step`` (1-based)."""
-    return step >= offset and (step - offset) % period == 0
-
-
-def last_start(step: int, offset: int, period: int) -> int:
-    """The last step ≤ ``step`` at which that fragment started an exchange (0: none yet)."""
-    return 0 if step < offset else offset + (step - offset) // period * period
+def _period(name: str, value: Any) -> int | str:
+    if value == "auto":
+        return value
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f'{name}={value!r} is out of range: it must be an integer >= 1 or "auto"')
+    return value
 
 
 @options_class
 class OuterOptions(Rule):
     """The options DiLoCo and Streaming DiLoCo share: the outer step and how Δ travels."""
 
-    period: int = option(
+    period: int | Literal["auto"] = option(
         default=50,
-        doc="H, inner steps between outer steps (≥ 1); the paper's 500 is made for runs of tens of thousands of steps.",
-        check=integer(1),
+        doc="H, inner steps between outer steps (≥ 1); the paper's 500 is made for runs of tens of thousands of steps. "
+        '`"auto"`: the smallest period whose exchange, after the wire format, hides behind that many steps, from '
+        "the compute time of a step and the link measured in the first steps (agreed by every rank; saved in "
+        "checkpoints).",
+        check=_period,
     )
     outer_lr: float = option(
         default=0.7,
@@ -121,6 +111,12 @@ class OuterOptions(Rule):
         default="fp32",
         doc='how Δ travels: `"fp32"` (one Allreduce), `"bf16"`, `"int8"` or `"int4"` (ASA with error feedback).',
     )
+    outer_warmup: int = option(
+        default=1,
+        doc="the first outer steps of each fragment that average the replicas (θ_global ← mean θᵢ: outer lr 1, "
+        "no momentum) before the Nesterov steps start; keeps a short run's first outer steps from overshooting.",
+        check=integer(0),
+    )
 
 
 # -- the rule ---------------------------------------------------------------------------------------
@@ -134,7 +130,7 @@ class DiLoCoRule(OuterOptions):
     name = "diloco"
 
     def bind(self, transport: Transport, params: Sequence[Tensor]) -> BoundDiLoCo:
-        return BoundDiLoCo(self, transport, params, groups=[list(params)], offsets=[self.period])
+        return BoundDiLoCo(self, transport, params, groups=[list(params)], offsets_for=lambda period: [period])
 
 
 class BoundDiLoCo(BoundLocalStepRule):
@@ -145,7 +141,9 @@ class BoundDiLoCo(BoundLocalStepRule):
         transport: all ranks.
         params: the trainable parameters in model order.
         groups: the fragments, each a list of whole parameters, together ``params`` in order.
-        offsets: the step of each fragment's first exchange; it then exchanges every ``period``.
+        offsets_for: the step of each fragment's first exchange for a period; it then exchanges
+            every ``period``. With ``period="auto"`` the schedule starts after the steps that
+            measure (:data:`AUTO_PROBE_STEPS` + 1), and its offsets are shifted by them.
         overlap_steps: τ, inner steps between the start of an exchange and its use (0: blocking).
         mix_alpha: α, how much of the local fragment survives the arriving global one.
     """
@@ -156,13 +154,18 @@ class BoundDiLoCo(BoundLocalStepRule):
         transport: Transport,
         params: Sequence[Tensor],
         groups: Sequence[Sequence[Tensor]],
-        offsets: Sequence[int],
+        offsets_for: Callable[[int], list[int]],
         overlap_steps: int = 0,
         mix_alpha: float = 0.0,
     ) -> None:
         super().__init__(transport, params, rule.name)
         self.rule = rule
-        self.offsets = list(offsets)
+        self.offsets_for = offsets_for
+        #: the period in use; None while ``period="auto"`` is still measuring
+        self.period: int | None = None if rule.period == "auto" else int(rule.period)
+        self.offsets: list[int] = [] if self.period is None else list(offsets_for(self.period))
+        self.measured: Measurement | None = None
+        self.clock = StepClock()
         self.overlap_steps = overlap_steps
         self.mix_alpha = mix_alpha
         codec = get_codec(rule.wire)
@@ -173,7 +176,7 @@ class BoundDiLoCo(BoundLocalStepRule):
         self.team = transport.dup() if transport.size > 1 else transport
         self.progress = ExchangeScheduler(transport.timeout, transport.rank, transport.size)
         self.driver: ProgressThread | None = None
-        if overlap_steps > 0 and transport.size > 1:
+        if (overlap_steps > 0 or (self.period is None and len(groups) > 1)) and transport.size > 1:
             # MPICH moves a non-blocking exchange only inside MPI calls: poll while one is in flight.
             self.driver = ProgressThread(
                 self.progress.try_poll, 2e-4, f"{rule.name} (overlap_steps > 0)", running=False
@@ -194,6 +197,7 @@ class BoundDiLoCo(BoundLocalStepRule):
     def before_step(self, optimizer: Optimizer) -> bool:
         """Load a restored inner-optimizer state, move an exchange in flight, then the local guard."""
         self.replicas.apply_pending(optimizer)
+        self.clock.pause()
         if self.driver is None and any(f.status == "running" for f in self.fragments):
             self.progress.poll()
         return super().before_step(optimizer)
@@ -206,12 +210,44 @@ class BoundDiLoCo(BoundLocalStepRule):
         for index, fragment in enumerate(self.fragments):
             if fragment.status != "idle" and fragment.due <= self.steps:
                 self._finish(index, self.mix_alpha)
-        for index, offset in enumerate(self.offsets):
-            if starts_at(self.steps, offset, self.rule.period):
-                self._start(index)
-                if self.overlap_steps == 0:
-                    self._finish(index, self.mix_alpha)
+        if self.period is None:
+            if self.steps == AUTO_PROBE_STEPS + 1:
+                self._choose_period()
+        else:
+            for index, offset in enumerate(self.offsets):
+                if starts_at(self.steps, offset, self.period):
+                    self._start(index)
+                    if self.overlap_steps == 0:
+                        self._finish(index, self.mix_alpha)
         self._seconds = time.perf_counter() - start
+        self.clock.resume()
+
+    def _choose_period(self) -> None:
+        """``period="auto"``: time the real exchange of the largest fragment (Δ = 0, which leaves
+        the error-feedback residuals at zero), agree with the other ranks, fix the schedule."""
+        largest = max(self.fragments, key=lambda f: f.bytes_per_exchange)
+        largest.delta.zero_()
+
+        def exchange() -> None:
+            self.progress.start(largest.mean_steps(self.team))
+            self.progress.wait_all()
+
+        step = self.clock.seconds() or 1e-3
+        self.measured = LinkProbe(self.team).measure(step, exchange, largest.bytes_per_exchange)
+        link_seconds = self.measured.link.seconds(largest.bytes_per_exchange)
+        period, tau = hidden_schedule(link_seconds, self.measured.step_seconds, len(self.fragments), self.overlap_steps)
+        self._set_schedule(period, tau, start=self.steps)
+
+    def _set_schedule(self, period: int, overlap_steps: int, start: int) -> None:
+        self.period, self.overlap_steps = period, overlap_steps
+        self.offsets = [start + offset for offset in self.offsets_for(period)]
+
+    def outer_count(self, index: int) -> int:
+        """Which outer step (1-based) of fragment ``index`` its last started exchange makes."""
+        if self.period is None:
+            return 1
+        fragment, offset = self.fragments[index], self.offsets[index]
+        return (fragment.started - offset) // self.period + 1 if fragment.started >= offset else 1
 
     def _start(self, index: int) -> None:
         """Δ of fragment ``index`` from this rank's weights, and the start of its averaging."""
@@ -238,7 +274,10 @@ class BoundDiLoCo(BoundLocalStepRule):
         """The outer step of fragment ``index`` with its mean Δ, then mix it into the local weights."""
         self._wait()
         fragment = self.fragments[index]
-        outer_step_(self.outer, fragment.theta_global, fragment.delta)
+        if averages_at(self.outer_count(index), self.rule.outer_warmup):
+            fragment.theta_global.sub_(fragment.delta)  # the mean of the replicas; no momentum yet
+        else:
+            outer_step_(self.outer, fragment.theta_global, fragment.delta)
         local = fragment.local.pull()
         mix_(local, fragment.theta_global, alpha)
         fragment.local.push()
@@ -250,8 +289,15 @@ class BoundDiLoCo(BoundLocalStepRule):
         for index, fragment in enumerate(self.fragments):
             if fragment.status != "idle":
                 self._finish(index, 0.0)
+        if self.period is None:  # ended while period="auto" was still measuring: one exchange at the end
+            for index, fragment in enumerate(self.fragments):
+                if self.steps > 0:
+                    self._start(index)
+                    self._finish(index, 0.0)
+                fragment.local.push(fragment.theta_global)
+            return
         for index, (fragment, offset) in enumerate(zip(self.fragments, self.offsets, strict=True)):
-            if last_start(self.steps, offset, self.rule.period) < self.steps:
+            if last_start(self.steps, offset, self.period) < self.steps:
                 self._start(index)
                 self._finish(index, 0.0)
             fragment.local.push(fragment.theta_global)
@@ -296,6 +342,12 @@ class BoundDiLoCo(BoundLocalStepRule):
             "fragments": fragments,
             "world_size": self.transport.size,
             "ranks": ranks,
+            "schedule": {
+                "period": self.period,
+                "overlap_steps": self.overlap_steps,
+                "offsets": list(self.offsets),
+                "measured": None if self.measured is None else self.measured.as_dict(),
+            },
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -306,6 +358,12 @@ class BoundDiLoCo(BoundLocalStepRule):
             )
         self.steps = int(state["steps"])
         self.outer_steps = int(state.get("outer_steps", 0))
+        schedule = state.get("schedule")
+        if schedule is not None and schedule["period"] is not None:  # the period the saved run chose
+            self.period, self.overlap_steps = int(schedule["period"]), int(schedule["overlap_steps"])
+            self.offsets = [int(o) for o in schedule["offsets"]]
+            measured = schedule.get("measured")
+            self.measured = None if measured is None else Measurement.from_dict(measured)
         for fragment, saved in zip(self.fragments, state["fragments"], strict=True):
             n = fragment.numel
             fragment.theta_global.zero_()
@@ -334,7 +392,17 @@ class BoundDiLoCo(BoundLocalStepRule):
         self._loaded = True
 
     def stats(self) -> dict[str, float]:
+        chosen = {}
+        if self.measured is not None:
+            chosen = {
+                "period": float(self.period or 0),
+                "overlap_steps": float(self.overlap_steps),
+                "step_seconds": self.measured.step_seconds,
+                "link_bandwidth": self.measured.link.bandwidth,
+                "link_latency": self.measured.link.latency,
+            }
         return {
+            **chosen,
             "exchange_seconds": self._seconds,
             "wire_bytes": float(self._bytes),
             "peak_exchange_bytes": float(self.peak_exchange_bytes),

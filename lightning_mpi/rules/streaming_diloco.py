@@ -101,7 +101,7 @@ class StreamingDiLoCoRule(OuterOptions):
     overlap_steps: int = option(
         default=1,
         doc="τ, inner steps between the start of a fragment's exchange and its use (0: blocking); below "
-        "period // fragments.",
+        'period // fragments. With `period="auto"`, raised where one fragment\'s exchange needs more steps to hide.',
         check=integer(0),
     )
     mix_alpha: float = option(
@@ -112,6 +112,8 @@ class StreamingDiLoCoRule(OuterOptions):
     wire: Literal["fp32", "bf16", "int8", "int4"] = with_default(OuterOptions, "wire", default="int4")
 
     def check_together(self) -> None:
+        if self.period == "auto":  # the period is chosen ≥ fragments · (overlap_steps + 1)
+            return
         if self.fragments > self.period:
             raise ValueError(
                 f"fragments={self.fragments!r} is more than period={self.period!r}: each fragment needs "
@@ -145,7 +147,7 @@ class StreamingDiLoCoRule(OuterOptions):
             transport,
             params,
             groups,
-            fragment_offsets(self.period, fragments),
+            lambda period: fragment_offsets(period, fragments),
             overlap_steps=self.overlap_steps,
             mix_alpha=self.mix_alpha,
         )

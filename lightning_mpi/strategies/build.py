@@ -28,6 +28,7 @@ from typing import Any
 
 from lightning_mpi.data.hooks import PrefetchDataHooks
 from lightning_mpi.offload.hooks import LMSOffloadHooks
+from lightning_mpi.rules.auto import AutoRule
 from lightning_mpi.rules.averaging import ModelAveragingRule
 from lightning_mpi.rules.base import Rule
 from lightning_mpi.rules.compressed import CompressedSyncRule
@@ -70,6 +71,7 @@ STRATEGY_RULES: dict[str, type[Rule]] = {
     "PowerSGDStrategy": PowerSGDRule,
     "DiLoCoStrategy": DiLoCoRule,
     "StreamingDiLoCoStrategy": StreamingDiLoCoRule,
+    "AutoStrategy": AutoRule,
 }
 
 _ASYNC_DOC = """Base of the asynchronous strategies (parameter-server and gossip rules): Lightning's stop

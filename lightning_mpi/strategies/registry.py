@@ -67,6 +67,11 @@ STRATEGIES: dict[str, tuple[str, dict[str, Any], str]] = {
         {},
         "Streaming DiLoCo: fragments synced in turn, overlapped, 4-bit",
     ),
+    "mpi_auto": (
+        "AutoStrategy",
+        {},
+        "Chosen from the measured link: every-step ASA fp16, PowerSGD, or Streaming DiLoCo tuned to the link",
+    ),
     "mpi_zero": (
         "SyncStrategy",
         {"exchange": "asa", "shard_optimizer": True, "bucket_mb": 4.0},

@@ -13,7 +13,14 @@ from tests.mpi_utils import REPO, mpi_env
 sys.path.insert(0, str(REPO))
 
 from benchmarks import time_to_quality as ttq  # noqa: E402
-from benchmarks.ttq_report import summarize  # noqa: E402
+from benchmarks.ttq_report import (  # noqa: E402
+    aggregate,
+    effective_speedup,
+    headline_arms,
+    markdown,
+    summarize,
+    time_to_reach,
+)
 from benchmarks.ttq_worker import exchange_bytes, parse_arm  # noqa: E402
 
 ARM_FIELDS = {"curve", "final_loss", "seconds", "steps", "samples", "world", "params", "same_weights",
@@ -26,7 +33,8 @@ def test_smoke_run_writes_every_field_and_reports_a_missing_arm(tmp_path):
     out = tmp_path / "ttq.json"
     result = subprocess.run(
         [sys.executable, str(REPO / "benchmarks" / "time_to_quality.py"), "--smoke", "--budget", "2",
-         "--peer-factor", "1.5", "--arms", "local", "ddp_fp16", "mpi_asa16", "mpi_no_such_rule", "--out", str(out)],
+         "--peer-factor", "1.5", "--margin", "150", "--arms", "local", "ddp_fp16", "mpi_asa16", "mpi_no_such_rule",
+         "--out", str(out)],
         env=mpi_env(), capture_output=True, text=True, timeout=400, cwd=REPO,
     )
     assert result.returncode == 0, result.stderr[-3000:]
@@ -46,6 +54,8 @@ def test_smoke_run_writes_every_field_and_reports_a_missing_arm(tmp_path):
     assert arms["mpi_asa16"]["peak_exchange_bytes"] > 0  # its rule reports wire bytes
     summary = report["summary"]["shm:2"]
     assert summary["mpi_asa16"]["samples_vs_local"] > 0
+    assert report["local"]["seconds"] >= 2 * 2  # local ran W x T, its curve the yardstick of the speedups
+    assert summary["mpi_asa16"]["speedup"] > 0 and "ddp_fp16" in summary["mpi_asa16"]["vs_peers"]
     assert summary["mpi_no_such_rule"]["status"] == "not available"
     assert "| mpi_no_such_rule | not available" in out.with_suffix(".md").read_text()
     assert (tmp_path / "ttq_shm_2.png").exists()
@@ -84,6 +94,94 @@ def test_summary_reads_losses_times_and_rates_off_the_curves():
     assert s["mpi_x"]["le_ddp_fp16_3T"] is True and s["mpi_x"]["le_ddp_fp16_last"] is False
     assert s["mpi_x"]["samples_vs_local"] == pytest.approx(1.0) and s["mpi_x"]["steps_vs_local"] == pytest.approx(0.5)
     assert s["mpi_y"] == {"status": "hung", "reason": "killed"}
+
+
+def test_time_to_reach_interpolates_the_first_crossing():
+    curve = [(0.0, 5.5), (2.0, 4.5), (4.0, 3.5), (6.0, 3.6), (8.0, 3.0)]
+    assert time_to_reach(curve, 5.5) == 0.0 and time_to_reach(curve, 6.0) == 0.0
+    assert time_to_reach(curve, 4.0) == pytest.approx(3.0)  # halfway between 4.5 at 2 s and 3.5 at 4 s
+    assert time_to_reach(curve, 3.55) == pytest.approx(3.9)  # the first crossing, not the later one
+    assert time_to_reach(curve, 3.0) == 8.0
+    assert time_to_reach(curve, 2.9) is None and time_to_reach([], 1.0) is None
+
+
+def test_effective_speedup_averages_the_local_runs_and_flags_a_lower_bound():
+    fast = [(0.0, 5.0), (10.0, 4.0), (20.0, 3.0), (30.0, 2.0)]
+    slow = [(0.0, 5.0), (10.0, 4.5), (20.0, 3.5), (30.0, 2.5)]
+    assert effective_speedup(3.0, [fast], budget=10.0) == (pytest.approx(2.0), False)
+    assert effective_speedup(3.0, [fast, slow], budget=10.0) == (pytest.approx((20.0 + 25.0) / 2 / 10.0), False)
+    assert effective_speedup(5.5, [fast], budget=10.0) == (0.0, False)  # worse than the initial weights
+    assert effective_speedup(1.0, [fast], budget=10.0) == (3.0, True)  # beyond the local run: at least 3
+    with pytest.raises(ValueError, match="local"):
+        effective_speedup(3.0, [], budget=10.0)
+
+
+def test_aggregate_gives_mean_spread_and_count():
+    assert aggregate([]) is None
+    assert aggregate([2.0]) == {"mean": 2.0, "min": 2.0, "max": 2.0, "std": 0.0, "n": 1}
+    a = aggregate([1.0, 2.0, 3.0])
+    assert (a["mean"], a["min"], a["max"], a["n"]) == (2.0, 1.0, 3.0, 3) and a["std"] == pytest.approx(1.0)
+
+
+def test_headline_arms_are_the_peers_auto_and_the_best_fixed_arm():
+    results = {
+        "ddp": _arm([(0, 5.5)], 4.0, 10.0, 20, 640),
+        "ddp_fp16": _arm([(0, 5.5), (10.1, 3.9)], 3.0, 50.0, 20, 640),  # its loss in T is 3.9, not 3.0
+        "ddp_powersgd1": _arm([(0, 5.5)], 3.7, 10.0, 20, 640),
+        "ddp_powersgd4": _arm([(0, 5.5)], 3.8, 10.0, 20, 640),
+        "mpi_auto": _arm([(0, 5.5)], 3.5, 10.0, 20, 640),
+        "mpi_diloco": _arm([(0, 5.5)], 3.3, 10.0, 20, 640),
+        "mpi_diloco:period=20": _arm([(0, 5.5)], 3.2, 10.0, 20, 640),
+        "mpi_streaming_diloco": {"status": "failed", "reason": "x"},
+    }
+    assert headline_arms(results, budget=10.0) == ["ddp_fp16", "ddp_powersgd1", "mpi_auto", "mpi_diloco:period=20"]
+
+
+def test_summary_gives_effective_speedups_their_spread_and_the_ratio_to_each_peer():
+    local = [_arm([(0, 5.0), (10, 4.0), (20, 3.0)], 2.0, 30.0, 300, 4800, world=1),
+             _arm([(0, 5.0), (10, 4.0), (20, 3.0)], 2.5, 30.0, 300, 4800, world=1)]
+    results = {"ddp_fp16": _arm([(0, 5.0), (10.0, 4.5)], 4.2, 10.0, 20, 640),
+               "mpi_x": _arm([(0, 5.0)], 3.0, 10.0, 50, 1600),
+               "mpi_y": _arm([(0, 5.0)], 1.0, 10.0, 50, 1600)}
+    repeats = {"mpi_x": [_arm([(0, 5.0)], 3.5, 10.0, 50, 1600), {"status": "hung", "reason": "killed"}]}
+    s = summarize(results, local[0], budget=10.0, peer_factor=1.0, repeats=repeats, local_runs=local)
+    assert s["ddp_fp16"]["speedup"] == pytest.approx(0.5)  # 4.5 at T: local is there at 5 s
+    x = s["mpi_x"]
+    assert x["speedup_runs"]["n"] == 2 and x["failed_runs"] == 1
+    assert x["speedup_runs"]["max"] == pytest.approx(2.0) and x["speedup_runs"]["min"] == pytest.approx(1.5)
+    assert x["speedup"] == pytest.approx(1.75) and x["loss_T_runs"]["mean"] == pytest.approx(3.25)
+    assert x["vs_peers"] == {"ddp_fp16": pytest.approx(3.5)} and x["speedup_lower_bound"] is False
+    assert s["mpi_y"]["speedup_lower_bound"] is True and s["mpi_y"]["speedup"] == pytest.approx(3.0)
+    ref = s["_reference"]
+    assert ref["world"] == 2 and ref["peer_bound"] == {"ddp_fp16": pytest.approx(4.0)}
+    # an arm run is measured against the local runs of its own invocation (the same load) when there are any
+    fast = _arm([(0, 5.0), (10, 3.0)], 2.0, 20.0, 300, 4800, world=1)
+    paired = summarize({"mpi_x": {**results["mpi_x"], "invocation": "b"}}, local[0], budget=10.0, peer_factor=1.0,
+                       local_runs=[{**local[0], "invocation": "a"}, {**fast, "invocation": "b"}])
+    assert paired["mpi_x"]["speedup"] == pytest.approx(1.0)  # fast local reaches 3.0 at 10 s; "a" would say 2.0
+    assert ref["local"]["loss_T"] == 4.0 and ref["local"]["loss_last_runs"]["mean"] == pytest.approx(2.25)
+    text = markdown({"args": {"budget": 10.0, "peer_factor": 1.0, "batch": 16}, "created": "now", "total_seconds": 60,
+                     "load": {"hosts:2:1gbit": "1.00 1.00 1.00"}, "summary": {"hosts:2:1gbit": s}})
+    assert "| mpi_x | 3.250 [3.000, 3.500] (2 runs) (1 run(s) failed) | 1.75 [1.50, 2.00] (2 runs) |" in text
+    assert "| mpi_y | 1.000 | ≥ 3.00 |" in text and "x ddp_fp16 (≤ 4.0)" in text and "| mpi_x | 3.50 |" in text
+
+
+def test_a_later_run_adds_its_runs_to_an_earlier_report():
+    old = {"args": {}, "task": {}, "commands": ["a"], "total_seconds": 10.0, "load": {"local": "1", "shm:2": "2"},
+           "local_runs": ["L1"],
+           "settings": {"shm:2": {"x": {"r": "x1"}, "y": {"r": "y1"}, "n": {"status": "not available"}}},
+           "repeats": {"shm:2": {"x": [{"r": "x2"}]}}}
+    new = {"created": "now", "commands": ["b"], "total_seconds": 5.0, "load": {"shm:2": "3", "hosts:2:1gbit": "4"},
+           "local_runs": ["L2"], "settings": {"shm:2": {"x": {"r": "x3"}, "z": {"r": "z1"}, "n": {"r": "n1"}},
+                                              "hosts:2:1gbit": {"x": {"r": "h1"}}},
+           "repeats": {"shm:2": {"z": [{"r": "z2"}], "x": [{"r": "x4"}]}, "hosts:2:1gbit": {}}}
+    m = ttq.merge_reports(old, new)
+    assert m["local_runs"] == ["L1", "L2"] and m["commands"] == ["a", "b"] and m["total_seconds"] == 15.0
+    assert m["settings"]["shm:2"] == {"x": {"r": "x1"}, "y": {"r": "y1"}, "z": {"r": "z1"}, "n": {"r": "n1"}}
+    assert m["settings"]["hosts:2:1gbit"] == {"x": {"r": "h1"}}
+    assert m["repeats"]["shm:2"] == {"x": [{"r": "x2"}, {"r": "x3"}, {"r": "x4"}], "z": [{"r": "z2"}], "n": []}
+    assert m["load"] == {"local": "1", "shm:2": "2, then 3", "hosts:2:1gbit": "4"}
+    assert old["repeats"]["shm:2"]["x"] == [{"r": "x2"}] and "z" not in old["settings"]["shm:2"]  # old unchanged
 
 
 def test_a_hung_job_is_killed_with_its_whole_process_group(tmp_path):

@@ -137,7 +137,7 @@ def test_diloco_on_one_rank_is_the_papers_loop():
     torch.manual_seed(1)
     net, ref = nn.Linear(3, 2), nn.Linear(3, 2)
     ref.load_state_dict(net.state_dict())
-    _train(DiLoCoRule(period=period).bind(_self_transport(), list(net.parameters())), net, steps)
+    _train(DiLoCoRule(period=period, outer_warmup=0).bind(_self_transport(), list(net.parameters())), net, steps)
 
     torch.manual_seed(0)
     opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.5)

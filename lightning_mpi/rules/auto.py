@@ -1,0 +1,375 @@
+"""``mpi_auto``: the exchange chosen from the measured link and compute, and changed when they move.
+
+The rule measures, on every rank, the compute time of a step (:class:`~.link_probe.StepClock`) and
+the link (:class:`~.link_probe.LinkProbe`: a tiny Allreduce for the latency, one of 1 MiB for the
+bandwidth), agrees the numbers over the ranks (their maxima), and picks an arm with
+:func:`~.auto_choice.choose`: every-step ASA with an fp16 wire where the exchange hides behind
+backward, PowerSGD in the middle, Streaming DiLoCo (wire, fragments, period and overlap chosen
+from the link) on slow links::
+
+    steps 1 .. 5       local steps (no exchange): the first is not timed, the next 4 are
+    after step 5       measure, agree, choose; switch to the chosen arm
+    6 steps after a switch, and every measure_every steps otherwise
+                       measure again (and take the arm's own exposed time per step);
+                       switch when the choice changed (hysteresis in auto_choice)
+
+Every input of a decision is agreed before it is used, and decisions happen at the same step on
+every rank (the step count is the same everywhere), so ranks never diverge in their choice.
+
+The arms are the existing rules, held by composition: :class:`BoundAuto` holds the bound rule
+of the arm in use and delegates every hook to it. A switch happens in ``after_step``, where
+every rank is, after the update:
+
+- leaving Streaming DiLoCo (or the first local steps): its ``on_train_end`` folds in what is in
+  flight and the steps since each fragment's last exchange, and leaves θ_global, identical on
+  every rank; for an every-step arm, the inner optimizer's per-parameter state (momentum, Adam's
+  moments), which differed between ranks, is averaged, so every rank continues from the same
+  state (Streaming DiLoCo keeps each rank's own, as it does between its exchanges);
+- leaving an every-step arm: weights and optimizer state are already identical on every rank;
+- the new arm is bound to the same parameters and started (``on_train_start``).
+
+Checkpoints carry the arm in use, its own state and the decision's inputs; a resumed run binds the
+same arm and loads its state, so it continues exactly as the arm would. Later decisions depend on
+fresh timings (``assume`` makes them reproducible, for tests and what-if runs).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.optim import Optimizer
+
+from lightning_mpi.comm.codecs import FP16
+from lightning_mpi.comm.collectives import ASAWorkspace, asa_mean_steps
+from lightning_mpi.comm.engine import ExchangeScheduler
+from lightning_mpi.comm.transport import Transport
+from lightning_mpi.options import integer, number, option, options_class
+from lightning_mpi.rules.auto_choice import BACKWARD_SHARE, KEEP, Choice, Sizes, choose, predicted_exposed
+from lightning_mpi.rules.base import BoundRule, Rule
+from lightning_mpi.rules.diloco import DiLoCoRule
+from lightning_mpi.rules.link_model import Link
+from lightning_mpi.rules.link_probe import LinkProbe, Measurement, StepClock
+from lightning_mpi.rules.powersgd import PowerSGDRule
+from lightning_mpi.rules.streaming_diloco import StreamingDiLoCoRule
+from lightning_mpi.rules.sync import SyncRule
+
+#: Steps before the first decision; the first is not timed (caches, allocators warm up).
+PROBE_STEPS = 5
+#: Steps after a switch before the next decision (at most ``measure_every``): an arm's own cost
+#: (PowerSGD's matrix products, Python's overhead per bucket) is seen soon, not ``measure_every``
+#: steps later.
+CONFIRM_STEPS = 6
+#: The arm of the first steps: local steps, then one 4-bit average at the switch.
+PROBING = Choice("probing")
+#: Values of the bandwidth probe (fp32): 1 MiB, a few ms on 1 Gbit/s, 80 ms on 100 Mbit/s.
+PROBE_NUMEL = 1 << 18
+ARM_CODES = {"probing": -1.0, "sync": 0.0, "powersgd": 1.0, "streaming": 2.0}
+WIRE_BITS = {"": 0.0, "fp32": 32.0, "fp16": 16.0, "bf16": 16.0, "int8": 8.0, "int4": 4.0}
+
+
+def parse_assumed(text: str) -> list[Measurement]:
+    """``"step_ms,mbit_per_s,latency_ms;..."`` -> one :class:`Measurement` per decision.
+
+    Raises:
+        ValueError: naming ``assume``, when an entry is not three positive numbers.
+    """
+    found = []
+    for entry in filter(None, (e.strip() for e in text.split(";"))):
+        try:
+            step_ms, mbit, latency_ms = (float(v) for v in entry.split(","))
+        except ValueError:
+            step_ms = mbit = latency_ms = -1.0
+        if min(step_ms, mbit, latency_ms) <= 0:
+            raise ValueError(
+                f"assume={text!r}: each entry must be 'step_ms,mbit_per_s,latency_ms' with positive numbers, "
+                f"';'-separated (e.g. '50,1000,0.1;50,100,0.5'); got {entry!r}"
+            )
+        found.append(Measurement(step_ms / 1e3, Link(mbit * 1e6 / 8, latency_ms / 1e3)))
+    if not found:
+        raise ValueError(f"assume={text!r} holds no measurement: pass e.g. '50,1000,0.1' or None")
+    return found
+
+
+@options_class
+class AutoRule(Rule):
+    """The exchange chosen from the measured link and compute (``mpi_auto``): every-step ASA with an
+    fp16 wire where it hides behind backward, PowerSGD in the middle, Streaming DiLoCo with its
+    wire, fragments and period picked from the link on slow links; measured again every
+    ``measure_every`` steps and switched, at a step every rank agrees on, when the choice moves.
+    Logs its choice and why under ``mpi/auto/*`` and prints one line per change on rank 0.
+    """
+
+    name = "auto"
+
+    measure_every: int = option(
+        default=100,
+        doc="steps between measurements after the first decision (≥ 0; 0: decide once, after step 5); after a "
+        "switch the next one comes within 6 steps, so that the new arm's own cost is seen early.",
+        check=integer(0),
+    )
+    tolerance: float = option(
+        default=0.1,
+        doc="the share of a step's compute an every-step exchange may add (in (0, 1)); above it, a cheaper arm.",
+        check=number(0.0, 1.0, low_open=True, high_open=True),
+    )
+    assume: str | None = option(
+        default=None,
+        doc="fixed measurements instead of timed ones, `'step_ms,mbit_per_s,latency_ms'` per decision, "
+        "`;`-separated (the last repeats): for tests and what-if runs.",
+    )
+
+    def check_together(self) -> None:
+        if self.assume is not None:
+            parse_assumed(self.assume)
+
+    def bind(self, transport: Transport, params: Sequence[Tensor]) -> BoundAuto:
+        return BoundAuto(self, transport, params)
+
+
+def arm_rule(choice: Choice) -> Rule:
+    """The rule that trains ``choice``."""
+    if choice.arm == "sync":
+        return SyncRule(exchange="asa", wire="bf16" if choice.wire == "bf16" else "fp16")
+    if choice.arm == "powersgd":
+        return PowerSGDRule()
+    if choice.arm == "streaming":
+        return StreamingDiLoCoRule(
+            period=choice.period,
+            fragments=choice.fragments,
+            overlap_steps=choice.overlap_steps,
+            wire=choice.wire,  # type: ignore[arg-type]  # auto_choice picks among the allowed wires
+        )
+    # probing: local steps; the switch averages the weights once (outer lr 1, no momentum), 4-bit
+    return DiLoCoRule(period=10**9, outer_lr=1.0, outer_momentum=0.0, wire="int4")
+
+
+class BoundAuto(BoundRule):
+    """The running ``mpi_auto``: the bound rule of the arm in use, and the decisions (module docstring)."""
+
+    def __init__(self, rule: AutoRule, transport: Transport, params: Sequence[Tensor]) -> None:
+        super().__init__(transport, params)
+        self.rule = rule
+        self.sizes = Sizes.of([tuple(p.shape) for p in self.params], transport.size)
+        self.assumed = parse_assumed(rule.assume) if rule.assume is not None else None
+        # one rank: nothing to measure or exchange (a plain every-step rule is a no-op there)
+        self.choice = PROBING if transport.size > 1 else Choice("sync", "fp16")
+        self.inner: BoundRule = arm_rule(self.choice).bind(transport, self.params)
+        self.steps = 0
+        self.next_decision = PROBE_STEPS
+        self.decisions = 0
+        self.switches = 0
+        self.measured: Measurement | None = None
+        self.reason = "measuring the first steps"
+        self.clock = StepClock()
+        self.held: deque[float] = deque(maxlen=16)  # seconds the arm's hooks held each step
+        self._held = 0.0
+        self._counted = False
+        self._observed_share = 0.0
+        #: arm -> (exposed seconds per step seen in it, the link bandwidth then), agreed over ranks
+        self.observed: dict[str, tuple[float, float]] = {}
+
+    # -- delegation -----------------------------------------------------------------------------------
+    @property  # the strategy's switch reaches the arm in use
+    def sync_enabled(self) -> bool:
+        return self.inner.sync_enabled
+
+    @sync_enabled.setter
+    def sync_enabled(self, value: bool) -> None:
+        self.inner.sync_enabled = value
+
+    def __getattr__(self, name: str) -> Any:
+        """Anything else (``skipped_steps``, ...) is the arm's in use."""
+        inner = self.__dict__.get("inner")
+        if inner is None:
+            raise AttributeError(name)
+        return getattr(inner, name)
+
+    def on_train_start(self) -> None:
+        self.inner.on_train_start()
+
+    def before_step(self, optimizer: Optimizer) -> bool:
+        self.clock.pause()
+        start = time.perf_counter()
+        accepted = self.inner.before_step(optimizer)
+        self._held = time.perf_counter() - start
+        if not accepted and self.choice.arm in ("probing", "streaming"):
+            # A local-step arm rejected this rank's own step (non-finite gradients): the strategy
+            # skips after_step on this rank only, but the step counts on every rank, so count it
+            # (and decide, if due) here; the other ranks do the same in after_step, and nothing
+            # collective runs between the two points.
+            self._count_step(optimizer)
+            self._counted = True
+        return accepted
+
+    def after_step(self, optimizer: Optimizer) -> None:
+        start = time.perf_counter()
+        self.inner.after_step(optimizer)
+        self.held.append(self._held + time.perf_counter() - start)
+        if self._counted:  # counted in before_step (a GradScaler makes the strategy call this anyway)
+            self._counted = False
+        else:
+            self._count_step(optimizer)
+        self.clock.resume()
+
+    def _count_step(self, optimizer: Optimizer) -> None:
+        self.steps += 1
+        if self._decision_due():
+            self._decide(optimizer)
+
+    def on_train_end(self) -> None:
+        self.inner.on_train_end()
+
+    def close(self) -> None:
+        self.inner.close()
+
+    # -- decisions ------------------------------------------------------------------------------------
+    def _decision_due(self) -> bool:
+        return self.transport.size > 1 and self.steps == self.next_decision
+
+    def _measure(self) -> tuple[Measurement, float | None]:
+        """Collective: this decision's measurement and the arm's observed exposed seconds, agreed."""
+        step = self.clock.seconds() or 1e-3
+        every_step = self.choice.arm in ("sync", "powersgd")
+        observed = sorted(self.held)[len(self.held) // 2] if every_step and self.held else None
+        if self.assumed is not None:
+            return self.assumed[min(self.decisions, len(self.assumed) - 1)], None
+        probe = torch.zeros(min(PROBE_NUMEL, max(1, self.sizes.numel)), dtype=torch.float32)
+        nbytes = int(2 * (self.transport.size - 1) / self.transport.size * probe.numel() * 4)
+        measured = LinkProbe(self.transport).measure(step, lambda: self.transport.allreduce_(probe), nbytes)
+        self._dry_sync(measured)
+        if observed is not None:
+            agreed = torch.tensor([observed], dtype=torch.float64)
+            observed = float(self.transport.allreduce_(agreed, "max")[0])
+        return measured, observed
+
+    def _dry_sync(self, measured: Measurement) -> None:
+        """Collective: where the link says every-step ASA could hide, time one fp16 ASA exchange of
+        the real gradient size (zeros), and keep what backward could not hide of it as the ASA
+        arm's observed cost: only its link part, at most backward, can overlap; its CPU work
+        (casts, sums, copies) adds to the step."""
+        step, link = measured.step_seconds, measured.link
+        if predicted_exposed("sync", step, link, self.sizes) > self.rule.tolerance * KEEP * step:
+            return
+        size = self.transport.size
+        flat = torch.zeros(-(-self.sizes.numel // size) * size, dtype=torch.float32)
+        work = ASAWorkspace.for_buffer(flat, size, FP16)
+        scheduler = ExchangeScheduler(self.transport.timeout, self.transport.rank, size)
+        start = time.perf_counter()
+        scheduler.start(asa_mean_steps(self.transport, flat, FP16, work))
+        scheduler.wait_all()
+        agreed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+        real = float(self.transport.allreduce_(agreed, "max")[0])
+        hidden = min(link.seconds(self.sizes.sync_bytes()), BACKWARD_SHARE * step)
+        self.observed["sync"] = (max(0.0, real - hidden), link.bandwidth)
+
+    def _decide(self, optimizer: Optimizer) -> None:
+        self.measured, observed = self._measure()
+        bandwidth = self.measured.link.bandwidth
+        self._observed_share = 0.0 if observed is None else observed / self.measured.step_seconds
+        if observed is not None:
+            self.observed[self.choice.arm] = (observed, bandwidth)
+        # an observation counts while the link is within a factor 2 of the one it was made on
+        valid = {arm: seconds for arm, (seconds, seen) in self.observed.items() if 0.5 <= bandwidth / seen <= 2.0}
+        current = None if self.choice == PROBING else self.choice
+        choice, self.reason = choose(
+            self.measured.step_seconds, self.measured.link, self.sizes, current, valid, self.rule.tolerance
+        )
+        self.decisions += 1
+        every = self.rule.measure_every
+        if choice != self.choice:
+            self._switch(choice, optimizer)
+            every = min(every, CONFIRM_STEPS) if every > 0 else 0
+        self.next_decision = self.steps + every if every > 0 else -1
+
+    def _switch(self, choice: Choice, optimizer: Optimizer) -> None:
+        """Hand over to ``choice``'s rule at this step (every rank is here; see the module docstring)."""
+        previous = self.choice
+        if previous.arm in ("probing", "streaming"):
+            self.inner.on_train_end()  # every rank now holds θ_global
+            if choice.arm in ("sync", "powersgd"):  # a local-step arm keeps each rank's own state
+                self._average_optimizer_state(optimizer)
+        enabled = self.inner.sync_enabled
+        self.inner.close()
+        self.inner = arm_rule(choice).bind(self.transport, self.params)
+        self.inner.sync_enabled = enabled
+        self.inner.on_train_start()
+        replicas = getattr(self.inner, "replicas", None)
+        if replicas is not None:
+            replicas.remember(optimizer)
+        self.choice = choice
+        self.switches += 1
+        self.held.clear()
+        if self.transport.rank == 0:
+            link = self.measured.link if self.measured is not None else None
+            seen = "" if link is None else f"; link {link.bandwidth * 8 / 1e6:.0f} Mbit/s, {link.latency * 1e3:.2f} ms"
+            step = "" if self.measured is None else f", step {self.measured.step_seconds * 1e3:.0f} ms"
+            print(
+                f"lightning_mpi: mpi_auto after step {self.steps}: {choice.describe()} ({self.reason}{seen}{step})",
+                flush=True,
+            )
+
+    def _average_optimizer_state(self, optimizer: Optimizer) -> None:
+        """Average the inner optimizer's per-parameter float state over the ranks (it differed
+        between them while each stepped on its own)."""
+        size = self.transport.size
+        if size == 1:
+            return
+        for param in self.params:
+            for value in optimizer.state.get(param, {}).values():
+                if isinstance(value, Tensor) and value.is_floating_point() and value.shape == param.shape:
+                    self.transport.allreduce_(value).div_(size)
+
+    # -- checkpoints and logs -------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "choice": self.choice.as_dict(),
+            "inner": self.inner.state_dict(),
+            "steps": self.steps,
+            "next_decision": self.next_decision,
+            "decisions": self.decisions,
+            "switches": self.switches,
+            "measured": None if self.measured is None else self.measured.as_dict(),
+            "observed": {arm: list(seen) for arm, seen in self.observed.items()},
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        choice = Choice.from_dict(state["choice"])
+        if choice != self.choice:
+            enabled = self.inner.sync_enabled
+            self.inner.close()
+            self.inner = arm_rule(choice).bind(self.transport, self.params)
+            self.inner.sync_enabled = enabled
+            self.choice = choice
+        self.inner.load_state_dict(state["inner"])
+        self.steps = int(state["steps"])
+        self.next_decision = int(state["next_decision"])
+        self.decisions = int(state["decisions"])
+        self.switches = int(state["switches"])
+        measured = state.get("measured")
+        self.measured = None if measured is None else Measurement.from_dict(measured)
+        self.observed = {arm: (float(s), float(b)) for arm, (s, b) in state.get("observed", {}).items()}
+
+    def stats(self) -> dict[str, float]:
+        mine = {
+            "arm": ARM_CODES[self.choice.arm],
+            "wire_bits": WIRE_BITS.get(self.choice.wire, 0.0),
+            "fragments": float(self.choice.fragments),
+            "period": float(self.choice.period),
+            "overlap_steps": float(self.choice.overlap_steps),
+            "switches": float(self.switches),
+            "decisions": float(self.decisions),
+            "observed_exposed_share": self._observed_share,
+        }
+        if self.measured is not None:
+            mine.update(
+                step_seconds=self.measured.step_seconds,
+                link_bandwidth=self.measured.link.bandwidth,
+                link_latency=self.measured.link.latency,
+            )
+        inner = {k: v for k, v in self.inner.stats().items() if k not in mine}
+        return {**inner, **mine}

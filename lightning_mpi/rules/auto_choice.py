@@ -1,0 +1,188 @@
+"""What ``mpi_auto`` trains with, as pure functions of what it measured: no MPI, no clocks.
+
+The arms, in order of preference (the first keeps replicas closest to one process with W times
+the batch):
+
+1. ``sync``: every-step ASA with a 16-bit wire (``mpi_asa16``), when its exchange hides behind
+   backward: the part of it that the backward (taken as :data:`BACKWARD_SHARE` of a step's
+   compute) cannot hide is at most ``tolerance`` of a step.
+2. ``powersgd``: PowerSGD at rank 1 (``mpi_powersgd``), when its exchange (two Allreduces of the
+   P's and Q's) costs at most ``tolerance`` of a step.
+3. ``streaming``: Streaming DiLoCo (``mpi_streaming_diloco``) otherwise, with the wire and the
+   number of fragments from :func:`streaming_plan` (the most bits and the fewest fragments whose
+   exchange hides behind at most :data:`MAX_OVERLAP` steps) and the period and overlap from
+   :func:`~lightning_mpi.rules.link_model.hidden_schedule`.
+
+An arm's cost is predicted from the link unless it was observed: the exposed seconds per step of
+an arm that ran (the time the rule's hooks held the step), kept while the link stays within a
+factor 2 of the one it was observed on. That catches costs the link does not show (PowerSGD's
+matrix products, Python's overhead per bucket, a slow CPU), and keeps the rule from going back to
+an arm that was seen to be slow on a link that did not change.
+
+Hysteresis (:func:`choose`): the arm in use is kept while its exposed time is at most
+``tolerance · KEEP`` of a step; another sync-like arm is taken only when it is predicted at most
+``tolerance · ENTER``. Streaming DiLoCo keeps its plan unless the new one has another wire or
+number of fragments, or a period off by more than a factor 2. So noise in the measurements does
+not make the rule switch back and forth, and each switch (which costs an exchange of the
+weights) has to buy a clear gain.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
+
+from lightning_mpi.comm.codecs import get_codec
+from lightning_mpi.rules.link_model import Link, exposed_seconds, hidden_schedule
+from lightning_mpi.rules.outer_fragment import exchange_bytes
+from lightning_mpi.rules.powersgd_math import compression_rank, matrix_shape
+
+#: The share of a step's compute that is backward (forward : backward ≈ 1 : 2 for dense layers).
+BACKWARD_SHARE = 2.0 / 3.0
+#: The arm in use is kept while its exposed time is within tolerance · KEEP of a step ...
+KEEP = 2.0
+#: ... and a better arm is entered only when within tolerance · ENTER.
+ENTER = 0.5
+#: The most inner steps one fragment's exchange may need to hide (Douillard et al. use 1 to 5).
+MAX_OVERLAP = 4
+#: Wires of Streaming DiLoCo, most bits first, and the numbers of fragments tried, fewest first.
+STREAMING_WIRES = ("bf16", "int8", "int4")
+STREAMING_FRAGMENTS = (1, 2, 4, 8)
+
+
+@dataclass(frozen=True)
+class Choice:
+    """One arm and its settings (0 where they do not apply)."""
+
+    arm: str
+    wire: str = ""
+    fragments: int = 0
+    period: int = 0
+    overlap_steps: int = 0
+
+    def as_dict(self) -> dict[str, object]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, saved: dict[str, object]) -> Choice:
+        """The choice :meth:`as_dict` wrote."""
+        return cls(
+            arm=str(saved["arm"]),
+            wire=str(saved["wire"]),
+            fragments=int(saved["fragments"]),  # type: ignore[call-overload]
+            period=int(saved["period"]),  # type: ignore[call-overload]
+            overlap_steps=int(saved["overlap_steps"]),  # type: ignore[call-overload]
+        )
+
+    def describe(self) -> str:
+        if self.arm == "streaming":
+            return (
+                f"streaming DiLoCo (wire={self.wire}, fragments={self.fragments}, period={self.period}, "
+                f"overlap_steps={self.overlap_steps})"
+            )
+        if self.arm == "sync":
+            return f"every-step ASA (wire={self.wire})"
+        return "PowerSGD (rank 1)"
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """What the arms send, from the model: ``numel`` trainable values, ``tensors`` trainable tensors,
+    ``powersgd_bytes`` one rank sends per PowerSGD step, over ``world`` ranks."""
+
+    numel: int
+    tensors: int
+    powersgd_bytes: int
+    world: int
+
+    @classmethod
+    def of(cls, shapes: Sequence[Sequence[int]], world: int) -> Sizes:
+        numel = sum(math.prod(s) for s in shapes)
+        return cls(numel, len(shapes), powersgd_bytes(shapes, world), world)
+
+    def sync_bytes(self, wire: str = "fp16") -> int:
+        return exchange_bytes(self.numel, self.world, get_codec(wire))
+
+    def fragment_bytes(self, wire: str, fragments: int) -> int:
+        return exchange_bytes(math.ceil(self.numel / fragments), self.world, get_codec(wire))
+
+
+def powersgd_bytes(
+    shapes: Sequence[Sequence[int]], world: int, rank: int = 1, min_compression_rate: float = 2.0
+) -> int:
+    """Bytes one rank sends per step of PowerSGD (fp32 Allreduces of P, Q and the uncompressed tensors)."""
+    values = 0
+    for shape in shapes:
+        matrix = matrix_shape(shape)
+        r = compression_rank(shape, rank, min_compression_rate) if matrix is not None else 0
+        values += (matrix[0] + matrix[1]) * r if matrix is not None and r else math.prod(shape)
+    return int(2 * (world - 1) / max(1, world) * values * 4)
+
+
+def streaming_plan(step_seconds: float, link: Link, sizes: Sizes) -> Choice:
+    """Streaming DiLoCo's settings: the most bits, then the fewest fragments, whose one exchange hides
+    behind at most :data:`MAX_OVERLAP` steps; 4 bits and the most fragments when none does."""
+    options = [p for p in STREAMING_FRAGMENTS if p <= max(1, sizes.tensors)]
+    for wire in STREAMING_WIRES:
+        for fragments in options:
+            seconds = link.seconds(sizes.fragment_bytes(wire, fragments))
+            if math.ceil(seconds / step_seconds) <= MAX_OVERLAP:
+                period, tau = hidden_schedule(seconds, step_seconds, fragments, 1)
+                return Choice("streaming", wire, fragments, period, tau)
+    wire, fragments = STREAMING_WIRES[-1], options[-1]
+    period, tau = hidden_schedule(link.seconds(sizes.fragment_bytes(wire, fragments)), step_seconds, fragments, 1)
+    return Choice("streaming", wire, fragments, period, tau)
+
+
+def predicted_exposed(arm: str, step_seconds: float, link: Link, sizes: Sizes) -> float:
+    """Seconds per step an every-step arm's exchange is predicted to add to a step's compute."""
+    if arm == "sync":
+        return exposed_seconds(link.seconds(sizes.sync_bytes()), BACKWARD_SHARE * step_seconds)
+    if arm == "powersgd":  # two Allreduces (P's, then Q's), not overlapped in this model
+        return link.latency + link.seconds(sizes.powersgd_bytes)
+    raise ValueError(f"arm={arm!r} is not an every-step arm: choose 'sync' or 'powersgd'")
+
+
+def choose(
+    step_seconds: float,
+    link: Link,
+    sizes: Sizes,
+    current: Choice | None = None,
+    observed: Mapping[str, float] | None = None,
+    tolerance: float = 0.1,
+) -> tuple[Choice, str]:
+    """The arm to train with, and why (one line).
+
+    ``current`` is the arm in use (None at the first decision) and ``observed`` the exposed seconds
+    per step seen in the every-step arms that ran on this link (see the module docstring).
+    """
+    observed = observed or {}
+    if world_alone(sizes):
+        return Choice("sync", "fp16"), "one rank: nothing to exchange"
+    enter = tolerance * (1.0 if current is None else ENTER)
+    keep = tolerance * KEEP
+    costs = []
+    for arm in ("sync", "powersgd"):
+        seen = arm in observed
+        exposed = observed[arm] if seen else predicted_exposed(arm, step_seconds, link, sizes)
+        share = exposed / step_seconds
+        costs.append(f"{arm} {share:.0%}{' (observed)' if seen else ''}")
+        if current is not None and current.arm == arm and share <= keep:
+            return current, f"{arm} still hides: exposed {', '.join(costs)} of a step (keep ≤ {keep:.0%})"
+        if share <= enter:
+            wire = "fp16" if arm == "sync" else ""
+            return Choice(arm, wire), f"exposed {', '.join(costs)} of a step (enter ≤ {enter:.0%})"
+    plan = streaming_plan(step_seconds, link, sizes)
+    why = f"exposed {', '.join(costs)} of a step: too slow for every-step exchanges"
+    if current is not None and current.arm == "streaming" and _similar(current, plan):
+        return current, why + f"; the plan in use is close to the new one ({plan.describe()})"
+    return plan, why
+
+
+def world_alone(sizes: Sizes) -> bool:
+    return sizes.world <= 1
+
+
+def _similar(a: Choice, b: Choice) -> bool:
+    return a.wire == b.wire and a.fragments == b.fragments and 0.5 <= a.period / max(1, b.period) <= 2.0

@@ -1,0 +1,117 @@
+"""mpi_auto's decision (lightning_mpi.rules.auto_choice) and options (lightning_mpi.rules.auto): link and
+compute -> arm, hysteresis, observed costs, and bad input. The rule on ranks: tests/strategies/test_auto.py."""
+from __future__ import annotations
+
+import pytest
+
+from lightning_mpi.rules.auto import AutoRule, parse_assumed
+from lightning_mpi.rules.auto_choice import Choice, Sizes, choose, powersgd_bytes, streaming_plan
+from lightning_mpi.rules.link_model import Link
+
+#: the time-to-quality task's model on 2 ranks: 17M values, PowerSGD rank 1 sends ~85 kB
+MODEL = Sizes(numel=17_000_000, tensors=10, powersgd_bytes=85_000, world=2)
+STEP = 0.08  # seconds of compute per step
+
+
+def mbit(rate, latency_ms=0.1):
+    return Link(rate * 1e6 / 8, latency_ms / 1e3)
+
+
+@pytest.mark.parametrize("rate, arm", [(10_000, "sync"), (1_000, "powersgd"), (10, "streaming")])
+def test_the_link_picks_the_arm(rate, arm):
+    choice, why = choose(STEP, mbit(rate), MODEL)
+    assert choice.arm == arm, why
+
+
+def test_a_slow_link_gets_4_bits_many_fragments_and_a_period_that_hides_them():
+    choice, _ = choose(STEP, mbit(10), MODEL)
+    assert (choice.wire, choice.fragments) == ("int4", 8)
+    # one fragment: 1.06 MB at 10 Mbit/s = 0.85 s = 11 steps of overlap; the link at most half busy
+    assert choice.overlap_steps == 11 and choice.period == 176
+    assert choice.overlap_steps < choice.period // choice.fragments
+
+
+def test_a_faster_link_gets_more_bits_and_fewer_fragments():
+    slow, fast = streaming_plan(STEP, mbit(100), MODEL), streaming_plan(STEP, mbit(1_000), MODEL)
+    assert (fast.wire, fast.fragments) == ("bf16", 1)
+    assert slow.wire != "bf16" or slow.fragments > 1
+
+
+def test_hysteresis_keeps_the_arm_in_use_inside_the_band_and_enters_only_well_below():
+    sync = Choice("sync", "fp16")
+    # sync observed at 15% of a step: not enough to enter (10%), enough to keep (20%)
+    kept, why = choose(STEP, mbit(10_000), MODEL, current=sync, observed={"sync": 0.15 * STEP})
+    assert kept == sync, why
+    first, _ = choose(STEP, mbit(10_000), MODEL, observed={"sync": 0.15 * STEP})
+    assert first.arm == "powersgd"
+    # past the band: leave it
+    left, _ = choose(STEP, mbit(10_000), MODEL, current=sync, observed={"sync": 0.25 * STEP})
+    assert left.arm == "powersgd"
+    # from PowerSGD back to sync only when sync is predicted under half the tolerance
+    psgd = Choice("powersgd")
+    assert choose(STEP, mbit(10_000), MODEL, current=psgd)[0].arm == "sync"  # predicted 0%
+    sync_at_7 = {"sync": 0.07 * STEP}
+    assert choose(STEP, mbit(10_000), MODEL, current=psgd, observed=sync_at_7)[0] == psgd
+
+
+def test_an_observed_cost_overrides_the_prediction():
+    # PowerSGD's matrix products: predicted 1% at 1 Gbit/s, seen at 40%
+    choice, why = choose(STEP, mbit(1_000), MODEL, current=Choice("powersgd"), observed={"powersgd": 0.4 * STEP})
+    assert choice.arm == "streaming" and "(observed)" in why
+
+
+def test_streaming_keeps_its_plan_unless_it_changes_clearly():
+    plan = streaming_plan(STEP, mbit(10), MODEL)
+    assert choose(STEP, mbit(11), MODEL, current=plan)[0] == plan  # a little faster: same plan
+    faster = choose(STEP, mbit(60), MODEL, current=plan)[0]  # PowerSGD still 14%: streaming, retuned
+    assert faster.arm == "streaming" and faster != plan
+
+
+def test_choice_round_trip_and_sizes():
+    choice = Choice("streaming", "int8", 4, 40, 2)
+    assert Choice.from_dict(choice.as_dict()) == choice
+    assert "period=40" in choice.describe()
+    # a 100 x 50 matrix at rank 1: (100 + 50) values; a bias of 100 uncompressed; fp32, 2 (W-1)/W
+    assert powersgd_bytes([(100, 50), (100,)], world=2) == (150 + 100) * 4
+    sizes = Sizes.of([(100, 50), (100,)], world=3)
+    assert sizes.numel == 5100 and sizes.tensors == 2
+    assert choose(STEP, mbit(1), Sizes(10, 1, 40, 1))[0].arm == "sync"  # one rank
+
+
+def test_assumed_measurements_and_bad_options_name_themselves():
+    first, second = parse_assumed("50,1000,0.1; 20,100,1")
+    assert first.step_seconds == 0.05 and first.link.bandwidth == 125e6 and second.link.latency == 0.001
+    for bad in ("50,1000", "a,b,c", "50,0,1", ";"):
+        with pytest.raises(ValueError, match="assume="):
+            AutoRule(assume=bad)
+    with pytest.raises(ValueError, match="tolerance="):
+        AutoRule(tolerance=1.5)
+    with pytest.raises(ValueError, match="measure_every="):
+        AutoRule(measure_every=-1)
+
+
+def test_on_one_rank_the_rule_is_a_plain_every_step_rule_and_round_trips():
+    import torch
+    from torch import nn
+
+    from tests.rules.test_diloco import _self_transport
+
+    net = nn.Linear(3, 2)
+    bound = AutoRule().bind(_self_transport(), list(net.parameters()))
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    bound.on_train_start()
+    for _ in range(7):
+        opt.zero_grad()
+        net(torch.randn(4, 3)).sum().backward()
+        assert bound.before_step(opt)
+        opt.step()
+        bound.after_step(opt)
+    assert bound.choice.arm == "sync" and bound.decisions == 0 and bound.skipped_steps == 0  # the arm's own
+    bound.sync_enabled = False
+    assert bound.inner.sync_enabled is False
+    fresh = AutoRule().bind(_self_transport(), list(net.parameters()))
+    fresh.load_state_dict(bound.state_dict())
+    assert fresh.steps == 7 and fresh.choice == bound.choice
+    bound.on_train_end()
+    bound.close()
+    fresh.close()

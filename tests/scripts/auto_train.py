@@ -1,0 +1,120 @@
+"""Run on W ranks: ``mpi_auto`` and ``period="auto"`` through the Trainer (rank 0 writes argv[1]).
+
+- ``switches``: ``mpi_auto`` with assumed measurements that force probing -> sync -> streaming ->
+  sync (decisions after steps 5, 9 and 13); after every step, whether every rank holds the same
+  weights, and the arm in use (the same on every rank);
+- ``resume``: 2 epochs of 10 steps straight (saving after step 10, while Streaming DiLoCo runs)
+  against epoch 2 resumed from that checkpoint, per rank, bitwise; the resumed run switches back
+  to sync at step 13 as the straight one does;
+- ``measured``: ``mpi_auto`` with real measurements (it trains, the ranks agree, it logs);
+- ``diloco_auto``: ``DiLoCoStrategy(period="auto")`` straight against resumed, bitwise (the
+  resumed run keeps the period the checkpoint holds).
+"""
+import hashlib
+import json
+import os
+import sys
+import tempfile
+import warnings
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+
+warnings.filterwarnings("ignore")
+from mpi4py import MPI  # noqa: E402
+
+import lightning_mpi  # noqa: E402
+import pytorch_lightning as pl  # noqa: E402
+from tests.quiet_trainer import QUIET  # noqa: E402
+from tiny_task import dataset, make_net  # noqa: E402  (beside this script)
+
+COMM = MPI.COMM_WORLD
+RANK, W = COMM.Get_rank(), COMM.Get_size()
+B = 4
+FAST, SLOW = "50,10000,0.05", "50,0.1,20"
+
+
+def digest(module):
+    return hashlib.sha1(b"".join(p.detach().numpy().tobytes() for p in module.parameters())).hexdigest()
+
+
+class Module(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.net = make_net()
+
+    def training_step(self, batch, _):
+        x, y = batch
+        return nn.functional.cross_entropy(self.net(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+
+class Watch(pl.Callback):
+    """After every step: the arm in use and whether every rank holds the same weights (collective)."""
+
+    def __init__(self):
+        self.steps = []
+
+    def on_train_batch_end(self, trainer, pl_module, *args):
+        bound = trainer.strategy.bound_rule
+        arm = bound.choice.arm if hasattr(bound, "choice") else "-"
+        seen = COMM.allgather((arm, digest(pl_module)))
+        self.steps.append({"arm": arm, "arms_agree": len({a for a, _ in seen}) == 1,
+                           "identical": len({d for _, d in seen}) == 1})
+
+
+def run(strategy, steps_per_epoch=16, epochs=1, save_to=None, resume_from=None):
+    class SaveAtEpochEnd(pl.Callback):
+        def on_train_epoch_end(self, trainer, pl_module):
+            if save_to is not None and trainer.current_epoch == 0:
+                trainer.save_checkpoint(save_to)
+
+    torch.manual_seed(100 + RANK)  # different initial weights: setup must broadcast rank 0's
+    model, watch = Module(), Watch()
+    trainer = pl.Trainer(strategy=strategy, max_epochs=epochs, callbacks=[SaveAtEpochEnd(), watch], **QUIET)
+    loader = DataLoader(dataset(W * B * steps_per_epoch), batch_size=B, shuffle=True)
+    trainer.fit(model, loader, ckpt_path=resume_from)
+    return model, trainer.strategy, watch.steps
+
+
+def main(out):
+    results = {}
+    forced = f"{FAST};{SLOW};{FAST}"
+    model, strategy, steps = run(lightning_mpi.AutoStrategy(assume=forced, measure_every=4))
+    stats = strategy.bound_rule.stats()
+    results["switches"] = {"steps": steps, "switches": stats["switches"], "decisions": stats["decisions"],
+                           "identical_end": len(set(COMM.allgather(digest(model)))) == 1}
+
+    directory = COMM.bcast(tempfile.mkdtemp() if RANK == 0 else None)
+    cases = {
+        "auto": lambda: lightning_mpi.AutoStrategy(assume=forced, measure_every=4),
+        "diloco_auto": lambda: lightning_mpi.DiLoCoStrategy(period="auto", wire="int8"),
+    }
+    for name, make in cases.items():
+        path = os.path.join(directory, f"{name}.ckpt")
+        straight, _, _ = run(make(), steps_per_epoch=10, epochs=2, save_to=path)
+        saved = torch.load(path, weights_only=False)["lightning_mpi"]["state"]
+        resumed, strategy, steps = run(make(), steps_per_epoch=10, epochs=2, resume_from=path)
+        same = COMM.allgather(digest(straight) == digest(resumed))
+        results[f"resume_{name}"] = {
+            "equal_on_every_rank": all(same), "identical": len(set(COMM.allgather(digest(resumed)))) == 1,
+            "saved": saved.get("choice") or saved.get("schedule"), "arms_after": [s["arm"] for s in steps],
+            "stats": {k: v for k, v in strategy.bound_rule.stats().items() if k in ("switches", "period", "arm")},
+        }
+
+    model, strategy, steps = run(lightning_mpi.AutoStrategy(measure_every=6), steps_per_epoch=12)
+    stats = strategy.bound_rule.stats()
+    results["measured"] = {"arms_agree": all(s["arms_agree"] for s in steps), "arm": stats["arm"],
+                           "identical_end": len(set(COMM.allgather(digest(model)))) == 1,
+                           "finite": all(bool(torch.isfinite(p).all()) for p in model.parameters()),
+                           "has_link": stats.get("link_bandwidth", 0.0) > 0, "decisions": stats["decisions"]}
+    if RANK == 0:
+        with open(out, "w") as f:
+            json.dump(results, f)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
