@@ -416,23 +416,21 @@ def main() -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     RESULTS.mkdir(exist_ok=True)
     path = RESULTS / "zero.json"
-    data = json.loads(path.read_text()) if path.exists() else {}
     setup = {"width": args.width, "depth": args.depth, "batch": args.batch, "steps": args.steps,
              "repeats": args.repeats, "worlds": args.worlds, "settings": args.settings, "cap_mib": args.cap_mib,
              "cpus": os.cpu_count(), "load_average": os.getloadavg()}
+    runs = {"side": side_by_side, "capacity": capacity, "checkpoint": checkpoints, "lightning": lightning,
+            "lcheckpoint": lightning_checkpoints}
+    fresh = {section: runs[section](args) for section in args.sections}
+    setup["load_average_end"] = os.getloadavg()
+    # Read the earlier results only now: another section may have been written meanwhile.
+    data = json.loads(path.read_text()) if path.exists() else {}
     data["setup"] = setup
-    for section in args.sections:  # the sections may come from separate runs: each keeps its own setup
+    merge_keys = {"capacity": "world_size", "lightning": "setting", "lcheckpoint": "world_size"}
+    for section, rows in fresh.items():  # the sections may come from separate runs: each keeps its own setup
         data.setdefault("setups", {})[section] = setup
-    if "side" in args.sections:
-        data["side"] = side_by_side(args)
-    if "capacity" in args.sections:
-        data["capacity"] = merged(data.get("capacity"), capacity(args), "world_size")
-    if "checkpoint" in args.sections:
-        data["checkpoint"] = checkpoints(args)
-    if "lightning" in args.sections:
-        data["lightning"] = merged(data.get("lightning"), lightning(args), "setting")
-    if "lcheckpoint" in args.sections:
-        data["lcheckpoint"] = merged(data.get("lcheckpoint"), lightning_checkpoints(args), "world_size")
+        key = merge_keys.get(section)
+        data[section] = merged(data.get(section), rows, key) if key else rows
     path.write_text(json.dumps(data, indent=1))
     print(report(data))
     plot(data, RESULTS / "zero.png")
