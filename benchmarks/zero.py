@@ -227,6 +227,8 @@ def search_width(arm: str, world: int, points: list[tuple[int, float]], args: ar
         fixed = m1 - slope * p1
         width = int(math.sqrt(max((args.cap_mib - fixed) / slope, 1) / args.depth)) // 64 * 64
         width = min(width, fails - 64) if fails else width
+        # RSS is noisy: a flat secant through two close runs must not jump far past the widest run
+        width = min(width, 2 * int(math.sqrt(max(p for p, _ in points) / args.depth)) // 64 * 64)
         if width <= fits:
             break
         result = run_arm(arm, world, width, args.depth, args.batch, steps=2, warmup=1)
