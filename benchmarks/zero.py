@@ -146,9 +146,16 @@ def lightning(args: argparse.Namespace) -> list[dict]:
 
 def _lightning_rounds(args: argparse.Namespace, setting: str, world: int, cluster) -> list[dict]:
     runs: dict[str, list[dict]] = {arm: [] for arm in LIGHTNING_ARMS}
+    # On shared memory, the first round also times trainer.save_checkpoint and its load at the end
+    # of training (after the memory and speed are taken): rank-0 saves and sharded ones side by side.
+    directory = None if cluster is not None else Path(tempfile.mkdtemp(prefix="zero_bench_", dir=REPO / "benchmarks"))
     for round_ in range(args.repeats):
         for arm in list(LIGHTNING_ARMS) if round_ % 2 == 0 else list(reversed(LIGHTNING_ARMS)):
-            result = run_arm(arm, world, args.width, args.depth, args.batch, args.steps, cluster=cluster)
+            where = str(directory) if directory is not None and round_ == 0 else None
+            result = run_arm(arm, world, args.width, args.depth, args.batch, args.steps, cluster=cluster,
+                             checkpoint_dir=where)
+            if where:
+                shutil.rmtree(directory / arm, ignore_errors=True)
             print(f"  lightning {setting} {arm} round {round_}: {_brief(result)}", flush=True)
             runs[arm].append(result)
     rows = []
@@ -164,7 +171,10 @@ def _lightning_rounds(args: argparse.Namespace, setting: str, world: int, cluste
             "optimizer_state_mib": statistics.median(max(r["optimizer_state_mib"]) for r in ok),
             "samples_per_second": statistics.median(r["samples_per_second"] for r in ok),
             "all_samples_per_second": [r["samples_per_second"] for r in ok],
+            "checkpoint_seconds": next((r["checkpoint_seconds"] for r in ok if "checkpoint_seconds" in r), None),
         })
+    if directory is not None:
+        shutil.rmtree(directory, ignore_errors=True)
     return rows
 
 
@@ -294,6 +304,13 @@ def report(data: dict) -> str:
             lines.append(f"| {r['setting']} | {r['arm'].removeprefix('L_')} | {r['peak_rss_mib']:.0f} | "
                          f"{r['above_model_mib']:.0f} | {r['optimizer_state_mib']:.1f} | "
                          f"{r['samples_per_second']:.1f} | {rel[0]} | {rel[1]} |")
+        timed_saves = [r for r in data["lightning"] if r.get("checkpoint_seconds")]
+        if timed_saves:
+            lines += ["", "| setting | arm (Trainer) | save (s) | load (s) | on disk (MiB) |", "|---|---|---:|---:|---:|"]
+            for r in timed_saves:
+                c = r["checkpoint_seconds"]
+                lines.append(f"| {r['setting']} | {r['arm'].removeprefix('L_')} | {c['save']:.3f} | {c['load']:.3f} | "
+                             f"{c['bytes'] / 2**20:.0f} |")
     if data.get("lcheckpoint"):
         lines += ["", "| W | arm (Trainer) | save (s) | load (s) | on disk (MiB) |", "|---:|---|---:|---:|---:|"]
         for r in data["lcheckpoint"]:
