@@ -25,9 +25,14 @@ run's alone; ranks share this machine's memory (MPICH's shared-memory transport)
   ``--checkpoint-dir``; loads read what was just written (the page cache is warm: it measures
   deserialisation and copying, not the disk).
 
-Lightning arms (``mpi_asa``, ``mpi_zero``, ``mpi_zero_bf16`` under the Trainer beside ``ddp`` and
-``ddp`` + ``ZeroRedundancyOptimizer``) need the strategy layer: add a worker for them and list
-them in :data:`ARMS`.
+- ``lightning``: the same under ``Trainer.fit`` (``benchmarks/zero_lightning_worker.py``): ``ddp``
+  (gloo), ``ddp`` with ``ZeroRedundancyOptimizer`` from ``configure_optimizers``, ``mpi_asa``,
+  ``mpi_zero``, ``mpi_zero_bf16``, each of ``--settings`` (``shm:W``: W ranks on this machine;
+  ``hosts:N:RATE``: one rank on each of N simulated hosts joined by RATE links,
+  ``benchmarks/cluster.py``, needs root), ``--repeats`` rounds with the arms in turn.
+- ``lcheckpoint``: ``trainer.save_checkpoint`` and loading it back under the Trainer at each of
+  ``--worlds``: Lightning's rank-0 save (``mpi_asa``; ``ddp`` + ``ZeroRedundancyOptimizer``, which
+  consolidates onto rank 0 first) against ``mpi_zero``'s sharded directory.
 
 A table goes to stdout; ``benchmarks/results/zero.json`` and ``zero.png``.
 """
@@ -48,6 +53,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 RESULTS = HERE / "results"
 WORKER = HERE / "zero_worker.py"
+LIGHTNING_WORKER = HERE / "zero_lightning_worker.py"
 sys.path.insert(0, str(REPO))
 
 #: arm -> what it is
@@ -60,21 +66,37 @@ ARMS = {
     "zero_bf16": "ZeroRule(bf16 wire) + sharded Adam",
 }
 CAPACITY_ARMS = ("ddp", "ddp_zero", "asa", "zero")
+#: the Lightning arms (zero_lightning_worker.py): Trainer strategies with Adam
+LIGHTNING_ARMS = {
+    "L_ddp": "ddp (gloo) + Adam",
+    "L_ddp_zero": "ddp (gloo) + ZeroRedundancyOptimizer(Adam)",
+    "L_mpi_asa": "mpi_asa + Adam",
+    "L_mpi_zero": "mpi_zero + Adam (sharded)",
+    "L_mpi_zero_bf16": "mpi_zero_bf16 + Adam (sharded)",
+}
 
 
 def run_arm(arm: str, world: int, width: int, depth: int, batch: int, steps: int, warmup: int = 2,
-            checkpoint_dir: str | None = None, timeout: float = 900) -> dict:
-    """One ``mpiexec`` job of ``zero_worker.py``; its JSON, or ``{"error": ...}``."""
+            checkpoint_dir: str | None = None, timeout: float = 900, cluster=None) -> dict:
+    """One ``mpiexec`` job of ``zero_worker.py`` (``zero_lightning_worker.py`` for an ``L_`` arm),
+    on this machine or one rank per host of ``cluster``; its JSON, or ``{"error": ...}``."""
     from tests.mpi_utils import mpi_env, mpiexec_path
 
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "out.json"
-        cmd = [mpiexec_path(), "-n", str(world), sys.executable, str(WORKER), "--arm", arm, "--width", str(width),
-               "--depth", str(depth), "--batch", str(batch), "--steps", str(steps), "--warmup", str(warmup), "--out", str(out)]
+        worker = LIGHTNING_WORKER if arm.startswith("L_") else WORKER
+        job = [sys.executable, str(worker), "--arm", arm, "--width", str(width), "--depth", str(depth),
+               "--batch", str(batch), "--steps", str(steps), "--warmup", str(warmup), "--out", str(out)]
         if checkpoint_dir:
-            cmd += ["--checkpoint-dir", checkpoint_dir]
+            job += ["--checkpoint-dir", checkpoint_dir]
         try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=mpi_env(), start_new_session=True)
+            if cluster is not None:
+                extra = {"GLOO_SOCKET_IFNAME": cluster.iface, "PYTHONWARNINGS": "ignore"}
+                proc = cluster.run_mpi(job, env=extra, timeout=timeout)
+            else:
+                env = dict(mpi_env(), GLOO_SOCKET_IFNAME="lo", PYTHONWARNINGS="ignore")
+                proc = subprocess.run([mpiexec_path(), "-n", str(world), *job], capture_output=True, text=True,
+                                      timeout=timeout, env=env, start_new_session=True)
         except subprocess.TimeoutExpired:
             return {"arm": arm, "error": f"timed out after {timeout:.0f} s"}
         if proc.returncode != 0 or not out.exists():
@@ -100,17 +122,90 @@ def side_by_side(args: argparse.Namespace) -> list[dict]:
         rows.append({
             "arm": arm, "params": ok[0]["params"], "runs": len(ok),
             "peak_rss_mib": statistics.median(max(r["peak_rss_mib"]) for r in ok),
-            "above_model_mib": statistics.median(max(p - m for p, m in zip(r["peak_rss_mib"], r["rss_model_mib"])) for r in ok),
+            "above_model_mib": statistics.median(_above_model(r) for r in ok),
             "optimizer_state_mib": statistics.median(max(r["optimizer_state_mib"]) for r in ok),
             "samples_per_second": statistics.median(r["samples_per_second"] for r in ok),
         })
     return rows
 
 
+def lightning(args: argparse.Namespace) -> list[dict]:
+    """The Lightning arms side by side in each setting (``shm:W`` or ``hosts:N:RATE``)."""
+    rows = []
+    for setting in args.settings:
+        kind, *rest = setting.split(":")
+        if kind == "hosts":
+            from benchmarks.cluster import SimCluster
+
+            with SimCluster(int(rest[0]), rate=rest[1]) as cluster:
+                rows += _lightning_rounds(args, setting, int(rest[0]), cluster)
+        else:
+            rows += _lightning_rounds(args, setting, int(rest[0]), None)
+    return rows
+
+
+def _lightning_rounds(args: argparse.Namespace, setting: str, world: int, cluster) -> list[dict]:
+    runs: dict[str, list[dict]] = {arm: [] for arm in LIGHTNING_ARMS}
+    # On shared memory, the first round also times trainer.save_checkpoint and its load at the end
+    # of training (after the memory and speed are taken): rank-0 saves and sharded ones side by side.
+    directory = None if cluster is not None else Path(tempfile.mkdtemp(prefix="zero_bench_", dir=REPO / "benchmarks"))
+    for round_ in range(args.repeats):
+        for arm in list(LIGHTNING_ARMS) if round_ % 2 == 0 else list(reversed(LIGHTNING_ARMS)):
+            where = str(directory) if directory is not None and round_ == 0 else None
+            result = run_arm(arm, world, args.width, args.depth, args.batch, args.steps, cluster=cluster,
+                             checkpoint_dir=where)
+            if where:
+                shutil.rmtree(directory / arm, ignore_errors=True)
+            print(f"  lightning {setting} {arm} round {round_}: {_brief(result)}", flush=True)
+            runs[arm].append(result)
+    rows = []
+    for arm, results in runs.items():
+        ok = [r for r in results if "error" not in r]
+        if not ok:
+            rows.append({"setting": setting, "arm": arm, "error": results[-1].get("error")})
+            continue
+        rows.append({
+            "setting": setting, "arm": arm, "params": ok[0]["params"], "runs": len(ok),
+            "peak_rss_mib": statistics.median(max(r["peak_rss_mib"]) for r in ok),
+            "above_model_mib": statistics.median(_above_model(r) for r in ok),
+            "optimizer_state_mib": statistics.median(max(r["optimizer_state_mib"]) for r in ok),
+            "samples_per_second": statistics.median(r["samples_per_second"] for r in ok),
+            "all_samples_per_second": [r["samples_per_second"] for r in ok],
+            "checkpoint_seconds": next((r["checkpoint_seconds"] for r in ok if "checkpoint_seconds" in r), None),
+        })
+    if directory is not None:
+        shutil.rmtree(directory, ignore_errors=True)
+    return rows
+
+
+def _above_model(result: dict) -> float:
+    """The most any rank's peak RSS rose above its RSS once the model was built."""
+    return max(p - m for p, m in zip(result["peak_rss_mib"], result["rss_model_mib"], strict=True))
+
+
+def lightning_checkpoints(args: argparse.Namespace) -> list[dict]:
+    directory = Path(args.checkpoint_dir or tempfile.mkdtemp(prefix="zero_bench_", dir=REPO / "benchmarks"))
+    rows = []
+    try:
+        for world in args.worlds:
+            for arm in ("L_mpi_asa", "L_ddp_zero", "L_mpi_zero"):
+                result = run_arm(arm, world, args.width, args.depth, args.batch, steps=1, warmup=1,
+                                 checkpoint_dir=str(directory / f"w{world}"))
+                secs = result.get("checkpoint_seconds") or {}
+                print(f"  lcheckpoint W={world} {arm}: {secs or result.get('error')}", flush=True)
+                rows.append({"arm": arm, "world_size": world, "save": secs.get("save"), "load": secs.get("load"),
+                             "bytes": secs.get("bytes"), "error": result.get("error")})
+                shutil.rmtree(directory / f"w{world}", ignore_errors=True)
+    finally:
+        if not args.checkpoint_dir:
+            shutil.rmtree(directory, ignore_errors=True)
+    return rows
+
+
 def capacity(args: argparse.Namespace) -> list[dict]:
     rows = []
     for world in args.worlds:
-        for arm in CAPACITY_ARMS:
+        for arm in args.capacity_arms:
             probes = []
             for width in args.probe_widths:
                 result = run_arm(arm, world, width, args.depth, args.batch, steps=2, warmup=1)
@@ -142,6 +237,8 @@ def search_width(arm: str, world: int, points: list[tuple[int, float]], args: ar
         fixed = m1 - slope * p1
         width = int(math.sqrt(max((args.cap_mib - fixed) / slope, 1) / args.depth)) // 64 * 64
         width = min(width, fails - 64) if fails else width
+        # RSS is noisy: a flat secant through two close runs must not jump far past the widest run
+        width = min(width, 2 * int(math.sqrt(max(p for p, _ in points) / args.depth)) // 64 * 64)
         if width <= fits:
             break
         result = run_arm(arm, world, width, args.depth, args.batch, steps=2, warmup=1)
@@ -194,6 +291,34 @@ def report(data: dict) -> str:
             rel = f"{r['samples_per_second'] / base['samples_per_second']:.2f}x" if base else ""
             lines.append(f"| {r['arm']} | {r['peak_rss_mib']:.0f} | {r['above_model_mib']:.0f} | "
                          f"{r['optimizer_state_mib']:.1f} | {r['samples_per_second']:.0f} | {rel} |")
+    if data.get("lightning"):
+        lines += ["", "| setting | arm | peak RSS / rank (MiB) | above the model (MiB) | Adam state / rank (MiB) | "
+                  "samples/s | vs mpi_asa | vs ddp+ZeRO-opt |", "|---|---|---:|---:|---:|---:|---:|---:|"]
+        for r in data["lightning"]:
+            if "error" in r:
+                lines.append(f"| {r['setting']} | {r['arm']} | failed: {r['error'][:80]} | | | | | |")
+                continue
+            peers = {x["arm"]: x for x in data["lightning"] if x["setting"] == r["setting"] and "error" not in x}
+            rel = [f"{r['samples_per_second'] / peers[p]['samples_per_second']:.2f}x" if p in peers else ""
+                   for p in ("L_mpi_asa", "L_ddp_zero")]
+            lines.append(f"| {r['setting']} | {r['arm'].removeprefix('L_')} | {r['peak_rss_mib']:.0f} | "
+                         f"{r['above_model_mib']:.0f} | {r['optimizer_state_mib']:.1f} | "
+                         f"{r['samples_per_second']:.1f} | {rel[0]} | {rel[1]} |")
+        timed_saves = [r for r in data["lightning"] if r.get("checkpoint_seconds")]
+        if timed_saves:
+            lines += ["", "| setting | arm (Trainer) | save (s) | load (s) | on disk (MiB) |", "|---|---|---:|---:|---:|"]
+            for r in timed_saves:
+                c = r["checkpoint_seconds"]
+                lines.append(f"| {r['setting']} | {r['arm'].removeprefix('L_')} | {c['save']:.3f} | {c['load']:.3f} | "
+                             f"{c['bytes'] / 2**20:.0f} |")
+    if data.get("lcheckpoint"):
+        lines += ["", "| W | arm (Trainer) | save (s) | load (s) | on disk (MiB) |", "|---:|---|---:|---:|---:|"]
+        for r in data["lcheckpoint"]:
+            if r.get("save") is None:
+                lines.append(f"| {r['world_size']} | {r['arm']} | failed: {str(r.get('error'))[:80]} | | |")
+                continue
+            lines.append(f"| {r['world_size']} | {r['arm'].removeprefix('L_')} | {r['save']:.3f} | {r['load']:.3f} | "
+                         f"{r['bytes'] / 2**20:.0f} |")
     if data.get("capacity"):
         lines += ["", "| W | arm | widest under the cap | parameters | peak RSS (MiB) | MiB per M params | vs ddp |",
                   "|---:|---|---:|---:|---:|---:|---:|"]
@@ -224,7 +349,7 @@ def plot(data: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 4, figsize=(18, 4))
+    fig, axes = plt.subplots(1, 5, figsize=(22, 4))
     side = [r for r in data.get("side", []) if "error" not in r]
     if side:
         names = [r["arm"] for r in side]
@@ -265,14 +390,35 @@ def plot(data: dict, path: Path) -> None:
         axes[3].set_xticks(list(xs), labels, fontsize=7)
         axes[3].set_ylabel("seconds (2 ranks)")
         axes[3].legend(fontsize=8)
+    light = [r for r in data.get("lightning", []) if "error" not in r]
+    if light:
+        settings = list(dict.fromkeys(r["setting"] for r in light))
+        arms = list(dict.fromkeys(r["arm"] for r in light))
+        for i, setting in enumerate(settings):
+            by_arm = {r["arm"]: r for r in light if r["setting"] == setting}
+            xs = [j + 0.8 * i / len(settings) for j in range(len(arms))]
+            axes[4].bar(xs, [by_arm[a]["samples_per_second"] if a in by_arm else 0 for a in arms],
+                        width=0.8 / len(settings), label=setting)
+        axes[4].set_xticks(range(len(arms)), [a.removeprefix("L_") for a in arms], fontsize=7, rotation=30)
+        axes[4].set_ylabel("samples/s under the Trainer")
+        axes[4].legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+
+
+def merged(old: list[dict] | None, new: list[dict], key: str) -> list[dict]:
+    """``new``, after the rows of ``old`` whose ``key`` (setting, world size) this run did not measure:
+    sections can be run one setting at a time and still end in one table."""
+    measured = {r.get(key) for r in new}
+    return [r for r in old or [] if r.get(key) not in measured] + new
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sections", nargs="+", default=["side", "capacity", "checkpoint"],
-                        choices=["side", "capacity", "checkpoint"])
+                        choices=["side", "capacity", "checkpoint", "lightning", "lcheckpoint"])
+    parser.add_argument("--settings", nargs="+", default=["shm:2", "hosts:2:1gbit"],
+                        help="where the lightning section runs: shm:W, hosts:N:RATE")
     parser.add_argument("--width", type=int, default=2048)
     parser.add_argument("--depth", type=int, default=4)
     parser.add_argument("--batch", type=int, default=32, help="rows per rank")
@@ -281,6 +427,7 @@ def main() -> None:
     parser.add_argument("--worlds", type=int, nargs="+", default=[2])
     parser.add_argument("--cap-mib", type=float, default=1200.0)
     parser.add_argument("--probe-widths", type=int, nargs=2, default=[1024, 2048])
+    parser.add_argument("--capacity-arms", nargs="+", default=list(CAPACITY_ARMS), choices=CAPACITY_ARMS)
     parser.add_argument("--search-runs", type=int, default=4, help="runs per arm to find the widest under the cap")
     parser.add_argument("--checkpoint-dir", default=None, help="where checkpoints go (default: a temporary "
                         "directory under benchmarks/, on the repository's file system)")
@@ -288,15 +435,21 @@ def main() -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     RESULTS.mkdir(exist_ok=True)
     path = RESULTS / "zero.json"
+    setup = {"width": args.width, "depth": args.depth, "batch": args.batch, "steps": args.steps,
+             "repeats": args.repeats, "worlds": args.worlds, "settings": args.settings, "cap_mib": args.cap_mib,
+             "cpus": os.cpu_count(), "load_average": os.getloadavg()}
+    runs = {"side": side_by_side, "capacity": capacity, "checkpoint": checkpoints, "lightning": lightning,
+            "lcheckpoint": lightning_checkpoints}
+    fresh = {section: runs[section](args) for section in args.sections}
+    setup["load_average_end"] = os.getloadavg()
+    # Read the earlier results only now: another section may have been written meanwhile.
     data = json.loads(path.read_text()) if path.exists() else {}
-    data["setup"] = {"width": args.width, "depth": args.depth, "batch": args.batch, "steps": args.steps,
-                     "repeats": args.repeats, "cpus": os.cpu_count(), "load_average": os.getloadavg()}
-    if "side" in args.sections:
-        data["side"] = side_by_side(args)
-    if "capacity" in args.sections:
-        data["capacity"] = capacity(args)
-    if "checkpoint" in args.sections:
-        data["checkpoint"] = checkpoints(args)
+    data["setup"] = setup
+    merge_keys = {"capacity": "world_size", "lightning": "setting", "lcheckpoint": "world_size"}
+    for section, rows in fresh.items():  # the sections may come from separate runs: each keeps its own setup
+        data.setdefault("setups", {})[section] = setup
+        key = merge_keys.get(section)
+        data[section] = merged(data.get(section), rows, key) if key else rows
     path.write_text(json.dumps(data, indent=1))
     print(report(data))
     plot(data, RESULTS / "zero.png")

@@ -156,7 +156,9 @@ def rank0_load(arm: Arm, path: Path) -> None:
 def sharded_save(arm: Arm, path: Path) -> None:
     from lightning_mpi.checkpoint import save_sharded
 
-    save_sharded(path, {"state_dict": arm.model.state_dict(), "optimizer_states": [arm.rule.optimizer_state()]}, arm.transport)
+    spread = {f"state_dict/{name}" for name, _ in arm.model.named_parameters()}  # as the Trainer strategy does
+    state = {"state_dict": arm.model.state_dict(), "optimizer_states": [arm.rule.optimizer_state()]}
+    save_sharded(path, state, arm.transport, spread=spread)
 
 
 def sharded_load(arm: Arm, path: Path) -> None:

@@ -529,7 +529,9 @@ def trainer_strategy(api: TrainerAPI, environment_class: type, checkpoint_io_cla
             if entry is not None:
                 checkpoint[CHECKPOINT_KEY] = entry
             if self._optimizer_sharding.active:  # every rank writes its optimizer shard; nothing is gathered
-                save_sharded(filepath, checkpoint, self.transport)
+                # and 1/W of the weights, which the Allgather made equal on every rank (buffers: rank 0's)
+                params = {f"state_dict/{name}" for name, _ in self.lightning_module.named_parameters()}
+                save_sharded(filepath, checkpoint, self.transport, spread=params)
             else:
                 super().save_checkpoint(checkpoint, filepath, storage_options)
 

@@ -11,6 +11,7 @@ import torch
 
 from lightning_mpi.checkpoint import consolidate_checkpoint, is_sharded_checkpoint, load_sharded, save_sharded
 from lightning_mpi.checkpoint.files import publish_dir, resolve_dir, write_atomic
+from lightning_mpi.checkpoint.sharded import spread_tensors
 from lightning_mpi.rules.zero_state import SHARD_FORMAT
 from tests.mpi_utils import REPO, mpi_env
 
@@ -76,3 +77,21 @@ def test_consolidate_command_names_a_wrong_directory(tmp_path):
     result = subprocess.run([sys.executable, "-m", "lightning_mpi.checkpoint", "consolidate", str(tmp_path), "x.ckpt"],
                             capture_output=True, text=True, timeout=60, env=mpi_env())
     assert result.returncode == 2 and "is not a sharded checkpoint" in result.stderr
+
+
+def test_spread_tensors_are_written_by_one_rank_each_and_load_back(tmp_path):
+    # Balanced by bytes, largest first, the same choice on every rank; a tensor not named stays replicated.
+    state = {"a": torch.zeros(6), "b": torch.zeros(4), "c": torch.zeros(3), "buffer": torch.ones(2)}
+    names = {"state_dict/a", "state_dict/b", "state_dict/c"}
+    replicated, shares = spread_tensors({"state_dict": state, "epoch": 1}, names, 3)
+    assert [sorted(share) for share in shares] == [["state_dict/a"], ["state_dict/b"], ["state_dict/c"]]
+    assert replicated["state_dict"]["buffer"] is state["buffer"] and replicated["epoch"] == 1
+    assert replicated["state_dict"]["c"]["rank"] == 2 and torch.is_tensor(state["c"])  # the input is untouched
+    checkpoint = {"state_dict": {"w": torch.arange(4.0), "buffer": torch.ones(2)},
+                  "optimizer_states": [shard(torch.ones(3))]}
+    save_sharded(tmp_path / "s.ckpt", checkpoint, ONE_RANK, spread={"state_dict/w"})
+    plain = torch.load(tmp_path / "s.ckpt" / "replicated.pt", weights_only=False)
+    assert not torch.is_tensor(plain["state_dict"]["w"]) and torch.is_tensor(plain["state_dict"]["buffer"])
+    for loaded in (load_sharded(tmp_path / "s.ckpt"), consolidate_checkpoint(tmp_path / "s.ckpt")):
+        assert loaded["state_dict"]["w"].tolist() == [0.0, 1.0, 2.0, 3.0]
+        assert list(loaded["state_dict"]) == ["w", "buffer"]

@@ -1,7 +1,8 @@
 """Run on W ranks: the sharded optimizer (``mpi_zero``) against plain ASA, under the Trainer and Fabric.
 
 argv: OUT.json CKPT_DIR MODE. MODE ``train`` (W = 2 or 3): each case trains with ``mpi_asa`` and
-with ``mpi_zero`` from the same weights on the same data and reports the largest weight difference,
+with ``mpi_zero`` from the same weights on the same data (at W = 2 also in ``bf16-mixed`` with
+``LMSOffload`` on the sharded side) and reports the largest weight difference,
 the share of the optimizer state this rank holds, and, for the checkpoint case, an exact resume
 from a sharded checkpoint (2 epochs in one go against 1 + 1 with a save between). It leaves
 ``CKPT_DIR/zero/last.ckpt`` (sharded, mpi_zero) and ``CKPT_DIR/asa/last.ckpt`` (plain, mpi_asa) after
@@ -56,12 +57,13 @@ def initial_state():
     return make_net().state_dict()
 
 
-def fit(strategy, optimizer="adam", epochs=1, clip=None, accumulate=1, ckpt_dir=None, resume=None, start=None):
+def fit(strategy, optimizer="adam", epochs=1, clip=None, accumulate=1, ckpt_dir=None, resume=None, start=None,
+        precision="32-true", callbacks=()):
     module = Module(optimizer)
     module.net.load_state_dict(start if start is not None else initial_state())
-    callbacks = [pl.callbacks.ModelCheckpoint(dirpath=ckpt_dir, save_last=True)] if ckpt_dir else []
+    callbacks = [*callbacks, *([pl.callbacks.ModelCheckpoint(dirpath=ckpt_dir, save_last=True)] if ckpt_dir else [])]
     quiet = dict(QUIET, enable_checkpointing=bool(ckpt_dir))
-    trainer = pl.Trainer(strategy=strategy, max_epochs=epochs, gradient_clip_val=clip,
+    trainer = pl.Trainer(strategy=strategy, max_epochs=epochs, gradient_clip_val=clip, precision=precision,
                          accumulate_grad_batches=accumulate, callbacks=callbacks, **quiet)
     trainer.fit(module, DataLoader(dataset(N), batch_size=B, shuffle=False), ckpt_path=resume)
     return module, trainer
@@ -75,9 +77,9 @@ def state_elements(optimizer):
     return sum(v.numel() for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v) and v.dim())
 
 
-def compare(**kwargs):
+def compare(sharded_callbacks=(), **kwargs):
     plain, plain_trainer = fit("mpi_asa", **kwargs)
-    sharded, trainer = fit("mpi_zero", **kwargs)
+    sharded, trainer = fit("mpi_zero", callbacks=sharded_callbacks, **kwargs)
     return {
         "diff": float((weights(plain) - weights(sharded)).abs().max()),
         "shares": COMM.allgather(state_elements(trainer.optimizers[0])),  # this rank's optimizer state
@@ -123,6 +125,10 @@ if MODE == "train":
     results["adam"] = compare(optimizer="adam")
     results["adamw_clip"] = compare(optimizer="adamw", clip=0.5)
     results["sgd_accumulate"] = compare(optimizer="sgd", accumulate=2)
+    if W == 2:  # bf16 autocast and activations offloaded to disk (bitwise a no-op), against plain ASA in bf16
+        lms = lightning_mpi.LMSOffload(target="disk", min_bytes=0, keep_last=0)
+        results["bf16_lms"] = compare(optimizer="adam", precision="bf16-mixed", sharded_callbacks=[lms])
+        results["bf16_lms"]["offloaded"] = lms.last_stats.offloaded_bytes if lms.last_stats else 0
     # Exact resume: 2 epochs in one go, against 1 epoch, a sharded save, then the second epoch.
     straight, _ = fit("mpi_zero", epochs=2)
     fit("mpi_zero", epochs=1, ckpt_dir=os.path.join(CKPT, "zero"))
