@@ -1,0 +1,79 @@
+"""benchmarks/goodput.py's pure parts: the kill schedule, the progress parsing, the useful-samples
+and goodput arithmetic, the commands and the table. No launches."""
+import sys
+
+from tests.mpi_utils import REPO
+
+sys.path.insert(0, str(REPO))
+
+from benchmarks import goodput as g  # noqa: E402
+
+
+def test_kills_are_due_every_period_from_the_first_step_and_a_late_one_delays_the_next():
+    assert g.next_kill_at(100.0, 20.0, []) == 120.0
+    assert g.next_kill_at(100.0, 20.0, [120.1]) == 140.0
+    # the second kill had to wait for a restart until 155: the third is due at 165, not 160
+    assert g.next_kill_at(100.0, 20.0, [120.1, 155.0]) == 165.0
+
+
+def test_progress_lines_parse_and_a_line_cut_short_is_skipped():
+    text = "10.5 1 3 77\n10.6 2 3 77\n10.7 3 3\n"
+    assert g.parse_progress(text) == [(10.5, 1, 3, 77), (10.6, 2, 3, 77)]
+    assert g.parse_progress("") == []
+    assert g.parse_progress("x 1 2 3\n") == []
+
+
+def test_useful_samples_count_steps_once_after_a_restart_and_follow_the_world_size():
+    # W = 3, batch 2: steps 1..4, killed, resumed from the checkpoint at step 2, then steps 3..5
+    entries = [(0, 1, 3, 1), (1, 2, 3, 1), (2, 3, 3, 1), (3, 4, 3, 1), (9, 3, 3, 2), (10, 4, 3, 2), (11, 5, 3, 2)]
+    curve = g.useful_curve(entries, batch=2)
+    assert [n for _, n in curve] == [6, 12, 18, 24, 18, 24, 30]
+    summary = g.summarize(entries, batch=2)
+    assert summary["final_step"] == 5 and summary["useful_samples"] == 30  # 5 steps x 3 ranks x 2
+    assert summary["seconds"] == 11 and summary["rate"] == 30 / 11
+    # a shrink from 3 to 2 ranks after step 2: later steps train smaller global batches
+    shrunk = g.summarize([(0, 1, 3, 1), (1, 2, 3, 1), (2, 3, 2, 1), (4, 4, 2, 1)], batch=2)
+    assert shrunk["useful_samples"] == 6 + 6 + 4 + 4 and shrunk["world_sizes"] == [3, 2]
+    assert g.summarize([], batch=2)["rate"] == 0.0
+
+
+def test_goodput_is_the_rate_over_the_baselines_and_the_time_lost_is_shared_by_the_kills():
+    base = {"rate": 100.0, "seconds": 10.0, "useful_samples": 1000}
+    arm = {"rate": 80.0, "seconds": 12.5, "useful_samples": 1000, "kills": [3.0, 8.0]}
+    assert g.goodput(arm, base) == {"goodput": 0.8, "lost_per_fault": 1.25}
+    assert g.goodput({**arm, "kills": []}, base)["lost_per_fault"] is None
+    assert g.goodput(arm, {"rate": 0.0})["goodput"] is None
+
+
+def test_commands_name_the_launcher_and_the_arm_options(tmp_path):
+    s = g.Settings()
+    heal = g.command(g.ARMS["heal_replace"], s, tmp_path)
+    assert heal[1:6] == ["-m", "lightning_mpi", "-n", "3", "--heal"] and heal[-2:] == ["--heal", "replace"]
+    restarts = g.command(g.ARMS["mpi_restarts"], s, tmp_path)
+    assert "--max-restarts" in restarts and "--heal" not in restarts
+    ddp = g.command(g.ARMS["ddp_torchrun"], s, tmp_path)
+    assert ddp[1:3] == ["-m", "torch.distributed.run"] and "--max-restarts" in ddp and "ddp" in ddp
+    assert "--max-restarts" not in g.command(g.ARMS["ddp"], s, tmp_path)
+    assert all(g.ARMS[a.baseline].baseline is None for a in g.ARMS.values() if a.baseline)
+
+
+def test_the_target_is_a_live_nonzero_rank_under_the_launcher(tmp_path):
+    (tmp_path / "pids").mkdir()
+    for pid, rank in ((11, 0), (12, 1), (13, 2), (14, 2)):
+        (tmp_path / "pids" / str(pid)).write_text(str(rank))
+    assert g.pick_target(tmp_path, {11: 0, 12: 0, 13: 0}) == 13  # 14 is not (or no longer) running
+    assert g.pick_target(tmp_path, {11: 0}) is None  # never rank 0
+
+
+def test_the_table_reports_a_missing_arm_and_the_goodput():
+    results = {
+        "mpi": {"status": "ok", "wall": 50.0, "final_step": 10, "world_sizes": [3], "useful_samples": 960,
+                "rate": 24.0, "kills": []},
+        "mpi_restarts": {"status": "ok", "wall": 60.0, "final_step": 10, "world_sizes": [3], "useful_samples": 960,
+                         "rate": 20.0, "kills": [1.0], "goodput": 20 / 24, "lost_per_fault": 8.0, "baseline": "mpi"},
+        "heal_shrink": {"status": "not available", "reason": "SyncStrategy takes no heal= argument"},
+    }
+    text = g.table(results)
+    assert "| mpi | ok | 0 | 50.0 | 10 | 3 | 960 | 24 | baseline | - |" in text
+    assert "83.3% (of mpi)" in text and "| 8.0 |" in text
+    assert "not available in this checkout: SyncStrategy takes no heal= argument" in text
