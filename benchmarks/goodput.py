@@ -19,7 +19,9 @@ waits for one). Arms:
 - ``mpi_restarts``: ``lightning-mpi --max-restarts R`` with ``SyncStrategy()``: a lost rank ends
   the job, the launcher relaunches it, ``fit`` resumes from the newest checkpoint;
 - ``ddp_torchrun``: Lightning's ``ddp`` (gloo, CPU) under ``torchrun --max-restarts R``, resuming
-  with ``fit(ckpt_path="last")``: what a Lightning user has today;
+  with ``fit(ckpt_path="last")``: what a Lightning user has today, with
+  ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (without it every relaunch failed in gloo's
+  ``connectFullMesh``, "Connection refused", here with torch 2.13: pytorch/pytorch#135712);
 - and the same jobs without faults, each faulted arm's baseline: ``mpi`` (for ``mpi_restarts``),
   ``mpi_heal`` (``--heal``, ``heal="shrink"``, for the heal arms) and ``ddp``.
 
@@ -58,6 +60,10 @@ ANCHOR = (
     "torchft's public demonstration: 97.7% of throughput kept with a fault every 29 s, "
     "32 replica groups on one 16-core machine"
 )
+
+
+#: the documented workaround that lets torchrun's restarts start again (see run_arm)
+TORCHRUN_STORE_FIX = ("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
 
 
 @dataclass(frozen=True)
@@ -277,6 +283,11 @@ def run_arm(arm: Arm, s: Settings, out: Path, timeout: float) -> dict:
     """Launch ``arm``, SIGKILL a non-zero rank on the schedule when it has faults, wait for it
     (at most ``timeout`` seconds: then the job is stopped and measured as far as it got)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo", "PYTHONWARNINGS": "ignore"}
+    if arm.frontend == "ddp":
+        # torchrun's workers share its rendezvous store by default, and a restarted round can read
+        # the previous round's gloo addresses: every relaunch then fails in connectFullMesh
+        # ("Connection refused"), seen here with torch 2.13 (pytorch/pytorch#135712, #167288).
+        env[TORCHRUN_STORE_FIX[0]] = TORCHRUN_STORE_FIX[1]
     log = open(out / "launcher.log", "w")
     launched = time.time()
     proc = subprocess.Popen(
