@@ -93,18 +93,18 @@ ARMS: dict[str, Arm] = {
 @dataclass(frozen=True)
 class Settings:
     ranks: int = 3
-    steps: int = 1500
+    steps: int = 1200
     batch: int = 32
     ckpt_every: int = 250
     every: float = 20.0  # seconds between kills
     max_restarts: int = 10
     max_kills: int | None = None  # None: as many as the schedule brings
-    timeout: float = 300.0  # per baseline, from its launch; a faulted arm gets 3x its baseline's wall
+    timeout: float = 300.0  # per baseline, from its launch; a faulted arm gets 2.5x its baseline's wall
 
 
-QUICK = Settings(steps=300, ckpt_every=100, every=8.0, max_kills=1, timeout=150.0)
+QUICK = Settings(steps=400, ckpt_every=100, every=3.0, max_kills=1)
 #: a faulted arm may run this many times its baseline's wall time before it is stopped
-SLOWDOWN_LIMIT = 3.0
+SLOWDOWN_LIMIT = 2.5
 
 
 # ---- pure parts: schedule, parsing, arithmetic (tests/benchmarks/test_goodput.py) ----
@@ -168,6 +168,20 @@ def summarize(entries: list[tuple[float, int, int, int]], batch: int, end: float
     }
 
 
+def recovery(entries: list[tuple[float, int, int, int]], kills: list[float]) -> list[dict]:
+    """Per kill (times on the entries' clock): ``resume``, seconds from the kill to the next step
+    completed, and ``regain``, to the first step past the one reached at the kill (a restart
+    trains the steps since its checkpoint again first); None where it never came."""
+    out = []
+    for kill in kills:
+        reached = max((step for t, step, _, _ in entries if t <= kill), default=0)
+        after = [(t, step) for t, step, _, _ in entries if t > kill]
+        resume = after[0][0] - kill if after else None
+        regain = next((t - kill for t, step in after if step > reached), None)
+        out.append({"resume": resume, "regain": regain})
+    return out
+
+
 def goodput(arm: dict, base: dict) -> dict:
     """``goodput`` (the arm's rate over its baseline's) and ``lost_per_fault`` (seconds)."""
     if not base.get("rate") or not arm.get("seconds"):
@@ -181,16 +195,21 @@ def _cell(value, fmt: str) -> str:
     return "-" if value is None else format(value, fmt)
 
 
+def _seconds(values: list) -> str:
+    """Each kill's seconds, "never" where training did not get there, "-" without kills."""
+    return ", ".join("never" if v is None else f"{v:.1f}" for v in values) or "-"
+
+
 def table(results: dict[str, dict]) -> str:
     """The markdown table printed on stdout."""
     lines = [
         "| arm | status | kills | wall s | final step | world sizes | useful samples | useful samples/s "
-        "| goodput | s lost per fault |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| goodput | s lost per fault | kill -> next step s | kill -> past the step at the kill s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, r in results.items():
         if r["status"] == "not available":
-            lines.append(f"| {name} | not available in this checkout: {r['reason']} |" + " - |" * 8)
+            lines.append(f"| {name} | not available in this checkout: {r['reason']} |" + " - |" * 10)
             continue
         worlds = " > ".join(str(w) for w in r.get("world_sizes", [])) or "-"
         baseline = "" if r.get("baseline") is None else f" (of {r['baseline']})"
@@ -198,7 +217,9 @@ def table(results: dict[str, dict]) -> str:
         lines.append(
             f"| {name} | {r['status']} | {len(r.get('kills', []))} | {_cell(r.get('wall'), '.1f')} "
             f"| {r.get('final_step', 0)} | {worlds} | {r.get('useful_samples', 0)} | {_cell(r.get('rate'), '.0f')} "
-            f"| {goodput_cell} | {_cell(r.get('lost_per_fault'), '.1f')} |"
+            f"| {goodput_cell} | {_cell(r.get('lost_per_fault'), '.1f')} "
+            f"| {_seconds([k['resume'] for k in r.get('recovery', [])])} "
+            f"| {_seconds([k['regain'] for k in r.get('recovery', [])])} |"
         )
     return "\n".join(lines)
 
@@ -306,7 +327,8 @@ def run_arm(arm: Arm, s: Settings, out: Path, timeout: float) -> dict:
             seen.update(tree)
             if arm.faults and (s.max_kills is None or len(kills) < s.max_kills):
                 entries = parse_progress(_read(out / "progress"))
-                if entries and now >= next_kill_at(entries[0][0], s.every, kills):
+                training = bool(entries) and entries[-1][1] < s.steps  # no kill once the last step is done
+                if training and now >= next_kill_at(entries[0][0], s.every, kills):
                     target = pick_target(out, tree)
                     if target is not None:
                         os.kill(target, signal.SIGKILL)
@@ -320,15 +342,17 @@ def run_arm(arm: Arm, s: Settings, out: Path, timeout: float) -> dict:
     if status == "ok" and proc.returncode != 0:
         status = f"exit code {proc.returncode}"
     entries = parse_progress(_read(out / "progress"))
+    finished = bool(entries) and entries[-1][1] == s.steps  # a job stopped in its shutdown finished
     result = {
         "status": status,
         "wall": ended - launched,
-        **summarize(entries, s.batch, None if status == "ok" else ended),
+        **summarize(entries, s.batch, None if finished else ended),
     }
     if result["final_step"] != s.steps and status == "ok":
         result["status"] = f"stopped at step {result['final_step']} of {s.steps}"
     first = entries[0][0] if entries else launched
     result["kills"] = [k - first for k in kills]
+    result["recovery"] = recovery(entries, kills)
     result["curve"] = _thin([(t - first, n) for t, n in useful_curve(entries, s.batch)], 400)
     if status != "ok":
         result["log_tail"] = _read(out / "launcher.log")[-2000:]
@@ -415,7 +439,9 @@ def _load() -> str:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="a smoke test: short jobs, a kill every 6 s")
+    parser.add_argument(
+        "--quick", action="store_true", help="a smoke test: 400 steps, one kill 3 s after the first step"
+    )
     parser.add_argument("--arms", nargs="+", choices=list(ARMS), help="faulted arms (their baselines come along)")
     parser.add_argument("--ranks", type=int)
     parser.add_argument("--steps", type=int)

@@ -2,6 +2,8 @@
 and goodput arithmetic, the commands and the table. No launches."""
 import sys
 
+import pytest
+
 from tests.mpi_utils import REPO
 
 sys.path.insert(0, str(REPO))
@@ -37,6 +39,14 @@ def test_useful_samples_count_steps_once_after_a_restart_and_follow_the_world_si
     assert g.summarize([], batch=2)["rate"] == 0.0
 
 
+def test_recovery_times_the_next_step_and_the_first_step_past_the_one_reached_at_the_kill():
+    entries = [(0, 1, 3, 1), (1, 2, 3, 1), (2, 3, 3, 1), (9, 2, 3, 2), (10, 3, 3, 2), (11, 4, 3, 2)]
+    assert g.recovery(entries, [2.5]) == [{"resume": 6.5, "regain": 8.5}]  # resumed at 2, past 3 at 4
+    healed = [(0, 1, 3, 1), (1, 2, 3, 1), (1.5, 3, 2, 1)]
+    assert g.recovery(healed, [1.2]) == [{"resume": pytest.approx(0.3), "regain": pytest.approx(0.3)}]
+    assert g.recovery(entries, [20.0]) == [{"resume": None, "regain": None}]
+
+
 def test_goodput_is_the_rate_over_the_baselines_and_the_time_lost_is_shared_by_the_kills():
     base = {"rate": 100.0, "seconds": 10.0, "useful_samples": 1000}
     arm = {"rate": 80.0, "seconds": 12.5, "useful_samples": 1000, "kills": [3.0, 8.0]}
@@ -70,10 +80,11 @@ def test_the_table_reports_a_missing_arm_and_the_goodput():
         "mpi": {"status": "ok", "wall": 50.0, "final_step": 10, "world_sizes": [3], "useful_samples": 960,
                 "rate": 24.0, "kills": []},
         "mpi_restarts": {"status": "ok", "wall": 60.0, "final_step": 10, "world_sizes": [3], "useful_samples": 960,
-                         "rate": 20.0, "kills": [1.0], "goodput": 20 / 24, "lost_per_fault": 8.0, "baseline": "mpi"},
+                         "rate": 20.0, "kills": [1.0], "goodput": 20 / 24, "lost_per_fault": 8.0, "baseline": "mpi",
+                         "recovery": [{"resume": 6.0, "regain": None}]},
         "heal_shrink": {"status": "not available", "reason": "SyncStrategy takes no heal= argument"},
     }
     text = g.table(results)
-    assert "| mpi | ok | 0 | 50.0 | 10 | 3 | 960 | 24 | baseline | - |" in text
-    assert "83.3% (of mpi)" in text and "| 8.0 |" in text
+    assert "| mpi | ok | 0 | 50.0 | 10 | 3 | 960 | 24 | baseline | - | - | - |" in text
+    assert "83.3% (of mpi) | 8.0 | 6.0 | never |" in text
     assert "not available in this checkout: SyncStrategy takes no heal= argument" in text
