@@ -79,12 +79,13 @@ class Arm:
 ARMS: dict[str, Arm] = {
     a.name: a
     for a in (
-        Arm("mpi", "mpi"),
+        # each baseline right before its faulted arms: a run cut short keeps whole comparisons
         Arm("mpi_heal", "mpi", heal="shrink"),
-        Arm("ddp", "ddp"),
         Arm("heal_shrink", "mpi", heal="shrink", faults=True, baseline="mpi_heal"),
         Arm("heal_replace", "mpi", heal="replace", faults=True, baseline="mpi_heal"),
+        Arm("mpi", "mpi"),
         Arm("mpi_restarts", "mpi", restarts=True, faults=True, baseline="mpi"),
+        Arm("ddp", "ddp"),
         Arm("ddp_torchrun", "ddp", restarts=True, faults=True, baseline="ddp"),
     )
 }
@@ -465,21 +466,24 @@ def main(argv: list[str] | None = None) -> None:
     results: dict[str, dict] = {}
     load_before = _load()
     started = time.time()
-    for name in todo:
-        arm = ARMS[name]
-        if arm.heal in missing:
-            results[name] = {"status": "not available", "reason": missing[arm.heal]}
-            continue
-        base = results.get(arm.baseline or "", {})
-        timeout = SLOWDOWN_LIMIT * base["wall"] if base.get("wall") else s.timeout
-        if args.workdir:
-            shutil.rmtree(args.workdir / name, ignore_errors=True)
-            (args.workdir / name).mkdir(parents=True)
-            results[name] = run_arm(arm, s, args.workdir / name, timeout)
-        else:
-            with tempfile.TemporaryDirectory(prefix=f"goodput-{name}-") as tmp:
-                results[name] = run_arm(arm, s, Path(tmp), timeout)
-        print(f"# {name}: {results[name]['status']}, {results[name]['wall']:.0f} s, {_load()}", file=sys.stderr)
+    try:
+        for name in todo:
+            arm = ARMS[name]
+            if arm.heal in missing:
+                results[name] = {"status": "not available", "reason": missing[arm.heal]}
+                continue
+            base = results.get(arm.baseline or "", {})
+            timeout = SLOWDOWN_LIMIT * base["wall"] if base.get("wall") else s.timeout
+            if args.workdir:
+                shutil.rmtree(args.workdir / name, ignore_errors=True)
+                (args.workdir / name).mkdir(parents=True)
+                results[name] = run_arm(arm, s, args.workdir / name, timeout)
+            else:
+                with tempfile.TemporaryDirectory(prefix=f"goodput-{name}-") as tmp:
+                    results[name] = run_arm(arm, s, Path(tmp), timeout)
+            print(f"# {name}: {results[name]['status']}, {results[name]['wall']:.0f} s, {_load()}", file=sys.stderr)
+    except KeyboardInterrupt:  # the arm in progress was killed (run_arm's finally): report what is done
+        print("# interrupted: reporting the arms that finished", file=sys.stderr)
     for name, r in results.items():
         base = results.get(ARMS[name].baseline or "", {})
         if r["status"] != "not available" and ARMS[name].baseline:
