@@ -24,6 +24,7 @@ from torch.optim import Optimizer
 
 from lightning_mpi.comm.buffers import Bucket, make_buckets
 from lightning_mpi.comm.transport import Transport
+from lightning_mpi.comm.ulfm import ProcessFailed
 from lightning_mpi.options import option, options_class
 from lightning_mpi.rules.base import BoundRule, all_finite, grads_finite
 from lightning_mpi.rules.bucket_exchanger import BucketExchanger
@@ -117,6 +118,7 @@ class BoundSync(BoundRule):
         self._replayed = False  # a gradient arrived after its bucket left: redo blocking
         self._arrived: list[Bucket] = []  # exchanged buckets not yet unpacked, in arrival order
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
+        self._hook_failure: ProcessFailed | None = None  # a dead rank noticed by a gradient hook
         if rule.overlap and rule.average == "gradients" and transport.size > 1:
             self._attach_hooks()
 
@@ -138,18 +140,23 @@ class BoundSync(BoundRule):
 
     def _make_hook(self, index: int):
         def on_grad_ready(_param: Tensor) -> None:
-            if not self.sync_enabled:
+            if not self.sync_enabled or self._hook_failure is not None:
                 return
             self._ready[index] += 1
             bucket = self.buckets[index]
-            if self._ready[index] == len(bucket.tensors):
-                bucket.pack_grads()
-                self._launched[index] = True
-                self.hook_launches += 1
-                self.exchanger.start(bucket, self._arrived.append)
-            elif self._ready[index] > len(bucket.tensors):
-                self._replayed = True  # a second backward before the step
-            self.exchanger.poll()  # MPICH moves data only inside MPI calls
+            try:
+                if self._ready[index] == len(bucket.tensors):
+                    bucket.pack_grads()
+                    self._launched[index] = True
+                    self.hook_launches += 1
+                    self.exchanger.start(bucket, self._arrived.append)
+                elif self._ready[index] > len(bucket.tensors):
+                    self._replayed = True  # a second backward before the step
+                self.exchanger.poll()  # MPICH moves data only inside MPI calls
+            except ProcessFailed as failure:
+                # A dead rank (ULFM) noticed during backward: backward completes, and the exchange
+                # raises it, where a healing strategy redoes the exchange with whole gradients.
+                self._hook_failure = failure
 
         return on_grad_ready
 
@@ -172,6 +179,9 @@ class BoundSync(BoundRule):
     def before_step(self, optimizer: Optimizer) -> bool:
         if self.transport.size == 1:
             return True
+        if self._hook_failure is not None:
+            failure, self._hook_failure = self._hook_failure, None
+            raise failure
         if self.rule.average == "gradients":
             members = {id(p) for g in optimizer.param_groups for p in g["params"]}
             buckets = [b for b in self.buckets if any(id(t) in members for t in b.tensors)]

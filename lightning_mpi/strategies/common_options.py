@@ -8,9 +8,21 @@ all from the definitions below.
 from __future__ import annotations
 
 import math
-from typing import Literal
+from typing import Any, Literal
 
 from lightning_mpi.options import integer, number, option, optional, options_class, validate
+
+
+def _check_heal(name: str, value: Any) -> Any:
+    if value == "replace":
+        raise ValueError(
+            f"{name}='replace' (spawning new ranks back up to the starting world size) is not supported by the "
+            f"strategies yet: use {name}='shrink' (the survivors go on), or {name}=None with "
+            "`lightning-mpi --max-restarts` to relaunch at full size"
+        )
+    if value not in (None, "shrink"):
+        raise ValueError(f"{name}={value!r} is not one of None, 'shrink'")
+    return value
 
 
 @options_class
@@ -51,5 +63,25 @@ class CommonOptions:
         "`mpi/momentum_explicit` and `mpi/momentum_implicit`.",
     )
 
+    heal: Literal["shrink"] | None = option(
+        default=None,
+        doc="`None`: a lost rank ends the run (`RankFailedError` on every survivor, `--max-restarts` relaunches). "
+        '`"shrink"`: the survivors of a rank that died heal the run live and go on training on fewer ranks, with '
+        "no step lost or repeated (Open MPI with ULFM: launch with `lightning-mpi --heal`; see docs/faults.md for "
+        "the rules that heal).",
+        check=_check_heal,
+    )
+    min_ranks: int | None = option(
+        default=None,
+        doc="with `heal`: with fewer survivors than this, raise `RankFailedError` as without `heal`, so that "
+        "`--max-restarts` takes over (>= 1; None: go on down to one rank).",
+        check=optional(integer(1)),
+    )
+
     def __post_init__(self) -> None:
         validate(self)
+        if self.min_ranks is not None and self.heal is None:
+            raise ValueError(
+                f"min_ranks={self.min_ranks!r} is only read when the run heals: set heal='shrink' as well, "
+                "or leave min_ranks=None"
+            )

@@ -23,6 +23,18 @@ def rank_device(devices: Sequence[torch.device] | None, local_rank: int) -> torc
     return devices[local_rank % len(devices)] if devices else torch.device("cpu")
 
 
+def device_local_rank(environment: Any, local_rank: int) -> int:
+    """The local rank that picks this process's device: ``local_rank``, or after a heal the one it
+    had before (:attr:`MPIClusterMixin.device_local_rank`), so that the model stays where it is."""
+    kept = getattr(environment, "device_local_rank", None)
+    return local_rank if kept is None else int(kept)
+
+
+#: After a heal, the survivors' communicator stands for ``COMM_WORLD`` in this process: a strategy
+#: built later (a new Trainer or Fabric) spans the survivors, not the ranks that died.
+_WORLD: list[Any] = []
+
+
 class MPIClusterMixin:
     """Lightning cluster environment backed by ``MPI.COMM_WORLD`` (mixed into ``MPIEnvironment``).
 
@@ -33,16 +45,49 @@ class MPIClusterMixin:
     _comm_world: Any
     _comm_local: Any
     _node_rank: int
+    #: after a heal, the local rank this process had when it chose its device (local ranks may
+    #: change, the device does not); ``None`` before any heal
+    device_local_rank: int | None = None
 
     def __init__(self) -> None:
         super().__init__()
         from mpi4py import MPI
 
+        if _WORLD:
+            self._comm_world = _WORLD[0]
         self.comm: Any = self._comm_world.Dup()
         self._init_comm_local()  # type: ignore[attr-defined]  # MPIEnvironment's, the base this is put on
         assert self._comm_local is not None
         self.local_comm: Any = self._comm_local
         self.num_nodes: int = self.comm.allreduce(self._node_rank, op=MPI.MAX) + 1
+
+    def derived_comms(self) -> list[Any]:
+        """The communicators made here besides ``comm`` (revoked by a heal)."""
+        return [self._comm_local]
+
+    def adopt(self, comm: Any) -> None:
+        """After a heal: ``comm`` (the survivors' communicator) replaces ``COMM_WORLD`` and ``comm``
+        here; ranks, world size, local ranks and the node count are read again from it, and the
+        node communicator is split again (collective over ``comm``)."""
+        from mpi4py import MPI
+
+        from lightning_mpi.comm.ulfm import free
+
+        old_local = self._comm_local
+        if self.device_local_rank is None:  # this process keeps its device: the model lives there
+            self.device_local_rank = self.local_rank()  # type: ignore[attr-defined]  # MPIEnvironment's
+        self._comm_world = self.comm = comm
+        _WORLD[:] = [comm]
+        self._comm_local = None
+        for name in ("world_size", "global_rank", "local_rank"):  # Lightning caches them (lru_cache)
+            clear = getattr(getattr(type(self), name, None), "cache_clear", None)
+            if clear is not None:
+                clear()
+        self._init_comm_local()  # type: ignore[attr-defined]  # MPIEnvironment's
+        assert self._comm_local is not None
+        self.local_comm = self._comm_local
+        self.num_nodes = self.comm.allreduce(self._node_rank, op=MPI.MAX) + 1
+        free(old_local)
 
     @staticmethod
     def detect() -> bool:

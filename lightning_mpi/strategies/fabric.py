@@ -51,9 +51,10 @@ from lightning_mpi.rules.sync import SyncRule
 from lightning_mpi.strategies import collectives, replicas
 from lightning_mpi.strategies.common_options import CommonOptions
 from lightning_mpi.strategies.convergence import ConvergenceAids
-from lightning_mpi.strategies.environment import rank_device
+from lightning_mpi.strategies.environment import device_local_rank, rank_device
 from lightning_mpi.strategies.failures import RunFailures, install_abort_hook
 from lightning_mpi.strategies.flags import check_num_nodes, checked_parallel_devices
+from lightning_mpi.strategies.healing import RunHealing, heal_after_step, heal_grads
 from lightning_mpi.strategies.lightning_api import FabricAPI
 from lightning_mpi.strategies.optimizer_sharding import OptimizerSharding
 from lightning_mpi.strategies.rule_runner import RuleRunner
@@ -120,6 +121,7 @@ def fabric_strategy(api: FabricAPI, environment_class: type, checkpoint_io_class
             # Every argument is checked before the environment's first collective (it splits COMM_WORLD).
             rule = check_rule(rule) or SyncRule()
             self.options = CommonOptions(**options)
+            RunHealing.require(self.options.heal)  # the fix named before any collective
             self._aids = ConvergenceAids(
                 self.options.lr_scaling,
                 self.options.warmup_steps,
@@ -145,6 +147,17 @@ def fabric_strategy(api: FabricAPI, environment_class: type, checkpoint_io_class
                 self.options.abort_on_exception,
                 on_abandon=self._runner.abandon,
             )
+            self._healing = RunHealing(
+                self.options.heal,
+                self.options.min_ranks,
+                self._failures,
+                environment,
+                bound=lambda: self._runner.bound if self._runner.live else None,
+                adopt=self._adopt_healed_run,
+                abandon=self._runner.abandon,
+                rule_name=rule.name,
+            )
+            self._module: Module | None = None  # the module the rule is bound to
             self._optimizer_sharding = OptimizerSharding()
             self._exchanged: bool | None = None  # an exchange run early, for clipping (sharded optimizer)
             self._backward_sync_control = NoBackwardSync(self._runner)
@@ -192,7 +205,7 @@ def fabric_strategy(api: FabricAPI, environment_class: type, checkpoint_io_class
         def stats(self) -> dict[str, float]:
             """The rule's numbers for the last step (``mpi/<rule>/...``, world size > 1) and the
             convergence aids' values: log them with ``fabric.log_dict(fabric.strategy.stats())``."""
-            return {**self._runner.stats(self.world_size), **self._aids.stats}
+            return {**self._runner.stats(self.world_size), **self._aids.stats, **self._healing.stats}
 
         @contextmanager
         def propagate_errors(self) -> Generator[None, None, None]:
@@ -205,7 +218,7 @@ def fabric_strategy(api: FabricAPI, environment_class: type, checkpoint_io_class
         @override
         def root_device(self) -> torch.device:
             """Rank ``r`` uses device ``local_rank % devices_on_this_host`` (the CPU without devices)."""
-            return rank_device(self.parallel_devices, self.local_rank)
+            return rank_device(self.parallel_devices, device_local_rank(self.cluster_environment, self.local_rank))
 
         @property
         def num_nodes(self) -> int:
@@ -251,6 +264,7 @@ def fabric_strategy(api: FabricAPI, environment_class: type, checkpoint_io_class
             replicas.prepare_module(self.transport, module)
             self._optimizers = []  # a new training: the optimizers set up next are its own
             bound = self._runner.bind(self.transport, module, self._aids.rule_to_bind(self.world_size))
+            self._module = module
             bound.on_train_start()
             collectives.connect_metrics(module, self.world_size, lambda: self.transport)
             return module
@@ -284,7 +298,7 @@ def fabric_strategy(api: FabricAPI, environment_class: type, checkpoint_io_class
 
             The convergence aids (``lr_scaling``) change the param groups for the update only.
             """
-            self._failures.check_peers()
+            self._healing.between("the error channel", self._failures.check_peers, None)
             overrides = self._aids.overrides(optimizer, self.world_size, self._steps_seen)
             bound = self._runner.bound
             try:
@@ -293,12 +307,12 @@ def fabric_strategy(api: FabricAPI, environment_class: type, checkpoint_io_class
                         return super().optimizer_step(optimizer, **kwargs)
                     # A GradScaler already skips steps with inf gradients and lowers its scale: it must see them.
                     scaler_handles_inf = getattr(self.precision, "scaler", None) is not None
-                    accepted = self._exchanged if self._exchanged is not None else bound.before_step(optimizer)
+                    accepted = self._exchanged if self._exchanged is not None else self._exchange(optimizer)
                     self._exchanged = None
                     if not accepted and not scaler_handles_inf:
                         return None
                     output = super().optimizer_step(optimizer, **kwargs)
-                    bound.after_step(optimizer)
+                    heal_after_step(self._healing, self._runner, optimizer)  # the rule as bound now (a heal rebinds it)
                     return output
             finally:
                 self._steps_seen += 1
@@ -309,9 +323,29 @@ def fabric_strategy(api: FabricAPI, environment_class: type, checkpoint_io_class
             """Run the rule's exchange (``before_step``) now, once, so that clipping sees what the
             update will use, the averaged gradients, as under ``ddp``; ``optimizer.step()`` then takes
             its result instead of exchanging again."""
+            if self._runner.bound is not None and self._exchanged is None:
+                self._exchanged = self._exchange(optimizer)
+
+        def _exchange(self, optimizer: Optimizer) -> bool:
+            """The rule's ``before_step``; under ``heal`` redone on the healed run (see :mod:`.healing`)."""
             bound = self._runner.bound
-            if bound is not None and self._exchanged is None:
-                self._exchanged = bound.before_step(optimizer)
+            assert bound is not None
+            if not self._healing.active or self._module is None:
+                return bound.before_step(optimizer)
+            return heal_grads(self._healing, self._runner, optimizer, self._module)
+
+        def _adopt_healed_run(self, state: dict[str, Any]) -> None:
+            """After a heal (collective over the survivors): ranks and world size as the healed run
+            has them (``fabric.world_size``, ``fabric.global_rank``), the rule bound again on the new
+            transport with ``state``. The loop's loaders keep their shards: call
+            ``fabric.setup_dataloaders`` again at the next epoch to shard over the survivors."""
+            self._set_world_ranks()
+            if self._runner.was_live and self._module is not None:
+                bound = self._runner.rebind(
+                    self.transport, self._module, self._aids.rule_to_bind(self.world_size), state
+                )
+                if self._optimizer_sharding.active:  # not reached: ZeRO does not heal yet (healing.kept_state)
+                    self._optimizer_sharding.attach(bound, self._optimizers)
 
         @override
         @_fails_the_run
@@ -368,23 +402,25 @@ def fabric_strategy(api: FabricAPI, environment_class: type, checkpoint_io_class
         @_fails_the_run
         def all_reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any | None = "mean") -> Any:
             collectives.check_group(group)
-            return collectives.reduce(self.transport, tensor, reduce_op)
+            return self._healing.operation("all_reduce", lambda: collectives.reduce(self.transport, tensor, reduce_op))
 
         @override
         @_fails_the_run
         def all_gather(self, tensor: Any, group: Any | None = None, sync_grads: bool = False) -> Any:
             collectives.check_group(group)
-            return collectives.all_gather(self.transport, tensor, sync_grads)
+            return self._healing.operation(
+                "all_gather", lambda: collectives.all_gather(self.transport, tensor, sync_grads)
+            )
 
         @override
         @_fails_the_run
         def broadcast(self, obj: Any, src: int = 0) -> Any:
-            return collectives.broadcast(self.transport, obj, src)
+            return self._healing.operation("broadcast", lambda: collectives.broadcast(self.transport, obj, src))
 
         @override
         @_fails_the_run
         def barrier(self, name: str | None = None) -> None:
-            collectives.barrier(self.transport)
+            self._healing.operation("barrier", lambda: collectives.barrier(self.transport))
 
         # -- checkpoints -----------------------------------------------------------------------------------
         @override

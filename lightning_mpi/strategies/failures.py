@@ -183,6 +183,24 @@ class RunFailures:
         weakref.finalize(transport, resources.free_comm, comm).atexit = False
         return transport
 
+    @property
+    def base_comm(self) -> Any:
+        """The strategy's communicator, which each run's transport duplicates."""
+        return self._base_comm
+
+    def adopt(self, run: Any) -> None:
+        """Go on with a healed run (:class:`~lightning_mpi.comm.healing.HealedRun`): its base
+        communicator, error channel (the process's from now on) and transport; rank and world
+        size as it has them (see :mod:`.healing`)."""
+        self._base_comm = run.base
+        self.errors = run.errors
+        _CHANNEL[:] = [run.errors]
+        self._transport = run.transport
+        self._pending_dup = None
+        self.rank = run.transport.rank
+        self.world_size = run.transport.size
+        self._handled = None
+
     # -- failures ----------------------------------------------------------------------------------------
     def check_peers(self) -> None:
         """Raise ``RankFailedError`` if another rank failed (one ``Iprobe``); called every batch

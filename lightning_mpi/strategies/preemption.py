@@ -183,6 +183,16 @@ class PreemptionWatch:
         self._flag = _SignalFlag()
         self._flag.install()
 
+    def restart(self, transport: Any) -> None:
+        """After a heal: vote again over the healed run's ``transport`` (collective), keeping a
+        signal already received; the vote in flight is abandoned with the failed run."""
+        vote = self._vote
+        if vote is None:
+            return
+        if vote.in_flight is not None:
+            keep_pending(vote.in_flight)
+        self._vote = StopVote(transport, lockstep=vote.lockstep)
+
     def requested(self) -> bool:
         """This batch's vote: True when the ranks agreed to stop (a few steps apart if not lockstep)."""
         vote, flag = self._vote, self._flag

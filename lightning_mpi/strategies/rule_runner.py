@@ -30,6 +30,8 @@ class RuleRunner:
     def __init__(self, rule: Rule) -> None:
         self.rule = rule
         self.bound: BoundRule | None = None
+        self.live = False  # bound and not closed since
+        self.was_live = False  # whether the rule was live when it was last abandoned (a heal rebinds it)
         self._pending_state: dict[str, Any] | None = None
 
     def bind(self, transport: Transport, module: torch.nn.Module, rule: Rule | None = None) -> BoundRule:
@@ -38,10 +40,25 @@ class RuleRunner:
         self.close()
         params = [p for p in module.parameters() if p.requires_grad]
         self.bound = (rule or self.rule).bind(transport, params)
+        self.live = True
         if self._pending_state is not None:
             self.bound.load_state_dict(self._pending_state)
             self._pending_state = None
         return self.bound
+
+    def rebind(
+        self, transport: Transport, module: torch.nn.Module, rule: Rule | None, state: dict[str, Any]
+    ) -> BoundRule:
+        """After a heal: bind again on the healed run's ``transport`` and load ``state`` (what the
+        abandoned binding kept, :func:`~.healing.kept_state`); a rule that was training starts
+        again (``on_train_start``), since the survivors hold the same weights where it keeps them so."""
+        training = self.bound is not None and self.bound.training
+        self.bound = None  # abandoned already: nothing to close
+        self._pending_state = state
+        bound = self.bind(transport, module, rule)
+        if training:
+            bound.on_train_start()
+        return bound
 
     def close(self) -> None:
         """Release the bound rule's threads, windows and requests (safe to call twice, or when none
@@ -49,6 +66,7 @@ class RuleRunner:
         :meth:`bind`."""
         if self.bound is not None:
             self.bound.close()
+        self.live = False
 
     def abandon(self) -> None:
         """Drop the bound rule of a failed run without a collective.
@@ -57,6 +75,7 @@ class RuleRunner:
         receive) that MPI can complete at any later progress: they are kept for the life of the
         process, or MPI would write into freed memory.
         """
+        self.was_live = self.live
         if self.bound is not None:
             keep_pending(self.bound)
         self.close()

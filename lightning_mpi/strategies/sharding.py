@@ -99,6 +99,20 @@ class LoaderSharding:
         warn_if_samples_repeat(sampler, trainer.state.fn, self._api.fabric.package)
         return self._api.update_dataloader(dataloader, sampler, mode=stage)
 
+    @staticmethod
+    def reshard_next_epoch(trainer: Any) -> None:
+        """After a heal: the loaders are built and sharded again over the new world size, the
+        training loader from the next epoch and the validation loaders at the next validation
+        (Lightning builds a stage's loaders again when it holds none). The current epoch goes on
+        with the shards it has: the lost rank's share of it is not seen this epoch."""
+        fit_loop = getattr(trainer, "fit_loop", None)
+        if fit_loop is None:
+            return
+        fit_loop._combined_loader = None
+        val_loop = getattr(getattr(fit_loop, "epoch_loop", None), "val_loop", None)
+        if val_loop is not None and not getattr(trainer, "validating", False):
+            val_loop._combined_loader = None
+
     def _should_shard(self, dataloader: Any, trainer: Any, world_size: int) -> bool:
         return (
             bool(self._shard_loaders)

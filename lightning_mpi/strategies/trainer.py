@@ -17,6 +17,7 @@ collaborator                      its job
 :class:`.resume.AutoResume`       ``fit`` resumes by itself after a restart
 :class:`.sharding.LoaderSharding`  every loader sharded over the ranks
 :class:`.optimizer_sharding.OptimizerSharding`  ZeRO's optimizer shard, global-norm clipping, sharded files
+:class:`.healing.RunHealing`      ``heal="shrink"``: the survivors of a dead rank go on training
 ================================  ========================================================
 
 The lifecycle, top to bottom:
@@ -56,9 +57,10 @@ from lightning_mpi.strategies import collectives, replicas
 from lightning_mpi.strategies.common_options import CommonOptions
 from lightning_mpi.strategies.convergence import ConvergenceAids
 from lightning_mpi.strategies.decisions import StopDecisions
-from lightning_mpi.strategies.environment import rank_device
+from lightning_mpi.strategies.environment import device_local_rank, rank_device
 from lightning_mpi.strategies.failures import RunFailures, install_abort_hook
 from lightning_mpi.strategies.flags import check_num_nodes, checked_parallel_devices
+from lightning_mpi.strategies.healing import RunHealing, heal_after_step, heal_grads
 from lightning_mpi.strategies.lightning_api import TrainerAPI
 from lightning_mpi.strategies.optimizer_sharding import OptimizerSharding
 from lightning_mpi.strategies.preemption import PreemptionWatch
@@ -137,6 +139,7 @@ def trainer_strategy(api: TrainerAPI, environment_class: type, checkpoint_io_cla
             # Every argument is checked before the environment's first collective (it splits COMM_WORLD).
             rule = check_rule(rule) or SyncRule()
             self.options = CommonOptions(**options)
+            RunHealing.require(self.options.heal)  # the fix named before any collective
             self._aids = ConvergenceAids(
                 self.options.lr_scaling,
                 self.options.warmup_steps,
@@ -162,6 +165,16 @@ def trainer_strategy(api: TrainerAPI, environment_class: type, checkpoint_io_cla
                 self.options.collective_timeout,
                 self.options.abort_on_exception,
                 on_abandon=self._runner.abandon,
+            )
+            self._healing = RunHealing(
+                self.options.heal,
+                self.options.min_ranks,
+                self._failures,
+                environment,
+                bound=lambda: self._runner.bound if self._runner.live else None,
+                adopt=self._adopt_healed_run,
+                abandon=self._runner.abandon,
+                rule_name=rule.name,
             )
             self._decisions = StopDecisions(api.Callback)
             self._preemption = PreemptionWatch()
@@ -205,7 +218,7 @@ def trainer_strategy(api: TrainerAPI, environment_class: type, checkpoint_io_cla
         def stats(self) -> dict[str, float]:
             """What ``log_stats`` logs: the rule's numbers for the last step (``mpi/<rule>/...``, world
             size > 1) and the convergence aids' values (``mpi/lr_scale``, ``mpi/momentum_*``)."""
-            return {**self._runner.stats(self.world_size), **self._aids.stats}
+            return {**self._runner.stats(self.world_size), **self._aids.stats, **self._healing.stats}
 
         @contextmanager
         def propagate_errors(self) -> Generator[None, None, None]:
@@ -218,7 +231,7 @@ def trainer_strategy(api: TrainerAPI, environment_class: type, checkpoint_io_cla
         @override
         def root_device(self) -> torch.device:
             """Rank ``r`` uses device ``local_rank % devices_on_this_host`` (the CPU without devices)."""
-            return rank_device(self.parallel_devices, self.local_rank)
+            return rank_device(self.parallel_devices, device_local_rank(self.cluster_environment, self.local_rank))
 
         @property
         def num_nodes(self) -> int:
@@ -313,13 +326,14 @@ def trainer_strategy(api: TrainerAPI, environment_class: type, checkpoint_io_cla
 
         @override
         def batch_to_device(self, batch: Any, device: Any | None = None, dataloader_idx: int = 0) -> Any:
-            self._failures.check_peers()  # every batch of every loop: stop within a batch of another rank's failure
+            # every batch of every loop: stop within a batch of another rank's failure (or heal)
+            self._healing.between("the error channel", self._failures.check_peers, None)
             return super().batch_to_device(batch, device, dataloader_idx)
 
         @override
         def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
             super().on_train_batch_start(batch, batch_idx)
-            if self._preemption.requested():
+            if self._healing.between("the preemption vote", self._preemption.requested, False):
                 self._preempt()
 
         @override
@@ -337,7 +351,7 @@ def trainer_strategy(api: TrainerAPI, environment_class: type, checkpoint_io_cla
             # closure) and are lifted while the closure runs (SGD/Adam call it first, then read the lr),
             # so only the update sees them; ``with`` puts the user's values back on every exit: a
             # finished step, a skipped one (``_SkipStep``) or an exception.
-            self._failures.check_peers()
+            self._healing.between("the error channel", self._failures.check_peers, None)
             overrides = self._aids.overrides(optimizer, self.world_size, self._optimizer_step_count())
             try:
                 with overrides if overrides is not None else nullcontext():
@@ -372,7 +386,7 @@ def trainer_strategy(api: TrainerAPI, environment_class: type, checkpoint_io_cla
 
             def closure_then_exchange() -> Any:
                 result = closure()
-                if not bound.before_step(optimizer) and not scaler_handles_inf:
+                if not self._exchange(optimizer) and not scaler_handles_inf:
                     raise _SkipStep
                 return result
 
@@ -381,8 +395,17 @@ def trainer_strategy(api: TrainerAPI, environment_class: type, checkpoint_io_cla
                 output = super().optimizer_step(optimizer, lift(closure_then_exchange), model, **kwargs)
             except _SkipStep:
                 return None
-            bound.after_step(optimizer)
+            heal_after_step(self._healing, self._runner, optimizer)  # the rule as bound now (a heal rebinds it)
             return output
+
+        def _exchange(self, optimizer: Optimizer) -> bool:
+            """The rule's ``before_step``; under ``heal`` redone on the healed run (see :mod:`.healing`)."""
+            if not self._healing.active:
+                bound = self._runner.bound
+                assert bound is not None
+                return bound.before_step(optimizer)
+            assert self.model is not None
+            return heal_grads(self._healing, self._runner, optimizer, self.model)
 
         def _log_stats(self) -> None:
             """Rank 0 logs :meth:`stats` every ``log_every_n_steps``."""
@@ -396,9 +419,24 @@ def trainer_strategy(api: TrainerAPI, environment_class: type, checkpoint_io_cla
                 for logger in trainer.loggers:
                     logger.log_metrics(metrics, step=trainer.global_step)
 
+        def _adopt_healed_run(self, state: dict[str, Any]) -> None:
+            """After a heal (collective over the survivors): Lightning's ranks, the rule bound again
+            on the new transport with ``state``, the vote restarted, the loaders sharded anew from
+            the next epoch (see :mod:`.healing`)."""
+            self.set_world_ranks()
+            if self._runner.was_live and self.model is not None:
+                bound = self._runner.rebind(self.transport, self.model, self._aids.rule_to_bind(self.world_size), state)
+                if self._optimizer_sharding.active:  # not reached: ZeRO does not heal yet (healing.kept_state)
+                    self._optimizer_sharding.attach(bound, self.optimizers)
+            self._preemption.restart(self.transport)
+            trainer = getattr(self.lightning_module, "_trainer", None) if self._lightning_module is not None else None
+            if trainer is not None:
+                self._sharding.reshard_next_epoch(trainer)
+
         @override
         def on_train_end(self) -> None:
-            if self._preemption.requested_at_end():  # drains the votes: a signal at the last batch counts
+            # drains the votes: a signal at the last batch counts
+            if self._healing.between("the preemption vote", self._preemption.requested_at_end, False):
                 self._preempt()
             self._preemption.stop()
             bound = self._runner.bound
@@ -437,16 +475,18 @@ def trainer_strategy(api: TrainerAPI, environment_class: type, checkpoint_io_cla
         @override
         def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any | None = "mean") -> Any:
             collectives.check_group(group)
-            return collectives.reduce(self.transport, tensor, reduce_op)
+            return self._healing.operation("reduce", lambda: collectives.reduce(self.transport, tensor, reduce_op))
 
         @override
         def all_gather(self, tensor: torch.Tensor, group: Any | None = None, sync_grads: bool = False) -> torch.Tensor:
             collectives.check_group(group)
-            return collectives.all_gather(self.transport, tensor, sync_grads)
+            return self._healing.operation(
+                "all_gather", lambda: collectives.all_gather(self.transport, tensor, sync_grads)
+            )
 
         @override
         def barrier(self, name: str | None = None) -> None:
-            collectives.barrier(self.transport)
+            self._healing.operation("barrier", lambda: collectives.barrier(self.transport))
 
         @override
         def broadcast(self, obj: Any, src: int = 0) -> Any:
@@ -455,7 +495,7 @@ def trainer_strategy(api: TrainerAPI, environment_class: type, checkpoint_io_cla
             board = self._decision_board() if isinstance(obj, bool) else None
             if board is not None:
                 return board.broadcast_flag(obj, src)
-            return collectives.broadcast(self.transport, obj, src)
+            return self._healing.operation("broadcast", lambda: collectives.broadcast(self.transport, obj, src))
 
         @override
         def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:

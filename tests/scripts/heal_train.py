@@ -1,0 +1,220 @@
+"""Training that loses a rank and heals (``heal="shrink"``), twice in one launch
+(tests/strategies/test_heal.py).
+
+Usage: ``lightning-mpi --heal -n 4 heal_train.py OUT_DIR`` (Open MPI with ULFM).
+
+1. ``trainer``: the Trainer with ``SyncStrategy(exchange="asa", heal="shrink")`` (gradient hooks,
+   overlapped buckets), ``self.log(..., sync_dist=True)`` every step (Lightning's ``reduce``);
+   the last rank SIGKILLs itself at the start of step KILL_STEP (the second batch of the second
+   epoch), so the survivors heal in the middle of an epoch and train on to MAX_STEPS over three
+   ranks, sharded anew from the third epoch; validation at every epoch's end (its loader sharded
+   anew at the first validation after the heal), a ``ModelCheckpoint`` and an ``EarlyStopping``.
+2. ``fabric``: then, in the same processes, ``L.Fabric`` with
+   ``ModelAveragingStrategy(period=PERIOD, heal="shrink")`` built after that heal (it spans the
+   survivors); the last of them dies at Fabric step FABRIC_KILL, in a period whose weight average
+   the two left then make, and they finish FABRIC_STEPS.
+3. ``min_ranks``: a Fabric run with ``min_ranks=2`` on those two loses one more rank; the survivor
+   raises ``RankFailedError`` (what ``--max-restarts`` takes over from).
+
+Every process appends a record per step to ``OUT_DIR/steps.<rank>.jsonl`` (its rank at launch):
+the phase, step, world size, its batch's sample indices and (Fabric) its own gradients' inputs.
+The survivors of each phase write ``OUT_DIR/<phase>.<rank>.json``: initial and final weights,
+what the strategy's stats said, its healing history.
+"""
+
+import json
+import os
+import signal
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+warnings.filterwarnings("ignore")
+torch.set_num_threads(1)
+OUT, RANK, W = Path("."), 0, 1  # set by main(); the test imports Indexed and make_net without MPI
+N, B, LR = 48, 4, 0.1  # W = 4: 12 samples, 3 batches per rank and epoch; W = 3: 4 batches
+KILL_STEP, MAX_STEPS = 4, 12
+FABRIC_KILL, FABRIC_STEPS, PERIOD = 3, 6, 2
+
+
+class Indexed(Dataset):
+    """``N`` regression samples, each with its index (to reconstruct who trained on what)."""
+
+    def __init__(self) -> None:
+        g = torch.Generator().manual_seed(7)
+        self.x = torch.randn(N, 6, generator=g)
+        self.y = self.x @ torch.randn(6, 1, generator=g) + 0.1 * torch.randn(N, 1, generator=g)
+
+    def __len__(self) -> int:
+        return N
+
+    def __getitem__(self, i: int):
+        return i, self.x[i], self.y[i]
+
+
+def make_net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 1))
+
+
+def record(**entry) -> None:
+    entry["t"] = round(time.time(), 2)
+    with open(OUT / f"steps.{RANK}.jsonl", "a") as f:
+        f.write(json.dumps(entry) + "\n")
+
+
+def weights(net: nn.Module) -> list:
+    return [p.detach().double().flatten().tolist() for p in net.parameters()]
+
+
+def die() -> None:
+    sys.stdout.flush()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def trainer_phase() -> dict:
+    import lightning as L
+
+    from lightning_mpi.lightning import SyncStrategy
+
+    class Net(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = make_net()
+
+        def training_step(self, batch, batch_idx):
+            index, x, y = batch
+            loss = nn.functional.mse_loss(self.net(x), y)
+            self.log("loss", loss, sync_dist=True)  # a reduce over the ranks: a place to notice a loss
+            record(
+                phase="trainer",
+                step=self.global_step,
+                epoch=self.current_epoch,
+                world=self.trainer.world_size,
+                rank=self.global_rank,
+                indices=index.tolist(),
+            )
+            return loss
+
+        def on_train_batch_start(self, batch, batch_idx):
+            if self.global_step == KILL_STEP and RANK == W - 1:
+                die()
+
+        def validation_step(self, batch, batch_idx):
+            index, x, y = batch
+            self.log("val_loss", nn.functional.mse_loss(self.net(x), y), sync_dist=True)
+            record(phase="validation", step=self.global_step, world=self.trainer.world_size, indices=index.tolist())
+
+        def val_dataloader(self):
+            return DataLoader(torch.utils.data.Subset(Indexed(), range(12)), batch_size=B)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=LR)
+
+        def train_dataloader(self):
+            return DataLoader(Indexed(), batch_size=B, shuffle=True)
+
+    from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
+
+    model = Net()
+    initial = weights(model.net)
+    strategy = SyncStrategy(exchange="asa", heal="shrink", min_ranks=2)
+    trainer = L.Trainer(
+        strategy=strategy,
+        accelerator="cpu",
+        max_steps=MAX_STEPS,
+        logger=False,
+        num_sanity_val_steps=0,
+        # after the heal: the epoch-end checkpoints (rank 0 writes; the path is broadcast) and the
+        # early-stopping decision (a reduce) go on over the survivors
+        callbacks=[ModelCheckpoint(dirpath=OUT / "checkpoints", save_top_k=-1), EarlyStopping("val_loss", patience=99)],
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(model)
+    return {
+        "initial": initial,
+        "final": weights(model.net),
+        "stats": {k: v for k, v in strategy.stats().items() if k.startswith("mpi/heal/")},
+        "history": strategy._healing.history,
+        "world_size": trainer.world_size,
+        "global_step": trainer.global_step,
+    }
+
+
+def fabric_phase() -> dict:
+    import lightning as L
+
+    from lightning_mpi.fabric import ModelAveragingStrategy
+
+    strategy = ModelAveragingStrategy(period=PERIOD, heal="shrink")
+    fabric = L.Fabric(strategy=strategy, accelerator="cpu")
+    fabric.launch()
+    net = make_net()
+    initial = weights(net)
+    model, opt = fabric.setup(net, torch.optim.SGD(net.parameters(), lr=LR))
+    data = Indexed()
+    for step in range(FABRIC_STEPS):
+        if step == FABRIC_KILL and fabric.global_rank == fabric.world_size - 1:
+            die()
+        # sample indices by the current rank and world size: a heal changes both
+        index = [(step * 7 + fabric.global_rank * B + k) % N for k in range(B)]
+        x, y = data.x[index], data.y[index]
+        opt.zero_grad()
+        loss = nn.functional.mse_loss(model(x), y)
+        fabric.backward(loss)
+        opt.step()  # every PERIOD steps the weight average: the heal happens here, and it is redone
+        world = fabric.world_size
+        total = fabric.all_reduce(torch.tensor([1.0]), reduce_op="sum")  # Lightning's collectives go on
+        record(phase="fabric", step=step, world=world, rank=fabric.global_rank, indices=index, ones=float(total))
+    strategy.finish_training()
+    return {
+        "initial": initial,
+        "final": weights(net),
+        "stats": {k: v for k, v in strategy.stats().items() if k.startswith("mpi/heal/")},
+        "history": strategy._healing.history,
+        "world_size": fabric.world_size,
+    }
+
+
+def min_ranks_phase() -> dict:
+    """Two ranks left and ``min_ranks=2``: the survivor of one more loss raises ``RankFailedError``."""
+    import lightning as L
+
+    from lightning_mpi import RankFailedError
+    from lightning_mpi.fabric import SyncStrategy as FabricSync
+
+    strategy = FabricSync(heal="shrink", min_ranks=2)
+    fabric = L.Fabric(strategy=strategy, accelerator="cpu")
+    fabric.launch()
+    net = make_net()
+    model, opt = fabric.setup(net, torch.optim.SGD(net.parameters(), lr=LR))
+    data = Indexed()
+    try:
+        for step in range(4):
+            if step == 1 and fabric.global_rank == fabric.world_size - 1:
+                die()
+            opt.zero_grad()
+            fabric.backward(nn.functional.mse_loss(model(data.x[:B]), data.y[:B]))
+            opt.step()
+    except RankFailedError as error:
+        return {"caught": type(error).__name__, "message": str(error), "step": step}
+    return {"caught": None}
+
+
+def main() -> None:
+    global OUT, RANK, W
+    from mpi4py import MPI
+
+    OUT, RANK, W = Path(sys.argv[1]), MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
+    for name, phase in (("trainer", trainer_phase), ("fabric", fabric_phase), ("min_ranks", min_ranks_phase)):
+        (OUT / f"{name}.{RANK}.json").write_text(json.dumps(phase()))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,334 @@
+"""``heal="shrink"``: the survivors of a dead rank go on training (lightning_mpi.strategies.healing).
+
+The options are checked everywhere (cheap). The healing itself runs under Open MPI with ULFM
+(``LIGHTNING_MPI_TEST_MPI=openmpi``, ``./run test-openmpi``), in one launch of
+``tests/scripts/heal_train.py`` through ``lightning-mpi --heal -n 4``: a Trainer run on
+``SyncStrategy(exchange="asa")`` loses a rank mid-epoch (W 4 -> 3), then a Fabric run on
+``ModelAveragingStrategy`` built after that heal loses another (W 3 -> 2), then ``min_ranks=2``
+stops the last two when one more dies. The survivors must exit 0, finish every step, end bitwise
+identical, and equal a one-process replay that averages over the ranks alive at each step, with
+the same samples; the sampler shards over the survivors from the next epoch.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightning_mpi.comm.errors import RankFailedError
+from lightning_mpi.comm.ulfm import FT_ENV
+from lightning_mpi.strategies.common_options import CommonOptions
+from lightning_mpi.strategies.healing import kept_state
+from tests.launcher.helpers import finish, launch
+from tests.mpi_utils import REPO, mpi_env, mpi_flavor, require_ulfm
+
+SCRIPT = REPO / "tests" / "scripts" / "heal_train.py"
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"heal": "replace"}, r"heal='replace' \(spawning new ranks .*\) is not supported by the strategies yet: use "),
+        ({"heal": "grow"}, r"heal='grow' is not one of None, 'shrink'"),
+        ({"heal": "shrink", "min_ranks": 0}, r"min_ranks"),
+        ({"min_ranks": 2}, r"min_ranks=2 is only read when the run heals: set heal='shrink'"),
+    ],
+)
+def test_heal_options_are_checked(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        CommonOptions(**kwargs)
+    assert CommonOptions(heal="shrink", min_ranks=2).heal == "shrink"
+    assert CommonOptions().heal is None and CommonOptions().min_ranks is None
+
+
+@pytest.mark.timeout(10)
+def test_rules_that_cannot_heal_yet_say_so():
+    from lightning_mpi.rules.base import BoundRule
+    from lightning_mpi.rules.sync import BoundSync, SyncRule
+
+    def bound(rule):  # what kept_state reads, without a transport
+        sync = object.__new__(BoundSync)
+        sync.rule, sync.skipped_steps = rule, 3
+        return sync
+
+    assert kept_state(None) == {}
+    assert kept_state(bound(SyncRule())) == {"skipped_steps": 3}
+    with pytest.raises(LookupError, match='average="gradients"'):
+        kept_state(bound(SyncRule(average="weights")))
+    with pytest.raises(LookupError, match="BoundRule keeps state that is not rebuilt after a heal yet"):
+        kept_state(object.__new__(BoundRule))
+
+
+@pytest.mark.timeout(10)
+def test_a_rule_that_cannot_heal_fails_the_run_naming_itself():
+    from lightning_mpi.comm.errors import RankFailedError
+    from lightning_mpi.comm.ulfm import ProcessFailed
+    from lightning_mpi.rules.base import BoundRule
+    from lightning_mpi.strategies.healing import HealNotSupported, RunHealing
+
+    healing = RunHealing(None, None, None, None, lambda: object.__new__(BoundRule), print, print, "gosgd")
+    assert healing.operation("x", lambda: 5) == 5 and healing.stats == {}  # heal=None: inert
+    healing.mode = "shrink"  # as if this MPI could heal
+
+    def dies():
+        raise ProcessFailed((2,), "allreduce")
+
+    with pytest.raises(HealNotSupported, match=r"heal='shrink' is not supported for rule 'gosgd' yet") as caught:
+        healing.operation("the exchange", dies)
+    assert isinstance(caught.value, RankFailedError) and caught.value.rank == 2
+    with pytest.raises(ValueError, match="not a failure"):  # anything else passes unchanged
+        healing.operation("x", lambda: (_ for _ in ()).throw(ValueError("not a failure")))
+
+
+@pytest.mark.timeout(180)
+def test_heal_under_an_mpi_that_cannot_names_the_fix(tmp_path):
+    # A singleton (no mpiexec): MPICH has no ULFM; Open MPI was not launched with --with-ft ulfm.
+    code = (
+        "from lightning_mpi.comm.ulfm import HealUnavailable\n"
+        "from lightning_mpi.lightning import SyncStrategy\n"
+        "try:\n"
+        "    SyncStrategy(heal='shrink')\n"
+        "except HealUnavailable as error:\n"
+        "    print(error)\n"
+        "SyncStrategy(heal=None)\n"
+        "print('heal=None ok')\n"
+    )
+    env = mpi_env()
+    env.pop(FT_ENV, None)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=170)
+    assert out.returncode == 0, out.stderr
+    assert "fix: run under Open MPI 5 with ULFM: launch with `lightning-mpi --heal" in out.stdout
+    assert ("this MPI (MPICH" in out.stdout) == (mpi_flavor() == "mpich")
+    assert "heal=None ok" in out.stdout
+
+
+def _replay(initial: list, steps: list[list[list[int]]]) -> list:
+    """One process: each step averages the MSE gradients of the batches that the ranks alive at
+    that step trained on (``steps[s]``: one list of sample indices per rank), then SGD."""
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        from heal_train import LR, Indexed, make_net
+    finally:
+        sys.path.pop(0)
+    net = make_net()
+    with torch.no_grad():
+        for p, w in zip(net.parameters(), initial, strict=True):
+            p.copy_(torch.tensor(w, dtype=torch.float64).view_as(p))
+    data = Indexed()
+    opt = torch.optim.SGD(net.parameters(), lr=LR)
+    for batches in steps:
+        grads = []
+        for index in batches:
+            net.zero_grad()
+            torch.nn.functional.mse_loss(net(data.x[index]), data.y[index]).backward()
+            grads.append([p.grad.clone() for p in net.parameters()])
+        for p, *per_rank in zip(net.parameters(), *grads, strict=True):
+            p.grad = sum(per_rank) / len(per_rank)
+        opt.step()
+    return [p.detach().double().flatten().tolist() for p in net.parameters()]
+
+
+def _replay_model_averaging(initial: list, steps: list[dict[int, list[int]]], period: int) -> list:
+    """One process per rank: each rank alive at a step takes an SGD step on its own batch
+    (``steps[s]``: launch rank -> sample indices), and every ``period`` steps the ranks alive
+    then replace their weights by the mean."""
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        from heal_train import LR, Indexed, make_net
+    finally:
+        sys.path.pop(0)
+    data = Indexed()
+    nets = {}
+    for rank in steps[0]:
+        nets[rank] = make_net()
+        with torch.no_grad():
+            for p, w in zip(nets[rank].parameters(), initial, strict=True):
+                p.copy_(torch.tensor(w, dtype=torch.float64).view_as(p))
+    opts = {rank: torch.optim.SGD(net.parameters(), lr=LR) for rank, net in nets.items()}
+    for step, batches in enumerate(steps):
+        for rank in [r for r in nets if r not in batches]:  # died
+            del nets[rank]
+        for rank, index in batches.items():
+            opts[rank].zero_grad()
+            torch.nn.functional.mse_loss(nets[rank](data.x[index]), data.y[index]).backward()
+            opts[rank].step()
+        if (step + 1) % period == 0:
+            with torch.no_grad():
+                for ps in zip(*(net.parameters() for net in nets.values()), strict=True):
+                    mean = torch.stack([p.detach() for p in ps]).mean(0)
+                    for p in ps:
+                        p.copy_(mean)
+    net = next(iter(nets.values()))
+    return [p.detach().double().flatten().tolist() for p in net.parameters()]
+
+
+def _close(a: list, b: list, tol: float = 1e-5) -> bool:
+    return all(torch.allclose(torch.tensor(x), torch.tensor(y), rtol=tol, atol=tol) for x, y in zip(a, b, strict=True))
+
+
+@pytest.fixture(scope="module")
+def healed(tmp_path_factory):
+    require_ulfm()
+    out = tmp_path_factory.mktemp("heal")
+    proc = launch([sys.executable, "-m", "lightning_mpi", "-n", 4, "--heal", "--grace", 3, SCRIPT, out], REPO)
+    code, _, err = finish(proc, 420)  # mostly start-up: 4 ranks importing Lightning on a loaded machine
+    assert code == 0, err[-6000:]
+    finals = defaultdict(dict)  # phase -> launch rank -> what the survivor wrote
+    for path in out.glob("*.*.json"):
+        phase, rank, _ = path.name.split(".")
+        finals[phase][int(rank)] = json.loads(path.read_text())
+    records = defaultdict(lambda: defaultdict(list))  # phase -> step -> [(launch rank, record)]
+    for path in out.glob("steps.*.jsonl"):
+        for line in path.read_text().splitlines():
+            entry = json.loads(line)
+            records[entry["phase"]][entry["step"]].append((int(path.suffixes[0][1:]), entry))
+    return err, finals, records, out
+
+
+@pytest.mark.mpi
+@pytest.mark.openmpi_core
+@pytest.mark.timeout(480)
+def test_trainer_survivors_heal_mid_epoch_and_match_a_replay(healed):
+    err, finals, records, out = healed
+    assert sorted(finals["trainer"]) == [0, 1, 2]  # rank 3 died
+    steps = records["trainer"]
+    assert sorted(steps) == list(range(12))  # no step lost, none repeated
+    for step, entries in steps.items():
+        assert len(entries) == (4 if step < 4 else 3), step
+        assert len({rank for rank, _ in entries}) == len(entries), step
+    # mid-epoch the survivors keep their shards (the lost rank's two batches are not seen); from
+    # the next epoch the sampler deals every sample over the three survivors
+    epoch1 = [i for s in (3, 4, 5) for _, e in steps[s] for i in e["indices"]]
+    assert len(epoch1) == len(set(epoch1)) == 48 - 2 * 4
+    epoch2 = sorted(i for s in (6, 7, 8, 9) for _, e in steps[s] for i in e["indices"])
+    assert epoch2 == list(range(48)) and all(e["epoch"] == 2 for s in (6, 7, 8, 9) for _, e in steps[s])
+    ours = [finals["trainer"][r] for r in (0, 1, 2)]
+    assert ours[0]["final"] == ours[1]["final"] == ours[2]["final"]  # bitwise identical survivors
+    replay = _replay(ours[0]["initial"], [[e["indices"] for _, e in steps[s]] for s in range(12)])
+    assert _close(ours[0]["final"], replay)
+    for result in ours:
+        assert result["global_step"] == 12 and result["world_size"] == 3
+        assert result["stats"] == {
+            "mpi/heal/events": 1.0,
+            "mpi/heal/seconds": pytest.approx(result["history"][0]["seconds"]),
+            "mpi/heal/world_size": 3.0,
+        }
+        (event,) = result["history"]
+        assert event["lost"] == [3] and event["old_world_size"] == 4 and event["world_size"] == 3
+        assert event["seconds"] < 60  # no timing target here: benchmarks/heal_latency.py measures
+    # Lightning's callbacks and validation go on after the heal: validation at the end of epochs 0
+    # (4 ranks), 1 and 2 (3 ranks, its loader sharded anew), a checkpoint at the end of each and of training
+    validation = records["validation"]
+    assert sorted(validation) == [3, 6, 10]  # global step at each epoch's end
+    for step, world in ((3, 4), (6, 3), (10, 3)):
+        assert {e["world"] for _, e in validation[step]} == {world}
+        assert sorted(i for _, e in validation[step] for i in e["indices"]) == list(range(12))
+    saved = sorted(p.name for p in (out / "checkpoints").glob("*.ckpt"))
+    assert saved == ["epoch=0-step=3.ckpt", "epoch=1-step=6.ckpt", "epoch=2-step=10.ckpt", "epoch=3-step=12.ckpt"]
+    line = [x for x in err.splitlines() if "lightning_mpi: healed: rank 3 of 4 lost" in x]
+    assert len(line) == 1 and "training goes on at world size 3" in line[0], err[-3000:]
+
+
+@pytest.mark.mpi
+@pytest.mark.openmpi_core
+@pytest.mark.timeout(480)
+def test_fabric_model_averaging_built_after_a_heal_heals_again_then_min_ranks_stops(healed):
+    err, finals, records, out = healed
+    steps = records["fabric"]
+    assert sorted(steps) == list(range(6))
+    for step, entries in steps.items():
+        assert len(entries) == (3 if step < 3 else 2), step
+        assert all(e["world"] == len(entries) and e["ones"] == len(entries) for _, e in entries), step
+    assert sorted(finals["fabric"]) == [0, 1]  # rank 2 died
+    ours = [finals["fabric"][r] for r in (0, 1)]
+    assert ours[0]["final"] == ours[1]["final"]
+    replay = _replay_model_averaging(
+        ours[0]["initial"], [{rank: e["indices"] for rank, e in steps[s]} for s in range(6)], period=2
+    )
+    assert _close(ours[0]["final"], replay)
+    for result in ours:
+        assert result["world_size"] == 2
+        (event,) = result["history"]
+        assert event["lost"] == [2] and event["world_size"] == 2
+    assert sum("lightning_mpi: healed: rank 2 of 3 lost" in x for x in err.splitlines()) == 1
+    # then min_ranks=2 on the two left: the survivor of one more loss raises RankFailedError
+    (survivor,) = finals["min_ranks"].values()
+    assert survivor["caught"] == "RankFailedError" and survivor["step"] == 1
+    assert "1 survive, fewer than min_ranks=2" in survivor["message"]
+
+
+def test_script_is_where_the_tests_expect_it():
+    assert Path(SCRIPT).exists()
+
+
+class _FakeTransport:
+    """What RunHealing asks of the healed run's transport, answering as the other survivors would."""
+
+    def __init__(self, rank: int, others: list, sent=None) -> None:
+        self.rank, self.size, self._others, self._sent, self.broadcasts = rank, 2, others, sent, []
+
+    def allgather_object(self, mine):
+        everyone = list(self._others)
+        everyone.insert(self.rank, mine)
+        return everyone
+
+    def broadcast_object(self, obj, root=0):
+        self.broadcasts.append((obj, root))
+        return obj if root == self.rank else self._sent
+
+
+def _healing(monkeypatch, transport):
+    """A RunHealing whose heal_run and strategy are stand-ins (no MPI)."""
+    from types import SimpleNamespace
+
+    from lightning_mpi.strategies import healing as module
+
+    healed = SimpleNamespace(lost=(2,), old_ranks=(0, 1))
+    run = SimpleNamespace(healed=healed, transport=transport, base=None)
+    monkeypatch.setattr(module, "heal_run", lambda *a, **k: run)
+    failures = SimpleNamespace(rank=transport.rank, world_size=3, transport=None, base_comm=None, adopt=lambda r: None)
+    environment = SimpleNamespace(derived_comms=lambda: [], adopt=lambda comm: None)
+    adopted = []
+    h = module.RunHealing(None, None, failures, environment, lambda: None, adopted.append, lambda: None, "sync")
+    h.mode = "shrink"
+    return h, adopted
+
+
+@pytest.mark.timeout(10)
+def test_a_survivor_behind_takes_the_result_and_the_others_redo(monkeypatch, capsys):
+    from lightning_mpi.comm.ulfm import ProcessFailed
+
+    calls = []
+
+    def fails_once():
+        calls.append(1)
+        if len(calls) == 1:
+            raise ProcessFailed((2,), "allreduce")
+        return "redone"
+
+    # rank 1 missed the completion of the operation that rank 0 completed (its 6th): takes rank 0's result
+    behind, adopted = _healing(monkeypatch, _FakeTransport(1, [(6, "allreduce", "MPI_ERR_REVOKED", 0)], "rank 0's"))
+    behind.completed = 5
+    assert behind.operation("allreduce", fails_once, take=lambda kept: f"took {kept}") == "took rank 0's"
+    assert len(calls) == 1 and behind.completed == 6 and adopted == [{}]
+    assert behind.history[0]["redo"] is False and behind.stats["mpi/heal/events"] == 1.0
+    # rank 0, ahead, sends the result it kept and redoes the operation it was in (its 7th)
+    calls.clear()
+    transport = _FakeTransport(0, [(5, "allreduce", "MPI_ERR_PROC_FAILED", 1)])
+    ahead, _ = _healing(monkeypatch, transport)
+    ahead.completed, ahead._last = 6, "rank 0's"
+    assert ahead.operation("reduce", fails_once) == "redone" and len(calls) == 2 and ahead.completed == 7
+    assert transport.broadcasts == [("rank 0's", 0)]
+    assert "lightning_mpi: healed: rank 2 of 3 lost (detected in reduce on rank 0)" in capsys.readouterr().err
+    # more than one operation apart: no way back in step
+    far, _ = _healing(monkeypatch, _FakeTransport(1, [(8, "x", "MPI_ERR_REVOKED", 0)]))
+    far.completed = 5
+    with pytest.raises(RankFailedError, match="3 operations apart"):
+        far.operation("x", lambda: (_ for _ in ()).throw(ProcessFailed((2,), "x")))
