@@ -6,11 +6,12 @@
     python benchmarks/goodput.py --arms mpi_restarts ddp_torchrun --every 20
 
 One training job (``benchmarks/goodput_worker.py``: a Lightning ``Trainer``, a small MLP on a
-synthetic classification set, ``--steps`` optimizer steps of ``--batch`` samples per rank, a
-``ModelCheckpoint`` every ``--ckpt-every`` steps, ``--ranks`` ranks on this machine) is run once
-per arm. In the faulted arms a non-zero rank's Python process is SIGKILLed ``--every`` seconds,
-counted from the job's first training step (a kill that finds no rank training, during a restart,
-waits for one). Arms:
+synthetic classification set, ``--batch`` samples per rank and step, a ``ModelCheckpoint`` every
+``--ckpt-every`` steps, ``--ranks`` ranks on this machine) is run once per arm, for ``--budget``
+seconds of wall time from its first training step (then the whole job is SIGKILLed: a fixed
+budget gives every arm the same number of faults whatever the machine's load). In the faulted
+arms a non-zero rank's Python process is SIGKILLed every ``--every`` seconds from the first step
+(a kill that finds no rank training, during a restart, waits for one). Arms:
 
 - ``heal_shrink``, ``heal_replace``: ``lightning-mpi --heal`` with ``SyncStrategy(heal=...)``: the
   survivors heal and go on (``"replace"`` spawns new ranks back up to ``--ranks``). Reported "not
@@ -25,13 +26,16 @@ waits for one). Arms:
 - and the same jobs without faults, each faulted arm's baseline: ``mpi`` (for ``mpi_restarts``),
   ``mpi_heal`` (``--heal``, ``heal="shrink"``, for the heal arms) and ``ddp``.
 
-Useful samples are those whose steps are in the final model: for each global step of the final
-history, the global batch that step trained (world size x ``--batch``; a shrunk job trains
-smaller global batches), not the steps trained again after a restart. An arm's rate is its useful
-samples over the seconds from its first training step to its last (the one-time start-up,
-identical in every arm, is left out; a relaunch's start-up is in). Goodput is that rate as a
-fraction of its baseline's rate, measured in the same run. Time lost per fault is the arm's
-seconds minus the seconds its baseline needs for the same useful samples, over the kills.
+Useful samples are those whose steps are in the model at the end of the budget: for each global
+step of its history, the global batch that step trained (world size x ``--batch``; a shrunk job
+trains smaller global batches), not the steps trained again after a restart. An arm's rate is its
+useful samples over the budget (the one-time start-up, alike in every arm, is left out; a
+relaunch's start-up is in). Goodput is that rate as a fraction of its baseline arm's rate,
+measured in the same run, and, because the machine's load moves between arms, also as a
+fraction of the arm's own rate before its first kill (same launch, same load). Time lost per
+fault is the budget minus the seconds that pre-fault rate needs for the arm's useful samples, per
+kill; for ``heal_shrink`` it includes the lost rank's share of every later step. Per kill: the
+seconds to the next completed step, and to the first step past the one reached at the kill.
 
 Writes a table to stdout, ``benchmarks/results/goodput.json`` and ``goodput.png`` (useful samples
 against seconds, every arm). Anchor: torchft's public demonstration kept 97.7% of throughput with a
@@ -94,18 +98,18 @@ ARMS: dict[str, Arm] = {
 @dataclass(frozen=True)
 class Settings:
     ranks: int = 3
-    steps: int = 1200
+    budget: float = 70.0  # seconds of training per arm, from its first step
     batch: int = 32
     ckpt_every: int = 250
     every: float = 20.0  # seconds between kills
     max_restarts: int = 10
     max_kills: int | None = None  # None: as many as the schedule brings
-    timeout: float = 300.0  # per baseline, from its launch; a faulted arm gets 2.5x its baseline's wall
+    timeout: float = 300.0  # seconds from the launch to the first training step
 
 
-QUICK = Settings(steps=400, ckpt_every=100, every=3.0, max_kills=1)
-#: a faulted arm may run this many times its baseline's wall time before it is stopped
-SLOWDOWN_LIMIT = 2.5
+QUICK = Settings(budget=12.0, ckpt_every=100, every=4.0, max_kills=1)
+#: the worker's max_steps: never reached, the benchmark stops each job at its budget
+MAX_STEPS = 10**8
 
 
 # ---- pure parts: schedule, parsing, arithmetic (tests/benchmarks/test_goodput.py) ----
@@ -150,8 +154,10 @@ def useful_curve(entries: list[tuple[float, int, int, int]], batch: int) -> list
 
 
 def summarize(entries: list[tuple[float, int, int, int]], batch: int, end: float | None = None) -> dict:
-    """Final step, useful samples, seconds from the first step to the last (to ``end`` when the
-    job was stopped before it finished) and their rate."""
+    """Final step, useful samples, seconds from the first step to ``end`` (default: the last step;
+    steps logged after ``end`` are left out) and their rate."""
+    if end is not None:
+        entries = [e for e in entries if e[0] <= end]
     if not entries:
         return {"final_step": 0, "useful_samples": 0, "seconds": 0.0, "rate": 0.0, "world_sizes": []}
     curve = useful_curve(entries, batch)
@@ -169,6 +175,18 @@ def summarize(entries: list[tuple[float, int, int, int]], batch: int, end: float
     }
 
 
+def pre_fault_rate(entries: list[tuple[float, int, int, int]], batch: int, kills: list[float]) -> float | None:
+    """Useful samples per second from the first step to the last one before the first kill: the
+    same job without faults, in the same launch and under the same machine load."""
+    if not kills:
+        return None
+    before = [e for e in entries if e[0] <= kills[0]]
+    if len(before) < 2:
+        return None
+    curve = useful_curve(before, batch)
+    return (curve[-1][1] - curve[0][1]) / (curve[-1][0] - curve[0][0])
+
+
 def recovery(entries: list[tuple[float, int, int, int]], kills: list[float]) -> list[dict]:
     """Per kill (times on the entries' clock): ``resume``, seconds from the kill to the next step
     completed, and ``regain``, to the first step past the one reached at the kill (a restart
@@ -184,12 +202,18 @@ def recovery(entries: list[tuple[float, int, int, int]], kills: list[float]) -> 
 
 
 def goodput(arm: dict, base: dict) -> dict:
-    """``goodput`` (the arm's rate over its baseline's) and ``lost_per_fault`` (seconds)."""
-    if not base.get("rate") or not arm.get("seconds"):
-        return {"goodput": None, "lost_per_fault": None}
-    lost = arm["seconds"] - arm["useful_samples"] / base["rate"]
-    kills = len(arm.get("kills", []))
-    return {"goodput": arm["rate"] / base["rate"], "lost_per_fault": lost / kills if kills else None}
+    """``goodput``: the arm's rate over its baseline arm's; ``own_goodput``: over its own rate
+    before the first kill (``pre_fault_rate``); ``lost_per_fault``: the arm's seconds minus the
+    seconds its pre-fault rate needs for its useful samples, per kill."""
+    out: dict = {"goodput": None, "own_goodput": None, "lost_per_fault": None}
+    if base.get("rate") and arm.get("seconds"):
+        out["goodput"] = arm["rate"] / base["rate"]
+    pre, kills = arm.get("pre_fault_rate"), len(arm.get("kills", []))
+    if pre and arm.get("seconds"):
+        out["own_goodput"] = arm["rate"] / pre
+        if kills:
+            out["lost_per_fault"] = (arm["seconds"] - arm["useful_samples"] / pre) / kills
+    return out
 
 
 def _cell(value, fmt: str) -> str:
@@ -205,12 +229,13 @@ def table(results: dict[str, dict]) -> str:
     """The markdown table printed on stdout."""
     lines = [
         "| arm | status | kills | wall s | final step | world sizes | useful samples | useful samples/s "
-        "| goodput | s lost per fault | kill -> next step s | kill -> past the step at the kill s |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| goodput (vs baseline arm) | goodput (vs own pre-fault rate) | s lost per fault "
+        "| kill -> next step s | kill -> past the step at the kill s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, r in results.items():
         if r["status"] == "not available":
-            lines.append(f"| {name} | not available in this checkout: {r['reason']} |" + " - |" * 10)
+            lines.append(f"| {name} | not available in this checkout: {r['reason']} |" + " - |" * 11)
             continue
         worlds = " > ".join(str(w) for w in r.get("world_sizes", [])) or "-"
         baseline = "" if r.get("baseline") is None else f" (of {r['baseline']})"
@@ -218,7 +243,7 @@ def table(results: dict[str, dict]) -> str:
         lines.append(
             f"| {name} | {r['status']} | {len(r.get('kills', []))} | {_cell(r.get('wall'), '.1f')} "
             f"| {r.get('final_step', 0)} | {worlds} | {r.get('useful_samples', 0)} | {_cell(r.get('rate'), '.0f')} "
-            f"| {goodput_cell} | {_cell(r.get('lost_per_fault'), '.1f')} "
+            f"| {goodput_cell} | {_cell(r.get('own_goodput'), '.1%')} | {_cell(r.get('lost_per_fault'), '.1f')} "
             f"| {_seconds([k['resume'] for k in r.get('recovery', [])])} "
             f"| {_seconds([k['regain'] for k in r.get('recovery', [])])} |"
         )
@@ -289,7 +314,7 @@ def kill_tree(seen: dict[int, int], root: int) -> None:
 
 
 def command(arm: Arm, s: Settings, out: Path) -> list[str]:
-    worker = [str(WORKER), str(out), "--frontend", arm.frontend, "--steps", str(s.steps), "--batch", str(s.batch)]
+    worker = [str(WORKER), str(out), "--frontend", arm.frontend, "--steps", str(MAX_STEPS), "--batch", str(s.batch)]
     worker += ["--ckpt-every", str(s.ckpt_every)] + (["--heal", arm.heal] if arm.heal else [])
     restarts = ["--max-restarts", str(s.max_restarts)] if arm.restarts else []
     if arm.frontend == "ddp":
@@ -301,9 +326,9 @@ def command(arm: Arm, s: Settings, out: Path) -> list[str]:
     return [sys.executable, "-m", "lightning_mpi", "-n", str(s.ranks), *heal, *restarts, *worker]
 
 
-def run_arm(arm: Arm, s: Settings, out: Path, timeout: float) -> dict:
-    """Launch ``arm``, SIGKILL a non-zero rank on the schedule when it has faults, wait for it
-    (at most ``timeout`` seconds: then the job is stopped and measured as far as it got)."""
+def run_arm(arm: Arm, s: Settings, out: Path) -> dict:
+    """Launch ``arm``; from its first training step, SIGKILL a non-zero rank on the schedule (when
+    it has faults) and stop the whole job ``s.budget`` seconds later."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo", "PYTHONWARNINGS": "ignore"}
     if arm.frontend == "ddp":
         # torchrun's workers share its rendezvous store by default, and a restarted round can read
@@ -317,44 +342,43 @@ def run_arm(arm: Arm, s: Settings, out: Path, timeout: float) -> dict:
     )
     seen: dict[int, int] = {}
     kills: list[float] = []
+    first: float | None = None
     status = "ok"
     try:
-        while proc.poll() is None:
+        while True:
             now = time.time()
-            if now - launched > timeout:
-                status = f"stopped after {timeout:.0f} s"
+            if proc.poll() is not None:
+                status = f"ended early, exit code {proc.returncode}"
+                break
+            if first is None:
+                entries = parse_progress(_read(out / "progress"))
+                first = entries[0][0] if entries else None
+                if first is None and now - launched > s.timeout:
+                    status = f"no training step in {s.timeout:.0f} s"
+                    break
+            elif now >= first + s.budget:
                 break
             tree = descendants(proc.pid)
             seen.update(tree)
-            if arm.faults and (s.max_kills is None or len(kills) < s.max_kills):
-                entries = parse_progress(_read(out / "progress"))
-                training = bool(entries) and entries[-1][1] < s.steps  # no kill once the last step is done
-                if training and now >= next_kill_at(entries[0][0], s.every, kills):
-                    target = pick_target(out, tree)
-                    if target is not None:
-                        os.kill(target, signal.SIGKILL)
-                        kills.append(time.time())
+            due = first is not None and now >= next_kill_at(first, s.every, kills)
+            if arm.faults and due and (s.max_kills is None or len(kills) < s.max_kills):
+                target = pick_target(out, tree)
+                if target is not None:
+                    os.kill(target, signal.SIGKILL)
+                    kills.append(time.time())
             time.sleep(0.05)
     finally:
         kill_tree(seen, proc.pid)
         proc.wait()
         log.close()
-    ended = time.time()
-    if status == "ok" and proc.returncode != 0:
-        status = f"exit code {proc.returncode}"
     entries = parse_progress(_read(out / "progress"))
-    finished = bool(entries) and entries[-1][1] == s.steps  # a job stopped in its shutdown finished
-    result = {
-        "status": status,
-        "wall": ended - launched,
-        **summarize(entries, s.batch, None if finished else ended),
-    }
-    if result["final_step"] != s.steps and status == "ok":
-        result["status"] = f"stopped at step {result['final_step']} of {s.steps}"
     first = entries[0][0] if entries else launched
+    end = first + s.budget
+    result = {"status": status, "wall": time.time() - launched, **summarize(entries, s.batch, end)}
+    result["pre_fault_rate"] = pre_fault_rate(entries, s.batch, kills)
     result["kills"] = [k - first for k in kills]
-    result["recovery"] = recovery(entries, kills)
-    result["curve"] = _thin([(t - first, n) for t, n in useful_curve(entries, s.batch)], 400)
+    result["recovery"] = recovery([e for e in entries if e[0] <= end], kills)
+    result["curve"] = _thin([(t - first, n) for t, n in useful_curve(entries, s.batch) if t <= end], 400)
     if status != "ok":
         result["log_tail"] = _read(out / "launcher.log")[-2000:]
     return result
@@ -440,12 +464,10 @@ def _load() -> str:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument(
-        "--quick", action="store_true", help="a smoke test: 400 steps, one kill 3 s after the first step"
-    )
+    parser.add_argument("--quick", action="store_true", help="a smoke test: 12 s of training per arm, one kill at 4 s")
     parser.add_argument("--arms", nargs="+", choices=list(ARMS), help="faulted arms (their baselines come along)")
     parser.add_argument("--ranks", type=int)
-    parser.add_argument("--steps", type=int)
+    parser.add_argument("--budget", type=float, help="seconds of training per arm (default 70)")
     parser.add_argument("--ckpt-every", type=int)
     parser.add_argument("--every", type=float, help="seconds between kills")
     parser.add_argument("--max-kills", type=int, help="at most this many kills per arm (default: no limit)")
@@ -456,7 +478,7 @@ def main(argv: list[str] | None = None) -> None:
     signal.signal(signal.SIGTERM, _interrupt)
     s = QUICK if args.quick else Settings()
     overrides = {
-        k: getattr(args, k) for k in ("ranks", "steps", "ckpt_every", "every", "max_kills") if getattr(args, k)
+        k: getattr(args, k) for k in ("ranks", "budget", "ckpt_every", "every", "max_kills") if getattr(args, k)
     }
     s = Settings(**{**asdict(s), **overrides})
     wanted = args.arms or [a.name for a in ARMS.values() if a.faults]
@@ -472,15 +494,13 @@ def main(argv: list[str] | None = None) -> None:
             if arm.heal in missing:
                 results[name] = {"status": "not available", "reason": missing[arm.heal]}
                 continue
-            base = results.get(arm.baseline or "", {})
-            timeout = SLOWDOWN_LIMIT * base["wall"] if base.get("wall") else s.timeout
             if args.workdir:
                 shutil.rmtree(args.workdir / name, ignore_errors=True)
                 (args.workdir / name).mkdir(parents=True)
-                results[name] = run_arm(arm, s, args.workdir / name, timeout)
+                results[name] = run_arm(arm, s, args.workdir / name)
             else:
                 with tempfile.TemporaryDirectory(prefix=f"goodput-{name}-") as tmp:
-                    results[name] = run_arm(arm, s, Path(tmp), timeout)
+                    results[name] = run_arm(arm, s, Path(tmp))
             print(f"# {name}: {results[name]['status']}, {results[name]['wall']:.0f} s, {_load()}", file=sys.stderr)
     except KeyboardInterrupt:  # the arm in progress was killed (run_arm's finally): report what is done
         print("# interrupted: reporting the arms that finished", file=sys.stderr)
@@ -501,7 +521,7 @@ def main(argv: list[str] | None = None) -> None:
     args.out.write_text(json.dumps(report, indent=1))
     title = (
         f"{s.ranks} ranks on {os.cpu_count()} cores, a non-zero rank SIGKILLed every {s.every:g} s, "
-        f"checkpoint every {s.ckpt_every} steps; {load_before}"
+        f"checkpoint every {s.ckpt_every} steps, {s.budget:g} s of training per arm; {load_before}"
     )
     plot(results, args.out.with_suffix(".png"), title)
     print(f"{title}\n")

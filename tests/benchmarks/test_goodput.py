@@ -37,6 +37,16 @@ def test_useful_samples_count_steps_once_after_a_restart_and_follow_the_world_si
     shrunk = g.summarize([(0, 1, 3, 1), (1, 2, 3, 1), (2, 3, 2, 1), (4, 4, 2, 1)], batch=2)
     assert shrunk["useful_samples"] == 6 + 6 + 4 + 4 and shrunk["world_sizes"] == [3, 2]
     assert g.summarize([], batch=2)["rate"] == 0.0
+    # a budget: the steps logged after its end are left out, the seconds are the budget's
+    cut = g.summarize(entries, batch=2, end=9.5)
+    assert cut["final_step"] == 3 and cut["useful_samples"] == 18 and cut["seconds"] == 9.5
+
+
+def test_the_pre_fault_rate_is_the_rate_up_to_the_last_step_before_the_first_kill():
+    entries = [(0, 1, 3, 1), (1, 2, 3, 1), (2, 3, 3, 1), (9, 3, 3, 2)]
+    assert g.pre_fault_rate(entries, batch=2, kills=[2.5, 5.0]) == 12 / 2  # steps 2 and 3 over 2 s
+    assert g.pre_fault_rate(entries, batch=2, kills=[]) is None
+    assert g.pre_fault_rate(entries, batch=2, kills=[0.5]) is None
 
 
 def test_recovery_times_the_next_step_and_the_first_step_past_the_one_reached_at_the_kill():
@@ -49,15 +59,17 @@ def test_recovery_times_the_next_step_and_the_first_step_past_the_one_reached_at
 
 def test_goodput_is_the_rate_over_the_baselines_and_the_time_lost_is_shared_by_the_kills():
     base = {"rate": 100.0, "seconds": 10.0, "useful_samples": 1000}
-    arm = {"rate": 80.0, "seconds": 12.5, "useful_samples": 1000, "kills": [3.0, 8.0]}
-    assert g.goodput(arm, base) == {"goodput": 0.8, "lost_per_fault": 1.25}
-    assert g.goodput({**arm, "kills": []}, base)["lost_per_fault"] is None
+    arm = {"rate": 80.0, "seconds": 12.5, "useful_samples": 1000, "kills": [3.0, 8.0], "pre_fault_rate": 125.0}
+    # 1000 samples at the pre-fault 125/s take 8 s: 4.5 s lost over 2 kills
+    assert g.goodput(arm, base) == {"goodput": 0.8, "own_goodput": 0.64, "lost_per_fault": 2.25}
+    assert g.goodput({**arm, "kills": [], "pre_fault_rate": None}, base)["lost_per_fault"] is None
     assert g.goodput(arm, {"rate": 0.0})["goodput"] is None
 
 
 def test_commands_name_the_launcher_and_the_arm_options(tmp_path):
     s = g.Settings()
     heal = g.command(g.ARMS["heal_replace"], s, tmp_path)
+    assert heal[heal.index("--steps") + 1] == str(g.MAX_STEPS)  # the budget stops the job, not max_steps
     assert heal[1:6] == ["-m", "lightning_mpi", "-n", "3", "--heal"] and heal[-2:] == ["--heal", "replace"]
     restarts = g.command(g.ARMS["mpi_restarts"], s, tmp_path)
     assert "--max-restarts" in restarts and "--heal" not in restarts
@@ -80,11 +92,12 @@ def test_the_table_reports_a_missing_arm_and_the_goodput():
         "mpi": {"status": "ok", "wall": 50.0, "final_step": 10, "world_sizes": [3], "useful_samples": 960,
                 "rate": 24.0, "kills": []},
         "mpi_restarts": {"status": "ok", "wall": 60.0, "final_step": 10, "world_sizes": [3], "useful_samples": 960,
-                         "rate": 20.0, "kills": [1.0], "goodput": 20 / 24, "lost_per_fault": 8.0, "baseline": "mpi",
+                         "rate": 20.0, "kills": [1.0], "goodput": 20 / 24, "own_goodput": 0.9, "lost_per_fault": 8.0,
+                         "baseline": "mpi",
                          "recovery": [{"resume": 6.0, "regain": None}]},
         "heal_shrink": {"status": "not available", "reason": "SyncStrategy takes no heal= argument"},
     }
     text = g.table(results)
-    assert "| mpi | ok | 0 | 50.0 | 10 | 3 | 960 | 24 | baseline | - | - | - |" in text
-    assert "83.3% (of mpi) | 8.0 | 6.0 | never |" in text
+    assert "| mpi | ok | 0 | 50.0 | 10 | 3 | 960 | 24 | baseline | - | - | - | - |" in text
+    assert "83.3% (of mpi) | 90.0% | 8.0 | 6.0 | never |" in text
     assert "not available in this checkout: SyncStrategy takes no heal= argument" in text
