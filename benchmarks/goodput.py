@@ -190,13 +190,17 @@ def pre_fault_rate(entries: list[tuple[float, int, int, int]], batch: int, kills
 def recovery(entries: list[tuple[float, int, int, int]], kills: list[float]) -> list[dict]:
     """Per kill (times on the entries' clock): ``resume``, seconds from the kill to the next step
     completed, and ``regain``, to the first step past the one reached at the kill (a restart
-    trains the steps since its checkpoint again first); None where it never came."""
+    trains the steps since its checkpoint again first); None where it never came before the next
+    kill or the end. A step logged after the kill and trained again before the next kill (rank 0
+    finishing the step in flight while the job dies) does not count."""
     out = []
-    for kill in kills:
+    for i, kill in enumerate(kills):
+        until = kills[i + 1] if i + 1 < len(kills) else float("inf")
         reached = max((step for t, step, _, _ in entries if t <= kill), default=0)
-        after = [(t, step) for t, step, _, _ in entries if t > kill]
-        resume = after[0][0] - kill if after else None
-        regain = next((t - kill for t, step in after if step > reached), None)
+        window = [(t, step) for t, step, _, _ in entries if kill < t <= until]
+        kept = [(t, step) for j, (t, step) in enumerate(window) if all(s2 > step for _, s2 in window[j + 1 :])]
+        resume = kept[0][0] - kill if kept else None
+        regain = next((t - kill for t, step in kept if step > reached), None)
         out.append({"resume": resume, "regain": regain})
     return out
 
@@ -521,7 +525,7 @@ def main(argv: list[str] | None = None) -> None:
     args.out.write_text(json.dumps(report, indent=1))
     title = (
         f"{s.ranks} ranks on {os.cpu_count()} cores, a non-zero rank SIGKILLed every {s.every:g} s, "
-        f"checkpoint every {s.ckpt_every} steps, {s.budget:g} s of training per arm; {load_before}"
+        f"checkpoint every {s.ckpt_every} steps, {s.budget:g} s of training per arm;\n{load_before}"
     )
     plot(results, args.out.with_suffix(".png"), title)
     print(f"{title}\n")

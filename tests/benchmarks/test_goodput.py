@@ -1,5 +1,6 @@
 """benchmarks/goodput.py's pure parts: the kill schedule, the progress parsing, the useful-samples
 and goodput arithmetic, the commands and the table. No launches."""
+
 import sys
 
 import pytest
@@ -55,6 +56,9 @@ def test_recovery_times_the_next_step_and_the_first_step_past_the_one_reached_at
     healed = [(0, 1, 3, 1), (1, 2, 3, 1), (1.5, 3, 2, 1)]
     assert g.recovery(healed, [1.2]) == [{"resume": pytest.approx(0.3), "regain": pytest.approx(0.3)}]
     assert g.recovery(entries, [20.0]) == [{"resume": None, "regain": None}]
+    # rank 0 finished step 4 just after the kill, then the job died and resumed from step 2
+    in_flight = [(0, 1, 3, 1), (1, 2, 3, 1), (2, 3, 3, 1), (2.51, 4, 3, 1), (9, 3, 3, 2), (10, 4, 3, 2), (11, 5, 3, 2)]
+    assert g.recovery(in_flight, [2.5]) == [{"resume": 6.5, "regain": 7.5}]  # past step 3, reached at the kill
 
 
 def test_goodput_is_the_rate_over_the_baselines_and_the_time_lost_is_shared_by_the_kills():
@@ -89,12 +93,29 @@ def test_the_target_is_a_live_nonzero_rank_under_the_launcher(tmp_path):
 
 def test_the_table_reports_a_missing_arm_and_the_goodput():
     results = {
-        "mpi": {"status": "ok", "wall": 50.0, "final_step": 10, "world_sizes": [3], "useful_samples": 960,
-                "rate": 24.0, "kills": []},
-        "mpi_restarts": {"status": "ok", "wall": 60.0, "final_step": 10, "world_sizes": [3], "useful_samples": 960,
-                         "rate": 20.0, "kills": [1.0], "goodput": 20 / 24, "own_goodput": 0.9, "lost_per_fault": 8.0,
-                         "baseline": "mpi",
-                         "recovery": [{"resume": 6.0, "regain": None}]},
+        "mpi": {
+            "status": "ok",
+            "wall": 50.0,
+            "final_step": 10,
+            "world_sizes": [3],
+            "useful_samples": 960,
+            "rate": 24.0,
+            "kills": [],
+        },
+        "mpi_restarts": {
+            "status": "ok",
+            "wall": 60.0,
+            "final_step": 10,
+            "world_sizes": [3],
+            "useful_samples": 960,
+            "rate": 20.0,
+            "kills": [1.0],
+            "goodput": 20 / 24,
+            "own_goodput": 0.9,
+            "lost_per_fault": 8.0,
+            "baseline": "mpi",
+            "recovery": [{"resume": 6.0, "regain": None}],
+        },
         "heal_shrink": {"status": "not available", "reason": "SyncStrategy takes no heal= argument"},
     }
     text = g.table(results)
