@@ -339,6 +339,10 @@ def run_arm(arm: Arm, s: Settings, out: Path) -> dict:
         # the previous round's gloo addresses: every relaunch then fails in connectFullMesh
         # ("Connection refused"), seen here with torch 2.13 (pytorch/pytorch#135712, #167288).
         env[TORCHRUN_STORE_FIX[0]] = TORCHRUN_STORE_FIX[1]
+    # the job is SIGKILLed at the end of its budget: what its launcher and ranks would have removed
+    # from the temporary directory (lightning-mpi --heal's outcome directory) goes with ``out``
+    env["TMPDIR"] = str(out / "tmp")
+    (out / "tmp").mkdir(exist_ok=True)
     log = open(out / "launcher.log", "w")
     launched = time.time()
     proc = subprocess.Popen(
