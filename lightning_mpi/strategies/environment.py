@@ -51,15 +51,21 @@ class MPIClusterMixin:
 
     def __init__(self) -> None:
         super().__init__()
-        from mpi4py import MPI
-
         if _WORLD:
             self._comm_world = _WORLD[0]
         self.comm: Any = self._comm_world.Dup()
+        self.local_comm: Any = None
+        self.num_nodes: int = 0
+        self._read_layout()
+
+    def _read_layout(self) -> None:
+        """Split the node communicator off ``comm`` and count the nodes (collective over ``comm``)."""
+        from mpi4py import MPI
+
         self._init_comm_local()  # type: ignore[attr-defined]  # MPIEnvironment's, the base this is put on
         assert self._comm_local is not None
-        self.local_comm: Any = self._comm_local
-        self.num_nodes: int = self.comm.allreduce(self._node_rank, op=MPI.MAX) + 1
+        self.local_comm = self._comm_local
+        self.num_nodes = self.comm.allreduce(self._node_rank, op=MPI.MAX) + 1
 
     def derived_comms(self) -> list[Any]:
         """The communicators made here besides ``comm`` (revoked by a heal)."""
@@ -69,8 +75,6 @@ class MPIClusterMixin:
         """After a heal: ``comm`` (the survivors' communicator) replaces ``COMM_WORLD`` and ``comm``
         here; ranks, world size, local ranks and the node count are read again from it, and the
         node communicator is split again (collective over ``comm``)."""
-        from mpi4py import MPI
-
         from lightning_mpi.comm.ulfm import free
 
         old_local = self._comm_local
@@ -83,10 +87,7 @@ class MPIClusterMixin:
             clear = getattr(getattr(type(self), name, None), "cache_clear", None)
             if clear is not None:
                 clear()
-        self._init_comm_local()  # type: ignore[attr-defined]  # MPIEnvironment's
-        assert self._comm_local is not None
-        self.local_comm = self._comm_local
-        self.num_nodes = self.comm.allreduce(self._node_rank, op=MPI.MAX) + 1
+        self._read_layout()
         free(old_local)
 
     @staticmethod
