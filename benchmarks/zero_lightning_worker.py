@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import pytorch_lightning as pl  # noqa: E402
 
 import lightning_mpi  # noqa: E402,F401  (registers the names)
-from benchmarks.zero_worker import mlp, peak_mib, rss_mib, state_bytes  # noqa: E402
+from benchmarks.zero_worker import mlp, peak_mib, rss_mib, state_bytes, timed  # noqa: E402
 
 COMM = MPI.COMM_WORLD
 RANK, W = COMM.Get_rank(), COMM.Get_size()
@@ -89,14 +89,6 @@ class Measure(pl.Callback):
                        "optimizer_state_mib": COMM.allgather(state_bytes(optimizer) / 2**20)}
         if self.checkpoint_dir is not None:
             self.result["checkpoint_seconds"] = checkpoint_times(trainer, self.checkpoint_dir, self.repeats)
-
-
-def timed(fn) -> float:
-    COMM.Barrier()
-    begin = time.perf_counter()
-    fn()
-    COMM.Barrier()
-    return time.perf_counter() - begin
 
 
 def checkpoint_times(trainer: pl.Trainer, directory: Path, repeats: int) -> dict:
