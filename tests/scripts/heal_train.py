@@ -148,12 +148,12 @@ def trainer_phase() -> dict:
     }
 
 
-def fabric_phase() -> dict:
+def _fabric_loop(strategy, phase: str, stride: int, count_ranks: bool) -> dict:
+    """A Fabric loop on ``strategy`` whose last rank dies at step ``FABRIC_KILL``; each rank's batch
+    is picked by its current rank and world size (a heal changes both). ``count_ranks``: Lightning's
+    collectives go on after the heal (an ``all_reduce`` of ones every step)."""
     import lightning as L
 
-    from lightning_mpi.fabric import ModelAveragingStrategy
-
-    strategy = ModelAveragingStrategy(period=PERIOD, heal="shrink")
     fabric = L.Fabric(strategy=strategy, accelerator="cpu")
     fabric.launch()
     net = make_net()
@@ -163,17 +163,16 @@ def fabric_phase() -> dict:
     for step in range(FABRIC_STEPS):
         if step == FABRIC_KILL and fabric.global_rank == fabric.world_size - 1:
             die()
-        # sample indices by the current rank and world size: a heal changes both
-        index = [(step * 7 + fabric.global_rank * B + k) % N for k in range(B)]
-        x, y = data.x[index], data.y[index]
+        index = [(step * stride + fabric.global_rank * B + k) % N for k in range(B)]
         opt.zero_grad()
-        loss = nn.functional.mse_loss(model(x), y)
-        fabric.backward(loss)
-        opt.step()  # every PERIOD steps the weight average: the heal happens here, and it is redone
+        fabric.backward(nn.functional.mse_loss(model(data.x[index]), data.y[index]))
+        opt.step()  # every PERIOD steps the exchange: the heal happens here, and it is redone
         world = fabric.world_size
-        total = fabric.all_reduce(torch.tensor([1.0]), reduce_op="sum")  # Lightning's collectives go on
-        record(phase="fabric", step=step, world=world, rank=fabric.global_rank, indices=index, ones=float(total))
-    strategy.finish_training()
+        extra = {}
+        if count_ranks:
+            extra["ones"] = float(fabric.all_reduce(torch.tensor([1.0]), reduce_op="sum"))
+        record(phase=phase, step=step, world=world, rank=fabric.global_rank, indices=index, **extra)
+    strategy.finish_training()  # every rank's weights become the consensus (EASGD: the center)
     return {
         "initial": initial,
         "final": weights(net),
@@ -183,29 +182,18 @@ def fabric_phase() -> dict:
     }
 
 
+def fabric_phase() -> dict:
+    """Model averaging on the four left; one dies in the step of the weight average."""
+    from lightning_mpi.fabric import ModelAveragingStrategy
+
+    return _fabric_loop(ModelAveragingStrategy(period=PERIOD, heal="shrink"), "fabric", 7, count_ranks=True)
+
+
 def easgd_phase() -> dict:
     """EASGD (its center replicated) on the three left; one dies in the elastic exchange's step."""
-    import lightning as L
-
     from lightning_mpi.fabric import EASGDStrategy
 
-    strategy = EASGDStrategy(period=PERIOD, heal="shrink")
-    fabric = L.Fabric(strategy=strategy, accelerator="cpu")
-    fabric.launch()
-    net = make_net()
-    initial = weights(net)
-    model, opt = fabric.setup(net, torch.optim.SGD(net.parameters(), lr=LR))
-    data = Indexed()
-    for step in range(FABRIC_STEPS):
-        if step == FABRIC_KILL and fabric.global_rank == fabric.world_size - 1:
-            die()
-        index = [(step * 5 + fabric.global_rank * B + k) % N for k in range(B)]
-        opt.zero_grad()
-        fabric.backward(nn.functional.mse_loss(model(data.x[index]), data.y[index]))
-        opt.step()
-        record(phase="easgd", step=step, world=fabric.world_size, rank=fabric.global_rank, indices=index)
-    strategy.finish_training()  # every rank's weights become the center
-    return {"initial": initial, "final": weights(net), "history": strategy._healing.history}
+    return _fabric_loop(EASGDStrategy(period=PERIOD, heal="shrink"), "easgd", 5, count_ranks=False)
 
 
 def min_ranks_phase() -> dict:

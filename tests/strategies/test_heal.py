@@ -136,10 +136,12 @@ def _replay(initial: list, steps: list[list[list[int]]]) -> list:
     return [p.detach().double().flatten().tolist() for p in net.parameters()]
 
 
-def _replay_model_averaging(initial: list, steps: list[dict[int, list[int]]], period: int) -> list:
-    """One process per rank: each rank alive at a step takes an SGD step on its own batch
-    (``steps[s]``: launch rank -> sample indices), and every ``period`` steps the ranks alive
-    then replace their weights by the mean."""
+def _replay_local_steps(
+    start: list[torch.Tensor], steps: list[dict[int, list[int]]], period: int, combine
+) -> dict:
+    """One process per rank from the flat weights ``start``: each rank alive at a step takes an SGD
+    step on its own batch (``steps[s]``: launch rank -> sample indices), and every ``period`` steps
+    ``combine(nets)`` runs on the nets of the ranks alive then."""
     sys.path.insert(0, str(SCRIPT.parent))
     try:
         from heal_train import LR, Indexed, make_net
@@ -150,40 +152,7 @@ def _replay_model_averaging(initial: list, steps: list[dict[int, list[int]]], pe
     for rank in steps[0]:
         nets[rank] = make_net()
         with torch.no_grad():
-            for p, w in zip(nets[rank].parameters(), initial, strict=True):
-                p.copy_(torch.tensor(w, dtype=torch.float64).view_as(p))
-    opts = {rank: torch.optim.SGD(net.parameters(), lr=LR) for rank, net in nets.items()}
-    for step, batches in enumerate(steps):
-        for rank in [r for r in nets if r not in batches]:  # died
-            del nets[rank]
-        for rank, index in batches.items():
-            opts[rank].zero_grad()
-            torch.nn.functional.mse_loss(nets[rank](data.x[index]), data.y[index]).backward()
-            opts[rank].step()
-        if (step + 1) % period == 0:
-            with torch.no_grad():
-                for ps in zip(*(net.parameters() for net in nets.values()), strict=True):
-                    mean = torch.stack([p.detach() for p in ps]).mean(0)
-                    for p in ps:
-                        p.copy_(mean)
-    net = next(iter(nets.values()))
-    return [p.detach().double().flatten().tolist() for p in net.parameters()]
-
-
-def _replay_easgd(initial: list, steps: list[dict[int, list[int]]], period: int) -> list:
-    """One process per rank, synchronous EASGD: local SGD steps; every ``period`` steps, with the W
-    ranks alive then and α = 0.9 / W, θᵢ ← θᵢ − α(θᵢ − c) and c ← c + α Σᵢ(θᵢ − c); the center at the end."""
-    sys.path.insert(0, str(SCRIPT.parent))
-    try:
-        from heal_train import LR, Indexed, make_net
-    finally:
-        sys.path.pop(0)
-    data = Indexed()
-    nets, center = {}, [torch.tensor(w, dtype=torch.float32) for w in initial]
-    for rank in steps[0]:
-        nets[rank] = make_net()
-        with torch.no_grad():
-            for p, w in zip(nets[rank].parameters(), center, strict=True):
+            for p, w in zip(nets[rank].parameters(), start, strict=True):
                 p.copy_(w.view_as(p))
     opts = {rank: torch.optim.SGD(net.parameters(), lr=LR) for rank, net in nets.items()}
     for step, batches in enumerate(steps):
@@ -194,13 +163,39 @@ def _replay_easgd(initial: list, steps: list[dict[int, list[int]]], period: int)
             torch.nn.functional.mse_loss(nets[rank](data.x[index]), data.y[index]).backward()
             opts[rank].step()
         if (step + 1) % period == 0:
-            alpha = 0.9 / len(nets)
             with torch.no_grad():
-                for i, ps in enumerate(zip(*(net.parameters() for net in nets.values()), strict=True)):
-                    total = sum(p.detach().flatten() - center[i] for p in ps)
-                    for p in ps:
-                        p.sub_(alpha * (p.detach() - center[i].view_as(p)))
-                    center[i] = center[i] + alpha * total
+                combine(list(nets.values()))
+    return nets
+
+
+def _replay_model_averaging(initial: list, steps: list[dict[int, list[int]]], period: int) -> list:
+    """Local SGD steps; every ``period`` steps the ranks alive then replace their weights by the mean."""
+
+    def average(nets: list) -> None:
+        for ps in zip(*(net.parameters() for net in nets), strict=True):
+            mean = torch.stack([p.detach() for p in ps]).mean(0)
+            for p in ps:
+                p.copy_(mean)
+
+    nets = _replay_local_steps([torch.tensor(w, dtype=torch.float64) for w in initial], steps, period, average)
+    net = next(iter(nets.values()))
+    return [p.detach().double().flatten().tolist() for p in net.parameters()]
+
+
+def _replay_easgd(initial: list, steps: list[dict[int, list[int]]], period: int) -> list:
+    """Synchronous EASGD: local SGD steps; every ``period`` steps, with the W ranks alive then and
+    α = 0.9 / W, θᵢ ← θᵢ − α(θᵢ − c) and c ← c + α Σᵢ(θᵢ − c); the center at the end."""
+    center = [torch.tensor(w, dtype=torch.float32) for w in initial]
+
+    def elastic(nets: list) -> None:
+        alpha = 0.9 / len(nets)
+        for i, ps in enumerate(zip(*(net.parameters() for net in nets), strict=True)):
+            total = sum(p.detach().flatten() - center[i] for p in ps)
+            for p in ps:
+                p.sub_(alpha * (p.detach() - center[i].view_as(p)))
+            center[i] = center[i] + alpha * total
+
+    _replay_local_steps(center, steps, period, elastic)
     return [c.double().tolist() for c in center]
 
 
