@@ -8,8 +8,10 @@ and SIGKILLs itself:
 2. ``iallreduce``: ``Iallreduce`` polled with ``Test`` between bits of computation, as the
    overlapped buckets are (the rank killed is the replacement spawned after phase 1);
 3. ``window``: one-sided adds into a :class:`ShardedVector` served by a progress thread, while the
-   main thread computes without MPI calls and checks its error channel between steps, so that
-   the progress thread is what notices (the rank killed is the replacement spawned after phase 2).
+   main thread computes without MPI calls and checks its error channel between steps; at the kill
+   step the survivors compute until the thread reports the loss, so that the progress thread is
+   what notices however late ULFM's detector fires (the rank killed is the replacement spawned
+   after phase 2).
 
 On :class:`ProcessFailed` the survivors :func:`heal_run`, agree on the first step that not all of
 them completed and redo it; after phases 1 and 2 they :func:`grow_run` one replacement, which runs
@@ -36,7 +38,7 @@ from lightning_mpi.comm.window import ShardedVector
 torch.set_num_threads(1)
 OUT = Path(sys.argv[1])
 PHASES = ("allreduce", "iallreduce", "window")
-STEPS, KILL_AT, NUMEL, TIMEOUT = 24, 8, 12, 60.0
+STEPS, KILL_AT, NUMEL, TIMEOUT, THREAD_WAIT = 24, 8, 12, 60.0, 30.0
 
 
 class Run:
@@ -104,6 +106,8 @@ class Run:
                 self.open_window()
             if self.step == KILL_AT and t.rank == t.size - 1:
                 self.die()
+            if self.step == KILL_AT and not (OUT / "healed.window").exists():
+                self.await_thread_error()  # until the loss is healed: after it, step KILL_AT is redone
             with failures_raised(t.comm, "a window"):
                 self.window.add(torch.ones(NUMEL))
             self.adds += 1
@@ -113,6 +117,17 @@ class Run:
             if self.thread.error is not None:  # what errors.check() raises first (report_thread_failure)
                 raise self.thread.error
             self.record(float(t.size))
+
+    def await_thread_error(self) -> None:
+        """Compute without MPI calls until the progress thread reports the loss (at most
+        THREAD_WAIT seconds), then raise it, so that the thread is what notices however slowly ULFM's detector
+        propagates on a loaded machine: a survivor that went on would reach the final barrier and
+        notice there first."""
+        deadline = time.perf_counter() + THREAD_WAIT
+        while self.thread.error is None and time.perf_counter() < deadline:
+            sum(i * i for i in range(500))
+        if self.thread.error is not None:
+            raise self.thread.error
 
     def record(self, total: float) -> None:
         self.sums[self.name][self.step] = total
@@ -153,6 +168,7 @@ class Run:
         }
         self.events.append(event)
         if self.name == "window":
+            (OUT / "healed.window").touch()
             self.open_window()
             return
         event["respawn_started_at"] = time.time()
