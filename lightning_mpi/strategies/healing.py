@@ -123,7 +123,6 @@ class RunHealing:
         self.grow_pending = False
         #: ranks spawned that joined (``heal="replace"``)
         self.replaced = 0
-        self._carried: tuple[dict[str, Any] | None] | None = None  # the rule's state while it is closed
 
     @staticmethod
     def require(mode: str | None) -> None:
@@ -149,11 +148,6 @@ class RunHealing:
         if self.mode == "replace":
             stats["mpi/heal/replaced"] = float(self.replaced)
         return stats
-
-    def carrying(self, state: dict[str, Any] | None) -> Any:
-        """While the rule is closed for a respawn: a heal binds the rule again with ``state``
-        (a context manager)."""
-        return _Carrying(self, state)
 
     # -- what the strategy runs through it ------------------------------------------------------------
     def operation(
@@ -213,7 +207,7 @@ class RunHealing:
     def _heal(self, failure: ProcessFailed, where: str, error: BaseException) -> Any:
         detected = time.perf_counter()
         try:
-            state = self._carried[0] if self._carried is not None else kept_state(self._bound())
+            state = kept_state(self._bound())
         except LookupError as why:
             raise HealNotSupported(self._rule_name, str(why), failure) from error
         old_size = self._failures.world_size
@@ -312,17 +306,6 @@ def remember_healed(base: Any) -> None:
     if not _HEALED:
         atexit.register(_finished_at_exit)
     _HEALED[:] = [base]
-
-
-class _Carrying:
-    def __init__(self, healing: RunHealing, state: dict[str, Any] | None) -> None:
-        self._healing, self._state = healing, state
-
-    def __enter__(self) -> None:
-        self._healing._carried = (self._state,)
-
-    def __exit__(self, *exc: object) -> None:
-        self._healing._carried = None
 
 
 def _finished_at_exit() -> None:

@@ -45,11 +45,14 @@ import sys
 import time
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-from lightning_mpi.comm.healing import HealedRun, grow_run, join_run
-from lightning_mpi.comm.ulfm import ProcessFailed
+from lightning_mpi.comm.healing import HealedRun, finish_growth, join_run, poll_ready, start_growth
+from lightning_mpi.comm.respawn import JOIN_TIMEOUT, Respawned
+from lightning_mpi.comm.ulfm import ProcessFailed, process_failure
+from lightning_mpi.comm.ulfm import free as ulfm_free
+from lightning_mpi.comm.ulfm import revoke as ulfm_revoke
 from lightning_mpi.strategies.healing import RunHealing, remember_healed
 from lightning_mpi.strategies.healing_rules import kept_state
 
@@ -100,6 +103,17 @@ def replacement_shards(taken: list[tuple[int, int] | None], missing: int) -> lis
     return [(size, lost[j] if j < len(lost) else ranks[j % len(ranks)]) for j in range(missing)]
 
 
+@dataclass
+class _Pending:
+    """Processes spawned and joined to the survivors, starting up (not yet in the run)."""
+
+    respawned: Respawned
+    started: float  # perf_counter at the spawn
+    deadline: float  # monotonic: give them up after this
+    events: int  # the survivors' heals at the spawn: one more means a survivor was lost
+    heard: set[int] = field(default_factory=set)
+
+
 class RunReplacing:
     """``heal="replace"`` for one Trainer strategy (module docstring); inert otherwise.
 
@@ -112,6 +126,10 @@ class RunReplacing:
         adopt: the strategy's ``adopt(state)`` after a heal (ranks, rule, vote, loaders).
         checkpoint_key: where the rule's state goes in a checkpoint dictionary.
     """
+
+    #: ``True``: the survivors wait for the new processes at the batch after the spawn instead of
+    #: training on meanwhile (a deterministic join step, for tests; slower)
+    wait_for_join = False
 
     def __init__(
         self,
@@ -134,6 +152,7 @@ class RunReplacing:
         self.script = os.path.abspath(sys.argv[0]) if sys.argv and sys.argv[0] not in ("", "-c") else ""
         self.argv = list(sys.argv[1:])
         self.handover: Handover | None = None
+        self._pending: _Pending | None = None  # spawned processes not yet let in
         #: a replacement before its first training batch: Lightning's collectives stay local
         self.catching_up = False
 
@@ -182,15 +201,25 @@ class RunReplacing:
 
     # -- at every training batch ---------------------------------------------------------------------
     def at_batch_start(self, trainer: Any) -> None:
-        """A replacement reached the survivors; survivors with ranks to replace spawn them."""
+        """A replacement reached the survivors; survivors with ranks to replace spawn them, or let
+        in those spawned that are ready."""
         if self.catching_up:
             self.catching_up = False
             self._sharding.reshard_next_epoch(trainer)  # as the survivors: every rank anew next epoch
             return
-        if self.active and self._healing.grow_pending:
-            self._grow(trainer)
+        if not self.active:
+            return
+        pending = self._pending
+        if pending is not None and pending.events != self._healing.events:
+            self._give_up(revoke=True)  # a survivor was lost meanwhile: spawn anew for the healed run
+            pending = None
+        if pending is not None:
+            self._poll(trainer, pending)
+        elif self._healing.grow_pending:
+            self._start()
 
-    def _grow(self, trainer: Any) -> None:
+    def _start(self) -> None:
+        """Spawn the missing ranks (collective over the survivors, about a second); training goes on."""
         healing, failures = self._healing, self._failures
         healing.grow_pending = False
         missing = healing.start_size - failures.world_size
@@ -200,22 +229,78 @@ class RunReplacing:
             self._say(f"cannot replace the lost ranks: {sys.argv[0]!r} is no script to spawn", warn=True)
             return
         started = time.perf_counter()
-        state = kept_state(self._runner.bound if self._runner.live else None)
-        shards = self._shards(missing)
-        self._runner.close()
-        with healing.carrying(state):
-            grown: HealedRun | bool | None = healing.between("the respawn", lambda: self._spawn(missing), None)
-        if grown is None:  # a survivor died meanwhile: healed again (the rule is bound), next batch
+        spawned: Respawned | bool | None = healing.between("the respawn", lambda: self._spawn(missing), None)
+        if spawned is None:  # a survivor died meanwhile: healed again; spawn at the next batch
             return
-        if grown is False:  # the new processes kept dying before they joined
-            self._adopt(state)
+        if spawned is False:
             self._say(
                 f"no replacement joined (every spawn lost a new process); training goes on at world size "
                 f"{failures.world_size}",
                 warn=True,
             )
             return
-        assert isinstance(grown, HealedRun)
+        assert isinstance(spawned, Respawned)
+        self._pending = _Pending(spawned, started, time.monotonic() + JOIN_TIMEOUT, healing.events)
+
+    def _spawn(self, n: int) -> Respawned | bool:
+        """``n`` new processes joined to the survivors (not yet in the run); ``False`` when none
+        joined. A survivor lost meanwhile raises :class:`ProcessFailed` (healed by the caller)."""
+        try:
+            return start_growth(self._failures.base_comm, self.script, self.argv, n)
+        except ProcessFailed as failure:
+            if failure.ranks or not failure.where.startswith("respawn (every"):
+                raise
+            return False
+
+    def _poll(self, trainer: Any, pending: _Pending) -> None:
+        """Rank 0 looks whether every new process is ready (its strategy built), and every survivor
+        takes its verdict (a small broadcast per batch while new processes start)."""
+        failures = self._failures
+
+        def verdict() -> int:
+            mine = 0
+            if failures.rank == 0:
+                try:
+                    mine = 1 if poll_ready(pending.respawned, pending.heard) else 0
+                    while self.wait_for_join and not mine and time.monotonic() < pending.deadline:
+                        time.sleep(0.01)
+                        mine = 1 if poll_ready(pending.respawned, pending.heard) else 0
+                except Exception as error:  # noqa: BLE001  (a new process died: give this spawn up)
+                    if process_failure(error) is None:
+                        raise
+                    mine = -1
+                if mine == 0 and time.monotonic() > pending.deadline:
+                    mine = -1
+            return int(failures.transport.broadcast_object(mine, root=0))
+
+        decided = self._healing.between("waiting for a replacement", verdict, None)
+        if decided is None:  # a survivor died: healed; the spawn is given up at the next batch
+            return
+        if decided < 0:
+            self._give_up(revoke=True)
+            self._say("a replacement died or did not start in time; spawning again", warn=True)
+            self._healing.grow_pending = True
+            return
+        if decided > 0:
+            self._pending = None
+            self._switch(trainer, pending)
+
+    def _give_up(self, revoke: bool) -> None:
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            if revoke:
+                ulfm_revoke(pending.respawned.comm)  # the new process waiting to be let in stops
+            ulfm_free(pending.respawned.comm)
+
+    def _switch(self, trainer: Any, pending: _Pending) -> None:
+        """Every new process is ready: the run grows over them, they take rank 0's handover."""
+        healing, failures = self._healing, self._failures
+        missing = len(pending.respawned.new_ranks)
+        state = kept_state(self._runner.bound if self._runner.live else None)
+        shards = self._shards(missing)
+        self._runner.close()
+        run = HealedRun(failures.base_comm, failures.errors, failures.transport)
+        grown = finish_growth(run, pending.respawned)
         failures.adopt(grown)
         self._environment.adopt(grown.base)
         remember_healed(grown.base)
@@ -230,29 +315,17 @@ class RunReplacing:
             handover = Handover(checkpoint, shards, int(epoch_loop.batch_progress.current.completed))
         transport.broadcast_object(handover, root=0)
         self._adopt(state)
-        assert grown.respawned is not None
-        joined = list(grown.respawned.new_ranks)
-        seconds = time.perf_counter() - started
+        joined = list(pending.respawned.new_ranks)
+        seconds = time.perf_counter() - pending.started
         healing.replaced += len(joined)
         healing.history.append(
-            {"joined": joined, "seconds": seconds, "world_size": transport.size, "attempts": grown.respawned.attempts}
+            {"joined": joined, "seconds": seconds, "world_size": transport.size, "attempts": pending.respawned.attempts}
         )
         self._say(
             f"replaced: {len(joined)} new rank{'s' if len(joined) > 1 else ''} ({', '.join(map(str, joined))}) "
-            f"joined at step {trainer.global_step}, {seconds:.2f} s; training goes on at world size {transport.size}"
+            f"joined at step {trainer.global_step}, {seconds:.2f} s after the spawn (training went on meanwhile); "
+            f"training goes on at world size {transport.size}"
         )
-
-    def _spawn(self, n: int) -> HealedRun | bool:
-        """The survivors' run grown by ``n`` new processes; ``False`` when none joined (the run is
-        intact). A survivor lost meanwhile raises :class:`ProcessFailed` (healed by the caller)."""
-        failures = self._failures
-        run = HealedRun(failures.base_comm, failures.errors, failures.transport)
-        try:
-            return grow_run(run, self.script, self.argv, n)
-        except ProcessFailed as failure:
-            if failure.ranks or not failure.where.startswith("respawn (every"):
-                raise
-            return False
 
     def _shards(self, missing: int) -> list[tuple[int, int] | None]:
         """Per new rank, the training shard it takes this epoch (collective over the survivors)."""

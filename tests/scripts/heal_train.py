@@ -10,10 +10,11 @@ Usage: ``lightning-mpi --heal -n 5 heal_train.py OUT_DIR`` (Open MPI with ULFM).
    ranks, sharded anew from the third epoch; validation at every epoch's end (its loader sharded
    anew at the first validation after the heal), a ``ModelCheckpoint`` and an ``EarlyStopping``.
 1b. ``replace``: a second Trainer run on the four left, ``SyncStrategy(heal="replace")``: the last
-   rank dies at step REPLACE_KILL (mid-epoch); the three survivors heal, and at the next batch
-   spawn a replacement, which runs this script (it starts at this phase: :func:`main`), joins,
-   takes the survivors' state and the lost rank's shard, and trains on with them to REPLACE_STEPS
-   (validation and the default ``ModelCheckpoint`` on); it writes under launch rank REPLACEMENT.
+   rank dies at step REPLACE_KILL (mid-epoch); the three survivors heal, at the next batch
+   spawn a replacement and let it in at the one after; it runs this script (it starts at this
+   phase: :func:`main`), joins, takes the survivors' state and the lost rank's shard, and trains
+   on with them to REPLACE_STEPS (validation and the default ``ModelCheckpoint`` on); it writes
+   under launch rank REPLACEMENT.
 2. ``fabric``: then, in the same processes, ``L.Fabric`` with
    ``ModelAveragingStrategy(period=PERIOD, heal="shrink")`` built after that heal (it spans the
    survivors and the replacement); the last of them (the replacement) dies at Fabric step
@@ -158,8 +159,9 @@ def trainer_phase() -> dict:
 # -- heal="replace" (kept apart from the shrink phases) ----------------------------------------------------
 def replace_phase() -> dict:
     """The Trainer with ``heal="replace"`` on the four left: launch rank 3 dies at the start of step
-    REPLACE_KILL; the survivors finish that step on three ranks, and a replacement joins at the
-    next one (taking rank 3's shard for the rest of the epoch); from the next epoch all four are
+    REPLACE_KILL; the survivors finish that step on three ranks, spawn a replacement at the next
+    one and wait for it at the one after, where it joins (taking rank 3's shard for the rest of the
+    epoch); from the next epoch all four are
     sharded anew. The replacement enters here too (from :func:`main`) and returns the same record."""
     import lightning as L
 
@@ -206,6 +208,7 @@ def replace_phase() -> dict:
     model = Net()
     initial = weights(model.net)
     strategy = SyncStrategy(heal="replace")
+    strategy._replacing.wait_for_join = True  # the survivors wait for it: it joins at step REPLACE_KILL + 2
     trainer = L.Trainer(
         strategy=strategy,
         accelerator="cpu",
@@ -313,7 +316,7 @@ def main() -> None:
         ("easgd", easgd_phase),
         ("min_ranks", min_ranks_phase),
     )
-    if MPI.Comm.Get_parent() != MPI.COMM_NULL:  # a replacement spawned by the replace phase starts there
+    if os.environ.get("LIGHTNING_MPI_REPLACEMENT"):  # a replacement spawned by the replace phase starts there
         RANK = REPLACEMENT
         phases = phases[[name for name, _ in phases].index("replace") :]
     for name, phase in phases:

@@ -332,23 +332,23 @@ def test_replacements_take_the_shards_lost_this_epoch_first():
 @pytest.mark.timeout(480)
 def test_trainer_replace_spawns_a_rank_that_joins_mid_epoch_and_matches_a_replay(healed):
     """The replace phase (W = 4): launch rank 3 dies at step 1; the three survivors finish step 1,
-    and at step 2 a replacement (launch rank REPLACEMENT in the records) joins with rank 3's shard,
-    skipping the two batches of it the epoch went through; all four end identical, equal to one
+    spawn a replacement at step 2 and let it in at step 3 (launch rank REPLACEMENT in the records),
+    with rank 3's shard, skipping the three batches of it the epoch went through; all four end identical, equal to one
     process replaying the batches of the ranks alive at each step."""
     err, finals, records, out = healed
     assert sorted(finals["replace"]) == [0, 1, 2, 9]  # three survivors and the replacement
     steps = records["replace"]
     assert sorted(steps) == list(range(8))  # no step lost, none repeated
-    alive = {0: [0, 1, 2, 3], 1: [0, 1, 2]} | {s: [0, 1, 2, 9] for s in range(2, 8)}
+    alive = {0: [0, 1, 2, 3], 1: [0, 1, 2], 2: [0, 1, 2]} | {s: [0, 1, 2, 9] for s in range(3, 8)}
     for step, entries in steps.items():
         assert sorted(rank for rank, _ in entries) == alive[step], step
         assert all(e["world"] == len(entries) for _, e in entries), step
-    # epoch 0: the replacement takes batches 2 and 3 of rank 3's shard (its batch 1 is not seen);
-    # epoch 1: every sample, the four sharded anew
-    (joined,) = [e for rank, e in steps[2] if rank == 9]
-    assert joined["epoch"] == 0 and joined["batch"] == 2 and joined["rank"] == 3
+    # epoch 0: the replacement takes batch 3 of rank 3's shard (3 samples; its batches 1 and 2, 8
+    # samples, are not seen); epoch 1: every sample, the four sharded anew
+    (joined,) = [e for rank, e in steps[3] if rank == 9]
+    assert joined["epoch"] == 0 and joined["batch"] == 3 and joined["rank"] == 3
     epoch0 = [i for s in range(4) for _, e in steps[s] for i in e["indices"]]
-    assert len(epoch0) == len(set(epoch0)) == 60 - 4
+    assert len(epoch0) == len(set(epoch0)) == 60 - 8
     epoch1 = sorted(i for s in range(4, 8) for _, e in steps[s] for i in e["indices"])
     assert epoch1 == list(range(60)) and all(e["epoch"] == 1 for s in range(4, 8) for _, e in steps[s])
     ours = [finals["replace"][r] for r in (0, 1, 2, 9)]
@@ -368,7 +368,7 @@ def test_trainer_replace_spawns_a_rank_that_joins_mid_epoch_and_matches_a_replay
     for step in (4, 8):
         assert {e["world"] for _, e in validation[step]} == {4}
         assert sorted(i for _, e in validation[step] for i in e["indices"]) == list(range(20))
-    lines = [x for x in err.splitlines() if "lightning_mpi: replaced: 1 new rank (3) joined at step 2" in x]
+    lines = [x for x in err.splitlines() if "lightning_mpi: replaced: 1 new rank (3) joined at step 3" in x]
     assert len(lines) == 1 and "training goes on at world size 4" in lines[0], err[-3000:]
 
 
