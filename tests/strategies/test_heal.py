@@ -327,6 +327,43 @@ def test_replacements_take_the_shards_lost_this_epoch_first():
     assert replacement_shards([None, None], 1) == [None]  # not sharded
 
 
+@pytest.mark.timeout(10)
+def test_a_replacement_skips_the_batches_done_once_then_resumes_from_the_handover():
+    from torch.utils.data import DistributedSampler
+
+    from lightning_mpi.strategies.replacement import HANDOVER_PATH
+    from lightning_mpi.strategies.resume import AutoResume
+    from lightning_mpi.strategies.sharding import SkipFirst
+
+    inner = DistributedSampler(range(60), num_replicas=4, rank=3, shuffle=True, seed=0)
+    inner.set_epoch(1)
+    skip = SkipFirst(DistributedSampler(range(60), num_replicas=4, rank=3, shuffle=True, seed=0), 8)
+    skip.set_epoch(1)
+    assert len(skip) == len(inner) == 15
+    assert list(skip) == list(inner)[8:]  # the first pass leaves out the 2 batches of 4 done
+    assert list(skip) == list(inner)  # later passes are whole
+
+    class Trainer:  # what AutoResume reads
+        class state:
+            fn = "fit"
+
+    def fit(model, ckpt_path=None):
+        return ckpt_path
+
+    class Inner:
+        def launch(self, function, *args, trainer=None, **kwargs):
+            return function(*args, **kwargs)
+
+    chosen = []
+    launcher = AutoResume(
+        Inner(), "fit", lambda trainer, reason: chosen.append(reason) or HANDOVER_PATH, lambda: "replacement"
+    )
+    # a replacement resumes from the handover, even when the script gives a ckpt_path
+    assert launcher.launch(fit, None, ckpt_path="last", trainer=Trainer()) == HANDOVER_PATH
+    assert chosen == ["replacement"]
+    assert AutoResume(Inner(), "fit", lambda t, r: "x").launch(fit, None, trainer=Trainer()) is None  # no reason
+
+
 @pytest.mark.mpi
 @pytest.mark.openmpi_core
 @pytest.mark.timeout(480)
