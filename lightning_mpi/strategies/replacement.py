@@ -112,6 +112,7 @@ class _Pending:
     deadline: float  # monotonic: give them up after this
     events: int  # the survivors' heals at the spawn: one more means a survivor was lost
     heard: set[int] = field(default_factory=set)
+    batches: int = 0  # batches since the spawn (the same count on every survivor)
 
 
 class RunReplacing:
@@ -130,6 +131,9 @@ class RunReplacing:
     #: ``True``: the survivors wait for the new processes at the batch after the spawn instead of
     #: training on meanwhile (a deterministic join step, for tests; slower)
     wait_for_join = False
+    #: while new processes start, the survivors ask whether they are ready at the first batch after
+    #: the spawn and then every this many batches (each asking is a small collective)
+    poll_every = 8
 
     def __init__(
         self,
@@ -214,7 +218,9 @@ class RunReplacing:
             self._give_up(revoke=True)  # a survivor was lost meanwhile: spawn anew for the healed run
             pending = None
         if pending is not None:
-            self._poll(trainer, pending)
+            pending.batches += 1
+            if pending.batches % self.poll_every == 1 or self.poll_every == 1:
+                self._poll(trainer, pending)
         elif self._healing.grow_pending:
             self._start()
 
@@ -254,7 +260,7 @@ class RunReplacing:
 
     def _poll(self, trainer: Any, pending: _Pending) -> None:
         """Rank 0 looks whether every new process is ready (its strategy built), and every survivor
-        takes its verdict (a small broadcast per batch while new processes start)."""
+        takes its verdict (a small broadcast, every ``poll_every`` batches while they start)."""
         failures = self._failures
 
         def verdict() -> int:
