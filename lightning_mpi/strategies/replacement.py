@@ -1,27 +1,33 @@
 """``heal="replace"`` under the Trainer: after a heal, the survivors spawn new processes back up to
 the world size the strategy started with, and each new process joins the run in step.
 
-The survivors, at the start of the next training batch (:meth:`RunReplacing.at_batch_start`,
-where every survivor is, after the interrupted step was finished on the healed run):
+The survivors, at the start of training batches (:meth:`RunReplacing.at_batch_start`, where every
+survivor is, after the interrupted step was finished on the healed run):
 
-1. read what the rule keeps (:func:`.healing_rules.kept_state`) and close it; gather which data
-   shard each survivor trains on this epoch;
-2. :func:`~lightning_mpi.comm.healing.grow_run`: spawn ``python <script> <arguments>`` (``sys.argv``
-   as launched) once per lost rank and merge the new processes after the survivors, who keep
-   their ranks. A new process that dies before it joined makes the spawn be tried once more
+1. at the first batch after a heal: :func:`~lightning_mpi.comm.healing.start_growth` spawns
+   ``python -m lightning_mpi.comm.spawned <script> <arguments>`` (``sys.argv`` as launched) once
+   per lost rank. The new processes start MPI and join at once (about a second); a new process
+   that dies before it joined makes the spawn be tried once more
    (:func:`~lightning_mpi.comm.respawn.respawn`), then the survivors go on without replacements;
-   a survivor that dies meanwhile is healed as any loss, and the spawn is tried again at the next
-   batch;
-3. adopt the grown run (ranks, world size, node layout) and broadcast rank 0's *handover*:
-   Lightning's own checkpoint dictionary of this moment (``dump_checkpoint``: weights, optimizer
-   and scheduler states, the loops' progress, the callbacks' states) with the rule's kept state
-   in it, and each new rank's shard;
+   a survivor that dies is healed as any loss, and the spawn is started again for the healed run.
+   **The survivors train on** while the new processes import and build their Trainer;
+2. at the first batch after the spawn and every :attr:`RunReplacing.poll_every` batches after it,
+   rank 0 looks whether every new process said it is ready (its strategy is built) and the
+   survivors take its verdict (a small broadcast). A new process that died, or is not ready
+   within ``JOIN_TIMEOUT`` seconds, is given up and spawned again;
+3. once they are ready: read what the rule keeps (:func:`.healing_rules.kept_state`) and close it,
+   gather which data shard each survivor trains on this epoch, make the run's communicators over
+   survivors + new ranks (:func:`~lightning_mpi.comm.healing.finish_growth`; the survivors keep
+   their ranks, the new ones come after), adopt them (ranks, world size, node layout) and broadcast
+   rank 0's *handover*: Lightning's own checkpoint dictionary of this moment (``dump_checkpoint``:
+   weights, optimizer and scheduler states, the loops' progress, the callbacks' states) with the
+   rule's kept state in it, and each new rank's shard;
 4. bind the rule again with its state, restart the preemption vote, and shard the loaders anew
-   from the next epoch, as after a heal. Rank 0 prints one line per respawn.
+   from the next epoch, as after a heal. Rank 0 prints one line per replacement.
 
 A new process runs the user's script from the top. Its strategy finds in ``__init__`` that it
 was spawned (:func:`~lightning_mpi.comm.healing.join_run`) and joins: ranks and world size are the
-grown run's from the start. Its ``fit`` resumes from the handover as from a checkpoint saved in
+grown run's from the start (it says it is ready, then waits to be let in). Its ``fit`` resumes from the handover as from a checkpoint saved in
 the middle of an epoch (the launcher passes ``ckpt_path=HANDOVER_PATH``, which the strategy's
 ``load_checkpoint`` answers with the handover; a ``ckpt_path`` of the script is ignored). Until
 its first training batch, where it reaches the survivors, Lightning's collectives stay local on
