@@ -26,15 +26,15 @@ survivor is, after the interrupted step was finished on the healed run):
    from the next epoch, as after a heal. Rank 0 prints one line per replacement.
 
 A new process runs the user's script from the top. Its strategy finds in ``__init__`` that it
-was spawned (:func:`~lightning_mpi.comm.healing.join_run`) and joins: ranks and world size are the
-grown run's from the start (it says it is ready, then waits to be let in). Its ``fit`` resumes from the handover as from a checkpoint saved in
-the middle of an epoch (the launcher passes ``ckpt_path=HANDOVER_PATH``, which the strategy's
-``load_checkpoint`` answers with the handover; a ``ckpt_path`` of the script is ignored). Until
-its first training batch, where it reaches the survivors, Lightning's collectives stay local on
-it (a barrier returns, a broadcast or reduction returns this rank's value: the survivors are past
-them); the survivors' collectives of steps 3-4 it makes at the same points of its own start-up:
-the handover in the launcher, the rule's binding in ``setup``, the rule's ``on_train_start`` and
-the vote in ``on_train_start``.
+was spawned (:func:`~lightning_mpi.comm.healing.join_run`), says it is ready and waits to be let
+in: ranks and world size are the grown run's from the start. Its ``fit`` resumes from the
+handover as from a checkpoint saved in the middle of an epoch (the launcher passes
+``ckpt_path=HANDOVER_PATH``, which the strategy's ``load_checkpoint`` answers with the handover;
+a ``ckpt_path`` of the script is ignored). Until its first training batch, where it reaches the
+survivors, Lightning's collectives stay local on it (a barrier returns, a broadcast or reduction
+returns this rank's value: the survivors are past them); the survivors' collectives of steps 3-4
+it makes at the same points of its own start-up: the handover in the launcher, the rule's binding
+in ``setup``, the rule's ``on_train_start`` and the vote in ``on_train_start``.
 
 Data in the epoch the replacement joins: it takes the shard of a rank lost this epoch (the same
 sampler, seed and epoch as that rank had: the same samples) and skips the batches of it that the
