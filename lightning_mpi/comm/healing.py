@@ -35,8 +35,10 @@ requests in flight (buckets, votes)    never completed: kept with their buffers.
 A survivor therefore (1) catches :class:`~.ulfm.ProcessFailed`, (2) calls :func:`heal_run` (which
 closes the rule through ``before_release``), (3) rebuilds its node layout and binds its rule on
 ``run.transport`` with the state it kept, and (4) redoes the interrupted exchange. With
-``heal="replace"`` it then calls :func:`grow_run`, and the new processes call :func:`join_run` and
-receive the state from a survivor.
+``heal="replace"`` it then calls :func:`grow_run` (the survivors wait for the new processes'
+start-up), or :func:`start_growth`, :func:`poll_ready` at each step and :func:`finish_growth` (the
+survivors train on while the new processes start: what the Trainer strategies do), and the new
+processes call :func:`join_run` and receive the state from a survivor.
 """
 
 from __future__ import annotations
@@ -48,11 +50,22 @@ from typing import Any
 
 from lightning_mpi.comm.errors import ErrorChannel
 from lightning_mpi.comm.resources import RunResources, keep_pending
-from lightning_mpi.comm.respawn import Respawned, join_parent, respawn
+from lightning_mpi.comm.respawn import JOINED, READY_TAG, Respawned, join_parent, respawn
 from lightning_mpi.comm.transport import Transport
 from lightning_mpi.comm.ulfm import Healed, free, heal
 
-__all__ = ["HealedRun", "build_run", "grow_run", "heal_run", "join_run", "release_failed_run", "run_communicators"]
+__all__ = [
+    "HealedRun",
+    "build_run",
+    "finish_growth",
+    "grow_run",
+    "heal_run",
+    "join_run",
+    "poll_ready",
+    "release_failed_run",
+    "run_communicators",
+    "start_growth",
+]
 
 
 @dataclass
@@ -186,10 +199,53 @@ def grow_run(
     return HealedRun(respawned.comm, errors, fresh, healed=run.healed, respawned=respawned, kept=run.kept)
 
 
+def start_growth(
+    base: Any, script: str, argv: Sequence[str] = (), n: int = 1, *, python: str | None = None
+) -> Respawned:
+    """The survivors' first half of a growth that does not wait for the new processes' imports:
+    spawn ``n`` processes (``python -m lightning_mpi.comm.spawned script argv...``), which join at
+    once (:func:`~.respawn.respawn`, about a second), then run ``script``. Collective over
+    ``base``; the survivors go on over ``base`` and call :func:`poll_ready` (rank 0) until every
+    new process is ready, then :func:`finish_growth`. Raises as :func:`~.respawn.respawn`."""
+    import sys
+
+    return respawn(base, "-m", ["lightning_mpi.comm.spawned", script, *argv], n, python=python or sys.executable)
+
+
+def poll_ready(respawned: Respawned, heard: set[int]) -> bool:
+    """On rank 0 of the survivors: whether every new process of ``respawned`` said it is ready
+    (:func:`join_run`), without waiting; ``heard`` collects those that did. Raises the MPI error
+    of a new process that died."""
+    import numpy as np
+
+    comm = respawned.comm
+    for rank in respawned.new_ranks:
+        if rank not in heard and comm.Iprobe(source=rank, tag=READY_TAG):
+            comm.Recv(np.zeros(1, dtype=np.int32), source=rank, tag=READY_TAG)
+            heard.add(rank)
+    return len(heard) == len(respawned.new_ranks)
+
+
+def finish_growth(run: HealedRun, respawned: Respawned, serial: int = 0) -> HealedRun:
+    """The survivors' second half (every new process ready): the run over survivors + new ranks,
+    as :func:`grow_run` returns it (collective over ``respawned.comm``; ``run`` is closed)."""
+    errors, fresh = build_run(respawned.comm, run.transport.timeout, serial)
+    run.close()
+    return HealedRun(respawned.comm, errors, fresh, healed=run.healed, respawned=respawned, kept=run.kept)
+
+
 def join_run(timeout: float | None, serial: int = 0) -> HealedRun | None:
-    """In a process spawned by :func:`grow_run`: join the survivors and build the same run (its
-    half of the collectives of :func:`grow_run`); ``None`` in a process that was not spawned."""
-    merged = join_parent()
+    """In a process spawned by :func:`grow_run` or :func:`start_growth`: join the survivors and
+    build the same run (its half of the collectives of :func:`grow_run` / :func:`finish_growth`);
+    ``None`` in a process that was not spawned. A process started by :mod:`.spawned` joined
+    already: it tells rank 0 it is ready and waits for the survivors to let it in."""
+    import numpy as np
+
+    if JOINED:
+        merged = JOINED.pop()
+        merged.Send(np.ones(1, dtype=np.int32), dest=0, tag=READY_TAG)
+    else:
+        merged = join_parent()
     if merged is None:
         return None
     errors, transport = build_run(merged, timeout, serial)

@@ -30,12 +30,19 @@ import numpy as np
 
 from lightning_mpi.comm.ulfm import ProcessFailed, failures_raised, free, process_failure, require_heal, revoke
 
-__all__ = ["JOIN_TIMEOUT", "Respawned", "join_parent", "respawn"]
+__all__ = ["JOINED", "JOIN_TIMEOUT", "READY_TAG", "REPLACEMENT_ENV", "Respawned", "join_parent", "respawn"]
 
 #: Seconds the survivors wait for a spawned process to join (:func:`respawn`).
 JOIN_TIMEOUT = 120.0
 #: Tag of a spawned process's hello to its parents, and of their answer.
 HELLO_TAG = 7410
+#: Tag of a new process's "ready" to rank 0 of the merged communicator (:mod:`.spawned`).
+READY_TAG = 7412
+#: Set (to ``"1"``) in the environment of a process started by :mod:`.spawned`: a script can tell
+#: that it runs as a replacement (``MPI.Comm.Get_parent()`` is null once it joined).
+REPLACEMENT_ENV = "LIGHTNING_MPI_REPLACEMENT"
+#: The merged communicator of a process started by :mod:`.spawned` (joined before its script ran).
+JOINED: list[Any] = []
 
 
 @dataclass(frozen=True)

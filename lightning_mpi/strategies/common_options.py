@@ -14,14 +14,8 @@ from lightning_mpi.options import integer, number, option, optional, options_cla
 
 
 def _check_heal(name: str, value: Any) -> Any:
-    if value == "replace":
-        raise ValueError(
-            f"{name}='replace' (spawning new ranks back up to the starting world size) is not supported by the "
-            f"strategies yet: use {name}='shrink' (the survivors go on), or {name}=None with "
-            "`lightning-mpi --max-restarts` to relaunch at full size"
-        )
-    if value not in (None, "shrink"):
-        raise ValueError(f"{name}={value!r} is not one of None, 'shrink'")
+    if value not in (None, "shrink", "replace"):
+        raise ValueError(f"{name}={value!r} is not one of None, 'shrink', 'replace'")
     return value
 
 
@@ -63,12 +57,14 @@ class CommonOptions:
         "`mpi/momentum_explicit` and `mpi/momentum_implicit`.",
     )
 
-    heal: Literal["shrink"] | None = option(
+    heal: Literal["shrink", "replace"] | None = option(
         default=None,
         doc="`None`: a lost rank ends the run (`RankFailedError` on every survivor, `--max-restarts` relaunches). "
         '`"shrink"`: the survivors of a rank that died heal the run live and go on training on fewer ranks, with '
-        "no step lost or repeated (Open MPI with ULFM: launch with `lightning-mpi --heal`; see docs/faults.md for "
-        "the rules that heal).",
+        "no step lost or repeated. "
+        '`"replace"`: the same, then new processes are spawned back up to the starting world size; each takes the '
+        "survivors' weights, optimizer, rule and loop state and trains in step (the Trainer only so far). Open MPI "
+        "with ULFM: launch with `lightning-mpi --heal`; see docs/faults.md for the rules that heal.",
         check=_check_heal,
     )
     min_ranks: int | None = option(
@@ -82,6 +78,6 @@ class CommonOptions:
         validate(self)
         if self.min_ranks is not None and self.heal is None:
             raise ValueError(
-                f"min_ranks={self.min_ranks!r} is only read when the run heals: set heal='shrink' as well, "
-                "or leave min_ranks=None"
+                f"min_ranks={self.min_ranks!r} is only read when the run heals: set heal='shrink' or "
+                "heal='replace' as well, or leave min_ranks=None"
             )

@@ -58,6 +58,7 @@ from lightning_mpi.strategies.healing import RunHealing
 from lightning_mpi.strategies.healing_rules import heal_after_step, heal_grads
 from lightning_mpi.strategies.lightning_api import FabricAPI
 from lightning_mpi.strategies.optimizer_sharding import OptimizerSharding
+from lightning_mpi.strategies.replacement import refuse_replace
 from lightning_mpi.strategies.rule_runner import RuleRunner
 from lightning_mpi.strategies.signatures import check_rule, document_frontend
 from lightning_mpi.strategies.trainer import CHECKPOINT_KEY
@@ -122,6 +123,7 @@ def fabric_strategy(api: FabricAPI, environment_class: type, checkpoint_io_class
             # Every argument is checked before the environment's first collective (it splits COMM_WORLD).
             rule = check_rule(rule) or SyncRule()
             self.options = CommonOptions(**options)
+            refuse_replace(self.options.heal)
             RunHealing.require(self.options.heal)  # the fix named before any collective
             self._aids = ConvergenceAids(
                 self.options.lr_scaling,

@@ -30,6 +30,9 @@ every other survivor, wherever each of them noticed:
    ``RankFailedError``.
 
 Rank 0 prints one line per heal; :attr:`RunHealing.stats` are logged as ``mpi/heal/*``.
+
+With ``heal="replace"`` a heal also sets :attr:`RunHealing.grow_pending`: the Trainer strategy
+then spawns replacements at the start of the next training batch (:mod:`.replacement`).
 """
 
 from __future__ import annotations
@@ -76,8 +79,8 @@ class RunHealing:
     """Heals the run when a rank dies (module docstring); inert with ``mode=None``.
 
     Args:
-        mode: ``None`` or ``"shrink"`` (the strategy's ``heal``); ``"shrink"`` checks at once that
-            this MPI can heal (:func:`~lightning_mpi.comm.ulfm.require_heal` names the fix).
+        mode: ``None``, ``"shrink"`` or ``"replace"`` (the strategy's ``heal``); a heal checks at once
+            that this MPI can heal (:func:`~lightning_mpi.comm.ulfm.require_heal` names the fix).
         min_ranks: fewer survivors than this raise ``RankFailedError`` (``None``: 1).
         failures: the strategy's :class:`~.failures.RunFailures` (its transport, channel, ranks).
         environment: the strategy's MPI cluster environment (:class:`~.environment.MPIClusterMixin`).
@@ -114,6 +117,12 @@ class RunHealing:
         self.events = 0
         self.seconds = 0.0
         self.history: list[dict[str, Any]] = []
+        #: the world size to grow back to (``heal="replace"``): the strategy's at construction
+        self.start_size = int(getattr(failures, "world_size", 1))
+        #: a heal happened and replacements are still to be spawned (``heal="replace"``)
+        self.grow_pending = False
+        #: ranks spawned that joined (``heal="replace"``)
+        self.replaced = 0
 
     @staticmethod
     def require(mode: str | None) -> None:
@@ -131,11 +140,14 @@ class RunHealing:
         to training again) and ``mpi/heal/world_size``; empty without ``heal``."""
         if not self.active:
             return {}
-        return {
+        stats = {
             "mpi/heal/events": float(self.events),
             "mpi/heal/seconds": float(self.seconds),
             "mpi/heal/world_size": float(self._failures.world_size),
         }
+        if self.mode == "replace":
+            stats["mpi/heal/replaced"] = float(self.replaced)
+        return stats
 
     # -- what the strategy runs through it ------------------------------------------------------------
     def operation(
@@ -231,9 +243,7 @@ class RunHealing:
             before_release=self._abandon,
         )
         assert run.healed is not None
-        if not _HEALED:
-            atexit.register(_finished_at_exit)
-        _HEALED[:] = [run.base]
+        remember_healed(run.base)
         failures.adopt(run)
         environment.adopt(run.base)
         transport = run.transport
@@ -274,6 +284,7 @@ class RunHealing:
             "redo": missed is _NOTHING,
         }
         self.history.append(event)
+        self.grow_pending = self.mode == "replace" and transport.size < self.start_size
         if transport.rank == 0:
             lost = ", ".join(map(str, run.healed.lost))
             sys.stderr.write(
@@ -287,6 +298,14 @@ class RunHealing:
 
 #: the survivors' communicator of the latest heal in this process (for :func:`_finished_at_exit`)
 _HEALED: list[Any] = []
+
+
+def remember_healed(base: Any) -> None:
+    """``base`` is the run's communicator after a heal (or a respawn, or a replacement's join):
+    the one :func:`_finished_at_exit` marks the end of training on."""
+    if not _HEALED:
+        atexit.register(_finished_at_exit)
+    _HEALED[:] = [base]
 
 
 def _finished_at_exit() -> None:

@@ -139,22 +139,33 @@ class AutoResume:
             ranks agree on it fails every rank instead of leaving them waiting.
         fitting: the Trainer package's ``TrainerFn.FITTING``.
         choose: ``choose(trainer, reason)`` returns the checkpoint to resume from (collective), or None.
+        forced: returns a reason to resume that overrides a ``ckpt_path`` given to ``fit`` (a
+            replacement of ``heal="replace"`` resumes from the survivors' state), or None.
     """
 
     is_interactive_compatible = True
 
-    def __init__(self, inner: Any, fitting: Any, choose: Callable[[Any, str], str | None]) -> None:
+    def __init__(
+        self,
+        inner: Any,
+        fitting: Any,
+        choose: Callable[[Any, str], str | None],
+        forced: Callable[[], str | None] = lambda: None,
+    ) -> None:
         self.inner = inner
         self.fitting = fitting
         self.choose = choose
+        self.forced = forced
 
     def launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
-        reason = resume_reason()
+        forced = self.forced() if trainer is not None and trainer.state.fn == self.fitting else None
+        reason = forced or resume_reason()
         if trainer is None or reason is None or trainer.state.fn != self.fitting:
             return self.inner.launch(function, *args, trainer=trainer, **kwargs)
         call = inspect.signature(function).bind(*args, **kwargs)
         user_managed = getattr(getattr(trainer, "_checkpoint_connector", None), "_user_managed", False)
-        if "ckpt_path" not in call.signature.parameters or call.arguments.get("ckpt_path") is not None or user_managed:
+        given = call.arguments.get("ckpt_path") is not None or user_managed
+        if "ckpt_path" not in call.signature.parameters or (given and forced is None):
             return self.inner.launch(function, *args, trainer=trainer, **kwargs)
 
         def resumed() -> Any:

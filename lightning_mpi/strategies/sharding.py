@@ -20,9 +20,10 @@ Lightning (its predict loop wraps batch samplers itself to track indices).
 from __future__ import annotations
 
 import copy
+from collections.abc import Iterator
 from typing import Any, cast
 
-from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, IterableDataset
+from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, IterableDataset, Sampler
 
 from lightning_mpi.data.batch_sampler import BatchSampler as SizedBatches
 from lightning_mpi.data.batch_sampler import ShardedBatchSampler
@@ -54,6 +55,27 @@ def with_sharded_batches(loader: DataLoader, num_replicas: int, rank: int) -> Da
     return sharded
 
 
+class SkipFirst(Sampler):
+    """``sampler`` whose first pass leaves out its first ``skip`` indices (a replacement joining
+    mid-epoch skips the batches of its shard that the epoch went through); later passes are
+    whole. Its length is the sampler's, as Lightning counts the batches already done."""
+
+    def __init__(self, sampler: Any, skip: int) -> None:
+        self.sampler, self.skip = sampler, skip
+
+    def __iter__(self) -> Iterator[Any]:
+        skip, self.skip = self.skip, 0
+        for i, index in enumerate(self.sampler):
+            if i >= skip:
+                yield index
+
+    def __len__(self) -> int:
+        return len(self.sampler)
+
+    def set_epoch(self, epoch: int) -> None:
+        self.sampler.set_epoch(epoch)
+
+
 class LoaderSharding:
     """The Trainer strategy's sharding of every DataLoader (module docstring).
 
@@ -65,6 +87,10 @@ class LoaderSharding:
     def __init__(self, api: Any) -> None:
         self._api = api
         self._shard_loaders: bool | None = None  # the user's use_distributed_sampler, kept for every stage
+        #: the training loader's shard (num_replicas, rank) when it was last built; None: not sharded
+        self.train_shard: tuple[int, int] | None = None
+        #: (num_replicas, rank, batches to skip) for the next training loader only (a replacement's)
+        self.next_training_shard: tuple[int, int, int] | None = None
 
     def take_over(self, trainer: Any) -> None:
         """Before Lightning builds this stage's loaders: keep the user's ``use_distributed_sampler``
@@ -77,14 +103,22 @@ class LoaderSharding:
 
     def shard(self, dataloader: Any, trainer: Any, world_size: int, rank: int) -> Any:
         """This rank's share of ``dataloader`` (unchanged when it must not be sharded)."""
+        training = trainer is not None and trainer.state.stage == self._api.RunningStage.TRAINING
+        skip = 0
+        if training and self.next_training_shard is not None:
+            world_size, rank, skip = self.next_training_shard
+            self.next_training_shard = None
         if not self._should_shard(dataloader, trainer, world_size):
+            if training:
+                self.train_shard = None
             return dataloader
+        if training:
+            self.train_shard = (world_size, rank)
         if needs_batch_sharding(dataloader):
             # validate/test leave batches out (each rank takes whole batches): say so, as ddp does
             warn_if_batches_dropped(dataloader.batch_sampler, world_size, trainer.state.fn, self._api.fabric.package)
             return with_sharded_batches(dataloader, world_size, rank)
         stage = trainer.state.stage
-        training = stage == self._api.RunningStage.TRAINING
         # Lightning's own rule: training loaders are shuffled, evaluation loaders as the user made them.
         shuffle = True if training else self._api.is_dataloader_shuffled(dataloader)
         sampler = self._api.get_distributed_sampler(
@@ -97,6 +131,8 @@ class LoaderSharding:
         )
         # validate/test count padding samples twice: say so, as ddp does
         warn_if_samples_repeat(sampler, trainer.state.fn, self._api.fabric.package)
+        if skip:
+            sampler = SkipFirst(sampler, skip * (dataloader.batch_size or 1))
         return self._api.update_dataloader(dataloader, sampler, mode=stage)
 
     @staticmethod

@@ -18,6 +18,7 @@ collaborator                      its job
 :class:`.sharding.LoaderSharding`  every loader sharded over the ranks
 :class:`.optimizer_sharding.OptimizerSharding`  ZeRO's optimizer shard, global-norm clipping, sharded files
 :class:`.healing.RunHealing`      ``heal="shrink"``: the survivors of a dead rank go on training
+:class:`.replacement.RunReplacing`  ``heal="replace"``: new ranks spawned, joining mid-epoch
 ================================  ========================================================
 
 The lifecycle, top to bottom:
@@ -65,6 +66,7 @@ from lightning_mpi.strategies.healing_rules import heal_after_step, heal_grads
 from lightning_mpi.strategies.lightning_api import TrainerAPI
 from lightning_mpi.strategies.optimizer_sharding import OptimizerSharding
 from lightning_mpi.strategies.preemption import PreemptionWatch
+from lightning_mpi.strategies.replacement import REPLACEMENT_REASON, RunReplacing
 from lightning_mpi.strategies.resume import AutoResume, resume_checkpoint
 from lightning_mpi.strategies.rule_runner import RuleRunner
 from lightning_mpi.strategies.sharding import LoaderSharding
@@ -182,6 +184,16 @@ def trainer_strategy(api: TrainerAPI, environment_class: type, checkpoint_io_cla
             self._sharding = LoaderSharding(api)
             self._optimizer_sharding = OptimizerSharding()
             self._steps_seen = 0  # optimizer steps without a trainer to count them
+            self._replacing = RunReplacing(
+                self._healing,
+                self._failures,
+                environment,
+                self._runner,
+                self._sharding,
+                self._adopt_healed_run,
+                CHECKPOINT_KEY,
+            )
+            self._replacing.join()  # a process spawned to replace a lost rank joins the run here
             self.set_world_ranks()
 
         # -- what the user reads and sets ----------------------------------------------------------------
@@ -264,9 +276,16 @@ def trainer_strategy(api: TrainerAPI, environment_class: type, checkpoint_io_cla
 
         @override
         def _configure_launcher(self) -> None:
-            self._launcher = AutoResume(_InProcessLauncher(self._failures), api.TrainerFn.FITTING, self._resume_from)
+            self._launcher = AutoResume(
+                _InProcessLauncher(self._failures),
+                api.TrainerFn.FITTING,
+                self._resume_from,
+                forced=self._replacing.resume_reason,
+            )
 
         def _resume_from(self, trainer: Any, reason: str) -> str | None:
+            if reason == REPLACEMENT_REASON:
+                return self._replacing.receive()  # the survivors' state (collective)
             return resume_checkpoint(trainer, self.transport, self.global_rank, self.world_size, reason)
 
         @override
@@ -284,7 +303,8 @@ def trainer_strategy(api: TrainerAPI, environment_class: type, checkpoint_io_cla
             model: torch.nn.Module = self.precision_plugin.convert_module(self.model)
             self.model = model
             self.model_to_device()
-            replicas.prepare_module(self.transport, model)
+            if not self._replacing.catching_up:  # a replacement has the survivors' weights already
+                replicas.prepare_module(self.transport, model)
             fitting = trainer.state.fn == api.TrainerFn.FITTING
             if fitting:
                 self.setup_optimizers(trainer)
@@ -334,6 +354,7 @@ def trainer_strategy(api: TrainerAPI, environment_class: type, checkpoint_io_cla
         @override
         def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
             super().on_train_batch_start(batch, batch_idx)
+            self._replacing.at_batch_start(self.lightning_module.trainer)  # heal="replace": new ranks join here
             if self._healing.between("the preemption vote", self._preemption.requested, False):
                 self._preempt()
 
@@ -476,17 +497,23 @@ def trainer_strategy(api: TrainerAPI, environment_class: type, checkpoint_io_cla
         @override
         def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any | None = "mean") -> Any:
             collectives.check_group(group)
+            if self._replacing.catching_up:  # a replacement's start-up: the survivors are past it
+                return tensor
             return self._healing.operation("reduce", lambda: collectives.reduce(self.transport, tensor, reduce_op))
 
         @override
         def all_gather(self, tensor: torch.Tensor, group: Any | None = None, sync_grads: bool = False) -> torch.Tensor:
             collectives.check_group(group)
+            if self._replacing.catching_up:
+                return tensor.unsqueeze(0)
             return self._healing.operation(
                 "all_gather", lambda: collectives.all_gather(self.transport, tensor, sync_grads)
             )
 
         @override
         def barrier(self, name: str | None = None) -> None:
+            if self._replacing.catching_up:
+                return
             self._healing.operation("barrier", lambda: collectives.barrier(self.transport))
 
         @override
@@ -496,6 +523,8 @@ def trainer_strategy(api: TrainerAPI, environment_class: type, checkpoint_io_cla
             board = self._decision_board() if isinstance(obj, bool) else None
             if board is not None:
                 return board.broadcast_flag(obj, src)
+            if self._replacing.catching_up:
+                return obj
             return self._healing.operation("broadcast", lambda: collectives.broadcast(self.transport, obj, src))
 
         @override
@@ -556,8 +585,13 @@ def trainer_strategy(api: TrainerAPI, environment_class: type, checkpoint_io_cla
             """Every rank reads the checkpoint; the rule's state is restored when the rule is bound.
             The file holds the rule's own objects, so it is read with ``weights_only=False`` unless
             you say otherwise."""
-            checkpoint: dict[str, Any] = super().load_checkpoint(
-                checkpoint_path, weights_only=False if weights_only is None else weights_only
+            handed = self._replacing.checkpoint(checkpoint_path)  # heal="replace": the survivors' state
+            checkpoint: dict[str, Any] = (
+                handed
+                if handed is not None
+                else super().load_checkpoint(
+                    checkpoint_path, weights_only=False if weights_only is None else weights_only
+                )
             )
             self._runner.restore(checkpoint.get(CHECKPOINT_KEY), self.world_size)
             return checkpoint

@@ -9,10 +9,17 @@ Usage: ``lightning-mpi --heal -n 5 heal_train.py OUT_DIR`` (Open MPI with ULFM).
    epoch), so the survivors heal in the middle of an epoch and train on to MAX_STEPS over three
    ranks, sharded anew from the third epoch; validation at every epoch's end (its loader sharded
    anew at the first validation after the heal), a ``ModelCheckpoint`` and an ``EarlyStopping``.
+1b. ``replace``: a second Trainer run on the four left, ``SyncStrategy(heal="replace")``: the last
+   rank dies at step REPLACE_KILL (mid-epoch); the three survivors heal, at the next batch
+   spawn a replacement and let it in at the one after; it runs this script (it starts at this
+   phase: :func:`main`), joins, takes the survivors' state and the lost rank's shard, and trains
+   on with them to REPLACE_STEPS (validation and the default ``ModelCheckpoint`` on); it writes
+   under launch rank REPLACEMENT.
 2. ``fabric``: then, in the same processes, ``L.Fabric`` with
    ``ModelAveragingStrategy(period=PERIOD, heal="shrink")`` built after that heal (it spans the
-   survivors); the last of them dies at Fabric step FABRIC_KILL, in a period whose weight average
-   the two left then make, and they finish FABRIC_STEPS.
+   survivors and the replacement); the last of them (the replacement) dies at Fabric step
+   FABRIC_KILL, in a period whose weight average the three left then make, and they finish
+   FABRIC_STEPS.
 3. ``easgd``: the same with ``EASGDStrategy(period=PERIOD)`` on the three left (5 -> 4 -> 3 -> 2).
 4. ``min_ranks``: a Fabric run with ``min_ranks=2`` on those two loses one more rank; the survivor
    raises ``RankFailedError`` (what ``--max-restarts`` takes over from).
@@ -41,6 +48,7 @@ OUT, RANK, W = Path("."), 0, 1  # set by main(); the test imports Indexed and ma
 N, B, LR, VAL = 60, 4, 0.1, 20  # W = 5: 12 samples, 3 batches per rank and epoch; W = 4: 15, 4 batches
 KILL_STEP, MAX_STEPS = 4, 12
 FABRIC_KILL, FABRIC_STEPS, PERIOD = 3, 6, 2
+REPLACE_KILL, REPLACE_STEPS, REPLACEMENT = 1, 8, 9  # W = 4: 4 batches per rank and epoch
 
 
 class Indexed(Dataset):
@@ -148,6 +156,81 @@ def trainer_phase() -> dict:
     }
 
 
+# -- heal="replace" (kept apart from the shrink phases) ----------------------------------------------------
+def replace_phase() -> dict:
+    """The Trainer with ``heal="replace"`` on the four left: launch rank 3 dies at the start of step
+    REPLACE_KILL; the survivors finish that step on three ranks, spawn a replacement at the next
+    one and wait for it at the one after, where it joins (taking rank 3's shard for the rest of the
+    epoch); from the next epoch all four are
+    sharded anew. The replacement enters here too (from :func:`main`) and returns the same record."""
+    import lightning as L
+
+    from lightning_mpi.lightning import SyncStrategy
+
+    class Net(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = make_net()
+
+        def training_step(self, batch, batch_idx):
+            index, x, y = batch
+            loss = nn.functional.mse_loss(self.net(x), y)
+            self.log("loss", loss, sync_dist=True)
+            record(
+                phase="replace",
+                step=self.global_step,
+                epoch=self.current_epoch,
+                batch=batch_idx,
+                world=self.trainer.world_size,
+                rank=self.global_rank,
+                indices=index.tolist(),
+            )
+            return loss
+
+        def on_train_batch_start(self, batch, batch_idx):
+            if self.global_step == REPLACE_KILL and RANK == 3:
+                die()
+
+        def validation_step(self, batch, batch_idx):
+            index, x, y = batch
+            self.log("val_loss", nn.functional.mse_loss(self.net(x), y), sync_dist=True)
+            record(phase="replace_val", step=self.global_step, world=self.trainer.world_size, indices=index.tolist())
+
+        def val_dataloader(self):
+            return DataLoader(torch.utils.data.Subset(Indexed(), range(VAL)), batch_size=B)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=LR)
+
+        def train_dataloader(self):
+            return DataLoader(Indexed(), batch_size=B, shuffle=True)
+
+    model = Net()
+    initial = weights(model.net)
+    strategy = SyncStrategy(heal="replace")
+    strategy._replacing.wait_for_join = True  # the survivors wait for it: it joins at step REPLACE_KILL + 2
+    trainer = L.Trainer(
+        strategy=strategy,
+        accelerator="cpu",
+        max_steps=REPLACE_STEPS,
+        logger=False,
+        num_sanity_val_steps=0,
+        default_root_dir=OUT / "replace",  # the default ModelCheckpoint writes there
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(model)
+    return {
+        "initial": initial,
+        "final": weights(model.net),
+        "stats": {k: v for k, v in strategy.stats().items() if k.startswith("mpi/heal/")},
+        "history": strategy._healing.history,
+        "world_size": trainer.world_size,
+        "global_step": trainer.global_step,
+        "epoch": trainer.current_epoch,
+    }
+
+
 def _fabric_loop(strategy, phase: str, stride: int, count_ranks: bool) -> dict:
     """A Fabric loop on ``strategy`` whose last rank dies at step ``FABRIC_KILL``; each rank's batch
     is picked by its current rank and world size (a heal changes both). ``count_ranks``: Lightning's
@@ -228,10 +311,14 @@ def main() -> None:
     OUT, RANK, W = Path(sys.argv[1]), MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
     phases = (
         ("trainer", trainer_phase),
+        ("replace", replace_phase),
         ("fabric", fabric_phase),
         ("easgd", easgd_phase),
         ("min_ranks", min_ranks_phase),
     )
+    if os.environ.get("LIGHTNING_MPI_REPLACEMENT"):  # a replacement spawned by the replace phase starts there
+        RANK = REPLACEMENT
+        phases = phases[[name for name, _ in phases].index("replace") :]
     for name, phase in phases:
         (OUT / f"{name}.{RANK}.json").write_text(json.dumps(phase()))
 

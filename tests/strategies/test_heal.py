@@ -36,8 +36,7 @@ SCRIPT = REPO / "tests" / "scripts" / "heal_train.py"
 @pytest.mark.parametrize(
     "kwargs,match",
     [
-        ({"heal": "replace"}, r"heal='replace' \(spawning new ranks .*\) is not supported by the strategies yet: use "),
-        ({"heal": "grow"}, r"heal='grow' is not one of None, 'shrink'"),
+        ({"heal": "grow"}, r"heal='grow' is not one of None, 'shrink', 'replace'"),
         ({"heal": "shrink", "min_ranks": 0}, r"min_ranks"),
         ({"min_ranks": 2}, r"min_ranks=2 is only read when the run heals: set heal='shrink'"),
     ],
@@ -46,6 +45,7 @@ def test_heal_options_are_checked(kwargs, match):
     with pytest.raises(ValueError, match=match):
         CommonOptions(**kwargs)
     assert CommonOptions(heal="shrink", min_ranks=2).heal == "shrink"
+    assert CommonOptions(heal="replace", min_ranks=2).heal == "replace"
     assert CommonOptions().heal is None and CommonOptions().min_ranks is None
 
 
@@ -287,7 +287,8 @@ def test_fabric_model_averaging_built_after_a_heal_heals_again_then_min_ranks_st
         assert result["world_size"] == 3
         (event,) = result["history"]
         assert event["lost"] == [3] and event["world_size"] == 3
-    assert sum("lightning_mpi: healed: rank 3 of 4 lost" in x for x in err.splitlines()) == 1
+    # (the replace phase lost its rank 3 of 4 too)
+    assert sum("lightning_mpi: healed: rank 3 of 4 lost" in x for x in err.splitlines()) == 2
     # then EASGD on the three left loses one in the step of an elastic exchange
     steps = records["easgd"]
     assert sorted(steps) == list(range(6))
@@ -302,6 +303,110 @@ def test_fabric_model_averaging_built_after_a_heal_heals_again_then_min_ranks_st
     (survivor,) = finals["min_ranks"].values()
     assert survivor["caught"] == "RankFailedError" and survivor["step"] == 1
     assert "1 survive, fewer than min_ranks=2" in survivor["message"]
+
+
+# -- heal="replace" -----------------------------------------------------------------------------------------
+@pytest.mark.timeout(10)
+def test_fabric_refuses_replace_naming_the_fix():
+    # what the Fabric strategies call first in __init__ (before any collective)
+    from lightning_mpi.strategies.replacement import refuse_replace
+
+    refuse_replace("shrink")
+    with pytest.raises(ValueError, match=r"heal='replace' is not supported by the Fabric strategies.*heal='shrink'"):
+        refuse_replace("replace")
+
+
+@pytest.mark.timeout(10)
+def test_replacements_take_the_shards_lost_this_epoch_first():
+    from lightning_mpi.strategies.replacement import replacement_shards
+
+    assert replacement_shards([(4, 0), (4, 2), (4, 3)], 1) == [(4, 1)]  # the lost rank's shard
+    assert replacement_shards([(4, 0), (4, 3)], 2) == [(4, 1), (4, 2)]
+    # the epoch was sharded over the survivors already (a heal at an epoch's end): repeat theirs
+    assert replacement_shards([(2, 0), (2, 1)], 2) == [(2, 0), (2, 1)]
+    assert replacement_shards([None, None], 1) == [None]  # not sharded
+
+
+@pytest.mark.timeout(10)
+def test_a_replacement_skips_the_batches_done_once_then_resumes_from_the_handover():
+    from torch.utils.data import DistributedSampler
+
+    from lightning_mpi.strategies.replacement import HANDOVER_PATH
+    from lightning_mpi.strategies.resume import AutoResume
+    from lightning_mpi.strategies.sharding import SkipFirst
+
+    inner = DistributedSampler(range(60), num_replicas=4, rank=3, shuffle=True, seed=0)
+    inner.set_epoch(1)
+    skip = SkipFirst(DistributedSampler(range(60), num_replicas=4, rank=3, shuffle=True, seed=0), 8)
+    skip.set_epoch(1)
+    assert len(skip) == len(inner) == 15
+    assert list(skip) == list(inner)[8:]  # the first pass leaves out the 2 batches of 4 done
+    assert list(skip) == list(inner)  # later passes are whole
+
+    class Trainer:  # what AutoResume reads
+        class state:
+            fn = "fit"
+
+    def fit(model, ckpt_path=None):
+        return ckpt_path
+
+    class Inner:
+        def launch(self, function, *args, trainer=None, **kwargs):
+            return function(*args, **kwargs)
+
+    chosen = []
+    launcher = AutoResume(
+        Inner(), "fit", lambda trainer, reason: chosen.append(reason) or HANDOVER_PATH, lambda: "replacement"
+    )
+    # a replacement resumes from the handover, even when the script gives a ckpt_path
+    assert launcher.launch(fit, None, ckpt_path="last", trainer=Trainer()) == HANDOVER_PATH
+    assert chosen == ["replacement"]
+    assert AutoResume(Inner(), "fit", lambda t, r: "x").launch(fit, None, trainer=Trainer()) is None  # no reason
+
+
+@pytest.mark.mpi
+@pytest.mark.openmpi_core
+@pytest.mark.timeout(480)
+def test_trainer_replace_spawns_a_rank_that_joins_mid_epoch_and_matches_a_replay(healed):
+    """The replace phase (W = 4): launch rank 3 dies at step 1; the three survivors finish step 1,
+    spawn a replacement at step 2 and let it in at step 3 (launch rank REPLACEMENT in the records),
+    with rank 3's shard, skipping the three batches of it the epoch went through; all four end identical, equal to one
+    process replaying the batches of the ranks alive at each step."""
+    err, finals, records, out = healed
+    assert sorted(finals["replace"]) == [0, 1, 2, 9]  # three survivors and the replacement
+    steps = records["replace"]
+    assert sorted(steps) == list(range(8))  # no step lost, none repeated
+    alive = {0: [0, 1, 2, 3], 1: [0, 1, 2], 2: [0, 1, 2]} | {s: [0, 1, 2, 9] for s in range(3, 8)}
+    for step, entries in steps.items():
+        assert sorted(rank for rank, _ in entries) == alive[step], step
+        assert all(e["world"] == len(entries) for _, e in entries), step
+    # epoch 0: the replacement takes batch 3 of rank 3's shard (3 samples; its batches 1 and 2, 8
+    # samples, are not seen); epoch 1: every sample, the four sharded anew
+    (joined,) = [e for rank, e in steps[3] if rank == 9]
+    assert joined["epoch"] == 0 and joined["batch"] == 3 and joined["rank"] == 3
+    epoch0 = [i for s in range(4) for _, e in steps[s] for i in e["indices"]]
+    assert len(epoch0) == len(set(epoch0)) == 60 - 8
+    epoch1 = sorted(i for s in range(4, 8) for _, e in steps[s] for i in e["indices"])
+    assert epoch1 == list(range(60)) and all(e["epoch"] == 1 for s in range(4, 8) for _, e in steps[s])
+    ours = [finals["replace"][r] for r in (0, 1, 2, 9)]
+    assert all(result["final"] == ours[0]["final"] for result in ours)  # bitwise identical, replacement too
+    replay = _replay(ours[0]["initial"], [[e["indices"] for _, e in sorted(steps[s])] for s in range(8)])
+    assert _close(ours[0]["final"], replay)
+    for result in ours:
+        assert result["global_step"] == 8 and result["world_size"] == 4 and result["stats"]["mpi/heal/world_size"] == 4
+    survivor = ours[0]
+    assert survivor["stats"]["mpi/heal/events"] == 1 and survivor["stats"]["mpi/heal/replaced"] == 1
+    healed_event, joined_event = survivor["history"]
+    assert healed_event["lost"] == [3] and healed_event["world_size"] == 3
+    assert joined_event["joined"] == [3] and joined_event["world_size"] == 4
+    # validation (its loader built by the replacement at the first one) at the end of both epochs, on four
+    validation = records["replace_val"]
+    assert sorted(validation) == [4, 8]
+    for step in (4, 8):
+        assert {e["world"] for _, e in validation[step]} == {4}
+        assert sorted(i for _, e in validation[step] for i in e["indices"]) == list(range(20))
+    lines = [x for x in err.splitlines() if "lightning_mpi: replaced: 1 new rank (3) joined at step 3" in x]
+    assert len(lines) == 1 and "training goes on at world size 4" in lines[0], err[-3000:]
 
 
 def test_script_is_where_the_tests_expect_it():

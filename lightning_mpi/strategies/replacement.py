@@ -1,0 +1,353 @@
+"""``heal="replace"`` under the Trainer: after a heal, the survivors spawn new processes back up to
+the world size the strategy started with, and each new process joins the run in step.
+
+The survivors, at the start of training batches (:meth:`RunReplacing.at_batch_start`, where every
+survivor is, after the interrupted step was finished on the healed run):
+
+1. at the first batch after a heal: :func:`~lightning_mpi.comm.healing.start_growth` spawns
+   ``python -m lightning_mpi.comm.spawned <script> <arguments>`` (``sys.argv`` as launched) once
+   per lost rank. The new processes start MPI and join at once (about a second); a new process
+   that dies before it joined makes the spawn be tried once more
+   (:func:`~lightning_mpi.comm.respawn.respawn`), then the survivors go on without replacements;
+   a survivor that dies is healed as any loss, and the spawn is started again for the healed run.
+   **The survivors train on** while the new processes import and build their Trainer;
+2. at the first batch after the spawn and every :attr:`RunReplacing.poll_every` batches after it,
+   rank 0 looks whether every new process said it is ready (its strategy is built) and the
+   survivors take its verdict (a small broadcast). A new process that died, or is not ready
+   within ``JOIN_TIMEOUT`` seconds, is given up and spawned again;
+3. once they are ready: read what the rule keeps (:func:`.healing_rules.kept_state`) and close it,
+   gather which data shard each survivor trains on this epoch, make the run's communicators over
+   survivors + new ranks (:func:`~lightning_mpi.comm.healing.finish_growth`; the survivors keep
+   their ranks, the new ones come after), adopt them (ranks, world size, node layout) and broadcast
+   rank 0's *handover*: Lightning's own checkpoint dictionary of this moment (``dump_checkpoint``:
+   weights, optimizer and scheduler states, the loops' progress, the callbacks' states) with the
+   rule's kept state in it, and each new rank's shard;
+4. bind the rule again with its state, restart the preemption vote, and shard the loaders anew
+   from the next epoch, as after a heal. Rank 0 prints one line per replacement.
+
+A new process runs the user's script from the top. Its strategy finds in ``__init__`` that it
+was spawned (:func:`~lightning_mpi.comm.healing.join_run`), says it is ready and waits to be let
+in: ranks and world size are the grown run's from the start. Its ``fit`` resumes from the
+handover as from a checkpoint saved in the middle of an epoch (the launcher passes
+``ckpt_path=HANDOVER_PATH``, which the strategy's ``load_checkpoint`` answers with the handover;
+a ``ckpt_path`` of the script is ignored). Until its first training batch, where it reaches the
+survivors, Lightning's collectives stay local on it (a barrier returns, a broadcast or reduction
+returns this rank's value: the survivors are past them); the survivors' collectives of steps 3-4
+it makes at the same points of its own start-up: the handover in the launcher, the rule's binding
+in ``setup``, the rule's ``on_train_start`` and the vote in ``on_train_start``.
+
+Data in the epoch the replacement joins: it takes the shard of a rank lost this epoch (the same
+sampler, seed and epoch as that rank had: the same samples) and skips the batches of it that the
+epoch went through; the batches that rank missed between its loss and the join are not seen this
+epoch. With more replacements than shards lost this epoch (a heal at an epoch's end, the next
+epoch already sharded over the survivors), the extra ones repeat a survivor's shard for the rest
+of that epoch. From the next epoch every loader is sharded over the restored world size.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from lightning_mpi.comm.healing import HealedRun, finish_growth, join_run, poll_ready, start_growth
+from lightning_mpi.comm.respawn import JOIN_TIMEOUT, Respawned
+from lightning_mpi.comm.ulfm import ProcessFailed, process_failure
+from lightning_mpi.comm.ulfm import free as ulfm_free
+from lightning_mpi.comm.ulfm import revoke as ulfm_revoke
+from lightning_mpi.strategies.healing import RunHealing, remember_healed
+from lightning_mpi.strategies.healing_rules import kept_state
+
+__all__ = ["HANDOVER_PATH", "REPLACEMENT_REASON", "Handover", "RunReplacing", "refuse_replace", "replacement_shards"]
+
+#: The ``ckpt_path`` a replacement's ``fit`` resumes from: the survivors' handover, not a file.
+HANDOVER_PATH = "lightning_mpi:handover"
+#: Why a replacement's ``fit`` resumes (the launcher's reason).
+REPLACEMENT_REASON = "replacement"
+
+
+@dataclass
+class Handover:
+    """What rank 0 sends the new ranks after a respawn.
+
+    - ``checkpoint``: Lightning's checkpoint dictionary at the start of the batch, the rule's
+      kept state under the strategy's key (as in a checkpoint file);
+    - ``shards``: per new rank, the ``(num_replicas, rank)`` of the training shard it takes this
+      epoch (``None``: the survivors' loader is not sharded);
+    - ``skip_batches``: the batches of this epoch already trained.
+    """
+
+    checkpoint: dict[str, Any]
+    shards: list[tuple[int, int] | None]
+    skip_batches: int
+
+
+def refuse_replace(heal: str | None) -> None:
+    """The Fabric strategies: ``heal="replace"`` is refused, naming what works instead."""
+    if heal == "replace":
+        raise ValueError(
+            "heal='replace' is not supported by the Fabric strategies yet: a new rank would have to resume "
+            "your own training loop where the survivors are, which Fabric does not describe. Use heal='shrink' "
+            "with Fabric (the survivors go on), or the Trainer's strategies (lightning_mpi.lightning) for "
+            "heal='replace'"
+        )
+
+
+def replacement_shards(taken: list[tuple[int, int] | None], missing: int) -> list[tuple[int, int] | None]:
+    """The training shard, ``(num_replicas, rank)``, that each of ``missing`` new ranks takes for the
+    rest of the epoch, given the survivors' (``taken``): the shards of ranks lost this epoch first,
+    then survivors' shards again (every rank must run as many batches). ``None`` when the
+    survivors' loaders are not sharded alike."""
+    if not taken or any(shard is None for shard in taken) or len({shard[0] for shard in taken if shard}) != 1:
+        return [None] * missing
+    size, ranks = taken[0][0], [shard[1] for shard in taken if shard]  # type: ignore[index]
+    lost = [r for r in range(size) if r not in ranks]
+    return [(size, lost[j] if j < len(lost) else ranks[j % len(ranks)]) for j in range(missing)]
+
+
+@dataclass
+class _Pending:
+    """Processes spawned and joined to the survivors, starting up (not yet in the run)."""
+
+    respawned: Respawned
+    started: float  # perf_counter at the spawn
+    deadline: float  # monotonic: give them up after this
+    events: int  # the survivors' heals at the spawn: one more means a survivor was lost
+    heard: set[int] = field(default_factory=set)
+    batches: int = 0  # batches since the spawn (the same count on every survivor)
+
+
+class RunReplacing:
+    """``heal="replace"`` for one Trainer strategy (module docstring); inert otherwise.
+
+    Args:
+        healing: the strategy's :class:`~.healing.RunHealing` (its mode, ``grow_pending``, stats).
+        failures: the strategy's :class:`~.failures.RunFailures` (transport, ranks).
+        environment: the strategy's MPI cluster environment.
+        runner: the strategy's :class:`~.rule_runner.RuleRunner`.
+        sharding: the strategy's :class:`~.sharding.LoaderSharding`.
+        adopt: the strategy's ``adopt(state)`` after a heal (ranks, rule, vote, loaders).
+        checkpoint_key: where the rule's state goes in a checkpoint dictionary.
+    """
+
+    #: ``True``: the survivors wait for the new processes at the batch after the spawn instead of
+    #: training on meanwhile (a deterministic join step, for tests; slower)
+    wait_for_join = False
+    #: while new processes start, the survivors ask whether they are ready at the first batch after
+    #: the spawn and then every this many batches (each asking is a small collective)
+    poll_every = 8
+
+    def __init__(
+        self,
+        healing: RunHealing,
+        failures: Any,
+        environment: Any,
+        runner: Any,
+        sharding: Any,
+        adopt: Callable[[dict[str, Any] | None], None],
+        checkpoint_key: str,
+    ) -> None:
+        self._healing = healing
+        self._failures = failures
+        self._environment = environment
+        self._runner = runner
+        self._sharding = sharding
+        self._adopt = adopt
+        self._key = checkpoint_key
+        # the script as launched, resolved now (the working directory may change later)
+        self.script = os.path.abspath(sys.argv[0]) if sys.argv and sys.argv[0] not in ("", "-c") else ""
+        self.argv = list(sys.argv[1:])
+        self.handover: Handover | None = None
+        self._pending: _Pending | None = None  # spawned processes not yet let in
+        #: a replacement before its first training batch: Lightning's collectives stay local
+        self.catching_up = False
+
+    @property
+    def active(self) -> bool:
+        return self._healing.mode == "replace"
+
+    # -- in a replacement ------------------------------------------------------------------------------
+    def join(self) -> None:
+        """In the strategy's ``__init__``: a process the survivors spawned joins their run (its half
+        of :func:`~lightning_mpi.comm.healing.grow_run` and of the survivors' adoption)."""
+        if not self.active:
+            return
+        run = join_run(self._failures.timeout)
+        if run is None:
+            return
+        self._failures.adopt(run)
+        self._environment.device_local_rank = None  # a new process: its device follows its local rank
+        self._environment.adopt(run.base)
+        self._environment.device_local_rank = self._environment.local_rank()
+        remember_healed(run.base)
+        self._healing.start_size = run.transport.size
+        self.catching_up = True
+
+    def resume_reason(self) -> str | None:
+        """The launcher's reason to resume the next ``fit`` whatever its ``ckpt_path``: a replacement
+        that has not received the handover yet."""
+        return REPLACEMENT_REASON if self.catching_up and self.handover is None else None
+
+    def receive(self) -> str:
+        """In a replacement's launcher: the survivors' handover (collective); returns the
+        ``ckpt_path`` to resume from."""
+        transport = self._failures.transport
+        handover: Handover = transport.broadcast_object(None, root=0)
+        self.handover = handover
+        shard = handover.shards[transport.rank - (transport.size - len(handover.shards))]
+        if shard is not None:
+            self._sharding.next_training_shard = (*shard, handover.skip_batches)
+        return HANDOVER_PATH
+
+    def checkpoint(self, path: Any) -> dict[str, Any] | None:
+        """The handover's checkpoint for ``path`` = :data:`HANDOVER_PATH`, else ``None``."""
+        if self.handover is None or str(path) != HANDOVER_PATH:
+            return None
+        return self.handover.checkpoint
+
+    # -- at every training batch ---------------------------------------------------------------------
+    def at_batch_start(self, trainer: Any) -> None:
+        """A replacement reached the survivors; survivors with ranks to replace spawn them, or let
+        in those spawned that are ready."""
+        if self.catching_up:
+            self.catching_up = False
+            self._sharding.reshard_next_epoch(trainer)  # as the survivors: every rank anew next epoch
+            return
+        if not self.active:
+            return
+        pending = self._pending
+        if pending is not None and pending.events != self._healing.events:
+            self._give_up(revoke=True)  # a survivor was lost meanwhile: spawn anew for the healed run
+            pending = None
+        if pending is not None:
+            pending.batches += 1
+            if pending.batches % self.poll_every == 1 or self.poll_every == 1:
+                self._poll(trainer, pending)
+        elif self._healing.grow_pending:
+            self._start()
+
+    def _start(self) -> None:
+        """Spawn the missing ranks (collective over the survivors, about a second); training goes on."""
+        healing, failures = self._healing, self._failures
+        healing.grow_pending = False
+        missing = healing.start_size - failures.world_size
+        if missing <= 0:
+            return
+        if not self.script or not os.path.isfile(self.script):
+            self._say(f"cannot replace the lost ranks: {sys.argv[0]!r} is no script to spawn", warn=True)
+            return
+        started = time.perf_counter()
+        spawned: Respawned | bool | None = healing.between("the respawn", lambda: self._spawn(missing), None)
+        if spawned is None:  # a survivor died meanwhile: healed again; spawn at the next batch
+            return
+        if spawned is False:
+            self._say(
+                f"no replacement joined (every spawn lost a new process); training goes on at world size "
+                f"{failures.world_size}",
+                warn=True,
+            )
+            return
+        assert isinstance(spawned, Respawned)
+        self._pending = _Pending(spawned, started, time.monotonic() + JOIN_TIMEOUT, healing.events)
+
+    def _spawn(self, n: int) -> Respawned | bool:
+        """``n`` new processes joined to the survivors (not yet in the run); ``False`` when none
+        joined. A survivor lost meanwhile raises :class:`ProcessFailed` (healed by the caller)."""
+        try:
+            return start_growth(self._failures.base_comm, self.script, self.argv, n)
+        except ProcessFailed as failure:
+            if failure.ranks or not failure.where.startswith("respawn (every"):
+                raise
+            return False
+
+    def _poll(self, trainer: Any, pending: _Pending) -> None:
+        """Rank 0 looks whether every new process is ready (its strategy built), and every survivor
+        takes its verdict (a small broadcast, every ``poll_every`` batches while they start)."""
+        failures = self._failures
+
+        def verdict() -> int:
+            mine = 0
+            if failures.rank == 0:
+                try:
+                    mine = 1 if poll_ready(pending.respawned, pending.heard) else 0
+                    while self.wait_for_join and not mine and time.monotonic() < pending.deadline:
+                        time.sleep(0.01)
+                        mine = 1 if poll_ready(pending.respawned, pending.heard) else 0
+                except Exception as error:  # noqa: BLE001  (a new process died: give this spawn up)
+                    if process_failure(error) is None:
+                        raise
+                    mine = -1
+                if mine == 0 and time.monotonic() > pending.deadline:
+                    mine = -1
+            return int(failures.transport.broadcast_object(mine, root=0))
+
+        decided = self._healing.between("waiting for a replacement", verdict, None)
+        if decided is None:  # a survivor died: healed; the spawn is given up at the next batch
+            return
+        if decided < 0:
+            self._give_up(revoke=True)
+            self._say("a replacement died or did not start in time; spawning again", warn=True)
+            self._healing.grow_pending = True
+            return
+        if decided > 0:
+            self._pending = None
+            self._switch(trainer, pending)
+
+    def _give_up(self, revoke: bool) -> None:
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            if revoke:
+                ulfm_revoke(pending.respawned.comm)  # the new process waiting to be let in stops
+            ulfm_free(pending.respawned.comm)
+
+    def _switch(self, trainer: Any, pending: _Pending) -> None:
+        """Every new process is ready: the run grows over them, they take rank 0's handover."""
+        healing, failures = self._healing, self._failures
+        missing = len(pending.respawned.new_ranks)
+        state = kept_state(self._runner.bound if self._runner.live else None)
+        shards = self._shards(missing)
+        self._runner.close()
+        run = HealedRun(failures.base_comm, failures.errors, failures.transport)
+        grown = finish_growth(run, pending.respawned)
+        failures.adopt(grown)
+        self._environment.adopt(grown.base)
+        remember_healed(grown.base)
+        transport = grown.transport
+        handover = None
+        if transport.rank == 0:
+            checkpoint = trainer._checkpoint_connector.dump_checkpoint()
+            if state is not None:
+                rule = type(self._runner.rule).__name__
+                checkpoint[self._key] = {"rule": rule, "state": state, "world_size": transport.size}
+            epoch_loop = trainer.fit_loop.epoch_loop
+            handover = Handover(checkpoint, shards, int(epoch_loop.batch_progress.current.completed))
+        transport.broadcast_object(handover, root=0)
+        self._adopt(state)
+        joined = list(pending.respawned.new_ranks)
+        seconds = time.perf_counter() - pending.started
+        healing.replaced += len(joined)
+        healing.history.append(
+            {"joined": joined, "seconds": seconds, "world_size": transport.size, "attempts": pending.respawned.attempts}
+        )
+        self._say(
+            f"replaced: {len(joined)} new rank{'s' if len(joined) > 1 else ''} ({', '.join(map(str, joined))}) "
+            f"joined at step {trainer.global_step}, {seconds:.2f} s after the spawn (training went on meanwhile); "
+            f"training goes on at world size {transport.size}"
+        )
+
+    def _shards(self, missing: int) -> list[tuple[int, int] | None]:
+        """Per new rank, the training shard it takes this epoch (collective over the survivors)."""
+        return replacement_shards(self._failures.transport.allgather_object(self._sharding.train_shard), missing)
+
+    def _say(self, message: str, warn: bool = False) -> None:
+        if self._failures.rank != 0:
+            return
+        if warn:
+            warnings.warn(f"lightning_mpi: {message}", RuntimeWarning, stacklevel=3)
+        else:
+            sys.stderr.write(f"lightning_mpi: {message}\n")
+            sys.stderr.flush()
