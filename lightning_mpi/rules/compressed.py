@@ -44,7 +44,7 @@ from __future__ import annotations
 import itertools
 import math
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -211,6 +211,13 @@ class CompressedExchanger(BucketExchanger):
         self.momenta: list[Tensor] = []
         self._states: dict[tuple[int, int], _SegmentState] = {}
         self._topk_work: dict[tuple[int, int], TopKWorkspace] = {}
+        #: an exchange started since the last one completed: the feedback buffers may be half-updated
+        self.in_flight = False
+
+    def start(self, bucket: Bucket, on_done: Callable[[Bucket], None] | None = None) -> None:
+        if self.transport.size > 1:
+            self.in_flight = True  # before the exchange's first step updates a residual
+        super().start(bucket, on_done)
 
     def prepare(self, buckets: Sequence[Bucket]) -> None:
         world = self.transport.size
@@ -344,6 +351,10 @@ class BoundCompressedSync(BoundSync):
         self.dense_bytes = 0
         self._momentum_known = False
         self.handoff = MomentumHandoff(self.buckets)  # used with momentum correction only
+        #: set by a healing strategy (``heal="shrink"``): keep this rank's feedback buffers as each
+        #: exchange left them, for :meth:`heal_state` while the next one is in flight
+        self.heal_snapshots = False
+        self._settled: dict[str, Any] | None = None  # None: as bound (zeros)
 
     def make_exchanger(self, transport: Transport, rule: SyncRule) -> BucketExchanger:
         assert isinstance(rule, CompressedSyncRule)
@@ -375,6 +386,9 @@ class BoundCompressedSync(BoundSync):
             self.handoff.hand_off(optimizer)
         if self.transport.size > 1:
             self.exchanger.step += 1
+        self.exchanger.in_flight = False
+        if self.heal_snapshots and self.transport.size > 1:
+            self._settled = self._local_state()
         return finite
 
     def _snapshot_stats(self) -> None:
@@ -394,8 +408,9 @@ class BoundCompressedSync(BoundSync):
             "momenta": [t.detach().cpu().clone() for t in ex.momenta],
         }
 
-    def state_dict(self) -> dict[str, Any]:
-        """Collective on every rank (Lightning saves checkpoints on all ranks; rank 0 writes)."""
+    def replicated_state(self) -> dict[str, Any]:
+        """What every rank holds alike (counters, the momentum hand-off's ``S_(t−1)``); no collective.
+        It changes only once an exchange completed."""
         state = super().state_dict()
         state["step"] = self.exchanger.step
         state["world_size"] = self.transport.size
@@ -403,11 +418,44 @@ class BoundCompressedSync(BoundSync):
         if self._momentum_known:
             state["momentum"] = self.exchanger.momentum
         state.update(self.handoff.state_dict())  # the same on every rank
+        return state
+
+    def state_dict(self) -> dict[str, Any]:
+        """Collective on every rank (Lightning saves checkpoints on all ranks; rank 0 writes)."""
+        state = self.replicated_state()
         if self.transport.size > 1:
             state["ranks"] = self.transport.allgather_object(self._local_state())
         return state
 
+    def heal_state(self) -> dict[str, Any]:
+        """What this rank carries into a healed run (``heal="shrink"``; no collective: the others may
+        be gone): :meth:`replicated_state` and, as ``"local"``, this rank's own residuals and momenta
+        as the last completed exchange left them (an interrupted exchange may have updated some of
+        them: it is redone from there). Owned-chunk residuals are not kept: the chunks are cut anew
+        for the new world size (as when a checkpoint resumes at another world size)."""
+        state = self.replicated_state()
+        if self.transport.size > 1:
+            state["local"] = self._settled if self.exchanger.in_flight else self._local_state()
+        return state
+
+    def _load_local(self, mine: dict[str, Any] | None) -> None:
+        """This rank's own residuals and momenta from :meth:`heal_state` (``None``: zeros). Members
+        sit at the same offsets at any world size; only the padding differs."""
+        ex = self.exchanger
+        for name in ("residuals", "momenta"):
+            for bucket, dst, src in zip(self.buckets, getattr(ex, name), (mine or {}).get(name, []), strict=False):
+                if dst.numel() and src.numel():
+                    dst.zero_()
+                    dst[: bucket.numel].copy_(src[: bucket.numel])
+        for buf in ex.owner_residuals:
+            buf.zero_()
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._load(state)
+        if self.transport.size > 1:
+            self._settled = self._local_state()  # the feedback as loaded, until an exchange completes
+
+    def _load(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
         self.exchanger.step = int(state.get("step", 0))
         if "momentum" in state and self.rule.momentum is None:
@@ -415,6 +463,10 @@ class BoundCompressedSync(BoundSync):
             self.exchanger.momentum = float(state["momentum"])
         if state.get("codec") == self.rule.codec:
             self.handoff.load_state_dict(state)
+        if "local" in state:  # a heal: this rank's own feedback (see heal_state)
+            if self.transport.size > 1:
+                self._load_local(state["local"])
+            return
         ranks = state.get("ranks")
         if not ranks or self.transport.size == 1:
             return
