@@ -213,11 +213,14 @@ class CompressedExchanger(BucketExchanger):
         self._topk_work: dict[tuple[int, int], TopKWorkspace] = {}
         #: an exchange started since the last one completed: the feedback buffers may be half-updated
         self.in_flight = False
+        self.started = 0  # buckets of that exchange started (each encodes this rank's part at once)
 
     def start(self, bucket: Bucket, on_done: Callable[[Bucket], None] | None = None) -> None:
         if self.transport.size > 1:
             self.in_flight = True  # before the exchange's first step updates a residual
         super().start(bucket, on_done)
+        if self.transport.size > 1:
+            self.started += 1
 
     def prepare(self, buckets: Sequence[Bucket]) -> None:
         world = self.transport.size
@@ -355,6 +358,7 @@ class BoundCompressedSync(BoundSync):
         #: exchange left them, for :meth:`heal_state` while the next one is in flight
         self.heal_snapshots = False
         self._settled: dict[str, Any] | None = None  # None: as bound (zeros)
+        self._interrupted: dict[str, Any] | None = None  # see took_exchange
 
     def make_exchanger(self, transport: Transport, rule: SyncRule) -> BucketExchanger:
         assert isinstance(rule, CompressedSyncRule)
@@ -386,7 +390,8 @@ class BoundCompressedSync(BoundSync):
             self.handoff.hand_off(optimizer)
         if self.transport.size > 1:
             self.exchanger.step += 1
-        self.exchanger.in_flight = False
+        self.exchanger.in_flight, self.exchanger.started = False, 0
+        self._interrupted = None
         if self.heal_snapshots and self.transport.size > 1:
             self._settled = self._local_state()
         return finite
@@ -435,8 +440,22 @@ class BoundCompressedSync(BoundSync):
         for the new world size (as when a checkpoint resumes at another world size)."""
         state = self.replicated_state()
         if self.transport.size > 1:
-            state["local"] = self._settled if self.exchanger.in_flight else self._local_state()
+            ex = self.exchanger
+            state["local"] = self._settled if ex.in_flight else self._local_state()
+            # every bucket started: this rank's part of the interrupted exchange is encoded (what
+            # it sends is chosen, its residual updated) before anything waits for another rank
+            state["interrupted"] = self._local_state() if ex.in_flight and ex.started >= len(self.buckets) else None
         return state
+
+    def took_exchange(self, own_grads: Sequence[Tensor | None]) -> None:
+        """After a heal, this rank took the result of the exchange it was in from a survivor that
+        completed it: its feedback is what that exchange left (:meth:`heal_state`'s
+        ``"interrupted"``) where its part had been encoded, else it stays as before the exchange
+        (that step's compression error on this rank is then not fed back)."""
+        if self._interrupted is not None:
+            self._load_local(self._interrupted)
+            self._settled = self._local_state()
+            self._interrupted = None
 
     def _load_local(self, mine: dict[str, Any] | None) -> None:
         """This rank's own residuals and momenta from :meth:`heal_state` (``None``: zeros). Members
@@ -466,6 +485,7 @@ class BoundCompressedSync(BoundSync):
         if "local" in state:  # a heal: this rank's own feedback (see heal_state)
             if self.transport.size > 1:
                 self._load_local(state["local"])
+                self._interrupted = state.get("interrupted")
             return
         ranks = state.get("ranks")
         if not ranks or self.transport.size == 1:

@@ -340,6 +340,26 @@ class BoundPowerSGD(BoundRule):
         own residuals, all as they were before an exchange in flight (it is redone from there)."""
         return self._before if self._before is not None else self._local_state()
 
+    def took_exchange(self, own_grads: Sequence[Tensor | None]) -> None:
+        """After a heal, this rank took the result of the exchange it was in (the gradients, and
+        :meth:`replicated_state`: counts and warm Q's) from a survivor that completed it; its
+        residual, still as before that exchange, becomes what the exchange would have left:
+        ``e ← M + e − M̂``, this rank's own gradient ``M`` (``own_grads``, by parameter) plus its
+        residual, less the approximation ``M̂`` every rank applies (the gradient taken)."""
+        if self.transport.size == 1 or self.steps - 1 < self.rule.start_step:
+            return  # a plain step: nothing fed back
+        for bucket in self.buckets:
+            if bucket.residual is None:
+                continue
+            for c in bucket.compressed:
+                tensor = bucket.bucket.tensors[c.member]
+                own = own_grads[self._index[id(tensor)]]
+                if own is None or tensor.grad is None:
+                    continue
+                residual = bucket.residual_of(c)
+                residual.add_(own.reshape(c.n, c.m).to(residual.dtype))
+                residual.sub_(tensor.grad.reshape(c.n, c.m).to(residual.dtype))
+
     def state_dict(self) -> dict[str, Any]:
         """Collective on every rank (Lightning saves on every rank; rank 0 writes): the step count,
         the warm Q's (the same on every rank) and, gathered to rank 0 only, every rank's residuals

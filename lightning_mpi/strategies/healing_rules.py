@@ -132,6 +132,9 @@ def heal_grads(healing: Any, runner: Any, optimizer: Any, module: torch.nn.Modul
             p.grad = None if grad is None else grad.to(p.device)
         if replicated is not None and runner.bound is not None:
             runner.bound.load_state_dict(replicated)
+            took = getattr(runner.bound, "took_exchange", None)
+            if took is not None:  # this rank's own feedback, as the exchange it missed leaves it
+                took(own)
         return accepted
 
     return healing.operation("the exchange", exchange, keep, take, put_back, counted=lambda: exchanges)
@@ -184,6 +187,10 @@ def heal_after_step(healing: Any, runner: Any, optimizer: Any) -> None:
 
     def take(kept: tuple[dict[str, Any], list[torch.Tensor]]) -> None:
         state, values = kept
+        if "local" in state and "local" in before:
+            # the other survivor's replicated state, but this rank's own part (its residuals, as
+            # before the exchange: that step's compression error on this rank is not fed back)
+            state = {**state, "local": before["local"]}
         runner.bound.load_state_dict(state)
         with torch.no_grad():
             for t, value in zip(moving, values, strict=True):

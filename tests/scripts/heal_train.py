@@ -157,10 +157,14 @@ def trainer_phase() -> dict:
     }
 
 
-def _fabric_loop(strategy, phase: str, stride: int, count_ranks: bool) -> dict:
+def _fabric_loop(strategy, phase: str, stride: int, count_ranks: bool, settle: bool = False) -> dict:
     """A Fabric loop on ``strategy`` whose last rank dies at step ``FABRIC_KILL``; each rank's batch
     is picked by its current rank and world size (a heal changes both). ``count_ranks``: Lightning's
-    collectives go on after the heal (an ``all_reduce`` of ones every step)."""
+    collectives go on after the heal (an ``all_reduce`` of ones every step). ``settle``: a barrier
+    first, so that the rank dies once every rank completed the step before's exchange, and the
+    survivors find the loss in the exchange of the kill step itself, which they all redo (a rank
+    lost right after a collective that some survivors completed and others did not is reconciled
+    by taking its result, which the replays here do not model)."""
     import lightning as L
 
     fabric = L.Fabric(strategy=strategy, accelerator="cpu")
@@ -170,6 +174,8 @@ def _fabric_loop(strategy, phase: str, stride: int, count_ranks: bool) -> dict:
     model, opt = fabric.setup(net, torch.optim.SGD(net.parameters(), lr=LR))
     data = Indexed()
     for step in range(FABRIC_STEPS):
+        if step == FABRIC_KILL and settle:
+            fabric.barrier()
         if step == FABRIC_KILL and fabric.global_rank == fabric.world_size - 1:
             die()
         index = [(step * stride + fabric.global_rank * B + k) % N for k in range(B)]
@@ -210,28 +216,28 @@ def topk_phase() -> dict:
     from lightning_mpi.fabric import CompressedSyncStrategy
 
     strategy = CompressedSyncStrategy(codec="topk", ratio=TOPK_RATIO, ratio_warmup_steps=0, heal="shrink")
-    return _fabric_loop(strategy, "topk", 11, count_ranks=False)
+    return _fabric_loop(strategy, "topk", 11, count_ranks=False, settle=True)
 
 
 def powersgd_phase() -> dict:
     """PowerSGD at rank 1 (warm Q's replicated, residuals local); one dies in the exchange's step."""
     from lightning_mpi.fabric import PowerSGDStrategy
 
-    return _fabric_loop(PowerSGDStrategy(heal="shrink"), "powersgd", 13, count_ranks=False)
+    return _fabric_loop(PowerSGDStrategy(heal="shrink"), "powersgd", 13, count_ranks=False, settle=True)
 
 
 def weights_phase() -> dict:
     """The synchronous rule averaging weights after every local step; one dies in the step."""
     from lightning_mpi.fabric import SyncStrategy as FabricSync
 
-    return _fabric_loop(FabricSync(average="weights", heal="shrink"), "weights", 23, count_ranks=False)
+    return _fabric_loop(FabricSync(average="weights", heal="shrink"), "weights", 23, count_ranks=False, settle=True)
 
 
 def diloco_phase() -> dict:
     """DiLoCo (its outer state replicated); one dies in the step of an outer exchange."""
     from lightning_mpi.fabric import DiLoCoStrategy
 
-    return _fabric_loop(DiLoCoStrategy(period=PERIOD, heal="shrink"), "diloco", 17, count_ranks=False)
+    return _fabric_loop(DiLoCoStrategy(period=PERIOD, heal="shrink"), "diloco", 17, count_ranks=False, settle=True)
 
 
 def streaming_phase() -> dict:
@@ -241,7 +247,7 @@ def streaming_phase() -> dict:
     from lightning_mpi.fabric import StreamingDiLoCoStrategy
 
     strategy = StreamingDiLoCoStrategy(**STREAMING, wire="fp32", heal="shrink")
-    return _fabric_loop(strategy, "streaming", 19, count_ranks=False)
+    return _fabric_loop(strategy, "streaming", 19, count_ranks=False, settle=True)
 
 
 def min_ranks_phase() -> dict:

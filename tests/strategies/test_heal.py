@@ -130,6 +130,37 @@ def test_diloco_heal_state_carries_the_outer_state_and_restarts_an_exchange_in_f
 
 
 @pytest.mark.timeout(10)
+def test_a_powersgd_survivor_that_took_the_exchange_keeps_the_residual_it_would_have_left():
+    """A survivor that missed the completion of a PowerSGD exchange takes the approximation M̂ (the
+    gradient) from one that completed it; its residual, still as before that exchange, becomes
+    M + e − M̂, what the exchange's commit would have left (no MPI: one bucket, no team)."""
+    from types import SimpleNamespace
+
+    from lightning_mpi.comm.buffers import make_buckets
+    from lightning_mpi.rules.powersgd import BoundPowerSGD, PowerSGDRule, compression_rank
+    from lightning_mpi.rules.powersgd_bucket import PowerSGDBucket
+
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(8, 6)), torch.nn.Parameter(torch.randn(8))]
+    bound = object.__new__(BoundPowerSGD)
+    bound.rule, bound.transport, bound.steps, bound.params = PowerSGDRule(), SimpleNamespace(size=2), 1, params
+    bound._index = {id(p): i for i, p in enumerate(params)}
+    (plain,) = make_buckets(params, 1, bucket_bytes=1 << 20)
+    bound.buckets = [PowerSGDBucket(plain, None, lambda shape: compression_rank(shape, 1, 2.0), True)]
+    (c,) = bound.buckets[0].compressed
+    before = torch.randn(8, 6)
+    bound.buckets[0].residual_of(c).copy_(before)
+    own = [torch.randn(8, 6), torch.randn(8)]
+    params[0].grad, params[1].grad = torch.randn(8, 6), torch.randn(8)  # taken: M̂ and the plain mean
+    bound.took_exchange(own)
+    assert torch.allclose(bound.buckets[0].residual_of(c), own[0] + before - params[0].grad)
+    bound.rule, bound.steps = PowerSGDRule(start_step=5), 3  # the step taken averaged plainly: no feedback
+    bound.buckets[0].residual_of(c).copy_(before)
+    bound.took_exchange(own)
+    assert torch.equal(bound.buckets[0].residual_of(c), before)
+
+
+@pytest.mark.timeout(10)
 def test_a_rule_that_cannot_heal_fails_the_run_naming_itself():
     from lightning_mpi.comm.errors import RankFailedError
     from lightning_mpi.comm.ulfm import ProcessFailed
