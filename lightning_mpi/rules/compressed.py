@@ -44,7 +44,7 @@ from __future__ import annotations
 import itertools
 import math
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -211,6 +211,16 @@ class CompressedExchanger(BucketExchanger):
         self.momenta: list[Tensor] = []
         self._states: dict[tuple[int, int], _SegmentState] = {}
         self._topk_work: dict[tuple[int, int], TopKWorkspace] = {}
+        #: an exchange started since the last one completed: the feedback buffers may be half-updated
+        self.in_flight = False
+        self.started = 0  # buckets of that exchange started (each encodes this rank's part at once)
+
+    def start(self, bucket: Bucket, on_done: Callable[[Bucket], None] | None = None) -> None:
+        if self.transport.size > 1:
+            self.in_flight = True  # before the exchange's first step updates a residual
+        super().start(bucket, on_done)
+        if self.transport.size > 1:
+            self.started += 1
 
     def prepare(self, buckets: Sequence[Bucket]) -> None:
         world = self.transport.size
@@ -344,6 +354,11 @@ class BoundCompressedSync(BoundSync):
         self.dense_bytes = 0
         self._momentum_known = False
         self.handoff = MomentumHandoff(self.buckets)  # used with momentum correction only
+        #: set by a healing strategy (``heal="shrink"``): keep this rank's feedback buffers as each
+        #: exchange left them, for :meth:`heal_state` while the next one is in flight
+        self.heal_snapshots = False
+        self._settled: dict[str, Any] | None = None  # None: as bound (zeros)
+        self._interrupted: dict[str, Any] | None = None  # see took_exchange
 
     def make_exchanger(self, transport: Transport, rule: SyncRule) -> BucketExchanger:
         assert isinstance(rule, CompressedSyncRule)
@@ -375,6 +390,10 @@ class BoundCompressedSync(BoundSync):
             self.handoff.hand_off(optimizer)
         if self.transport.size > 1:
             self.exchanger.step += 1
+        self.exchanger.in_flight, self.exchanger.started = False, 0
+        self._interrupted = None
+        if self.heal_snapshots and self.transport.size > 1:
+            self._settled = self._local_state()
         return finite
 
     def _snapshot_stats(self) -> None:
@@ -394,8 +413,9 @@ class BoundCompressedSync(BoundSync):
             "momenta": [t.detach().cpu().clone() for t in ex.momenta],
         }
 
-    def state_dict(self) -> dict[str, Any]:
-        """Collective on every rank (Lightning saves checkpoints on all ranks; rank 0 writes)."""
+    def replicated_state(self) -> dict[str, Any]:
+        """What every rank holds alike (counters, the momentum hand-off's ``S_(t−1)``); no collective.
+        It changes only once an exchange completed."""
         state = super().state_dict()
         state["step"] = self.exchanger.step
         state["world_size"] = self.transport.size
@@ -403,11 +423,58 @@ class BoundCompressedSync(BoundSync):
         if self._momentum_known:
             state["momentum"] = self.exchanger.momentum
         state.update(self.handoff.state_dict())  # the same on every rank
+        return state
+
+    def state_dict(self) -> dict[str, Any]:
+        """Collective on every rank (Lightning saves checkpoints on all ranks; rank 0 writes)."""
+        state = self.replicated_state()
         if self.transport.size > 1:
             state["ranks"] = self.transport.allgather_object(self._local_state())
         return state
 
+    def heal_state(self) -> dict[str, Any]:
+        """What this rank carries into a healed run (``heal="shrink"``; no collective: the others may
+        be gone): :meth:`replicated_state` and, as ``"local"``, this rank's own residuals and momenta
+        as the last completed exchange left them (an interrupted exchange may have updated some of
+        them: it is redone from there). Owned-chunk residuals are not kept: the chunks are cut anew
+        for the new world size (as when a checkpoint resumes at another world size)."""
+        state = self.replicated_state()
+        if self.transport.size > 1:
+            ex = self.exchanger
+            state["local"] = self._settled if ex.in_flight else self._local_state()
+            # every bucket started: this rank's part of the interrupted exchange is encoded (what
+            # it sends is chosen, its residual updated) before anything waits for another rank
+            state["interrupted"] = self._local_state() if ex.in_flight and ex.started >= len(self.buckets) else None
+        return state
+
+    def took_exchange(self, own_grads: Sequence[Tensor | None]) -> None:
+        """After a heal, this rank took the result of the exchange it was in from a survivor that
+        completed it: its feedback is what that exchange left (:meth:`heal_state`'s
+        ``"interrupted"``) where its part had been encoded, else it stays as before the exchange
+        (that step's compression error on this rank is then not fed back)."""
+        if self._interrupted is not None:
+            self._load_local(self._interrupted)
+            self._settled = self._local_state()
+            self._interrupted = None
+
+    def _load_local(self, mine: dict[str, Any] | None) -> None:
+        """This rank's own residuals and momenta from :meth:`heal_state` (``None``: zeros). Members
+        sit at the same offsets at any world size; only the padding differs."""
+        ex = self.exchanger
+        for name in ("residuals", "momenta"):
+            for bucket, dst, src in zip(self.buckets, getattr(ex, name), (mine or {}).get(name, []), strict=False):
+                if dst.numel() and src.numel():
+                    dst.zero_()
+                    dst[: bucket.numel].copy_(src[: bucket.numel])
+        for buf in ex.owner_residuals:
+            buf.zero_()
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._load(state)
+        if self.transport.size > 1:
+            self._settled = self._local_state()  # the feedback as loaded, until an exchange completes
+
+    def _load(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
         self.exchanger.step = int(state.get("step", 0))
         if "momentum" in state and self.rule.momentum is None:
@@ -415,6 +482,11 @@ class BoundCompressedSync(BoundSync):
             self.exchanger.momentum = float(state["momentum"])
         if state.get("codec") == self.rule.codec:
             self.handoff.load_state_dict(state)
+        if "local" in state:  # a heal: this rank's own feedback (see heal_state)
+            if self.transport.size > 1:
+                self._load_local(state["local"])
+                self._interrupted = state.get("interrupted")
+            return
         ranks = state.get("ranks")
         if not ranks or self.transport.size == 1:
             return

@@ -184,6 +184,10 @@ class BoundDiLoCo(BoundLocalStepRule):
         self.steps = 0
         self.outer_steps = 0
         self.peak_exchange_bytes = 0
+        #: set by a healing strategy (``heal="shrink"``): each exchange keeps the Δ and residual it
+        #: started from, so that one in flight when a rank dies can be started again (heal_state)
+        self.heal_snapshots = False
+        self._sent: dict[int, tuple[Tensor, Tensor | None]] = {}
         self._loaded = False
         self._seconds = 0.0
         self._bytes = 0
@@ -196,6 +200,7 @@ class BoundDiLoCo(BoundLocalStepRule):
 
     def before_step(self, optimizer: Optimizer) -> bool:
         """Load a restored inner-optimizer state, move an exchange in flight, then the local guard."""
+        self._restart()
         self.replicas.apply_pending(optimizer)
         self.clock.pause()
         if self.driver is None and any(f.status == "running" for f in self.fragments):
@@ -204,6 +209,7 @@ class BoundDiLoCo(BoundLocalStepRule):
 
     def _advance(self) -> None:
         """Count one inner step; use the exchanges due now, then start the ones scheduled now."""
+        self._restart()
         self.steps += 1
         self._seconds, self._bytes = 0.0, 0
         start = time.perf_counter()
@@ -254,6 +260,9 @@ class BoundDiLoCo(BoundLocalStepRule):
         fragment = self.fragments[index]
         torch.sub(fragment.theta_global, fragment.local.pull(), out=fragment.delta)
         fragment.status, fragment.started, fragment.due = "running", self.steps, self.steps + self.overlap_steps
+        if self.heal_snapshots:  # what the exchange starts from (it changes Δ and the residual in place)
+            residual = None if fragment.residual is None else fragment.residual.clone()
+            self._sent[index] = (fragment.delta.clone(), residual)
         self.progress.start(fragment.mean_steps(self.team))
         if self.driver is not None:
             self.driver.start()
@@ -262,6 +271,7 @@ class BoundDiLoCo(BoundLocalStepRule):
 
     def _wait(self) -> None:
         """Complete every running exchange (their means land in the fragments' ``delta``)."""
+        self._restart()
         if any(f.status == "running" for f in self.fragments):
             self.progress.wait_all()
             if self.driver is not None:
@@ -269,6 +279,17 @@ class BoundDiLoCo(BoundLocalStepRule):
             for fragment in self.fragments:
                 if fragment.status == "running":
                     fragment.status = "arrived"
+            self._sent.clear()
+
+    def _restart(self) -> None:
+        """Start again, on this binding's communicator, the exchanges that were in flight when a
+        rank died (:meth:`heal_state`), from the Δ and residual they had started from."""
+        for fragment in self.fragments:
+            if fragment.status == "restart":
+                fragment.status = "running"
+                self.progress.start(fragment.mean_steps(self.team))
+                if self.driver is not None:
+                    self.driver.start()
 
     def _finish(self, index: int, alpha: float) -> None:
         """The outer step of fragment ``index`` with its mean Δ, then mix it into the local weights."""
@@ -342,12 +363,53 @@ class BoundDiLoCo(BoundLocalStepRule):
             "fragments": fragments,
             "world_size": self.transport.size,
             "ranks": ranks,
-            "schedule": {
-                "period": self.period,
-                "overlap_steps": self.overlap_steps,
-                "offsets": list(self.offsets),
-                "measured": None if self.measured is None else self.measured.as_dict(),
-            },
+            "schedule": self._schedule(),
+        }
+
+    def heal_state(self) -> dict[str, Any]:
+        """What this rank carries into a healed run (``heal="shrink"``; no collective: the others may
+        be gone). The outer state is replicated, so every survivor holds it whole: θ_global, the
+        outer momentum, the counters and the fragments' schedule; a mean Δ that arrived is kept;
+        an exchange in flight is kept as the Δ (and residual) it started from, and started again
+        over the survivors. This rank's own: its feedback residuals (owned-chunk residuals are cut
+        anew for the new world size and start at zero) and, in the module, its local weights."""
+        fragments = []
+        residuals = []
+        for index, fragment in enumerate(self.fragments):
+            n = fragment.numel
+            buffer = self.outer.state.get(fragment.theta_global, {}).get("momentum_buffer")
+            running = fragment.status in ("running", "restart")
+            if running and index not in self._sent:
+                raise LookupError(
+                    f"{self.rule.name}: an exchange was in flight and its start was not kept (heal_snapshots off)"
+                )
+            delta, residual = self._sent[index] if running else (fragment.delta, fragment.residual)
+            fragments.append(
+                {
+                    "theta_global": fragment.theta_global[:n].clone(),
+                    "momentum": None if buffer is None else buffer[:n].clone(),
+                    "arrived": fragment.delta[:n].clone() if fragment.status == "arrived" else None,
+                    "sent": delta[:n].clone() if running else None,
+                    "due": fragment.due,
+                    "started": fragment.started,
+                }
+            )
+            residuals.append(None if residual is None else residual[:n].clone())
+        return {
+            "steps": self.steps,
+            "outer_steps": self.outer_steps,
+            "fragments": fragments,
+            "world_size": self.transport.size,
+            "local": {"residuals": residuals, "skipped_steps": self.guard.skipped_steps},
+            "schedule": self._schedule(),
+        }
+
+    def _schedule(self) -> dict[str, Any]:
+        return {
+            "period": self.period,
+            "overlap_steps": self.overlap_steps,
+            "offsets": list(self.offsets),
+            "measured": None if self.measured is None else self.measured.as_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -378,6 +440,10 @@ class BoundDiLoCo(BoundLocalStepRule):
                 fragment.delta.zero_()
                 fragment.delta[:n].copy_(saved["arrived"])
                 fragment.status = "arrived"
+        self._sent.clear()
+        if "local" in state:  # a heal: this rank's own part; its local weights are the module's
+            self._load_healed(state)
+            return
         same_world = self.replicas.restore(state["ranks"], int(state["world_size"]))
         for index, fragment in enumerate(self.fragments):
             if not same_world:  # residuals and local weights of other ranks do not map onto these
@@ -389,6 +455,26 @@ class BoundDiLoCo(BoundLocalStepRule):
                 target = getattr(fragment, name)
                 if target is not None and saved is not None:
                     target.copy_(saved)
+        self._loaded = True
+
+    def _load_healed(self, state: dict[str, Any]) -> None:
+        """The rest of :meth:`heal_state`: this rank's residuals, and the exchanges to start again."""
+        mine = state["local"]
+        self.guard.skipped_steps = int(mine.get("skipped_steps", 0))
+        for index, (fragment, saved) in enumerate(zip(self.fragments, state["fragments"], strict=True)):
+            n = fragment.numel
+            if fragment.residual is not None:
+                fragment.residual.zero_()
+                if mine["residuals"][index] is not None:
+                    fragment.residual[:n].copy_(mine["residuals"][index])
+            if fragment.owner_residual is not None:
+                fragment.owner_residual.zero_()
+            if saved.get("sent") is not None:
+                fragment.delta.zero_()
+                fragment.delta[:n].copy_(saved["sent"])
+                fragment.status = "restart"  # started by the next hook: one exchange in flight at a time
+                residual = None if fragment.residual is None else fragment.residual.clone()
+                self._sent[index] = (fragment.delta.clone(), residual)
         self._loaded = True
 
     def stats(self) -> dict[str, float]:

@@ -49,6 +49,7 @@ from lightning_mpi.comm.buffers import make_buckets
 from lightning_mpi.comm.engine import Exchange, ExchangeScheduler
 from lightning_mpi.comm.progress import ProgressThread
 from lightning_mpi.comm.transport import Transport
+from lightning_mpi.comm.ulfm import ProcessFailed
 from lightning_mpi.options import integer, number, option, options_class
 from lightning_mpi.rules.base import BoundRule
 from lightning_mpi.rules.buckets import Buckets
@@ -131,6 +132,11 @@ class BoundPowerSGD(BoundRule):
         self._hooks: list[Any] = []
         self._last: dict[str, float] = {}
         self._seconds = 0.0
+        self._hook_failure: ProcessFailed | None = None  # a dead rank noticed by a gradient hook
+        #: set by a healing strategy (``heal="shrink"``): keep this rank's state as it was before each
+        #: exchange (:meth:`heal_state`), since committing buckets one by one changes it part-way
+        self.heal_snapshots = False
+        self._before: dict[str, Any] | None = None
         if transport.size == 1:
             return  # nothing crosses a wire, so nothing is compressed
 
@@ -169,16 +175,21 @@ class BoundPowerSGD(BoundRule):
     # -- launching -------------------------------------------------------------------------------
     def _make_hook(self, index: int):
         def on_grad_ready(_param: Tensor) -> None:
-            if not self.sync_enabled:
+            if not self.sync_enabled or self._hook_failure is not None:
                 return
             self._ready[index] += 1
             members = len(self.buckets[index].bucket.tensors)
-            if self._ready[index] == members:
-                self.hook_launches += 1
-                self._launch(index)
-            elif self._ready[index] > members:
-                self._replayed = True  # a second backward before the step
-            self.progress.poll()  # MPICH moves data only inside MPI calls
+            try:
+                if self._ready[index] == members:
+                    self.hook_launches += 1
+                    self._launch(index)
+                elif self._ready[index] > members:
+                    self._replayed = True  # a second backward before the step
+                self.progress.poll()  # MPICH moves data only inside MPI calls
+            except ProcessFailed as failure:
+                # A dead rank (ULFM) noticed during backward: backward completes, and the exchange
+                # raises it, where a healing strategy redoes the exchange with whole gradients.
+                self._hook_failure = failure
 
         return on_grad_ready
 
@@ -211,7 +222,14 @@ class BoundPowerSGD(BoundRule):
         if self.transport.size == 1:
             self.steps += 1
             return True
+        if self._hook_failure is not None:
+            failure, self._hook_failure = self._hook_failure, None
+            raise failure
         begin = time.perf_counter()
+        if self.heal_snapshots:
+            # residuals and warm Q's change only in the commits below (the launches in backward
+            # leave them alone), so this is the state from which an interrupted exchange is redone
+            self._before = self._local_state()
         compressing = self.compressing
         members = {id(p) for g in optimizer.param_groups for p in g["params"]}
         wanted = {i for i, b in enumerate(self.buckets) if any(id(t) in members for t in b.bucket.tensors)}
@@ -238,6 +256,7 @@ class BoundPowerSGD(BoundRule):
         if self.driver is not None:
             self.driver.pause()
         self._reset_overlap()
+        self._before = None
         self.steps += 1
         ok = all(finite.get(index, False) for index in wanted)
         if not ok:
@@ -295,6 +314,52 @@ class BoundPowerSGD(BoundRule):
                     out[self._index[id(bucket.bucket.tensors[c.member])]] = value.detach().cpu().clone()
         return out
 
+    def replicated_state(self) -> dict[str, Any]:
+        """What every rank holds alike: the step counts and the warm Q's (each exchange ends with the
+        averaged Q on every rank); no collective."""
+        state: dict[str, Any] = {
+            "steps": self.steps,
+            "skipped_steps": self.skipped_steps,
+            "world_size": self.transport.size,
+            "q": [],
+        }
+        if self.transport.size > 1:
+            state["q"] = self._by_parameter(lambda b, c: b.q(c, b.q_state) if b.q_ready else None)
+        return state
+
+    def _local_state(self) -> dict[str, Any]:
+        """:meth:`replicated_state` and, as ``"local"``, this rank's residuals by parameter."""
+        state = self.replicated_state()
+        if self.transport.size > 1:
+            state["local"] = self._by_parameter(lambda b, c: b.residual_of(c) if b.residual is not None else None)
+        return state
+
+    def heal_state(self) -> dict[str, Any]:
+        """What this rank carries into a healed run (``heal="shrink"``; no collective: the others may
+        be gone): the step counts, the warm Q's (replicated: every survivor holds the same) and its
+        own residuals, all as they were before an exchange in flight (it is redone from there)."""
+        return self._before if self._before is not None else self._local_state()
+
+    def took_exchange(self, own_grads: Sequence[Tensor | None]) -> None:
+        """After a heal, this rank took the result of the exchange it was in (the gradients, and
+        :meth:`replicated_state`: counts and warm Q's) from a survivor that completed it; its
+        residual, still as before that exchange, becomes what the exchange would have left:
+        ``e ← M + e − M̂``, this rank's own gradient ``M`` (``own_grads``, by parameter) plus its
+        residual, less the approximation ``M̂`` every rank applies (the gradient taken)."""
+        if self.transport.size == 1 or self.steps - 1 < self.rule.start_step:
+            return  # a plain step: nothing fed back
+        for bucket in self.buckets:
+            if bucket.residual is None:
+                continue
+            for c in bucket.compressed:
+                tensor = bucket.bucket.tensors[c.member]
+                own = own_grads[self._index[id(tensor)]]
+                if own is None or tensor.grad is None:
+                    continue
+                residual = bucket.residual_of(c)
+                residual.add_(own.reshape(c.n, c.m).to(residual.dtype))
+                residual.sub_(tensor.grad.reshape(c.n, c.m).to(residual.dtype))
+
     def state_dict(self) -> dict[str, Any]:
         """Collective on every rank (Lightning saves on every rank; rank 0 writes): the step count,
         the warm Q's (the same on every rank) and, gathered to rank 0 only, every rank's residuals
@@ -328,6 +393,9 @@ class BoundPowerSGD(BoundRule):
             )
             return
         same_world = int(state.get("world_size", 0)) == self.transport.size
+        if "local" in state:  # a heal: this rank's own residuals (heal_state)
+            ranks, same_world = None, True
+        local = state.get("local")
         if ranks and not same_world:
             warnings.warn(
                 f"lightning_mpi: PowerSGD residuals from {state.get('world_size')} ranks restored on "
@@ -344,7 +412,11 @@ class BoundPowerSGD(BoundRule):
                     bucket.q(c, bucket.q_state).copy_(q)
                 else:
                     restored = False
-                if bucket.residual is not None and ranks:
+                if bucket.residual is not None and local is not None:
+                    bucket.residual_of(c).zero_()
+                    if local[index] is not None and tuple(local[index].shape) == (c.n, c.m):
+                        bucket.residual_of(c).copy_(local[index])
+                elif bucket.residual is not None and ranks:
                     parts = [r[index] for r in ranks if r[index] is not None]
                     residual = (
                         parts[self.transport.rank]

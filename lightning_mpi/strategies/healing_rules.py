@@ -2,14 +2,40 @@
 (:mod:`.healing`): which rules heal, how their state is carried to the survivors' binding, and
 how an interrupted exchange is put back and redone.
 
+A rule that says itself what it keeps has a ``heal_state()`` (read on this rank alone; what
+``load_state_dict`` of the new binding takes, with this rank's own part under ``"local"``) and a
+``heal_snapshots`` flag, set here before every exchange: it then keeps, while an exchange is in
+flight, the state that exchange started from. Its ``replicated_state()`` (what every rank holds
+alike, changed only once an exchange completed) goes with the exchanged gradients to a survivor
+that missed the exchange's completion.
+
 =========================================  ================================================
 rule (bound class)                          kept, and redone
 =========================================  ================================================
-synchronous, ``average="gradients"``        its counters; ``before_step`` redone with this
-(:class:`~lightning_mpi.rules.sync.BoundSync`)  rank's own gradients put back
+synchronous, ``average="gradients"``,       its counters; ``before_step`` redone with this
+any wire (:class:`~lightning_mpi.rules.     rank's own gradients put back
+sync.BoundSync`)
+synchronous, ``average="weights"`` or       its counters; ``after_step`` (the weight
+``"weights+momentum"``                      average) redone from the weights (and moments)
+                                            it started from, kept before it
+compressed (top-k, int8, 1-bit:             ``heal_state()``: counters, the momentum
+:class:`~lightning_mpi.rules.compressed.    hand-off (replicated); this rank's own residuals
+BoundCompressedSync`)                       and DGC momenta as the last completed exchange
+                                            left them (owned-chunk residuals dropped: chunks
+                                            are cut anew); ``before_step`` redone as sync
+PowerSGD (:class:`~lightning_mpi.rules.     ``heal_state()``: step counts and the warm Q's
+powersgd.BoundPowerSGD`)                    (replicated: the averaged Q of the last exchange),
+                                            this rank's residuals, all as before the
+                                            exchange; ``before_step`` redone as sync
 model averaging, EASGD                      ``state_dict()`` (counters; EASGD's replicated
                                             center); ``after_step`` redone with the state
                                             before it (weights change only once it completed)
+DiLoCo, Streaming DiLoCo                    ``heal_state()``: the outer state (replicated:
+(:class:`~lightning_mpi.rules.diloco.       θ_global, outer momentum, counters, schedule, an
+BoundDiLoCo`)                               arrived mean Δ), this rank's residuals; an
+                                            exchange in flight is kept as the Δ it started
+                                            from and started again over the survivors;
+                                            ``after_step`` redone with the state before it
 any other                                   ``LookupError``: the strategy fails the run
 =========================================  ================================================
 """
@@ -23,6 +49,7 @@ import torch
 
 from lightning_mpi.rules.averaging import BoundModelAveraging, averages_at
 from lightning_mpi.rules.base import BoundRule
+from lightning_mpi.rules.diloco import BoundDiLoCo
 from lightning_mpi.rules.easgd import BoundEASGD
 from lightning_mpi.rules.sync import BoundSync
 
@@ -34,7 +61,17 @@ _LOCAL_STEP_RULES: dict[type, Callable[[Any, dict[str, Any]], bool]] = {
     BoundEASGD: lambda bound, before: (
         bound.transport.size > 1 and bound.steps != before["steps"] and bound.steps % bound.rule.period == 0
     ),
+    # DiLoCo and Streaming DiLoCo: an exchange completed when an outer step was made
+    BoundDiLoCo: lambda bound, before: bound.outer_steps != before["outer_steps"],
 }
+
+
+def _local_state(bound: Any) -> dict[str, Any]:
+    """The bound rule's state read on this rank alone: its ``heal_state()`` where it has one (a
+    ``state_dict()`` that gathers would need the other ranks), else its ``state_dict()``."""
+    heal_state = getattr(bound, "heal_state", None)
+    state: dict[str, Any] = heal_state() if heal_state is not None else bound.state_dict()
+    return state
 
 
 def kept_state(bound: BoundRule | None) -> dict[str, Any] | None:
@@ -44,13 +81,12 @@ def kept_state(bound: BoundRule | None) -> dict[str, Any] | None:
     if bound is None:
         return None
     if type(bound) is BoundSync:
-        if bound.rule.average != "gradients":
-            raise LookupError(f'average={bound.rule.average!r}: only average="gradients" heals so far')
         return {"skipped_steps": bound.skipped_steps}
-    if type(bound) in _LOCAL_STEP_RULES:
+    if type(bound) in _LOCAL_STEP_RULES or hasattr(bound, "heal_state"):
         # model averaging: its counters; EASGD: its counter and the center (replicated: every
-        # survivor holds it whole); the weights are the module's
-        return bound.state_dict()
+        # survivor holds it whole); the weights are the module's. A rule with a heal_state says
+        # itself what it keeps (the table above)
+        return _local_state(bound)
     raise LookupError(f"{type(bound).__name__} keeps state that is not rebuilt after a heal yet")
 
 
@@ -75,53 +111,96 @@ def heal_grads(healing: Any, runner: Any, optimizer: Any, module: torch.nn.Modul
     def exchange() -> bool:
         bound = runner.bound
         assert bound is not None
+        if hasattr(bound, "heal_snapshots"):
+            bound.heal_snapshots = True  # keep what the exchange changes, for a redo (its heal_state)
         return bool(bound.before_step(optimizer))
 
     def put_back() -> None:
         for p, grad in zip(params, own, strict=True):
             p.grad = None if grad is None else grad.clone()
 
-    def keep(accepted: bool) -> tuple[bool, list[torch.Tensor | None]]:
-        return accepted, [None if p.grad is None else p.grad.detach().cpu().clone() for p in params]
+    def keep(accepted: bool) -> tuple[bool, list[torch.Tensor | None], dict[str, Any] | None]:
+        # with the exchanged gradients, the state the exchange changes alike on every rank (counters,
+        # warm starts): a survivor that takes this result takes that state too
+        replicated = getattr(runner.bound, "replicated_state", None)
+        grads = [None if p.grad is None else p.grad.detach().cpu().clone() for p in params]
+        return accepted, grads, None if replicated is None else replicated()
 
-    def take(kept: tuple[bool, list[torch.Tensor | None]]) -> bool:
-        accepted, grads = kept
+    def take(kept: tuple[bool, list[torch.Tensor | None], dict[str, Any] | None]) -> bool:
+        accepted, grads, replicated = kept
         for p, grad in zip(params, grads, strict=True):
             p.grad = None if grad is None else grad.to(p.device)
+        if replicated is not None and runner.bound is not None:
+            runner.bound.load_state_dict(replicated)
+            took = getattr(runner.bound, "took_exchange", None)
+            if took is not None:  # this rank's own feedback, as the exchange it missed leaves it
+                took(own)
         return accepted
 
     return healing.operation("the exchange", exchange, keep, take, put_back, counted=lambda: exchanges)
 
 
+def _moments(bound: Any, optimizer: Any) -> list[torch.Tensor]:
+    """The optimizer's per-parameter float state that ``average="weights+momentum"`` averages (as
+    :meth:`~lightning_mpi.rules.sync.BoundSync._momentum_buckets` picks it)."""
+    if bound.rule.average != "weights+momentum":
+        return []
+    found = []
+    for p in bound.params:
+        state = optimizer.state.get(p, {})
+        for key in sorted(state):
+            value = state[key]
+            if isinstance(value, torch.Tensor) and value.is_floating_point() and value.shape == p.shape:
+                found.append(value)
+    return found
+
+
 def heal_after_step(healing: Any, runner: Any, optimizer: Any) -> None:
     """The rule's ``after_step`` as a healing operation where it may exchange (model averaging's
-    weight average, EASGD's elastic exchange, every ``period`` steps): its state is put back
-    before a redo (the exchange changes weights and center only once it completed), and a
-    survivor that missed the exchange's completion takes the weights and state of one that has."""
+    weight average, EASGD's elastic exchange, every ``period`` steps; DiLoCo's outer exchange; the
+    synchronous rule's weight average every step with ``average="weights"``): its state is put
+    back before a redo, and a survivor that missed the exchange's completion takes the weights and
+    state of one that has. The local-step rules change weights only once their exchange completed;
+    the synchronous weight average writes them bucket by bucket, so the weights (and, with
+    ``"weights+momentum"``, the optimizer's moments) it starts from are kept and put back too."""
     bound = runner.bound
     assert bound is not None
     exchanged = _LOCAL_STEP_RULES.get(type(bound))
+    averages_weights = type(bound) is BoundSync and bound.rule.average != "gradients"
+    if averages_weights:
+        exchanged = lambda now, _before: now.transport.size > 1  # noqa: E731  (every step, once W > 1)
     if not healing.active or exchanged is None:
         bound.after_step(optimizer)  # the synchronous rules exchange nothing here (average="gradients")
         return
-    before = bound.state_dict()
+    before = _local_state(bound)
     params = bound.params
+    moving = [*params, *_moments(bound, optimizer)] if averages_weights else list(params)
+    start = [t.detach().clone() for t in moving] if averages_weights else []
 
     def average() -> None:
+        if hasattr(runner.bound, "heal_snapshots"):
+            runner.bound.heal_snapshots = True  # keep what an exchange starts from (its heal_state)
         runner.bound.after_step(optimizer)
 
     def keep(_: None) -> tuple[dict[str, Any], list[torch.Tensor]]:
-        return runner.bound.state_dict(), [p.detach().cpu().clone() for p in params]
+        return _local_state(runner.bound), [t.detach().cpu().clone() for t in moving]
 
     def take(kept: tuple[dict[str, Any], list[torch.Tensor]]) -> None:
-        state, weights = kept
+        state, values = kept
+        if "local" in state and "local" in before:
+            # the other survivor's replicated state, but this rank's own part (its residuals, as
+            # before the exchange: that step's compression error on this rank is not fed back)
+            state = {**state, "local": before["local"]}
         runner.bound.load_state_dict(state)
         with torch.no_grad():
-            for p, w in zip(params, weights, strict=True):
-                p.copy_(w)
+            for t, value in zip(moving, values, strict=True):
+                t.copy_(value)
 
     def put_back() -> None:
         runner.bound.load_state_dict(before)
+        with torch.no_grad():
+            for t, value in zip(moving if averages_weights else [], start, strict=True):
+                t.copy_(value)
 
     healing.operation(
         "the weight average",

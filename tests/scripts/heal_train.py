@@ -1,11 +1,18 @@
-"""Training that loses a rank and heals (``heal="shrink"``), twice in one launch
+"""Training that loses a rank and heals (``heal="shrink"``), once per phase, in one launch
 (tests/strategies/test_heal.py).
 
-Usage: ``lightning-mpi --heal -n 5 heal_train.py OUT_DIR`` (Open MPI with ULFM).
+Usage: ``lightning-mpi --heal -n 10 heal_train.py OUT_DIR`` (Open MPI with ULFM).
 
-1. ``trainer``: the Trainer with ``SyncStrategy(exchange="asa", heal="shrink")`` (gradient hooks,
-   overlapped buckets), ``self.log(..., sync_dist=True)`` every step (Lightning's ``reduce``);
-   the last rank SIGKILLs itself at the start of step KILL_STEP (the second batch of the second
+0. one Fabric loop per rule whose state a heal carries, each built over the ranks left by the one
+   before, its last rank dying at Fabric step FABRIC_KILL (before its backward: the survivors
+   find the exchange of that step failed), each finishing FABRIC_STEPS: ``topk`` (top-k with
+   error feedback, W 10 -> 9), ``powersgd`` (9 -> 8), ``diloco`` (PERIOD, an outer exchange in
+   the kill step; 8 -> 7), ``streaming`` (Streaming DiLoCo, STREAMING: the exchange started at
+   the kill step is in flight over the next step; 7 -> 6), ``weights`` (``SyncStrategy(average=
+   "weights")``; 6 -> 5).
+1. ``trainer``: the Trainer on the five left with ``SyncStrategy(exchange="asa", heal="shrink")``
+   (gradient hooks, overlapped buckets), ``self.log(..., sync_dist=True)`` every step (Lightning's
+   ``reduce``); the last rank SIGKILLs itself at the start of step KILL_STEP (the second batch of the second
    epoch), so the survivors heal in the middle of an epoch and train on to MAX_STEPS over three
    ranks, sharded anew from the third epoch; validation at every epoch's end (its loader sharded
    anew at the first validation after the heal), a ``ModelCheckpoint`` and an ``EarlyStopping``.
@@ -48,7 +55,9 @@ OUT, RANK, W = Path("."), 0, 1  # set by main(); the test imports Indexed and ma
 N, B, LR, VAL = 60, 4, 0.1, 20  # W = 5: 12 samples, 3 batches per rank and epoch; W = 4: 15, 4 batches
 KILL_STEP, MAX_STEPS = 4, 12
 FABRIC_KILL, FABRIC_STEPS, PERIOD = 3, 6, 2
-REPLACE_KILL, REPLACE_STEPS, REPLACEMENT = 1, 8, 9  # W = 4: 4 batches per rank and epoch
+REPLACE_KILL, REPLACE_STEPS, REPLACEMENT = 1, 8, 10  # W = 4: 4 batches per rank and epoch; 10: no launch rank
+TOPK_RATIO = 0.25
+STREAMING = {"period": 4, "fragments": 2, "overlap_steps": 1, "mix_alpha": 0.5}
 
 
 class Indexed(Dataset):
@@ -111,7 +120,7 @@ def trainer_phase() -> dict:
             return loss
 
         def on_train_batch_start(self, batch, batch_idx):
-            if self.global_step == KILL_STEP and RANK == W - 1:
+            if self.global_step == KILL_STEP and self.global_rank == self.trainer.world_size - 1:
                 die()
 
         def validation_step(self, batch, batch_idx):
@@ -231,10 +240,14 @@ def replace_phase() -> dict:
     }
 
 
-def _fabric_loop(strategy, phase: str, stride: int, count_ranks: bool) -> dict:
+def _fabric_loop(strategy, phase: str, stride: int, count_ranks: bool, settle: bool = False) -> dict:
     """A Fabric loop on ``strategy`` whose last rank dies at step ``FABRIC_KILL``; each rank's batch
     is picked by its current rank and world size (a heal changes both). ``count_ranks``: Lightning's
-    collectives go on after the heal (an ``all_reduce`` of ones every step)."""
+    collectives go on after the heal (an ``all_reduce`` of ones every step). ``settle``: a barrier
+    first, so that the rank dies once every rank completed the step before's exchange, and the
+    survivors find the loss in the exchange of the kill step itself, which they all redo (a rank
+    lost right after a collective that some survivors completed and others did not is reconciled
+    by taking its result, which the replays here do not model)."""
     import lightning as L
 
     fabric = L.Fabric(strategy=strategy, accelerator="cpu")
@@ -244,6 +257,8 @@ def _fabric_loop(strategy, phase: str, stride: int, count_ranks: bool) -> dict:
     model, opt = fabric.setup(net, torch.optim.SGD(net.parameters(), lr=LR))
     data = Indexed()
     for step in range(FABRIC_STEPS):
+        if step == FABRIC_KILL and settle:
+            fabric.barrier()
         if step == FABRIC_KILL and fabric.global_rank == fabric.world_size - 1:
             die()
         index = [(step * stride + fabric.global_rank * B + k) % N for k in range(B)]
@@ -279,6 +294,45 @@ def easgd_phase() -> dict:
     return _fabric_loop(EASGDStrategy(period=PERIOD, heal="shrink"), "easgd", 5, count_ranks=False)
 
 
+def topk_phase() -> dict:
+    """Top-k with error feedback (residuals local) on all ranks; one dies in the exchange's step."""
+    from lightning_mpi.fabric import CompressedSyncStrategy
+
+    strategy = CompressedSyncStrategy(codec="topk", ratio=TOPK_RATIO, ratio_warmup_steps=0, heal="shrink")
+    return _fabric_loop(strategy, "topk", 11, count_ranks=False, settle=True)
+
+
+def powersgd_phase() -> dict:
+    """PowerSGD at rank 1 (warm Q's replicated, residuals local); one dies in the exchange's step."""
+    from lightning_mpi.fabric import PowerSGDStrategy
+
+    return _fabric_loop(PowerSGDStrategy(heal="shrink"), "powersgd", 13, count_ranks=False, settle=True)
+
+
+def weights_phase() -> dict:
+    """The synchronous rule averaging weights after every local step; one dies in the step."""
+    from lightning_mpi.fabric import SyncStrategy as FabricSync
+
+    return _fabric_loop(FabricSync(average="weights", heal="shrink"), "weights", 23, count_ranks=False, settle=True)
+
+
+def diloco_phase() -> dict:
+    """DiLoCo (its outer state replicated); one dies in the step of an outer exchange."""
+    from lightning_mpi.fabric import DiLoCoStrategy
+
+    return _fabric_loop(DiLoCoStrategy(period=PERIOD, heal="shrink"), "diloco", 17, count_ranks=False, settle=True)
+
+
+def streaming_phase() -> dict:
+    """Streaming DiLoCo, two fragments, each exchange overlapped with one inner step; one rank dies
+    at the step whose end starts a fragment's exchange: the survivors find it failed while it is in
+    flight (over the next inner step) and start it again over themselves."""
+    from lightning_mpi.fabric import StreamingDiLoCoStrategy
+
+    strategy = StreamingDiLoCoStrategy(**STREAMING, wire="fp32", heal="shrink")
+    return _fabric_loop(strategy, "streaming", 19, count_ranks=False, settle=True)
+
+
 def min_ranks_phase() -> dict:
     """Two ranks left and ``min_ranks=2``: the survivor of one more loss raises ``RankFailedError``."""
     import lightning as L
@@ -310,6 +364,11 @@ def main() -> None:
 
     OUT, RANK, W = Path(sys.argv[1]), MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
     phases = (
+        ("topk", topk_phase),
+        ("powersgd", powersgd_phase),
+        ("diloco", diloco_phase),
+        ("streaming", streaming_phase),
+        ("weights", weights_phase),
         ("trainer", trainer_phase),
         ("replace", replace_phase),
         ("fabric", fabric_phase),
