@@ -322,7 +322,9 @@ class RunReplacing:
             checkpoint = trainer._checkpoint_connector.dump_checkpoint()
             if state is not None:
                 rule = type(self._runner.rule).__name__
-                checkpoint[self._key] = {"rule": rule, "state": state, "world_size": transport.size}
+                # without rank 0's own part ("local": its residuals): a new rank starts with none
+                shared = {key: value for key, value in state.items() if key != "local"}
+                checkpoint[self._key] = {"rule": rule, "state": shared, "world_size": transport.size}
             epoch_loop = trainer.fit_loop.epoch_loop
             handover = Handover(checkpoint, shards, int(epoch_loop.batch_progress.current.completed))
         transport.broadcast_object(handover, root=0)
