@@ -2,10 +2,12 @@
 
 The rule measures, on every rank, the compute time of a step (:class:`~.link_probe.StepClock`) and
 the link (:class:`~.link_probe.LinkProbe`: a tiny Allreduce for the latency, one of 1 MiB for the
-bandwidth), agrees the numbers over the ranks (their maxima), and picks an arm with
-:func:`~.auto_choice.choose`: every-step ASA with an fp16 wire where the exchange hides behind
-backward, PowerSGD in the middle, Streaming DiLoCo (wire, fragments, period and overlap chosen
-from the link) on slow links::
+bandwidth), times a dry run of every every-step arm the link does not rule out (one fp16 ASA
+exchange of the gradient size; one PowerSGD step on copies of the real gradients), agrees the
+numbers over the ranks (their maxima), and picks an arm with :func:`~.auto_choice.choose`:
+every-step ASA with an fp16 wire where what it adds to a step hides behind backward, PowerSGD
+in the middle, and where neither does, Streaming DiLoCo with the plan its own ``period="auto"``
+picks::
 
     steps 1 .. 5       local steps (no exchange): the first is not timed, the next 4 are
     after step 5       measure, agree, choose; switch to the chosen arm
@@ -36,9 +38,11 @@ fresh timings (``assume`` makes them reproducible, for tests and what-if runs).
 from __future__ import annotations
 
 import time
+import warnings
 from collections import deque
 from collections.abc import Sequence
-from typing import Any
+from types import SimpleNamespace
+from typing import Any, cast
 
 import torch
 from torch import Tensor
@@ -49,7 +53,14 @@ from lightning_mpi.comm.collectives import ASAWorkspace, asa_mean_steps
 from lightning_mpi.comm.engine import ExchangeScheduler
 from lightning_mpi.comm.transport import Transport
 from lightning_mpi.options import integer, number, option, options_class
-from lightning_mpi.rules.auto_choice import BACKWARD_SHARE, KEEP, Choice, Sizes, choose, predicted_exposed
+from lightning_mpi.rules.auto_choice import (
+    EVERY_STEP_ARMS,
+    Choice,
+    Sizes,
+    choose,
+    dry_run_exposed,
+    worth_timing,
+)
 from lightning_mpi.rules.base import BoundRule, Rule
 from lightning_mpi.rules.diloco import DiLoCoRule
 from lightning_mpi.rules.link_model import Link
@@ -98,8 +109,9 @@ def parse_assumed(text: str) -> list[Measurement]:
 @options_class
 class AutoRule(Rule):
     """The exchange chosen from the measured link and compute (``mpi_auto``): every-step ASA with an
-    fp16 wire where it hides behind backward, PowerSGD in the middle, Streaming DiLoCo with its
-    wire, fragments and period picked from the link on slow links; measured again every
+    fp16 wire where it hides behind backward, PowerSGD in the middle (each timed in a dry run
+    before it is chosen), and Streaming DiLoCo with the plan of its own ``period="auto"`` where
+    no every-step exchange hides; measured again every
     ``measure_every`` steps and switched, at a step every rank agrees on, when the choice moves.
     Logs its choice and why under ``mpi/auto/*`` and prints one line per change on rank 0.
     """
@@ -241,20 +253,27 @@ class BoundAuto(BoundRule):
         probe = torch.zeros(min(PROBE_NUMEL, max(1, self.sizes.numel)), dtype=torch.float32)
         nbytes = int(2 * (self.transport.size - 1) / self.transport.size * probe.numel() * 4)
         measured = LinkProbe(self.transport).measure(step, lambda: self.transport.allreduce_(probe), nbytes)
-        self._dry_sync(measured)
+        self._dry_runs(measured)
         if observed is not None:
             agreed = torch.tensor([observed], dtype=torch.float64)
             observed = float(self.transport.allreduce_(agreed, "max")[0])
         return measured, observed
 
-    def _dry_sync(self, measured: Measurement) -> None:
-        """Collective: where the link says every-step ASA could hide, time one fp16 ASA exchange of
-        the real gradient size (zeros), and keep what backward could not hide of it as the ASA
-        arm's observed cost: only its link part, at most backward, can overlap; its CPU work
-        (casts, sums, copies) adds to the step."""
+    def _dry_runs(self, measured: Measurement) -> None:
+        """Collective: time one exchange of every every-step arm that the link does not rule out
+        (and that is not in use: its own steps are timed), on the real gradient sizes, and keep
+        what it would add to a step as that arm's observed cost (:func:`~.auto_choice.dry_run_exposed`)."""
         step, link = measured.step_seconds, measured.link
-        if predicted_exposed("sync", step, link, self.sizes) > self.rule.tolerance * KEEP * step:
-            return
+        for arm in EVERY_STEP_ARMS:
+            if arm == self.choice.arm or not worth_timing(arm, step, link, self.sizes, self.rule.tolerance):
+                continue
+            seconds = self._dry_sync_seconds() if arm == "sync" else self._dry_powersgd_seconds()
+            agreed = torch.tensor([seconds], dtype=torch.float64)
+            real = float(self.transport.allreduce_(agreed, "max")[0])  # every rank decides from the same
+            self.observed[arm] = (dry_run_exposed(arm, real, step, link, self.sizes), link.bandwidth)
+
+    def _dry_sync_seconds(self) -> float:
+        """Collective: one fp16 ASA exchange of the real gradient size (zeros), timed."""
         size = self.transport.size
         flat = torch.zeros(-(-self.sizes.numel // size) * size, dtype=torch.float32)
         work = ASAWorkspace.for_buffer(flat, size, FP16)
@@ -262,10 +281,33 @@ class BoundAuto(BoundRule):
         start = time.perf_counter()
         scheduler.start(asa_mean_steps(self.transport, flat, FP16, work))
         scheduler.wait_all()
-        agreed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
-        real = float(self.transport.allreduce_(agreed, "max")[0])
-        hidden = min(link.seconds(self.sizes.sync_bytes()), BACKWARD_SHARE * step)
-        self.observed["sync"] = (max(0.0, real - hidden), link.bandwidth)
+        return time.perf_counter() - start
+
+    def _dry_powersgd_seconds(self) -> float:
+        """Collective: PowerSGD's step (compress, two Allreduces, decompress, error feedback) on
+        copies of this rank's gradients, timed the second time (the first draws the Q's and
+        allocates): the matrix products and orthogonalisation the link model cannot see. The
+        training's own parameters, gradients and state are untouched."""
+        shadow = []
+        for param in self.params:
+            copy = torch.empty_like(param).requires_grad_(True)
+            source = param.grad if param.grad is not None else param  # same cost, non-zero values
+            copy.grad = source.detach().clone()
+            shadow.append(copy)
+        saved = [copy.grad.clone() for copy in shadow if copy.grad is not None]
+        steps = SimpleNamespace(param_groups=[{"params": shadow}])  # before_step reads only these
+        bound = PowerSGDRule(overlap=False).bind(self.transport, shadow)
+        try:
+            with warnings.catch_warnings():  # a rank's own non-finite gradients: timed all the same
+                warnings.simplefilter("ignore")
+                bound.before_step(cast(Optimizer, steps))
+                for copy, grad in zip(shadow, saved, strict=True):
+                    copy.grad = grad
+                start = time.perf_counter()
+                bound.before_step(cast(Optimizer, steps))
+                return time.perf_counter() - start
+        finally:
+            bound.close()
 
     def _decide(self, optimizer: Optimizer) -> None:
         self.measured, observed = self._measure()
