@@ -6,11 +6,13 @@ bandwidth), times a dry run of every every-step arm the link does not rule out (
 exchange of the gradient size; one PowerSGD step on copies of the real gradients), agrees the
 numbers over the ranks (their maxima), and picks an arm with :func:`~.auto_choice.choose`:
 every-step ASA with an fp16 wire where what it adds to a step hides behind backward, PowerSGD
-in the middle, and where neither does, Streaming DiLoCo with the plan its own ``period="auto"``
-picks::
+in the middle, and where neither does, Streaming DiLoCo at its defaults, with the period its
+own ``period="auto"`` picks where the exchange needs a longer one to hide::
 
-    steps 1 .. 5       local steps (no exchange): the first is not timed, the next 4 are
-    after step 5       measure, agree, choose; switch to the chosen arm
+    steps 1 .. 5       mpi_streaming_diloco at its defaults, whose first exchange comes after
+                       step 12, so local steps: the first is not timed, the next 4 are
+    after step 5       measure, agree, choose; switch to the chosen arm (none where the
+                       choice is the defaults' plan: nothing is exchanged for the switch)
     6 steps after a switch, and every measure_every steps otherwise
                        measure again (and take the arm's own exposed time per step);
                        switch when the choice changed (hysteresis in auto_choice)
@@ -22,7 +24,7 @@ The arms are the existing rules, held by composition: :class:`BoundAuto` holds t
 of the arm in use and delegates every hook to it. A switch happens in ``after_step``, where
 every rank is, after the update:
 
-- leaving Streaming DiLoCo (or the first local steps): its ``on_train_end`` folds in what is in
+- leaving Streaming DiLoCo: its ``on_train_end`` folds in what is in
   flight and the steps since each fragment's last exchange, and leaves θ_global, identical on
   every rank; for an every-step arm, the inner optimizer's per-parameter state (momentum, Adam's
   moments), which differed between ranks, is averaged, so every rank continues from the same
@@ -58,6 +60,7 @@ from lightning_mpi.rules.auto_choice import (
     Choice,
     Sizes,
     choose,
+    default_plan,
     dry_run_exposed,
     worth_timing,
 )
@@ -75,10 +78,10 @@ PROBE_STEPS = 5
 #: (PowerSGD's matrix products, Python's overhead per bucket) is seen soon, not ``measure_every``
 #: steps later.
 CONFIRM_STEPS = 6
-#: The arm of the first steps: local steps, then one 4-bit average at the switch.
-PROBING = Choice("probing")
 #: Values of the bandwidth probe (fp32): 1 MiB, a few ms on 1 Gbit/s, 80 ms on 100 Mbit/s.
 PROBE_NUMEL = 1 << 18
+#: The arms whose ranks step on their own between exchanges.
+LOCAL_STEP_ARMS = ("probing", "streaming")
 ARM_CODES = {"probing": -1.0, "sync": 0.0, "powersgd": 1.0, "streaming": 2.0}
 WIRE_BITS = {"": 0.0, "fp32": 32.0, "fp16": 16.0, "bf16": 16.0, "int8": 8.0, "int4": 4.0}
 
@@ -110,8 +113,8 @@ def parse_assumed(text: str) -> list[Measurement]:
 class AutoRule(Rule):
     """The exchange chosen from the measured link and compute (``mpi_auto``): every-step ASA with an
     fp16 wire where it hides behind backward, PowerSGD in the middle (each timed in a dry run
-    before it is chosen), and Streaming DiLoCo with the plan of its own ``period="auto"`` where
-    no every-step exchange hides; measured again every
+    before it is chosen), and Streaming DiLoCo at its defaults (the period raised where the
+    exchange needs more steps to hide) where no every-step exchange hides; measured again every
     ``measure_every`` steps and switched, at a step every rank agrees on, when the choice moves.
     Logs its choice and why under ``mpi/auto/*`` and prints one line per change on rank 0.
     """
@@ -156,7 +159,8 @@ def arm_rule(choice: Choice) -> Rule:
             overlap_steps=choice.overlap_steps,
             wire=choice.wire,  # type: ignore[arg-type]  # auto_choice picks among the allowed wires
         )
-    # probing: local steps; the switch averages the weights once (outer lr 1, no momentum), 4-bit
+    # "probing", the first steps' arm of checkpoints written before the first steps ran Streaming
+    # DiLoCo: local steps; the switch averages the weights once (outer lr 1, no momentum), 4-bit
     return DiLoCoRule(period=10**9, outer_lr=1.0, outer_momentum=0.0, wire="int4")
 
 
@@ -168,8 +172,10 @@ class BoundAuto(BoundRule):
         self.rule = rule
         self.sizes = Sizes.of([tuple(p.shape) for p in self.params], transport.size)
         self.assumed = parse_assumed(rule.assume) if rule.assume is not None else None
-        # one rank: nothing to measure or exchange (a plain every-step rule is a no-op there)
-        self.choice = PROBING if transport.size > 1 else Choice("sync", "fp16")
+        # The first steps train mpi_streaming_diloco at its defaults (its first exchange comes after
+        # the first decision), so where the decision keeps it nothing is switched. One rank: nothing
+        # to measure or exchange (a plain every-step rule is a no-op there).
+        self.choice = default_plan(self.sizes) if transport.size > 1 else Choice("sync", "fp16")
         self.inner: BoundRule = arm_rule(self.choice).bind(transport, self.params)
         self.steps = 0
         self.next_decision = PROBE_STEPS
@@ -209,7 +215,7 @@ class BoundAuto(BoundRule):
         start = time.perf_counter()
         accepted = self.inner.before_step(optimizer)
         self._held = time.perf_counter() - start
-        if not accepted and self.choice.arm in ("probing", "streaming"):
+        if not accepted and self.choice.arm in LOCAL_STEP_ARMS:
             # A local-step arm rejected this rank's own step (non-finite gradients): the strategy
             # skips after_step on this rank only, but the step counts on every rank, so count it
             # (and decide, if due) here; the other ranks do the same in after_step, and nothing
@@ -317,9 +323,14 @@ class BoundAuto(BoundRule):
             self.observed[self.choice.arm] = (observed, bandwidth)
         # an observation counts while the link is within a factor 2 of the one it was made on
         valid = {arm: seconds for arm, (seconds, seen) in self.observed.items() if 0.5 <= bandwidth / seen <= 2.0}
-        current = None if self.choice == PROBING else self.choice
         choice, self.reason = choose(
-            self.measured.step_seconds, self.measured.link, self.sizes, current, valid, self.rule.tolerance
+            self.measured.step_seconds,
+            self.measured.link,
+            self.sizes,
+            self.choice,
+            valid,
+            self.rule.tolerance,
+            first=self.decisions == 0,
         )
         self.decisions += 1
         every = self.rule.measure_every
@@ -331,7 +342,7 @@ class BoundAuto(BoundRule):
     def _switch(self, choice: Choice, optimizer: Optimizer) -> None:
         """Hand over to ``choice``'s rule at this step (every rank is here; see the module docstring)."""
         previous = self.choice
-        if previous.arm in ("probing", "streaming"):
+        if previous.arm in LOCAL_STEP_ARMS:
             self.inner.on_train_end()  # every rank now holds θ_global
             if choice.arm in ("sync", "powersgd"):  # a local-step arm keeps each rank's own state
                 self._average_optimizer_state(optimizer)

@@ -8,10 +8,10 @@ the batch):
    compute) cannot hide is at most ``tolerance`` of a step.
 2. ``powersgd``: PowerSGD at rank 1 (``mpi_powersgd``), when its exchange costs at most
    ``tolerance`` of a step.
-3. ``streaming``: Streaming DiLoCo (``mpi_streaming_diloco``) otherwise, with the plan its own
-   ``period="auto"`` picks (:func:`streaming_plan`): its default wire, fragments and overlap, and
-   the smallest period whose exchanges hide behind its steps
-   (:func:`~lightning_mpi.rules.link_model.hidden_schedule`).
+3. ``streaming``: Streaming DiLoCo (``mpi_streaming_diloco``) otherwise, at its defaults (wire,
+   fragments, overlap, period), with the period its own ``period="auto"`` picks
+   (:func:`~lightning_mpi.rules.link_model.hidden_schedule`) where the exchange needs a longer one
+   to hide (:func:`streaming_plan`).
 
 An every-step arm's cost is what it adds to a step: ``observed`` where it was timed, predicted
 from the link only where it was not. The rule times every candidate that the link does not rule
@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from lightning_mpi.comm.codecs import get_codec
 from lightning_mpi.rules.link_model import Link, exposed_seconds, hidden_schedule
@@ -132,15 +132,29 @@ def powersgd_bytes(
     return int(2 * (world - 1) / max(1, world) * values * 4)
 
 
-def streaming_plan(step_seconds: float, link: Link, sizes: Sizes) -> Choice:
-    """Streaming DiLoCo's plan as its own ``period="auto"`` picks it: the rule's default wire,
-    fragments (at most one per tensor) and overlap, and the smallest period (and τ) whose
-    exchange of the largest fragment hides behind its steps."""
+def default_plan(sizes: Sizes) -> Choice:
+    """``mpi_streaming_diloco`` at its defaults (fragments at most one per tensor, as it binds):
+    what ``mpi_auto`` trains with from its first step, before it has measured anything."""
     defaults = StreamingDiLoCoRule()
     fragments = max(1, min(defaults.fragments, sizes.tensors))
-    seconds = link.seconds(sizes.fragment_bytes(defaults.wire, fragments))
-    period, tau = hidden_schedule(seconds, step_seconds, fragments, defaults.overlap_steps)
-    return Choice("streaming", defaults.wire, fragments, period, tau)
+    return Choice("streaming", defaults.wire, fragments, int(defaults.period), defaults.overlap_steps)
+
+
+def streaming_plan(step_seconds: float, link: Link, sizes: Sizes) -> Choice:
+    """Streaming DiLoCo's plan: its defaults (:func:`default_plan`), with the period (and τ) that
+    its own ``period="auto"`` picks for the largest fragment's exchange where that is longer
+    than the default period, else the default period with τ raised to what one exchange needs.
+
+    The default period is kept where a shorter one would hide: on 2 cores every exchange's
+    encoding and sums take CPU from the steps, and ``mpi_streaming_diloco:period=auto`` (period
+    8 at 1 Gbit/s, 16 at 100 Mbit/s) made fewer steps and a worse loss in T than its default 50
+    in the same time-to-quality run (docs/performance.md)."""
+    plan = default_plan(sizes)
+    seconds = link.seconds(sizes.fragment_bytes(plan.wire, plan.fragments))
+    period, tau = hidden_schedule(seconds, step_seconds, plan.fragments, plan.overlap_steps)
+    if period > plan.period:
+        return replace(plan, period=period, overlap_steps=tau)
+    return replace(plan, overlap_steps=max(plan.overlap_steps, min(tau, plan.period // plan.fragments - 1)))
 
 
 def worth_timing(arm: str, step_seconds: float, link: Link, sizes: Sizes, tolerance: float) -> bool:
@@ -179,17 +193,19 @@ def choose(
     current: Choice | None = None,
     observed: Mapping[str, float] | None = None,
     tolerance: float = 0.1,
+    first: bool = False,
 ) -> tuple[Choice, str]:
     """The arm to train with, and why (one line).
 
-    ``current`` is the arm in use (None at the first decision) and ``observed`` the exposed seconds
-    per step seen for the every-step arms on this link, in a dry run or while they ran (see the
-    module docstring); an arm observed is judged by that, not by the link.
+    ``current`` is the arm in use (None: none yet) and ``observed`` the exposed seconds per step
+    seen for the every-step arms on this link, in a dry run or while they ran (see the module
+    docstring); an arm observed is judged by that, not by the link. At the ``first`` decision
+    an every-step arm enters at ``tolerance`` (no arm was chosen yet, so no hysteresis).
     """
     observed = observed or {}
     if world_alone(sizes):
         return Choice("sync", "fp16"), "one rank: nothing to exchange"
-    enter = tolerance * (1.0 if current is None else ENTER)
+    enter = tolerance * (1.0 if current is None or first else ENTER)
     keep = tolerance * KEEP
     costs = []
     for arm in EVERY_STEP_ARMS:

@@ -10,6 +10,7 @@ from lightning_mpi.rules.auto_choice import (
     Choice,
     Sizes,
     choose,
+    default_plan,
     dry_run_exposed,
     powersgd_bytes,
     streaming_plan,
@@ -33,22 +34,36 @@ def test_the_link_picks_the_arm(rate, arm):
     assert choice.arm == arm, why
 
 
-def test_streaming_gets_the_plan_of_its_own_period_auto():
-    # Streaming DiLoCo's defaults (int4, 4 fragments, τ 1) and the period its period="auto" picks
-    # from the largest fragment's exchange: at 10 Mbit/s one fragment (~2.1 MB) takes ~1.7 s,
-    # 22 steps, so τ is raised to 22 and the link kept at most half busy
+def test_streaming_gets_its_defaults_with_the_period_raised_where_the_exchange_needs_it():
+    # mpi_streaming_diloco's defaults (int4, 4 fragments, τ 1, period 50); at 10 Mbit/s the largest
+    # fragment (~2.1 MB) takes ~1.7 s, 22 steps: its own period="auto" raises τ to 22 and the
+    # period past 50, and that plan is taken
     sizes = Sizes.of([(4000, 4000), (4000,), (500, 500), (1000, 1000), (10,)], world=2)
+    assert default_plan(sizes) == Choice("streaming", "int4", 4, 50, 1)
     choice, _ = choose(STEP, mbit(10), sizes)
-    largest = max(16_000_000, 250_000 + 1_000_000 + 10 + 4000)  # fragments cut by split_fragments
+    largest = 16_000_000  # the first fragment holds the 4000 x 4000 matrix alone (split_fragments)
     seconds = mbit(10).seconds(exchange_bytes(largest, 2, get_codec("int4")))
     assert (choice.wire, choice.fragments) == ("int4", 4)
     assert (choice.period, choice.overlap_steps) == hidden_schedule(seconds, STEP, 4, 1)
-    assert choice.overlap_steps < choice.period // choice.fragments
-    # a faster link: a shorter period, the same wire and fragments
-    fast = streaming_plan(STEP, mbit(1_000), sizes)
-    assert (fast.wire, fast.fragments, fast.period, fast.overlap_steps) == ("int4", 4, 8, 1)
+    assert choice.period > 50 and choice.overlap_steps < choice.period // choice.fragments
+    # a faster link: period="auto" would pick 8; the default 50 is kept (every exchange costs CPU)
+    assert hidden_schedule(mbit(1_000).seconds(exchange_bytes(largest, 2, get_codec("int4"))), STEP, 4, 1)[0] == 8
+    assert streaming_plan(STEP, mbit(1_000), sizes) == default_plan(sizes)
+    # the task's model at 100 Mbit/s: a quarter of it (2.1 MB) needs 3 steps; the default period, τ 3
+    assert streaming_plan(STEP, mbit(100), MODEL) == Choice("streaming", "int4", 4, 50, 3)
     # fewer tensors than the default's fragments: one fragment per tensor, as the rule binds
     assert streaming_plan(STEP, mbit(10), Sizes.of([(100, 50), (100,)], world=2)).fragments == 2
+
+
+def test_the_first_decision_keeps_the_defaults_plan_it_started_with():
+    start = default_plan(MODEL)
+    # 100 Mbit/s: the plan differs only in τ (and the period is the same): nothing to switch
+    kept, _ = choose(STEP, mbit(100), MODEL, current=start, observed={"powersgd": 0.6 * STEP}, first=True)
+    assert kept == start
+    # a fast link with a cheap every-step arm: entered at the tolerance (no hysteresis yet)
+    fast = {"sync": 0.08 * STEP, "powersgd": 0.5 * STEP}
+    assert choose(STEP, mbit(10_000), MODEL, current=start, observed=fast, first=True)[0].arm == "sync"
+    assert choose(STEP, mbit(10_000), MODEL, current=start, observed=fast)[0] == start  # later: < 5% needed
 
 
 def test_a_dry_run_that_costs_more_than_the_link_says_sends_the_first_decision_to_streaming():
