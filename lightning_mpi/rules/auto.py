@@ -116,7 +116,8 @@ class AutoRule(Rule):
     before it is chosen), and Streaming DiLoCo at its defaults (the period raised where the
     exchange needs more steps to hide) where no every-step exchange hides; measured again every
     ``measure_every`` steps and switched, at a step every rank agrees on, when the choice moves.
-    Logs its choice and why under ``mpi/auto/*`` and prints one line per change on rank 0.
+    Logs its choice and why under ``mpi/auto/*`` and prints one line per change (and one for the first
+    decision) on rank 0.
     """
 
     name = "auto"
@@ -291,24 +292,22 @@ class BoundAuto(BoundRule):
 
     def _dry_powersgd_seconds(self) -> float:
         """Collective: PowerSGD's step (compress, two Allreduces, decompress, error feedback) on
-        copies of this rank's gradients, timed the second time (the first draws the Q's and
-        allocates): the matrix products and orthogonalisation the link model cannot see. The
-        training's own parameters, gradients and state are untouched."""
+        copies of this rank's gradients, timed once: the matrix products and orthogonalisation the
+        link model cannot see. Once, so that the probe costs about one PowerSGD step: that one
+        also draws the Q's and allocates the buckets, which overstates PowerSGD's cost a little;
+        its steady cost shows in its own steps once it runs. The training's own parameters,
+        gradients and state are untouched."""
         shadow = []
         for param in self.params:
             copy = torch.empty_like(param).requires_grad_(True)
             source = param.grad if param.grad is not None else param  # same cost, non-zero values
             copy.grad = source.detach().clone()
             shadow.append(copy)
-        saved = [copy.grad.clone() for copy in shadow if copy.grad is not None]
         steps = SimpleNamespace(param_groups=[{"params": shadow}])  # before_step reads only these
         bound = PowerSGDRule(overlap=False).bind(self.transport, shadow)
         try:
             with warnings.catch_warnings():  # a rank's own non-finite gradients: timed all the same
                 warnings.simplefilter("ignore")
-                bound.before_step(cast(Optimizer, steps))
-                for copy, grad in zip(shadow, saved, strict=True):
-                    copy.grad = grad
                 start = time.perf_counter()
                 bound.before_step(cast(Optimizer, steps))
                 return time.perf_counter() - start
@@ -337,6 +336,8 @@ class BoundAuto(BoundRule):
         if choice != self.choice:
             self._switch(choice, optimizer)
             every = min(every, CONFIRM_STEPS) if every > 0 else 0
+        elif self.decisions == 1:  # the first decision kept the plan it started with: say so
+            self._announce(choice)
         self.next_decision = self.steps + every if every > 0 else -1
 
     def _switch(self, choice: Choice, optimizer: Optimizer) -> None:
@@ -357,6 +358,10 @@ class BoundAuto(BoundRule):
         self.choice = choice
         self.switches += 1
         self.held.clear()
+        self._announce(choice)
+
+    def _announce(self, choice: Choice) -> None:
+        """Rank 0's one line for a decision that changed the arm (and for the first decision)."""
         if self.transport.rank == 0:
             link = self.measured.link if self.measured is not None else None
             seen = "" if link is None else f"; link {link.bandwidth * 8 / 1e6:.0f} Mbit/s, {link.latency * 1e3:.2f} ms"
