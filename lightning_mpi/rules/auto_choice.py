@@ -221,6 +221,8 @@ def choose(
     plan = streaming_plan(step_seconds, link, sizes)
     why = f"exposed {', '.join(costs)} of a step: too slow for every-step exchanges"
     if current is not None and current.arm == "streaming" and _similar(current, plan):
+        if current == plan:
+            return current, why + "; the plan in use hides its exchanges"
         return current, why + f"; the plan in use is close to the new one ({plan.describe()})"
     return plan, why
 
