@@ -2,13 +2,17 @@
 
 The rule measures, on every rank, the compute time of a step (:class:`~.link_probe.StepClock`) and
 the link (:class:`~.link_probe.LinkProbe`: a tiny Allreduce for the latency, one of 1 MiB for the
-bandwidth), agrees the numbers over the ranks (their maxima), and picks an arm with
-:func:`~.auto_choice.choose`: every-step ASA with an fp16 wire where the exchange hides behind
-backward, PowerSGD in the middle, Streaming DiLoCo (wire, fragments, period and overlap chosen
-from the link) on slow links::
+bandwidth), times a dry run of every every-step arm the link does not rule out (one fp16 ASA
+exchange of the gradient size; one PowerSGD step on copies of the real gradients), agrees the
+numbers over the ranks (their maxima), and picks an arm with :func:`~.auto_choice.choose`:
+every-step ASA with an fp16 wire where what it adds to a step hides behind backward, PowerSGD
+in the middle, and where neither does, Streaming DiLoCo at its defaults, with the period its
+own ``period="auto"`` picks where the exchange needs a longer one to hide::
 
-    steps 1 .. 5       local steps (no exchange): the first is not timed, the next 4 are
-    after step 5       measure, agree, choose; switch to the chosen arm
+    steps 1 .. 5       mpi_streaming_diloco at its defaults, whose first exchange comes after
+                       step 12, so local steps: the first is not timed, the next 4 are
+    after step 5       measure, agree, choose; switch to the chosen arm (none where the
+                       choice is the defaults' plan: nothing is exchanged for the switch)
     6 steps after a switch, and every measure_every steps otherwise
                        measure again (and take the arm's own exposed time per step);
                        switch when the choice changed (hysteresis in auto_choice)
@@ -20,7 +24,7 @@ The arms are the existing rules, held by composition: :class:`BoundAuto` holds t
 of the arm in use and delegates every hook to it. A switch happens in ``after_step``, where
 every rank is, after the update:
 
-- leaving Streaming DiLoCo (or the first local steps): its ``on_train_end`` folds in what is in
+- leaving Streaming DiLoCo: its ``on_train_end`` folds in what is in
   flight and the steps since each fragment's last exchange, and leaves θ_global, identical on
   every rank; for an every-step arm, the inner optimizer's per-parameter state (momentum, Adam's
   moments), which differed between ranks, is averaged, so every rank continues from the same
@@ -36,9 +40,11 @@ fresh timings (``assume`` makes them reproducible, for tests and what-if runs).
 from __future__ import annotations
 
 import time
+import warnings
 from collections import deque
 from collections.abc import Sequence
-from typing import Any
+from types import SimpleNamespace
+from typing import Any, cast
 
 import torch
 from torch import Tensor
@@ -49,7 +55,15 @@ from lightning_mpi.comm.collectives import ASAWorkspace, asa_mean_steps
 from lightning_mpi.comm.engine import ExchangeScheduler
 from lightning_mpi.comm.transport import Transport
 from lightning_mpi.options import integer, number, option, options_class
-from lightning_mpi.rules.auto_choice import BACKWARD_SHARE, KEEP, Choice, Sizes, choose, predicted_exposed
+from lightning_mpi.rules.auto_choice import (
+    EVERY_STEP_ARMS,
+    Choice,
+    Sizes,
+    choose,
+    default_plan,
+    dry_run_exposed,
+    worth_timing,
+)
 from lightning_mpi.rules.base import BoundRule, Rule
 from lightning_mpi.rules.diloco import DiLoCoRule
 from lightning_mpi.rules.link_model import Link
@@ -64,10 +78,10 @@ PROBE_STEPS = 5
 #: (PowerSGD's matrix products, Python's overhead per bucket) is seen soon, not ``measure_every``
 #: steps later.
 CONFIRM_STEPS = 6
-#: The arm of the first steps: local steps, then one 4-bit average at the switch.
-PROBING = Choice("probing")
 #: Values of the bandwidth probe (fp32): 1 MiB, a few ms on 1 Gbit/s, 80 ms on 100 Mbit/s.
 PROBE_NUMEL = 1 << 18
+#: The arms whose ranks step on their own between exchanges.
+LOCAL_STEP_ARMS = ("probing", "streaming")
 ARM_CODES = {"probing": -1.0, "sync": 0.0, "powersgd": 1.0, "streaming": 2.0}
 WIRE_BITS = {"": 0.0, "fp32": 32.0, "fp16": 16.0, "bf16": 16.0, "int8": 8.0, "int4": 4.0}
 
@@ -98,10 +112,12 @@ def parse_assumed(text: str) -> list[Measurement]:
 @options_class
 class AutoRule(Rule):
     """The exchange chosen from the measured link and compute (``mpi_auto``): every-step ASA with an
-    fp16 wire where it hides behind backward, PowerSGD in the middle, Streaming DiLoCo with its
-    wire, fragments and period picked from the link on slow links; measured again every
+    fp16 wire where it hides behind backward, PowerSGD in the middle (each timed in a dry run
+    before it is chosen), and Streaming DiLoCo at its defaults (the period raised where the
+    exchange needs more steps to hide) where no every-step exchange hides; measured again every
     ``measure_every`` steps and switched, at a step every rank agrees on, when the choice moves.
-    Logs its choice and why under ``mpi/auto/*`` and prints one line per change on rank 0.
+    Logs its choice and why under ``mpi/auto/*`` and prints one line per change (and one for the first
+    decision) on rank 0.
     """
 
     name = "auto"
@@ -144,7 +160,8 @@ def arm_rule(choice: Choice) -> Rule:
             overlap_steps=choice.overlap_steps,
             wire=choice.wire,  # type: ignore[arg-type]  # auto_choice picks among the allowed wires
         )
-    # probing: local steps; the switch averages the weights once (outer lr 1, no momentum), 4-bit
+    # "probing", the first steps' arm of checkpoints written before the first steps ran Streaming
+    # DiLoCo: local steps; the switch averages the weights once (outer lr 1, no momentum), 4-bit
     return DiLoCoRule(period=10**9, outer_lr=1.0, outer_momentum=0.0, wire="int4")
 
 
@@ -156,8 +173,10 @@ class BoundAuto(BoundRule):
         self.rule = rule
         self.sizes = Sizes.of([tuple(p.shape) for p in self.params], transport.size)
         self.assumed = parse_assumed(rule.assume) if rule.assume is not None else None
-        # one rank: nothing to measure or exchange (a plain every-step rule is a no-op there)
-        self.choice = PROBING if transport.size > 1 else Choice("sync", "fp16")
+        # The first steps train mpi_streaming_diloco at its defaults (its first exchange comes after
+        # the first decision), so where the decision keeps it nothing is switched. One rank: nothing
+        # to measure or exchange (a plain every-step rule is a no-op there).
+        self.choice = default_plan(self.sizes) if transport.size > 1 else Choice("sync", "fp16")
         self.inner: BoundRule = arm_rule(self.choice).bind(transport, self.params)
         self.steps = 0
         self.next_decision = PROBE_STEPS
@@ -197,7 +216,7 @@ class BoundAuto(BoundRule):
         start = time.perf_counter()
         accepted = self.inner.before_step(optimizer)
         self._held = time.perf_counter() - start
-        if not accepted and self.choice.arm in ("probing", "streaming"):
+        if not accepted and self.choice.arm in LOCAL_STEP_ARMS:
             # A local-step arm rejected this rank's own step (non-finite gradients): the strategy
             # skips after_step on this rank only, but the step counts on every rank, so count it
             # (and decide, if due) here; the other ranks do the same in after_step, and nothing
@@ -241,20 +260,27 @@ class BoundAuto(BoundRule):
         probe = torch.zeros(min(PROBE_NUMEL, max(1, self.sizes.numel)), dtype=torch.float32)
         nbytes = int(2 * (self.transport.size - 1) / self.transport.size * probe.numel() * 4)
         measured = LinkProbe(self.transport).measure(step, lambda: self.transport.allreduce_(probe), nbytes)
-        self._dry_sync(measured)
+        self._dry_runs(measured)
         if observed is not None:
             agreed = torch.tensor([observed], dtype=torch.float64)
             observed = float(self.transport.allreduce_(agreed, "max")[0])
         return measured, observed
 
-    def _dry_sync(self, measured: Measurement) -> None:
-        """Collective: where the link says every-step ASA could hide, time one fp16 ASA exchange of
-        the real gradient size (zeros), and keep what backward could not hide of it as the ASA
-        arm's observed cost: only its link part, at most backward, can overlap; its CPU work
-        (casts, sums, copies) adds to the step."""
+    def _dry_runs(self, measured: Measurement) -> None:
+        """Collective: time one exchange of every every-step arm that the link does not rule out
+        (and that is not in use: its own steps are timed), on the real gradient sizes, and keep
+        what it would add to a step as that arm's observed cost (:func:`~.auto_choice.dry_run_exposed`)."""
         step, link = measured.step_seconds, measured.link
-        if predicted_exposed("sync", step, link, self.sizes) > self.rule.tolerance * KEEP * step:
-            return
+        for arm in EVERY_STEP_ARMS:
+            if arm == self.choice.arm or not worth_timing(arm, step, link, self.sizes, self.rule.tolerance):
+                continue
+            seconds = self._dry_sync_seconds() if arm == "sync" else self._dry_powersgd_seconds()
+            agreed = torch.tensor([seconds], dtype=torch.float64)
+            real = float(self.transport.allreduce_(agreed, "max")[0])  # every rank decides from the same
+            self.observed[arm] = (dry_run_exposed(arm, real, step, link, self.sizes), link.bandwidth)
+
+    def _dry_sync_seconds(self) -> float:
+        """Collective: one fp16 ASA exchange of the real gradient size (zeros), timed."""
         size = self.transport.size
         flat = torch.zeros(-(-self.sizes.numel // size) * size, dtype=torch.float32)
         work = ASAWorkspace.for_buffer(flat, size, FP16)
@@ -262,10 +288,31 @@ class BoundAuto(BoundRule):
         start = time.perf_counter()
         scheduler.start(asa_mean_steps(self.transport, flat, FP16, work))
         scheduler.wait_all()
-        agreed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
-        real = float(self.transport.allreduce_(agreed, "max")[0])
-        hidden = min(link.seconds(self.sizes.sync_bytes()), BACKWARD_SHARE * step)
-        self.observed["sync"] = (max(0.0, real - hidden), link.bandwidth)
+        return time.perf_counter() - start
+
+    def _dry_powersgd_seconds(self) -> float:
+        """Collective: PowerSGD's step (compress, two Allreduces, decompress, error feedback) on
+        copies of this rank's gradients, timed once: the matrix products and orthogonalisation the
+        link model cannot see. Once, so that the probe costs about one PowerSGD step: that one
+        also draws the Q's and allocates the buckets, which overstates PowerSGD's cost a little;
+        its steady cost shows in its own steps once it runs. The training's own parameters,
+        gradients and state are untouched."""
+        shadow = []
+        for param in self.params:
+            copy = torch.empty_like(param).requires_grad_(True)
+            source = param.grad if param.grad is not None else param  # same cost, non-zero values
+            copy.grad = source.detach().clone()
+            shadow.append(copy)
+        steps = SimpleNamespace(param_groups=[{"params": shadow}])  # before_step reads only these
+        bound = PowerSGDRule(overlap=False).bind(self.transport, shadow)
+        try:
+            with warnings.catch_warnings():  # a rank's own non-finite gradients: timed all the same
+                warnings.simplefilter("ignore")
+                start = time.perf_counter()
+                bound.before_step(cast(Optimizer, steps))
+                return time.perf_counter() - start
+        finally:
+            bound.close()
 
     def _decide(self, optimizer: Optimizer) -> None:
         self.measured, observed = self._measure()
@@ -275,21 +322,28 @@ class BoundAuto(BoundRule):
             self.observed[self.choice.arm] = (observed, bandwidth)
         # an observation counts while the link is within a factor 2 of the one it was made on
         valid = {arm: seconds for arm, (seconds, seen) in self.observed.items() if 0.5 <= bandwidth / seen <= 2.0}
-        current = None if self.choice == PROBING else self.choice
         choice, self.reason = choose(
-            self.measured.step_seconds, self.measured.link, self.sizes, current, valid, self.rule.tolerance
+            self.measured.step_seconds,
+            self.measured.link,
+            self.sizes,
+            self.choice,
+            valid,
+            self.rule.tolerance,
+            first=self.decisions == 0,
         )
         self.decisions += 1
         every = self.rule.measure_every
         if choice != self.choice:
             self._switch(choice, optimizer)
             every = min(every, CONFIRM_STEPS) if every > 0 else 0
+        elif self.decisions == 1:  # the first decision kept the plan it started with: say so
+            self._announce(choice)
         self.next_decision = self.steps + every if every > 0 else -1
 
     def _switch(self, choice: Choice, optimizer: Optimizer) -> None:
         """Hand over to ``choice``'s rule at this step (every rank is here; see the module docstring)."""
         previous = self.choice
-        if previous.arm in ("probing", "streaming"):
+        if previous.arm in LOCAL_STEP_ARMS:
             self.inner.on_train_end()  # every rank now holds θ_global
             if choice.arm in ("sync", "powersgd"):  # a local-step arm keeps each rank's own state
                 self._average_optimizer_state(optimizer)
@@ -304,6 +358,10 @@ class BoundAuto(BoundRule):
         self.choice = choice
         self.switches += 1
         self.held.clear()
+        self._announce(choice)
+
+    def _announce(self, choice: Choice) -> None:
+        """Rank 0's one line for a decision that changed the arm (and for the first decision)."""
         if self.transport.rank == 0:
             link = self.measured.link if self.measured is not None else None
             seen = "" if link is None else f"; link {link.bandwidth * 8 / 1e6:.0f} Mbit/s, {link.latency * 1e3:.2f} ms"

@@ -6,21 +6,24 @@ the batch):
 1. ``sync``: every-step ASA with a 16-bit wire (``mpi_asa16``), when its exchange hides behind
    backward: the part of it that the backward (taken as :data:`BACKWARD_SHARE` of a step's
    compute) cannot hide is at most ``tolerance`` of a step.
-2. ``powersgd``: PowerSGD at rank 1 (``mpi_powersgd``), when its exchange (two Allreduces of the
-   P's and Q's) costs at most ``tolerance`` of a step.
-3. ``streaming``: Streaming DiLoCo (``mpi_streaming_diloco``) otherwise, with the wire and the
-   number of fragments from :func:`streaming_plan` (the most bits and the fewest fragments whose
-   exchange hides behind at most :data:`MAX_OVERLAP` steps) and the period and overlap from
-   :func:`~lightning_mpi.rules.link_model.hidden_schedule`.
+2. ``powersgd``: PowerSGD at rank 1 (``mpi_powersgd``), when its exchange costs at most
+   ``tolerance`` of a step.
+3. ``streaming``: Streaming DiLoCo (``mpi_streaming_diloco``) otherwise, at its defaults (wire,
+   fragments, overlap, period), with the period its own ``period="auto"`` picks
+   (:func:`~lightning_mpi.rules.link_model.hidden_schedule`) where the exchange needs a longer one
+   to hide (:func:`streaming_plan`).
 
-An arm's cost is predicted from the link unless it was observed: the exposed seconds per step of
-an arm that ran (the time the rule's hooks held the step), kept while the link stays within a
-factor 2 of the one it was observed on. That catches costs the link does not show (PowerSGD's
-matrix products, Python's overhead per bucket, a slow CPU), and keeps the rule from going back to
-an arm that was seen to be slow on a link that did not change.
+An every-step arm's cost is what it adds to a step: ``observed`` where it was timed, predicted
+from the link only where it was not. The rule times every candidate that the link does not rule
+out before it takes it (a dry run of the arm's exchange on the real gradients) and every arm
+that ran (the time its hooks held the step); an observation counts while the link stays within
+a factor 2 of the one it was made on. The link alone cannot see what an exchange costs in
+compute: PowerSGD's matrix products and orthogonalisation took 54-68% of a step on 2 cores
+where the link predicted 1-9%, and a 16-bit cast costs more than the bytes it saves on shared
+memory.
 
 Hysteresis (:func:`choose`): the arm in use is kept while its exposed time is at most
-``tolerance · KEEP`` of a step; another sync-like arm is taken only when it is predicted at most
+``tolerance · KEEP`` of a step; another sync-like arm is taken only when it is at most
 ``tolerance · ENTER``. Streaming DiLoCo keeps its plan unless the new one has another wire or
 number of fragments, or a period off by more than a factor 2. So noise in the measurements does
 not make the rule switch back and forth, and each switch (which costs an exchange of the
@@ -31,12 +34,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from lightning_mpi.comm.codecs import get_codec
 from lightning_mpi.rules.link_model import Link, exposed_seconds, hidden_schedule
 from lightning_mpi.rules.outer_fragment import exchange_bytes
 from lightning_mpi.rules.powersgd_math import compression_rank, matrix_shape
+from lightning_mpi.rules.streaming_diloco import StreamingDiLoCoRule, split_fragments
 
 #: The share of a step's compute that is backward (forward : backward ≈ 1 : 2 for dense layers).
 BACKWARD_SHARE = 2.0 / 3.0
@@ -44,11 +48,8 @@ BACKWARD_SHARE = 2.0 / 3.0
 KEEP = 2.0
 #: ... and a better arm is entered only when within tolerance · ENTER.
 ENTER = 0.5
-#: The most inner steps one fragment's exchange may need to hide (Douillard et al. use 1 to 5).
-MAX_OVERLAP = 4
-#: Wires of Streaming DiLoCo, most bits first, and the numbers of fragments tried, fewest first.
-STREAMING_WIRES = ("bf16", "int8", "int4")
-STREAMING_FRAGMENTS = (1, 2, 4, 8)
+#: The every-step arms, in order of preference.
+EVERY_STEP_ARMS = ("sync", "powersgd")
 
 
 @dataclass(frozen=True)
@@ -89,23 +90,34 @@ class Choice:
 @dataclass(frozen=True)
 class Sizes:
     """What the arms send, from the model: ``numel`` trainable values, ``tensors`` trainable tensors,
-    ``powersgd_bytes`` one rank sends per PowerSGD step, over ``world`` ranks."""
+    ``powersgd_bytes`` one rank sends per PowerSGD step, over ``world`` ranks; ``numels``, each
+    tensor's values in model order (empty: fragments taken as equal shares of ``numel``)."""
 
     numel: int
     tensors: int
     powersgd_bytes: int
     world: int
+    numels: tuple[int, ...] = ()
 
     @classmethod
     def of(cls, shapes: Sequence[Sequence[int]], world: int) -> Sizes:
-        numel = sum(math.prod(s) for s in shapes)
-        return cls(numel, len(shapes), powersgd_bytes(shapes, world), world)
+        numels = tuple(math.prod(s) for s in shapes)
+        return cls(sum(numels), len(shapes), powersgd_bytes(shapes, world), world, numels)
 
     def sync_bytes(self, wire: str = "fp16") -> int:
         return exchange_bytes(self.numel, self.world, get_codec(wire))
 
     def fragment_bytes(self, wire: str, fragments: int) -> int:
-        return exchange_bytes(math.ceil(self.numel / fragments), self.world, get_codec(wire))
+        """Bytes of the largest fragment's exchange, fragments cut as Streaming DiLoCo cuts them."""
+        if self.numels and fragments <= len(self.numels):
+            sums = [0] * fragments
+            for numel, group in zip(self.numels, split_fragments(list(self.numels), fragments), strict=True):
+                sums[group] += numel
+            largest = max(sums)
+        else:
+            largest = math.ceil(self.numel / fragments)
+        padded = -(-largest // self.world) * self.world  # as OuterFragment pads it
+        return exchange_bytes(padded, self.world, get_codec(wire))
 
 
 def powersgd_bytes(
@@ -120,19 +132,49 @@ def powersgd_bytes(
     return int(2 * (world - 1) / max(1, world) * values * 4)
 
 
+def default_plan(sizes: Sizes) -> Choice:
+    """``mpi_streaming_diloco`` at its defaults (fragments at most one per tensor, as it binds):
+    what ``mpi_auto`` trains with from its first step, before it has measured anything."""
+    defaults = StreamingDiLoCoRule()
+    fragments = max(1, min(defaults.fragments, sizes.tensors))
+    return Choice("streaming", defaults.wire, fragments, int(defaults.period), defaults.overlap_steps)
+
+
 def streaming_plan(step_seconds: float, link: Link, sizes: Sizes) -> Choice:
-    """Streaming DiLoCo's settings: the most bits, then the fewest fragments, whose one exchange hides
-    behind at most :data:`MAX_OVERLAP` steps; 4 bits and the most fragments when none does."""
-    options = [p for p in STREAMING_FRAGMENTS if p <= max(1, sizes.tensors)]
-    for wire in STREAMING_WIRES:
-        for fragments in options:
-            seconds = link.seconds(sizes.fragment_bytes(wire, fragments))
-            if math.ceil(seconds / step_seconds) <= MAX_OVERLAP:
-                period, tau = hidden_schedule(seconds, step_seconds, fragments, 1)
-                return Choice("streaming", wire, fragments, period, tau)
-    wire, fragments = STREAMING_WIRES[-1], options[-1]
-    period, tau = hidden_schedule(link.seconds(sizes.fragment_bytes(wire, fragments)), step_seconds, fragments, 1)
-    return Choice("streaming", wire, fragments, period, tau)
+    """Streaming DiLoCo's plan: its defaults (:func:`default_plan`), with the period (and τ) that
+    its own ``period="auto"`` picks for the largest fragment's exchange where that is longer
+    than the default period, else the default period with τ raised to what one exchange needs.
+
+    The default period is kept where a shorter one would hide: on 2 cores every exchange's
+    encoding and sums take CPU from the steps, and ``mpi_streaming_diloco:period=auto`` (period
+    8 at 1 Gbit/s, 16 at 100 Mbit/s) made fewer steps and a worse loss in T than its default 50
+    in the same time-to-quality run (docs/performance.md)."""
+    plan = default_plan(sizes)
+    seconds = link.seconds(sizes.fragment_bytes(plan.wire, plan.fragments))
+    period, tau = hidden_schedule(seconds, step_seconds, plan.fragments, plan.overlap_steps)
+    if period > plan.period:
+        return replace(plan, period=period, overlap_steps=tau)
+    return replace(plan, overlap_steps=max(plan.overlap_steps, min(tau, plan.period // plan.fragments - 1)))
+
+
+def worth_timing(arm: str, step_seconds: float, link: Link, sizes: Sizes, tolerance: float) -> bool:
+    """Whether the link leaves ``arm`` a chance: its predicted cost is within the band that
+    :func:`choose` keeps (the link part is a lower bound of what it costs), so that a dry run
+    of it is worth its time."""
+    return predicted_exposed(arm, step_seconds, link, sizes) <= tolerance * KEEP * step_seconds
+
+
+def dry_run_exposed(arm: str, real_seconds: float, step_seconds: float, link: Link, sizes: Sizes) -> float:
+    """Seconds per step a dry run of ``arm``'s exchange that took ``real_seconds`` says it adds to a
+    step: only its link part, at most the backward, can hide behind backward; its compute (casts,
+    sums, PowerSGD's matrix products and orthogonalisation) adds to the step on a CPU."""
+    if arm == "sync":
+        link_seconds = link.seconds(sizes.sync_bytes())
+    elif arm == "powersgd":
+        link_seconds = link.latency + link.seconds(sizes.powersgd_bytes)  # two Allreduces
+    else:
+        raise ValueError(f"arm={arm!r} is not an every-step arm: choose 'sync' or 'powersgd'")
+    return exposed_seconds(real_seconds, min(link_seconds, BACKWARD_SHARE * step_seconds))
 
 
 def predicted_exposed(arm: str, step_seconds: float, link: Link, sizes: Sizes) -> float:
@@ -151,19 +193,22 @@ def choose(
     current: Choice | None = None,
     observed: Mapping[str, float] | None = None,
     tolerance: float = 0.1,
+    first: bool = False,
 ) -> tuple[Choice, str]:
     """The arm to train with, and why (one line).
 
-    ``current`` is the arm in use (None at the first decision) and ``observed`` the exposed seconds
-    per step seen in the every-step arms that ran on this link (see the module docstring).
+    ``current`` is the arm in use (None: none yet) and ``observed`` the exposed seconds per step
+    seen for the every-step arms on this link, in a dry run or while they ran (see the module
+    docstring); an arm observed is judged by that, not by the link. At the ``first`` decision
+    an every-step arm enters at ``tolerance`` (no arm was chosen yet, so no hysteresis).
     """
     observed = observed or {}
     if world_alone(sizes):
         return Choice("sync", "fp16"), "one rank: nothing to exchange"
-    enter = tolerance * (1.0 if current is None else ENTER)
+    enter = tolerance * (1.0 if current is None or first else ENTER)
     keep = tolerance * KEEP
     costs = []
-    for arm in ("sync", "powersgd"):
+    for arm in EVERY_STEP_ARMS:
         seen = arm in observed
         exposed = observed[arm] if seen else predicted_exposed(arm, step_seconds, link, sizes)
         share = exposed / step_seconds
@@ -176,6 +221,8 @@ def choose(
     plan = streaming_plan(step_seconds, link, sizes)
     why = f"exposed {', '.join(costs)} of a step: too slow for every-step exchanges"
     if current is not None and current.arm == "streaming" and _similar(current, plan):
+        if current == plan:
+            return current, why + "; the plan in use hides its exchanges"
         return current, why + f"; the plan in use is close to the new one ({plan.describe()})"
     return plan, why
 

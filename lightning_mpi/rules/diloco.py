@@ -66,6 +66,7 @@ from lightning_mpi.rules.diloco_math import (  # noqa: F401  (the math, re-expor
 from lightning_mpi.rules.link_model import hidden_schedule
 from lightning_mpi.rules.link_probe import LinkProbe, Measurement, StepClock
 from lightning_mpi.rules.outer_fragment import OuterFragment
+from lightning_mpi.rules.outer_warning import SlowExchangeWarning
 from lightning_mpi.rules.replica_state import ReplicaState
 
 #: wire formats of the pseudo-gradient
@@ -188,6 +189,8 @@ class BoundDiLoCo(BoundLocalStepRule):
         #: started from, so that one in flight when a rank dies can be started again (heal_state)
         self.heal_snapshots = False
         self._sent: dict[int, tuple[Tensor, Tensor | None]] = {}
+        #: a blocking exchange that costs more than the steps between two: warns once, rank 0
+        self.slow_warning = SlowExchangeWarning(f"mpi_{rule.name}", transport.rank, rule.wire)
         self._loaded = False
         self._seconds = 0.0
         self._bytes = 0
@@ -226,6 +229,8 @@ class BoundDiLoCo(BoundLocalStepRule):
                     if self.overlap_steps == 0:
                         self._finish(index, self.mix_alpha)
         self._seconds = time.perf_counter() - start
+        if self._bytes and self.overlap_steps == 0 and self.period is not None:  # no bytes on one rank
+            self.slow_warning.check(self._seconds, self.clock.seconds(), self.period)
         self.clock.resume()
 
     def _choose_period(self) -> None:

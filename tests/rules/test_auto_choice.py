@@ -5,8 +5,19 @@ from __future__ import annotations
 import pytest
 
 from lightning_mpi.rules.auto import AutoRule, parse_assumed
-from lightning_mpi.rules.auto_choice import Choice, Sizes, choose, powersgd_bytes, streaming_plan
-from lightning_mpi.rules.link_model import Link
+from lightning_mpi.comm.codecs import get_codec
+from lightning_mpi.rules.auto_choice import (
+    Choice,
+    Sizes,
+    choose,
+    default_plan,
+    dry_run_exposed,
+    powersgd_bytes,
+    streaming_plan,
+    worth_timing,
+)
+from lightning_mpi.rules.link_model import Link, hidden_schedule
+from lightning_mpi.rules.outer_fragment import exchange_bytes
 
 #: the time-to-quality task's model on 2 ranks: 17M values, PowerSGD rank 1 sends ~85 kB
 MODEL = Sizes(numel=17_000_000, tensors=10, powersgd_bytes=85_000, world=2)
@@ -23,18 +34,67 @@ def test_the_link_picks_the_arm(rate, arm):
     assert choice.arm == arm, why
 
 
-def test_a_slow_link_gets_4_bits_many_fragments_and_a_period_that_hides_them():
-    choice, _ = choose(STEP, mbit(10), MODEL)
-    assert (choice.wire, choice.fragments) == ("int4", 8)
-    # one fragment: 1.06 MB at 10 Mbit/s = 0.85 s = 11 steps of overlap; the link at most half busy
-    assert choice.overlap_steps == 11 and choice.period == 176
-    assert choice.overlap_steps < choice.period // choice.fragments
+def test_streaming_gets_its_defaults_with_the_period_raised_where_the_exchange_needs_it():
+    # mpi_streaming_diloco's defaults (int4, 4 fragments, τ 1, period 50); at 10 Mbit/s the largest
+    # fragment (~2.1 MB) takes ~1.7 s, 22 steps: its own period="auto" raises τ to 22 and the
+    # period past 50, and that plan is taken
+    sizes = Sizes.of([(4000, 4000), (4000,), (500, 500), (1000, 1000), (10,)], world=2)
+    assert default_plan(sizes) == Choice("streaming", "int4", 4, 50, 1)
+    choice, _ = choose(STEP, mbit(10), sizes)
+    largest = 16_000_000  # the first fragment holds the 4000 x 4000 matrix alone (split_fragments)
+    seconds = mbit(10).seconds(exchange_bytes(largest, 2, get_codec("int4")))
+    assert (choice.wire, choice.fragments) == ("int4", 4)
+    assert (choice.period, choice.overlap_steps) == hidden_schedule(seconds, STEP, 4, 1)
+    assert choice.period > 50 and choice.overlap_steps < choice.period // choice.fragments
+    # a faster link: period="auto" would pick 8; the default 50 is kept (every exchange costs CPU)
+    assert hidden_schedule(mbit(1_000).seconds(exchange_bytes(largest, 2, get_codec("int4"))), STEP, 4, 1)[0] == 8
+    assert streaming_plan(STEP, mbit(1_000), sizes) == default_plan(sizes)
+    # the task's model at 100 Mbit/s: a quarter of it (2.1 MB) needs 3 steps; the default period, τ 3
+    assert streaming_plan(STEP, mbit(100), MODEL) == Choice("streaming", "int4", 4, 50, 3)
+    # fewer tensors than the default's fragments: one fragment per tensor, as the rule binds
+    assert streaming_plan(STEP, mbit(10), Sizes.of([(100, 50), (100,)], world=2)).fragments == 2
 
 
-def test_a_faster_link_gets_more_bits_and_fewer_fragments():
-    slow, fast = streaming_plan(STEP, mbit(100), MODEL), streaming_plan(STEP, mbit(1_000), MODEL)
-    assert (fast.wire, fast.fragments) == ("bf16", 1)
-    assert slow.wire != "bf16" or slow.fragments > 1
+def test_the_first_decision_keeps_the_defaults_plan_it_started_with():
+    start = default_plan(MODEL)
+    # 100 Mbit/s: the plan differs only in τ (and the period is the same): nothing to switch
+    kept, _ = choose(STEP, mbit(100), MODEL, current=start, observed={"powersgd": 0.6 * STEP}, first=True)
+    assert kept == start
+    # a fast link with a cheap every-step arm: entered at the tolerance (no hysteresis yet)
+    fast = {"sync": 0.08 * STEP, "powersgd": 0.5 * STEP}
+    assert choose(STEP, mbit(10_000), MODEL, current=start, observed=fast, first=True)[0].arm == "sync"
+    assert choose(STEP, mbit(10_000), MODEL, current=start, observed=fast)[0] == start  # later: < 5% needed
+
+
+def test_a_dry_run_that_costs_more_than_the_link_says_sends_the_first_decision_to_streaming():
+    # PowerSGD at 1 Gbit/s: the link predicts 1% of a step; its dry run took 60% of one
+    # (matrix products and orthogonalisation on 2 cores), and its link part hides behind backward
+    link = mbit(1_000)
+    assert worth_timing("powersgd", STEP, link, MODEL, 0.1) and not worth_timing("sync", STEP, link, MODEL, 0.1)
+    exposed = dry_run_exposed("powersgd", 0.6 * STEP, STEP, link, MODEL)
+    assert exposed == pytest.approx(0.6 * STEP - link.latency - link.seconds(85_000))
+    choice, why = choose(STEP, link, MODEL, observed={"powersgd": exposed})
+    assert choice.arm == "streaming" and "powersgd 59% (observed)" in why
+    assert choice == streaming_plan(STEP, link, MODEL)
+    # a cheap one is taken
+    assert choose(STEP, link, MODEL, observed={"powersgd": 0.02 * STEP})[0].arm == "powersgd"
+
+
+def test_on_shared_memory_slow_every_step_exchanges_lose_to_streaming():
+    # shared memory: the link hides everything, but the fp16 casts and sums took 120% of a step and
+    # PowerSGD 65%; only the link part (here ~nothing) hides behind backward
+    link = mbit(100_000, latency_ms=0.01)
+    assert worth_timing("sync", STEP, link, MODEL, 0.1) and worth_timing("powersgd", STEP, link, MODEL, 0.1)
+    observed = {arm: dry_run_exposed(arm, share * STEP, STEP, link, MODEL) for arm, share in [("sync", 1.2), ("powersgd", 0.65)]}
+    assert observed["sync"] > 1.1 * STEP
+    choice, why = choose(STEP, link, MODEL, observed=observed)
+    assert choice.arm == "streaming", why
+    # where the ASA exchange is mostly link time (10 Gbit/s), backward hides it
+    fast = mbit(10_000)
+    hidden = dry_run_exposed("sync", fast.seconds(MODEL.sync_bytes()) + 0.005, STEP, fast, MODEL)
+    assert hidden == pytest.approx(0.005) and choose(STEP, fast, MODEL, observed={"sync": hidden})[0].arm == "sync"
+    with pytest.raises(ValueError, match="arm="):
+        dry_run_exposed("streaming", 1.0, STEP, link, MODEL)
 
 
 def test_hysteresis_keeps_the_arm_in_use_inside_the_band_and_enters_only_well_below():

@@ -179,3 +179,42 @@ def test_a_model_with_fewer_tensors_than_fragments_gets_one_fragment_per_tensor(
         bound = StreamingDiLoCoRule(period=8, fragments=4).bind(_self_transport(), list(net.parameters()))
     assert len(bound.fragments) == 2 and bound.offsets == [4, 8]
     bound.close()
+
+
+def test_a_blocking_exchange_slower_than_its_steps_warns_once_on_rank_0():
+    """mpi_diloco at 100 Mbit/s: the exchange (injected: 1 s per clock read in the rule) against
+    steps of a few ms: one warning naming the measurement and the fix; none past the bound."""
+    import warnings
+
+    from lightning_mpi.rules import diloco as diloco_module
+    from lightning_mpi.rules.outer_warning import WARN_SHARE, SlowExchangeWarning, slow_exchange_message
+
+    # the measured situations: 1 Gbit/s (0.53 s against 50 steps of 90 ms) stays quiet, 100 Mbit/s warns
+    assert slow_exchange_message("mpi_diloco", 0.53, 0.09, 50, "fp32") is None
+    text = slow_exchange_message("mpi_diloco", 5.3, 0.09, 50, "fp32")
+    assert "5.30 s, 118%" in text and "mpi_streaming_diloco" in text and "mpi_auto" in text
+    assert slow_exchange_message("mpi_diloco", WARN_SHARE * 50 * 0.1, 0.1, 50, "fp32") is None
+    assert SlowExchangeWarning("mpi_diloco", rank=1, wire="fp32").armed is False  # rank 0 only
+
+    class Clock:  # every read of the rule's clock is 1 s later: its exchange takes seconds
+        now = 0.0
+
+        @classmethod
+        def perf_counter(cls):
+            cls.now += 1.0
+            return cls.now
+
+    net = nn.Linear(3, 2)
+    bound = DiLoCoRule(period=2).bind(_self_transport(), list(net.parameters()))
+    bound.fragments[0].bytes_per_exchange = 1000  # as if it crossed a link (one rank sends nothing)
+    original = diloco_module.time
+    diloco_module.time = Clock
+    try:
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            _train(bound, net, 6)
+    finally:
+        diloco_module.time = original
+    slow = [w for w in seen if "blocking exchange" in str(w.message)]
+    assert len(slow) == 1 and "mpi_diloco" in str(slow[0].message) and "the 2 steps" in str(slow[0].message)
+    assert bound.slow_warning.warned

@@ -1,6 +1,6 @@
 """Run on W ranks: ``mpi_auto`` and ``period="auto"`` through the Trainer (rank 0 writes argv[1]).
 
-- ``switches``: ``mpi_auto`` with assumed measurements that force probing -> sync -> streaming ->
+- ``switches``: ``mpi_auto`` with assumed measurements that force streaming (the defaults) -> sync -> streaming ->
   sync (decisions after steps 5, 9 and 13); after every step, whether every rank holds the same
   weights, and the arm in use (the same on every rank);
 - ``resume``: 2 epochs of 10 steps straight (saving after step 10, while Streaming DiLoCo runs)

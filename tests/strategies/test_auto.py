@@ -30,10 +30,10 @@ def test_mpi_auto_on_two_ranks(tmp_path):
     out = tmp_path / "out.json"
     run_mpi(2, [str(SCRIPTS / "auto_train.py"), str(out)], timeout=240, cwd=tmp_path)
     r = json.loads(out.read_text())
-    # (a) forced: local steps, sync after step 5, streaming after 9, sync after 13; ranks agree on
+    # (a) forced: Streaming DiLoCo at its defaults, sync after step 5, streaming after 9, sync after 13; ranks agree on
     # every arm; under sync (and right after each switch into it) every rank holds the same weights
     steps = r["switches"]["steps"]
-    assert [s["arm"] for s in steps] == ["probing"] * 4 + ["sync"] * 4 + ["streaming"] * 4 + ["sync"] * 4
+    assert [s["arm"] for s in steps] == ["streaming"] * 4 + ["sync"] * 4 + ["streaming"] * 4 + ["sync"] * 4
     assert all(s["arms_agree"] for s in steps)
     assert all(s["identical"] for s in steps if s["arm"] == "sync")
     assert r["switches"]["switches"] == 3 and r["switches"]["identical_end"]
