@@ -43,7 +43,9 @@ import signal
 import sys
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -95,86 +97,11 @@ def die() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def trainer_phase() -> dict:
+def _trainer_model(phase: str, val_phase: str, dies: Callable[[Any], bool]):
+    """The Trainer phases' LightningModule: records each training step under ``phase`` and each
+    validation batch under ``val_phase``, logs with ``sync_dist=True`` (Lightning's reduce: a place to
+    notice a loss), and SIGKILLs this process at the start of a batch where ``dies(module)``."""
     import lightning as L
-
-    from lightning_mpi.lightning import SyncStrategy
-
-    class Net(L.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.net = make_net()
-
-        def training_step(self, batch, batch_idx):
-            index, x, y = batch
-            loss = nn.functional.mse_loss(self.net(x), y)
-            self.log("loss", loss, sync_dist=True)  # a reduce over the ranks: a place to notice a loss
-            record(
-                phase="trainer",
-                step=self.global_step,
-                epoch=self.current_epoch,
-                world=self.trainer.world_size,
-                rank=self.global_rank,
-                indices=index.tolist(),
-            )
-            return loss
-
-        def on_train_batch_start(self, batch, batch_idx):
-            if self.global_step == KILL_STEP and self.global_rank == self.trainer.world_size - 1:
-                die()
-
-        def validation_step(self, batch, batch_idx):
-            index, x, y = batch
-            self.log("val_loss", nn.functional.mse_loss(self.net(x), y), sync_dist=True)
-            record(phase="validation", step=self.global_step, world=self.trainer.world_size, indices=index.tolist())
-
-        def val_dataloader(self):
-            return DataLoader(torch.utils.data.Subset(Indexed(), range(VAL)), batch_size=B)
-
-        def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=LR)
-
-        def train_dataloader(self):
-            return DataLoader(Indexed(), batch_size=B, shuffle=True)
-
-    from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
-
-    model = Net()
-    initial = weights(model.net)
-    strategy = SyncStrategy(exchange="asa", heal="shrink", min_ranks=2)
-    trainer = L.Trainer(
-        strategy=strategy,
-        accelerator="cpu",
-        max_steps=MAX_STEPS,
-        logger=False,
-        num_sanity_val_steps=0,
-        # after the heal: the epoch-end checkpoints (rank 0 writes; the path is broadcast) and the
-        # early-stopping decision (a reduce) go on over the survivors
-        callbacks=[ModelCheckpoint(dirpath=OUT / "checkpoints", save_top_k=-1), EarlyStopping("val_loss", patience=99)],
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
-    trainer.fit(model)
-    return {
-        "initial": initial,
-        "final": weights(model.net),
-        "stats": {k: v for k, v in strategy.stats().items() if k.startswith("mpi/heal/")},
-        "history": strategy._healing.history,
-        "world_size": trainer.world_size,
-        "global_step": trainer.global_step,
-    }
-
-
-# -- heal="replace" (kept apart from the shrink phases) ----------------------------------------------------
-def replace_phase() -> dict:
-    """The Trainer with ``heal="replace"`` on the four left: launch rank 3 dies at the start of step
-    REPLACE_KILL; the survivors finish that step on three ranks, spawn a replacement at the next
-    one and wait for it at the one after, where it joins (taking rank 3's shard for the rest of the
-    epoch); from the next epoch all four are
-    sharded anew. The replacement enters here too (from :func:`main`) and returns the same record."""
-    import lightning as L
-
-    from lightning_mpi.lightning import SyncStrategy
 
     class Net(L.LightningModule):
         def __init__(self) -> None:
@@ -186,7 +113,7 @@ def replace_phase() -> dict:
             loss = nn.functional.mse_loss(self.net(x), y)
             self.log("loss", loss, sync_dist=True)
             record(
-                phase="replace",
+                phase=phase,
                 step=self.global_step,
                 epoch=self.current_epoch,
                 batch=batch_idx,
@@ -197,13 +124,13 @@ def replace_phase() -> dict:
             return loss
 
         def on_train_batch_start(self, batch, batch_idx):
-            if self.global_step == REPLACE_KILL and RANK == 3:
+            if dies(self):
                 die()
 
         def validation_step(self, batch, batch_idx):
             index, x, y = batch
             self.log("val_loss", nn.functional.mse_loss(self.net(x), y), sync_dist=True)
-            record(phase="replace_val", step=self.global_step, world=self.trainer.world_size, indices=index.tolist())
+            record(phase=val_phase, step=self.global_step, world=self.trainer.world_size, indices=index.tolist())
 
         def val_dataloader(self):
             return DataLoader(torch.utils.data.Subset(Indexed(), range(VAL)), batch_size=B)
@@ -214,19 +141,23 @@ def replace_phase() -> dict:
         def train_dataloader(self):
             return DataLoader(Indexed(), batch_size=B, shuffle=True)
 
-    model = Net()
+    return Net()
+
+
+def _trainer_fit(model, strategy, **trainer_args) -> dict:
+    """``Trainer.fit`` of ``model`` on ``strategy`` (CPU, no logger, no sanity check); what the
+    Trainer phases report: initial and final weights, the heal stats and history, where it ended."""
+    import lightning as L
+
     initial = weights(model.net)
-    strategy = SyncStrategy(heal="replace")
-    strategy._replacing.wait_for_join = True  # the survivors wait for it: it joins at step REPLACE_KILL + 2
     trainer = L.Trainer(
         strategy=strategy,
         accelerator="cpu",
-        max_steps=REPLACE_STEPS,
         logger=False,
         num_sanity_val_steps=0,
-        default_root_dir=OUT / "replace",  # the default ModelCheckpoint writes there
         enable_progress_bar=False,
         enable_model_summary=False,
+        **trainer_args,
     )
     trainer.fit(model)
     return {
@@ -238,6 +169,42 @@ def replace_phase() -> dict:
         "global_step": trainer.global_step,
         "epoch": trainer.current_epoch,
     }
+
+
+def trainer_phase() -> dict:
+    from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
+
+    from lightning_mpi.lightning import SyncStrategy
+
+    model = _trainer_model(
+        "trainer",
+        "validation",
+        lambda m: m.global_step == KILL_STEP and m.global_rank == m.trainer.world_size - 1,
+    )
+    return _trainer_fit(
+        model,
+        SyncStrategy(exchange="asa", heal="shrink", min_ranks=2),
+        max_steps=MAX_STEPS,
+        # after the heal: the epoch-end checkpoints (rank 0 writes; the path is broadcast) and the
+        # early-stopping decision (a reduce) go on over the survivors
+        callbacks=[ModelCheckpoint(dirpath=OUT / "checkpoints", save_top_k=-1), EarlyStopping("val_loss", patience=99)],
+    )
+
+
+# -- heal="replace" (kept apart from the shrink phases) ----------------------------------------------------
+def replace_phase() -> dict:
+    """The Trainer with ``heal="replace"`` on the four left: launch rank 3 dies at the start of step
+    REPLACE_KILL; the survivors finish that step on three ranks, spawn a replacement at the next
+    one and wait for it at the one after, where it joins (taking rank 3's shard for the rest of the
+    epoch); from the next epoch all four are
+    sharded anew. The replacement enters here too (from :func:`main`) and returns the same record."""
+    from lightning_mpi.lightning import SyncStrategy
+
+    model = _trainer_model("replace", "replace_val", lambda m: m.global_step == REPLACE_KILL and RANK == 3)
+    strategy = SyncStrategy(heal="replace")
+    strategy._replacing.wait_for_join = True  # the survivors wait for it: it joins at step REPLACE_KILL + 2
+    # the default ModelCheckpoint writes under default_root_dir
+    return _trainer_fit(model, strategy, max_steps=REPLACE_STEPS, default_root_dir=OUT / "replace")
 
 
 def _fabric_loop(strategy, phase: str, stride: int, count_ranks: bool, settle: bool = False) -> dict:
