@@ -19,7 +19,6 @@ from a barrier to a barrier, ``--checkpoint-repeats`` times (median).
 """
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
@@ -38,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import pytorch_lightning as pl  # noqa: E402
 
 import lightning_mpi  # noqa: E402,F401  (registers the names)
-from benchmarks.zero_worker import mlp, peak_mib, rss_mib, state_bytes, timed  # noqa: E402
+from benchmarks.zero_worker import mlp, parse_worker_args, peak_mib, rss_mib, state_bytes, timed  # noqa: E402
 
 COMM = MPI.COMM_WORLD
 RANK, W = COMM.Get_rank(), COMM.Get_size()
@@ -120,17 +119,7 @@ def trainer_kwargs(arm: str) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--arm", choices=ARMS, required=True)
-    parser.add_argument("--width", type=int, default=2048)
-    parser.add_argument("--depth", type=int, default=4)
-    parser.add_argument("--batch", type=int, default=32, help="rows per rank")
-    parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--checkpoint-dir", default=None)
-    parser.add_argument("--checkpoint-repeats", type=int, default=2)
-    parser.add_argument("--out", required=True)
-    args = parser.parse_args()
+    args = parse_worker_args(ARMS, steps=10, checkpoint_repeats=2)
     torch.set_num_threads(1)
     module = Module(args.width, args.depth, zero_redundancy=args.arm == "L_ddp_zero")
     rss_model = rss_mib()

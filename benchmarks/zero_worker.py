@@ -206,18 +206,24 @@ def checkpoint_times(arm: Arm, directory: Path, repeats: int) -> dict:
     return {"checkpoint_seconds": {k: statistics.median(v) for k, v in times.items()}, "checkpoint_bytes": sizes}
 
 
-def main() -> None:
+def parse_worker_args(arms, steps: int, checkpoint_repeats: int) -> argparse.Namespace:
+    """The command line every ZeRO benchmark worker takes (this one and zero_lightning_worker.py):
+    the arm among ``arms``, the MLP's shape, the batch, the timed steps and the checkpoint timing."""
     parser = argparse.ArgumentParser()
-    parser.add_argument("--arm", choices=ARMS, required=True)
+    parser.add_argument("--arm", choices=arms, required=True)
     parser.add_argument("--width", type=int, default=2048)
     parser.add_argument("--depth", type=int, default=4)
     parser.add_argument("--batch", type=int, default=32, help="rows per rank")
-    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--steps", type=int, default=steps)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--checkpoint-dir", default=None)
-    parser.add_argument("--checkpoint-repeats", type=int, default=3)
+    parser.add_argument("--checkpoint-repeats", type=int, default=checkpoint_repeats)
     parser.add_argument("--out", required=True)
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = parse_worker_args(ARMS, steps=12, checkpoint_repeats=3)
     torch.set_num_threads(1)
     rss_start = rss_mib()
     arm = Arm(args.arm, args.width, args.depth)
