@@ -212,6 +212,9 @@ def write_report(out: Path, machine: dict, stages: list[dict], context: dict) ->
     strategies = _load(out / "strategies.json")
     codecs, cupy = codec_rows(out)
     offload = {"unet": _load(out / "offload" / "offload_cuda.json"), "gpt": _load(out / "offload" / "offload_cuda_gpt.json")}
+    search = _load(out / "offload_search" / "offload_cuda.json")  # its own stage, run beside the tests
+    if search and search.get("search"):
+        offload["unet"] = {**(offload["unet"] or {"rows": []}), "search": search["search"]}
     goals = targets(offload, tests) if machine.get("cuda") else []
     bad = [s["name"] for s in stages if s["status"] not in ("passed", "not run") and not s["status"].startswith("skipped")]
     failed_specs = [e["spec"] for e in (strategies or {}).get("results", []) if not e["ok"]]

@@ -256,20 +256,24 @@ def run_in_subprocess(mode: str, args: argparse.Namespace, side: int, steps: int
         allocator = "defaults" if glibc_defaults else "tuned"
     if args.device == "cpu":
         env.update(ALLOCATORS[allocator])
+    begin = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.timeout)
+    wall_s = time.perf_counter() - begin
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     if proc.returncode != 0 or not lines:
         # CPU allocation failures and the like: the run did not fit
         return {"mode": mode, "side": side, "ok": False, "error": (proc.stderr.strip().splitlines() or ["?"])[-1]}
     result = json.loads(lines[-1])
+    result["wall_s"] = wall_s  # the whole run: start-up, imports and teardown with the steps
     if glibc_defaults:
         result["mode"] += " (glibc defaults)"
     result["allocator"] = allocator
     return result
 
 
-def largest_side(mode: str, args: argparse.Namespace, start: int) -> tuple[int, list[dict]]:
-    """Walk up the sides from ``start`` in steps of ``--side-step`` until a run does not fit."""
+def largest_side(mode: str, args: argparse.Namespace, start: int, progress=None) -> tuple[int, list[dict]]:
+    """Walk up the sides from ``start`` in steps of ``--side-step`` until a run does not fit;
+    ``progress(best, trials)`` after each trial (a walk cut short still tells how far it got)."""
     best, trials, side = 0, [], start
     while side <= args.max_side:
         result = run_in_subprocess(mode, args, side, steps=1, cap_mb=args.cap_mb)
@@ -279,7 +283,17 @@ def largest_side(mode: str, args: argparse.Namespace, start: int) -> tuple[int, 
         if not result["ok"]:
             break
         best, side = side, side + args.side_step
+        if progress is not None:
+            progress(best, trials)
     return best, trials
+
+
+def _run_summary(result: dict, device: str) -> str:
+    """One line per run for the log: its figures, so a benchmark cut short still shows them."""
+    if "step_s" not in result:
+        return result.get("skipped") or f"failed: {result.get('error', '?')}"
+    peak = _peak(result, device) - (result["base_alloc"] if device == "cuda" else result["base_rss"])
+    return f"step {result['step_s']:.3f} s, training peak {peak / MiB:.0f} MiB above start, run {result.get('wall_s', 0):.0f} s"
 
 
 def _median_row(results: list[dict]) -> dict:
@@ -307,6 +321,7 @@ def main() -> None:
     parser.add_argument("--max-side", type=int, default=None, help="stop the search here (default 128 on CPU, 320 on CUDA)")
     parser.add_argument("--side-step", type=int, default=None, help="search granularity (default 8 on CPU, 16 on CUDA)")
     parser.add_argument("--no-search", action="store_true", help="skip the largest-input search")
+    parser.add_argument("--search-only", action="store_true", help="run only the largest-input search (no arms)")
     parser.add_argument("--search-start", type=int, default=32, help="first side the search tries")
     parser.add_argument("--timeout", type=float, default=900, help="seconds per run")
     parser.add_argument("--model", choices=["unet", "mlp", "gpt"], default="unet",
@@ -368,23 +383,40 @@ def _benchmark(args: argparse.Namespace, gpu: bool) -> None:
             else f"side={args.side} channels={args.channels} convs={args.convs}")
     print(f"device={args.device} {what} precision={args.precision} steps={args.steps} repeats={args.repeats} "
           f"directory={args.directory} OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}", flush=True)
-    modes = args.arms
+    modes = [] if args.search_only else args.arms
     runs: dict[str, list[dict]] = {mode: [] for mode in modes}
+    args.results.mkdir(parents=True, exist_ok=True)
+    stem = args.results / (f"offload_{args.device}" + ("_gpt" if args.model == "gpt" else ""))
+    search: dict = {}
+
+    def save_so_far() -> None:
+        # after every run: a benchmark cut short (a GPU lease, a stage timeout) keeps what finished
+        rows = [_median_row(runs[mode]) for mode in modes if runs[mode]]
+        stem.with_suffix(".json").write_text(json.dumps({"args": vars(args), "rows": rows, "search": search}, indent=2, default=str))
+
     for repeat in range(args.repeats):
         # Alternate the order so that drift in machine load does not favour one mode.
         for mode in modes if repeat % 2 == 0 else modes[::-1]:
             runs[mode].append(run_in_subprocess(mode, args, args.side, args.steps))
-            print(f"  {mode} (run {repeat + 1}/{args.repeats}): {runs[mode][-1].get('skipped') or 'done'}", flush=True)
+            print(f"  {mode} (run {repeat + 1}/{args.repeats}): {_run_summary(runs[mode][-1], args.device)}", flush=True)
+            save_so_far()
     rows = [_median_row(runs[mode]) for mode in modes]
     if not gpu and set(DEFAULT_ARMS) <= set(modes):
         for mode in ("none", "LMSOffload"):
             rows.append(run_in_subprocess(mode, args, args.side, args.steps, glibc_defaults=True))
             print(f"  {mode} (glibc defaults): done", flush=True)
-    search = {}
     if not args.no_search and args.model == "unet":
         print(f"largest side under {args.cap_mb:.0f} MiB:", flush=True)
-        search["none"], trials_none = largest_side("none", args, start=args.search_start)
-        search["LMSOffload"], trials_lms = largest_side("LMSOffload", args, start=max(search["none"], args.search_start))
+        def progress(mode: str, done: list[dict]):
+            def record(best: int, trials: list[dict]) -> None:
+                search[mode], search["trials"] = best, done + trials
+                save_so_far()
+
+            return record
+
+        search["none"], trials_none = largest_side("none", args, args.search_start, progress("none", []))
+        search["LMSOffload"], trials_lms = largest_side(
+            "LMSOffload", args, max(search["none"], args.search_start), progress("LMSOffload", trials_none))
         search["trials"] = trials_none + trials_lms
 
     print()
@@ -394,8 +426,6 @@ def _benchmark(args: argparse.Namespace, gpu: bool) -> None:
         n, m = search["none"], search["LMSOffload"]
         ratio = f"{(m / n) ** 3:.2f}x the volume" if n else "n/a"
         print(f"\nLargest side that trains under {args.cap_mb:.0f} MiB: none {n}^3, LMSOffload {m}^3 ({ratio}).")
-    args.results.mkdir(parents=True, exist_ok=True)
-    stem = args.results / (f"offload_{args.device}" + ("_gpt" if args.model == "gpt" else ""))
     stem.with_suffix(".json").write_text(json.dumps({"args": vars(args), "rows": rows, "search": search}, indent=2, default=str))
     plot(rows, search, args, stem.with_suffix(".png"))
     print(f"\nwrote {stem.with_suffix('.json')} and {stem.with_suffix('.png')}")

@@ -22,9 +22,11 @@ construction, not by tolerance:
 - min and max do not depend on summation order, so partial min/max per block reduced by torch's
   ``amin``/``amax`` equal the whole-row reductions (a block that saw inf or NaN reports NaN, which
   the codecs' non-finite rule then sees as torch's own reductions would show it);
-- the elementwise arithmetic uses the ``__fmul_rn``/``__fadd_rn``/``__fsub_rn`` intrinsics, which
-  are never contracted into an FMA, in the order torch performs the same operations, and the
-  fp32->fp16 cast is ``cvt.rn.f16.f32``, the instruction torch's cast uses;
+- the elementwise arithmetic is PTX ``mul.rn``/``add.rn``/``sub.rn``/``min``/``max`` without
+  ``.ftz``, never contracted into an FMA, in the order torch performs the same operations, and the
+  fp32->fp16 cast is ``cvt.rn.f16.f32``, the instruction torch's cast uses. Written in PTX because
+  cupy appends ``-ftz=true`` to NVRTC's options, which would flush subnormals where torch keeps
+  them;
 - sums over a row (1-bit's scales) stay in torch: a kernel would add in another order.
 
 Zero-copy: the kernels take torch's device pointers (``data_ptr``), launch on torch's current
@@ -59,6 +61,46 @@ __device__ __forceinline__ bool finite32(float v) {
     return (__float_as_uint(v) & 0x7f800000u) != 0x7f800000u;
 }
 
+// cupy compiles with -ftz=true after the caller's options (cupy issue #9576), and under it the
+// intrinsics, fminf/fmaxf and comparisons flush subnormals to zero; torch's kernels keep them. So
+// every float operation here is written in PTX without .ftz, and the sign test on the bits.
+__device__ __forceinline__ float mul_rn(float a, float b) {
+    float r;
+    asm("mul.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+    return r;
+}
+
+__device__ __forceinline__ float add_rn(float a, float b) {
+    float r;
+    asm("add.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+    return r;
+}
+
+__device__ __forceinline__ float sub_rn(float a, float b) {
+    float r;
+    asm("sub.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+    return r;
+}
+
+// min/max as fminf/fmaxf (a NaN operand gives the other), subnormals kept
+__device__ __forceinline__ float min_f32(float a, float b) {
+    float r;
+    asm("min.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+    return r;
+}
+
+__device__ __forceinline__ float max_f32(float a, float b) {
+    float r;
+    asm("max.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+    return r;
+}
+
+// v >= 0 as IEEE says (torch's test): +0, -0, positive values and +inf; not NaN, not negatives
+__device__ __forceinline__ bool nonnegative(float v) {
+    const unsigned int u = __float_as_uint(v);
+    return u <= 0x7f800000u || u == 0x80000000u;
+}
+
 __device__ __forceinline__ unsigned short f32_to_f16_rn(float v) {
     unsigned short h;
     asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(v));
@@ -81,14 +123,14 @@ extern "C" __global__ void row_minmax(
     int bad = 0;
     for (long long i = start + threadIdx.x; i < end; i += blockDim.x) {
         float v = x[i];
-        if (res) { v = __fadd_rn(v, res[i]); x[i] = v; }
+        if (res) { v = add_rn(v, res[i]); x[i] = v; }
         bad |= !finite32(v);
-        lo = fminf(lo, v);
-        hi = fmaxf(hi, v);
+        lo = min_f32(lo, v);
+        hi = max_f32(hi, v);
     }
     for (int o = 16; o > 0; o >>= 1) {
-        lo = fminf(lo, __shfl_down_sync(0xffffffffu, lo, o));
-        hi = fmaxf(hi, __shfl_down_sync(0xffffffffu, hi, o));
+        lo = min_f32(lo, __shfl_down_sync(0xffffffffu, lo, o));
+        hi = max_f32(hi, __shfl_down_sync(0xffffffffu, hi, o));
         bad |= __shfl_down_sync(0xffffffffu, bad, o);
     }
     __shared__ float s_lo[32], s_hi[32];
@@ -98,7 +140,7 @@ extern "C" __global__ void row_minmax(
     __syncthreads();
     if (threadIdx.x == 0) {
         for (int w = 1; w < nwarps; ++w) {
-            lo = fminf(lo, s_lo[w]); hi = fmaxf(hi, s_hi[w]); bad |= s_bad[w];
+            lo = min_f32(lo, s_lo[w]); hi = max_f32(hi, s_hi[w]); bad |= s_bad[w];
         }
         part_lo[r * nblk + b] = bad ? F32_NAN : lo;
         part_hi[r * nblk + b] = bad ? F32_NAN : hi;
@@ -117,7 +159,7 @@ extern "C" __global__ void half_scale_cast(
     const float* row = x + r * x_stride;
     unsigned short* out = wire + r * wire_stride + 1;
     for (long long i = start + threadIdx.x; i < end; i += blockDim.x) {
-        out[i] = f32_to_f16_rn(__fmul_rn(row[i], s));
+        out[i] = f32_to_f16_rn(mul_rn(row[i], s));
     }
 }
 
@@ -140,13 +182,13 @@ extern "C" __global__ void int8_quantize(
     const float mm = res ? m[r] : 0.0f, sc = res ? scale[r] : 0.0f;
     for (long long i = start + threadIdx.x; i < end; i += blockDim.x) {
         const float v = row[i];
-        const float t = __fadd_rn(__fmul_rn(v, iv), off);
+        const float t = add_rn(mul_rn(v, iv), off);
         const unsigned char qb = (unsigned char)(__float_as_uint(t) & 0xffu);
         q[i] = qb;
         if (res) {
-            const float d = __fmul_rn(__fadd_rn((float)qb, mm), sc);
+            const float d = mul_rn(add_rn((float)qb, mm), sc);
             dec[i] = d;
-            res[i] = __fsub_rn(v, d);
+            res[i] = sub_rn(v, d);
         }
     }
 }
@@ -159,7 +201,7 @@ extern "C" __global__ void onebit_pack(
 {
     const long long r = blockIdx.y;
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    const bool flag = i < chunk && x[r * x_stride + i] >= 0.0f;
+    const bool flag = i < chunk && nonnegative(x[r * x_stride + i]);
     const unsigned int bits = __ballot_sync(0xffffffffu, flag);
     const int lane = threadIdx.x & 31;
     if (lane < 4) {

@@ -24,6 +24,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+import torch
 from torch import Tensor
 
 from lightning_mpi.comm.buffers import make_buckets
@@ -83,11 +84,24 @@ class FlatParams:
             )
         self.bucket = buckets[0]
         self.flat = self.bucket.flat
+        self._host: Tensor | None = None  # pull_host()'s copy, made at its first call on a GPU
 
     def pull(self) -> Tensor:
         """Copy the parameters into :attr:`flat` and return it."""
         self.bucket.pack()
         return self.flat
+
+    def pull_host(self) -> Tensor:
+        """:meth:`pull`, as a tensor in host memory: :attr:`flat` itself on the CPU, else one
+        reused (pinned) copy. The rules whose exchanges go through one-sided windows or a mailbox
+        compute on it, since those hold host memory (the MPI need not be CUDA-aware);
+        :meth:`push` copies back to the parameters' device."""
+        flat = self.pull()
+        if flat.device.type == "cpu":
+            return flat
+        if self._host is None:
+            self._host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
+        return self._host.copy_(flat)
 
     def push(self, values: Tensor | None = None) -> None:
         """Copy ``values`` (default :attr:`flat`) into the parameters."""

@@ -123,7 +123,7 @@ class BoundGoSGD(BoundLocalStepRule):
 
     def _message(self) -> Tensor:
         msg = torch.empty(self.n + 2, dtype=torch.float32)
-        msg[: self.flat.flat.numel()].copy_(self.flat.pull())
+        msg[: self.flat.flat.numel()].copy_(self.flat.pull_host())
         msg[self.n :].view(torch.float64)[0] = self.weight
         return msg
 
@@ -141,7 +141,7 @@ class BoundGoSGD(BoundLocalStepRule):
     def _merge(self, message: Tensor) -> None:
         """Merge a received ``(θ, w)`` message into this worker."""
         w_in = float(message[self.n :].view(torch.float64)[0])
-        theta = self.flat.pull()
+        theta = self.flat.pull_host()
         merged, self.weight = gossip_merge(theta, self.weight, message[: theta.numel()], w_in)
         self.flat.push(merged)
         self.received += 1
@@ -158,7 +158,7 @@ class BoundGoSGD(BoundLocalStepRule):
         while self.received < expected:
             self._merge(self.mailbox.wait_for_one())
         self.mailbox.finish_sends()
-        theta = self.flat.pull()
+        theta = self.flat.pull_host()
         acc = torch.cat([theta.double() * self.weight, torch.tensor([self.weight], dtype=torch.float64)])
         self.transport.allreduce_(acc, "sum")
         consensus = (acc[:-1] / acc[-1]).to(theta.dtype)
@@ -187,7 +187,7 @@ class BoundGoSGD(BoundLocalStepRule):
             "weight": self.weight,
             "pushes": self.pushes,
             "rng": self.rng.getstate(),
-            "theta": self.flat.pull()[: self.flat.bucket.numel].clone(),
+            "theta": self.flat.pull_host()[: self.flat.bucket.numel].clone(),
         }
         ranks = self.transport.allgather_object(local) if self.transport.size > 1 else [local]
         return {
@@ -212,7 +212,7 @@ class BoundGoSGD(BoundLocalStepRule):
             return
         ranks = state.get("ranks")
         n = self.flat.bucket.numel
-        theta = self.flat.pull()
+        theta = self.flat.pull_host()
         if not ranks:  # an old checkpoint: only rank 0's weight, no θs
             self.weight = float(state["weight"]) if self.transport.size == 1 else 1.0 / self.transport.size
         elif len(ranks) == self.transport.size:

@@ -137,7 +137,7 @@ class BoundServerRule(BoundLocalStepRule):
         self.center = center = ShardedVector(comm, self.ref.numel(), self.ref.dtype, resources=resources)
         self.clock = clock = Counters(comm, 1, resources=resources)
         self.board = DecisionBoard(comm, resources=resources)
-        initial = self.flat.pull().clone()
+        initial = self.flat.pull_host().clone()
         clock0 = 0
         if self._pending is not None:
             initial = self._padded(self._pending["center"])
@@ -164,7 +164,7 @@ class BoundServerRule(BoundLocalStepRule):
     def commit(self) -> None:
         """One exchange with the server (see module docstring); a non-finite commit is dropped."""
         assert self.center is not None and self.clock is not None
-        theta = self.flat.pull()
+        theta = self.flat.pull_host()
         if not all_finite([theta]):  # checked before the clock ticks: a dropped commit is no commit
             self._drop_commit()
             return
@@ -277,7 +277,7 @@ class BoundServerRule(BoundLocalStepRule):
         elif self._pending is not None:
             center, clock = self._padded(self._pending["center"]), int(self._pending["clock"])
         else:
-            center, clock = self.flat.pull().clone(), 0
+            center, clock = self.flat.pull_host().clone(), 0
         local = self._local_state()
         ranks = self.transport.allgather_object(local) if self.transport.size > 1 else [local]
         return {

@@ -12,6 +12,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -49,10 +50,11 @@ def test_dry_run_lists_every_stage_and_every_strategy_without_running_anything(t
     proc = run_check("--dry-run", "--out", str(tmp_path / "never"))
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = proc.stdout
-    for stage in ("env", "cuda-tests", "strategies", "codecs", "offload-unet", "offload-gpt"):
+    for stage in ("env", "cuda-tests", "strategies", "offload-search", "codecs", "offload-unet", "offload-gpt"):
         assert f"[{stage}]" in out
     for needed in ("pytest -q -m cuda", "mpiexec", "-n 2", "gpu_strategies.py", "codec_speed.py --device cuda",
-                   "offload.py --device cuda --arms gpu", "--model gpt --precision bf16-mixed", "--cap-mb 16384"):
+                   "offload.py --device cuda --steps 3 --arms none", "--model gpt --precision bf16-mixed", "--cap-mb 16384",
+                   "--search-only", "side by side", "timed, alone"):
         assert needed in out, needed
     strategies = out.split("strategies on 2 ranks:")[1].split()
     expected = [*gpu_check.SYNC_NAMES, *gpu_check.OTHER_NAMES]
@@ -101,6 +103,21 @@ def test_a_stage_that_outlives_its_time_is_killed_and_reported(tmp_path):
     assert failing.status == "failed (exit 3)" and "why" in (tmp_path / failing.log).read_text()
 
 
+def test_stages_that_time_nothing_run_side_by_side(tmp_path):
+    """Each of two untimed stages waits for the other's mark: they pass only if they overlap."""
+    def waits_for(mine, other):
+        code = (f"import pathlib, sys, time; pathlib.Path({str(tmp_path / mine)!r}).touch(); end = time.time() + 30\n"
+                f"while not pathlib.Path({str(tmp_path / other)!r}).exists():\n"
+                "    time.sleep(0.05)\n    if time.time() > end: sys.exit(4)")
+        return gpu_check.Stage(mine, mine, [sys.executable, "-c", code], 60)
+
+    stages = [waits_for("a", "b"), waits_for("b", "a")]
+    gpu_check.run_side_by_side(stages, tmp_path, deadline=time.perf_counter() + 120)
+    assert [s.status for s in stages] == ["passed", "passed"]
+    assert not any(s.timed for s in gpu_check.build_stages(tmp_path, []) if s.name in ("cuda-tests", "strategies", "offload-search"))
+    assert all(s.timed for s in gpu_check.build_stages(tmp_path, []) if s.name in ("codecs", "offload-unet", "offload-gpt"))
+
+
 def offload_row(mode, activation_mib, step_s, base_mib=1000):
     return {"mode": mode, "ok": True, "step_s": step_s, "base_alloc": base_mib * MiB, "peak_alloc": (base_mib + activation_mib) * MiB,
             "peak_reserved": (base_mib + activation_mib + 100) * MiB, "host_memory_stats": {"reserved_bytes.all.peak": 64 * MiB}}
@@ -125,8 +142,11 @@ def write_stage_outputs(out: Path) -> None:
     (out / "codecs.json").write_text(json.dumps({"cupy": "cupy 14.2.0", "local": [
         {"codec": "fp16", "op": "encode", "numel": 25_000_000, "device": "cuda", "torch_ms": 1.0, "cupy_ms": 0.25},
         {"codec": "int8", "op": "encode+EF", "numel": 25_000_000, "device": "cuda", "torch_ms": 2.0, "cupy_ms": None}]}))
+    (out / "offload_search").mkdir()  # the search is its own stage, run beside the tests
+    (out / "offload_search" / "offload_cuda.json").write_text(json.dumps({
+        "args": {"cap_mb": 16384.0}, "rows": [], "search": {"none": 160, "LMSOffload": 224}}))
     (out / "offload" / "offload_cuda.json").write_text(json.dumps({
-        "args": {"cap_mb": 16384.0}, "search": {"none": 160, "LMSOffload": 224},
+        "args": {"cap_mb": 16384.0},
         "rows": [offload_row("none", 1000, 1.00), offload_row("torchtune", 500, 1.01), offload_row("LMSOffload", 350, 1.08),
                  offload_row("LMSOffload:prefetch=4", 520, 1.02),
                  {"mode": "checkpoint+torchtune", "ok": False, "skipped": "torchtune not installed"}]}))

@@ -11,6 +11,7 @@ path. The CUDA code itself is checked on a GPU by ``test_cupy_kernels.py``.
 from __future__ import annotations
 
 import ctypes
+import re
 from contextlib import nullcontext
 from types import SimpleNamespace
 
@@ -200,3 +201,14 @@ def test_ctypes_views_are_views():
     t = torch.zeros(4)
     view(t.data_ptr(), np.float32, 4)[:] = 1.5
     assert t.tolist() == [1.5] * 4 and ctypes.sizeof(ctypes.c_float) == 4
+
+
+def test_kernel_source_uses_no_float_operation_that_cupys_ftz_flag_would_flush():
+    """cupy compiles with ``-ftz=true`` after our options, and under it CUDA's float intrinsics,
+    ``fminf``/``fmaxf`` and float comparisons flush subnormals to zero where torch keeps them (an
+    H100 showed it: only the rows of subnormals differed). The kernels must use the PTX helpers."""
+    code = re.sub(r"//[^\n]*", "", cupy_kernels._SOURCE)  # the comments may name what is avoided
+    flushed = re.findall(r"__f(?:mul|add|sub|div|fma)_r[nzud]\b|\bfminf\b|\bfmaxf\b|[<>]=?\s*-?\d*\.\d*f\b", code)
+    assert flushed == []
+    for helper in ("mul.rn.f32", "add.rn.f32", "sub.rn.f32", "min.f32", "max.f32"):
+        assert helper in code

@@ -25,6 +25,7 @@ import math
 import os
 import sys
 import time
+import traceback
 import warnings
 
 import torch
@@ -142,7 +143,8 @@ def fit(spec, precision):
     weights = flat_weights(model)
     ranks_identical_end = all(torch.equal(weights, w) for w in COMM.allgather(weights))
     reference = one_process_reference(check.initial, W, B, STEPS, LR, device=DEVICE)
-    diff = max((model.net.state_dict()[k].float() - reference[k].float()).abs().max().item() for k in reference)
+    # on the CPU: Lightning's teardown moved the module back there, the reference is on the device
+    diff = max((model.net.state_dict()[k].float().cpu() - reference[k].float().cpu()).abs().max().item() for k in reference)
     scaler = getattr(trainer.precision_plugin, "scaler", None)
     scales = COMM.allgather(None if scaler is None else float(scaler.get_scale()))
     return {
@@ -192,7 +194,10 @@ def main():
             try:
                 run = fit(spec, precision)
             except Exception as error:  # recorded; the next fit trains on fresh communicators
-                run = {"precision": precision, "error": f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"}
+                where = traceback.extract_tb(error.__traceback__)[-1]
+                run = {"precision": precision, "error": f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}",
+                       "where": f"{where.filename}:{where.lineno} ({where.name})"}
+                traceback.print_exc()
             run["seconds"] = time.perf_counter() - begin
             run["failures"] = judge(spec, run, amp=precision != "32-true")
             entry["amp" if precision != "32-true" else "fp32"] = run
