@@ -271,7 +271,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.dry_run:
         print(f"gpu_check dry run: {len(stages)} stages, budget {args.budget:.0f} s, report in {out}")
         for stage in stages:
-            how = "timed, alone" if stage.timed else "side by side with the other untimed stages"
+            how = ("first, alone" if stage is stages[0] else "timed, alone" if stage.timed
+                   else "side by side with the other untimed stages")
             print(f"\n[{stage.name}] {stage.what} (timeout {stage.timeout_s:.0f} s; {how})\n  $ {' '.join(stage.command)}")
         print(f"\nstrategies on 2 ranks: {' '.join(specs)}")
         if missing:
