@@ -137,6 +137,12 @@ def _progress(path: Path) -> str:
     return f"rank 0 last reported: {p['phase']}, {p['steps']} steps, t={p['t']} s"
 
 
+def _stacks(tmp: Path) -> dict[str, str]:
+    """Each rank's Python stacks as its worker dumped them shortly before the arm was killed."""
+    return {path.name.rsplit(".", 1)[-1]: path.read_text(errors="replace")
+            for path in sorted(tmp.glob("stacks.*"))}
+
+
 def run_arm(setting: str, arm: str, args: argparse.Namespace, task: TaskConfig, data: Path, cluster=None,
             first: bool = True) -> dict:
     """Run one arm in one setting; its result dict with ``status`` ok / failed / hung."""
@@ -146,7 +152,10 @@ def run_arm(setting: str, arm: str, args: argparse.Namespace, task: TaskConfig, 
         tmp = Path(tmp)
         spec = {"arm": arm, "run_seconds": run, "marks": arm_marks(arm, run, args.budget), "batch": args.batch,
                 "task": asdict(task), "data": str(data), "out": str(tmp / "result.json"),
-                "progress": str(tmp / "progress.json")}
+                "progress": str(tmp / "progress.json"),
+                # every rank dumps its threads' Python stacks this long after it started, so that a
+                # hung arm says where each rank waited (read back below before tmp is removed)
+                "dump_stacks_after": max(1.0, timeout - 10.0)}
         (tmp / "spec.json").write_text(json.dumps(spec))
         cmd = [sys.executable, str(WORKER), str(tmp / "spec.json")]
         env = {"OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "PYTHONPATH": str(ROOT)}
@@ -165,7 +174,8 @@ def run_arm(setting: str, arm: str, args: argparse.Namespace, task: TaskConfig, 
         except subprocess.TimeoutExpired:
             return {"arm": arm, "status": "hung", "wall_seconds": time.perf_counter() - start,
                     "reason": f"no result within {timeout:.0f} s (run {run:.0f} s + margin {args.margin:.0f} s); "
-                              f"killed; {_progress(tmp / 'progress.json')}"}
+                              f"killed; {_progress(tmp / 'progress.json')}",
+                    "stacks": _stacks(tmp)}
         wall = time.perf_counter() - start
         out = tmp / "result.json"
         if res.returncode != 0 or not out.exists():

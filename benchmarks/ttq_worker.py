@@ -156,6 +156,13 @@ def run(spec: dict) -> None:
     torch.set_num_threads(1)
     comm = MPI.COMM_WORLD
     rank, world = comm.Get_rank(), comm.Get_size()
+    stacks = None
+    if spec.get("dump_stacks_after"):  # a hung arm leaves every rank's stacks for the driver's report
+        import faulthandler
+
+        stacks = open(Path(spec["progress"]).with_name(f"stacks.{rank}"), "w")  # noqa: SIM115  (kept open)
+        faulthandler.dump_traceback_later(max(1.0, spec["dump_stacks_after"] - (time.perf_counter() - PROCESS_START)),
+                                          file=stacks)
     cfg = ttq_task.TaskConfig(**spec["task"])
     train_text, held_text, digest = ttq_task.load_texts(cfg, Path(spec["data"]))
     loader = torch.utils.data.DataLoader(ttq_task.train_dataset(train_text, cfg), batch_size=spec["batch"],
@@ -167,6 +174,10 @@ def run(spec: dict) -> None:
                          enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
                          limit_val_batches=0, callbacks=[clock], **trainer_kwargs(spec["arm"]))
     trainer.fit(module, loader)
+    if stacks is not None:
+        import faulthandler
+
+        faulthandler.cancel_dump_traceback_later()
     clock.report("evaluating")
     per_rank = comm.gather((clock.steps, clock.samples, weights_digest(module)), root=0)
     if rank == 0:

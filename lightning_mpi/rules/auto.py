@@ -18,7 +18,10 @@ own ``period="auto"`` picks where the exchange needs a longer one to hide::
                        switch when the choice changed (hysteresis in auto_choice)
 
 Every input of a decision is agreed before it is used, and decisions happen at the same step on
-every rank (the step count is the same everywhere), so ranks never diverge in their choice.
+every rank (the step count is the same everywhere), so ranks never diverge in their choice. The
+same holds for what a decision runs: which collectives, and how many, follow from agreed values
+only (the arm in use, the agreed measurements), never from a rank's own clock or state, since a
+rank that joined one Allreduce more than the others would hang them all (issue 25).
 
 The arms are the existing rules, held by composition: :class:`BoundAuto` holds the bound rule
 of the arm in use and delegates every hook to it. A switch happens in ``after_step``, where
@@ -254,17 +257,20 @@ class BoundAuto(BoundRule):
         """Collective: this decision's measurement and the arm's observed exposed seconds, agreed."""
         step = self.clock.seconds() or 1e-3
         every_step = self.choice.arm in ("sync", "powersgd")
-        observed = sorted(self.held)[len(self.held) // 2] if every_step and self.held else None
         if self.assumed is not None:
             return self.assumed[min(self.decisions, len(self.assumed) - 1)], None
         probe = torch.zeros(min(PROBE_NUMEL, max(1, self.sizes.numel)), dtype=torch.float32)
         nbytes = int(2 * (self.transport.size - 1) / self.transport.size * probe.numel() * 4)
         measured = LinkProbe(self.transport).measure(step, lambda: self.transport.allreduce_(probe), nbytes)
         self._dry_runs(measured)
-        if observed is not None:
-            agreed = torch.tensor([observed], dtype=torch.float64)
-            observed = float(self.transport.allreduce_(agreed, "max")[0])
-        return measured, observed
+        if not every_step:  # the same on every rank: the arm in use is agreed
+            return measured, None
+        # Agreed whether or not this rank timed a step of the arm (-1: none), so that every rank
+        # joins this Allreduce whatever its own ``held`` holds.
+        mine = sorted(self.held)[len(self.held) // 2] if self.held else -1.0
+        agreed = torch.tensor([mine], dtype=torch.float64)
+        slowest = float(self.transport.allreduce_(agreed, "max")[0])
+        return measured, (slowest if slowest >= 0 else None)
 
     def _dry_runs(self, measured: Measurement) -> None:
         """Collective: time one exchange of every every-step arm that the link does not rule out
@@ -284,7 +290,7 @@ class BoundAuto(BoundRule):
         size = self.transport.size
         flat = torch.zeros(-(-self.sizes.numel // size) * size, dtype=torch.float32)
         work = ASAWorkspace.for_buffer(flat, size, FP16)
-        scheduler = ExchangeScheduler(self.transport.timeout, self.transport.rank, size)
+        scheduler = ExchangeScheduler(self.transport.timeout, self.transport.rank, size, watch=self.transport.watch)
         start = time.perf_counter()
         scheduler.start(asa_mean_steps(self.transport, flat, FP16, work))
         scheduler.wait_all()
@@ -373,14 +379,25 @@ class BoundAuto(BoundRule):
 
     def _average_optimizer_state(self, optimizer: Optimizer) -> None:
         """Average the inner optimizer's per-parameter float state over the ranks (it differed
-        between them while each stepped on its own)."""
+        between them while each stepped on its own).
+
+        The entries averaged are agreed first: a rank holds no state for a parameter it never
+        stepped (its gradient was always None there, or its own steps were all rejected), so
+        each rank's own entries could differ in number, and one Allreduce per entry would then
+        not match between ranks. Entries that every rank holds are averaged, in one order on
+        every rank; any other stays each rank's own."""
         size = self.transport.size
         if size == 1:
             return
-        for param in self.params:
-            for value in optimizer.state.get(param, {}).values():
+        entries: dict[tuple[int, str], Tensor] = {}
+        for index, param in enumerate(self.params):
+            for key, value in optimizer.state.get(param, {}).items():
                 if isinstance(value, Tensor) and value.is_floating_point() and value.shape == param.shape:
-                    self.transport.allreduce_(value).div_(size)
+                    entries[(index, str(key))] = value
+        held = self.transport.allgather_object(sorted(entries))
+        everywhere = set(held[0]).intersection(*held[1:])
+        for entry in sorted(everywhere):
+            self.transport.allreduce_(entries[entry]).div_(size)
 
     # -- checkpoints and logs -------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

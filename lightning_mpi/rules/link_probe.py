@@ -6,7 +6,12 @@ Allreduce (the latency) and the real exchange (the bandwidth), and agrees the nu
 ranks (the maximum of each, one Allreduce), so that every rank feeds the same numbers to the pure
 functions of :mod:`lightning_mpi.rules.link_model` and reaches the same decision.
 
-The probe is a collective: every rank must call :meth:`LinkProbe.measure` at the same step.
+The probe is a collective: every rank must call :meth:`LinkProbe.measure` at the same step. It
+joins the same collectives in the same order on every rank: it starts with a barrier (so that no
+rank's timing holds the others' arrival), and how many times an exchange is timed is decided
+from its first time agreed over the ranks, never from a rank's own clock. (A rank that decided
+from its own clock, when it had waited for a late rank, timed once where the others timed three
+times, and the job hung in mismatched Allreduces: issue 25.)
 """
 
 from __future__ import annotations
@@ -68,8 +73,9 @@ class LinkProbe:
 
     Args:
         transport: the ranks whose link is measured (the communicator the exchanges will use).
-        repeat_below: an exchange faster than this many seconds is timed three times (the fastest
-            counts); a slower one once, so that a probe on a slow link costs one exchange.
+        repeat_below: an exchange whose first run took less than this many seconds on every rank
+            is timed three times (the fastest counts); a slower one once, so that a probe on a slow
+            link costs one exchange.
     """
 
     def __init__(self, transport: Transport, repeat_below: float = 0.25) -> None:
@@ -77,10 +83,17 @@ class LinkProbe:
         self.repeat_below = repeat_below
 
     def _timed(self, run: Callable[[], object]) -> float:
+        """Collective: the seconds ``run`` (a collective) takes, the fastest of three where its first
+        run was fast on every rank. Whether to repeat is decided from the first time agreed over
+        the ranks (its maximum), so that every rank runs ``run`` equally often."""
         start = time.perf_counter()
         run()
         first = time.perf_counter() - start
-        if first >= self.repeat_below:
+        slowest = first
+        if self.transport.size > 1:
+            agreed = torch.tensor([first], dtype=torch.float64)
+            slowest = float(self.transport.allreduce_(agreed, "max")[0])
+        if slowest >= self.repeat_below:
             return first
         times = [first]
         for _ in range(2):
@@ -92,6 +105,10 @@ class LinkProbe:
     def measure(self, step_seconds: float, exchange: Callable[[], object], nbytes: int) -> Measurement:
         """Collective. Time a tiny Allreduce and ``exchange`` (one rank sends ``nbytes`` in it), then
         agree ``step_seconds`` and both times over the ranks (their maxima)."""
+        if self.transport.size > 1:
+            # Ranks arrive apart (they stepped on their own, or one was slow): wait here, so that
+            # the first timed Allreduce times the link, not the latest rank's arrival.
+            self.transport.barrier()
         tiny = torch.zeros(1, dtype=torch.float32)
         small = self._timed(lambda: self.transport.allreduce_(tiny))
         big = self._timed(exchange)

@@ -208,3 +208,10 @@ def _alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+def test_a_hung_arm_keeps_each_ranks_stacks(tmp_path):
+    (tmp_path / "stacks.1").write_text("Thread 0x2 ... in measure")
+    (tmp_path / "stacks.0").write_text("Thread 0x1 ... in _dry_runs")
+    (tmp_path / "progress.json").write_text("{}")
+    assert ttq._stacks(tmp_path) == {"0": "Thread 0x1 ... in _dry_runs", "1": "Thread 0x2 ... in measure"}

@@ -6,7 +6,10 @@
 - ``resume``: 2 epochs of 10 steps straight (saving after step 10, while Streaming DiLoCo runs)
   against epoch 2 resumed from that checkpoint, per rank, bitwise; the resumed run switches back
   to sync at step 13 as the straight one does;
-- ``measured``: ``mpi_auto`` with real measurements (it trains, the ranks agree, it logs);
+- ``measured``: ``mpi_auto`` with real measurements (it trains, the ranks agree, it logs), with the
+  last rank 0.5 s late into step 5, whose end measures the link: the others wait for it in the
+  probe, and every rank must still join the same collectives (issue 25: a rank that timed its
+  own wait there took another number of Allreduces, and the job hung);
 - ``diloco_auto``: ``DiLoCoStrategy(period="auto")`` straight against resumed, bitwise (the
   resumed run keeps the period the checkpoint holds).
 """
@@ -15,6 +18,7 @@ import json
 import os
 import sys
 import tempfile
+import time
 import warnings
 
 import torch
@@ -40,11 +44,14 @@ def digest(module):
 
 
 class Module(pl.LightningModule):
-    def __init__(self):
+    def __init__(self, late_at=None):
         super().__init__()
         self.net = make_net()
+        self.late_at = late_at  # the step (1-based) into which the last rank comes 0.5 s late
 
-    def training_step(self, batch, _):
+    def training_step(self, batch, batch_idx):
+        if RANK == W - 1 and self.late_at is not None and batch_idx == self.late_at - 1:
+            time.sleep(0.5)
         x, y = batch
         return nn.functional.cross_entropy(self.net(x), y)
 
@@ -66,14 +73,14 @@ class Watch(pl.Callback):
                            "identical": len({d for _, d in seen}) == 1})
 
 
-def run(strategy, steps_per_epoch=16, epochs=1, save_to=None, resume_from=None):
+def run(strategy, steps_per_epoch=16, epochs=1, save_to=None, resume_from=None, late_at=None):
     class SaveAtEpochEnd(pl.Callback):
         def on_train_epoch_end(self, trainer, pl_module):
             if save_to is not None and trainer.current_epoch == 0:
                 trainer.save_checkpoint(save_to)
 
     torch.manual_seed(100 + RANK)  # different initial weights: setup must broadcast rank 0's
-    model, watch = Module(), Watch()
+    model, watch = Module(late_at), Watch()
     trainer = pl.Trainer(strategy=strategy, max_epochs=epochs, callbacks=[SaveAtEpochEnd(), watch], **QUIET)
     loader = DataLoader(dataset(W * B * steps_per_epoch), batch_size=B, shuffle=True)
     trainer.fit(model, loader, ckpt_path=resume_from)
@@ -105,7 +112,9 @@ def main(out):
             "stats": {k: v for k, v in strategy.bound_rule.stats().items() if k in ("switches", "period", "arm")},
         }
 
-    model, strategy, steps = run(lightning_mpi.AutoStrategy(measure_every=6), steps_per_epoch=12)
+    # collective_timeout: a mismatch fails in 60 s instead of hanging for the default 30 min
+    model, strategy, steps = run(lightning_mpi.AutoStrategy(measure_every=6, collective_timeout=60),
+                                 steps_per_epoch=12, late_at=5)
     stats = strategy.bound_rule.stats()
     results["measured"] = {"arms_agree": all(s["arms_agree"] for s in steps), "arm": stats["arm"],
                            "identical_end": len(set(COMM.allgather(digest(model)))) == 1,
