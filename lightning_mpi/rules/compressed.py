@@ -56,7 +56,15 @@ from lightning_mpi.comm.buffers import Bucket
 from lightning_mpi.comm.codecs import get_codec
 from lightning_mpi.comm.collectives import ASAWorkspace, asa_mean_steps, segments
 from lightning_mpi.comm.engine import Exchange
-from lightning_mpi.comm.sparse import Section, TopKWorkspace, section_counts, topk_count, topk_mean_steps
+from lightning_mpi.comm.sparse import (
+    Section,
+    TopKWorkspace,
+    delta16_counts,
+    delta16_fillers,
+    section_counts,
+    topk_count,
+    topk_mean_steps,
+)
 from lightning_mpi.comm.transport import Transport
 from lightning_mpi.options import integer, number, option, optional, options_class
 from lightning_mpi.rules.bucket_exchanger import BucketExchanger
@@ -109,6 +117,12 @@ class CompressedSyncRule(SyncRule):
         doc="`\"topk\"` chooses `ratio` of every tensor's entries (DGC's per-layer selection; the same wire, "
         "`sum(ceil(ratio*n_i))` pairs) instead of `ratio` of the bucket. Off: on digits it cost accuracy.",
     )
+    topk_packing: Literal["pairs", "delta16"] = option(
+        default="pairs",
+        doc='how `"topk"` writes an entry: `"pairs"` (an int32 index and a float32 value, 8 bytes) or `"delta16"` '
+        "(the gap from the previous index in 16 bits and the value in bfloat16, 4 bytes; the rounding stays in the "
+        'residual). The bytes are those of `ratio` pairs either way, so `"delta16"` sends about twice the entries.',
+    )
     clip_norm: float | None = option(
         default=None,
         doc="DGC's local gradient clipping (`\"topk\"` only): before accumulating, each rank scales a bucket's "
@@ -144,6 +158,11 @@ class CompressedSyncRule(SyncRule):
                 "momentum_correction=True needs codec='topk' (DGC corrects momentum for sparsified exchange); "
                 f"got codec={self.codec!r}"
             )
+        if self.topk_packing == "delta16" and self.layerwise:
+            raise ValueError(
+                "topk_packing='delta16' does not combine with layerwise=True (its entries per tensor follow "
+                "`ratio` pairs); pass one of them"
+            )
         if self.clip_norm is not None and self.codec != "topk":
             raise ValueError(
                 f"clip_norm={self.clip_norm!r} needs codec='topk' (DGC's local clipping before accumulation); "
@@ -176,6 +195,7 @@ class _SegmentState:
     numel: int  # real (unpadded) entries, for k
     sizes: list[int] = field(default_factory=list)  # top-k, layer-wise: the members' sizes, in order
     clip: float = 0.0  # top-k local clipping: this segment's norm threshold (0: none)
+    length: int = 0  # entries of the segment, padding included ("delta16" gaps span it)
 
 
 def clip_(grad: Tensor, max_norm: float) -> None:
@@ -251,6 +271,7 @@ class CompressedExchanger(BucketExchanger):
                     numel=min(n, max(0, bucket.numel - start)),
                     sizes=[t.numel() for t in bucket.tensors] if self.topk and rule.layerwise else [],
                     clip=self._clip_threshold(bucket.numel, total) if self.topk else 0.0,
+                    length=n,
                 )
                 start += n
                 owner_start += chunk
@@ -279,17 +300,26 @@ class CompressedExchanger(BucketExchanger):
         if not self.topk:
             return super().wire_bytes_for(bucket)
         state = self._states[(bucket.flat.data_ptr(), bucket.flat.numel())]
-        k = sum(self._sections(state)[1])
-        return (world - 1) * 2 * k * 4  # Allgather out: k int32 indices + k float32 values
+        words = self._row_words(state, sum(self._sections(state)[1]))
+        return (world - 1) * words * 4  # Allgather out: k int32 indices + k float32 values, or k "delta16" words
 
     def _sections(self, state: _SegmentState) -> tuple[list[Section] | None, list[int]]:
         """The selection's sections (None: the whole segment) and their ``k`` at the current ratio."""
         ratio = self.current_ratio()
         if not state.sizes:
-            return None, [topk_count(state.numel, ratio)]
+            k = topk_count(state.numel, ratio)
+            if self.rule.topk_packing == "delta16":  # the words of k pairs, one entry a word
+                k = min(state.numel, delta16_counts(state.length, 2 * k))
+            return None, [k]
         counts = section_counts(state.sizes, ratio)
         offsets = itertools.accumulate(state.sizes[:-1], initial=0)
         return [(o, n, k) for o, n, k in zip(offsets, state.sizes, counts, strict=True)], counts
+
+    def _row_words(self, state: _SegmentState, k: int) -> int:
+        """32-bit words a rank sends for ``k`` entries."""
+        if self.rule.topk_packing == "delta16":
+            return k + delta16_fillers(state.length)
+        return 2 * k
 
     def dense_bytes_for(self, bucket: Bucket) -> int:
         """What fp32 ASA would send for ``bucket`` (for the compression factor)."""
@@ -309,7 +339,7 @@ class CompressedExchanger(BucketExchanger):
                 topk_work = self._topk_work[key] = TopKWorkspace(
                     k, team.size, segment.device, segment.numel(), segment.dtype
                 )
-            topk_work.resize(k)  # new wire buffers only while the warm-up changes k
+            topk_work.resize(k, self._row_words(state, k))  # new wire buffers only while the warm-up changes k
             return topk_mean_steps(
                 team,
                 segment,
@@ -320,6 +350,7 @@ class CompressedExchanger(BucketExchanger):
                 self.momentum,
                 sections,
                 self.rule.momentum_masking,
+                self.rule.topk_packing,
             )
         work = self._workspaces.get(key)
         if work is None:

@@ -99,10 +99,13 @@ def allsum(t):
     return t
 
 
-for codec in ("int8", "topk", "onebit"):
+for codec in ("int8", "topk", "onebit", "topk_delta16"):
     for mc in (False,):  # momentum correction sends momentum, not gradients: not a mass identity
         params = make_params()
-        rule = CompressedSyncRule(codec=codec, ratio=0.05, momentum_correction=mc, momentum=0.5, ratio_warmup_steps=5, **SMALL)
+        packing = {"topk_packing": "delta16"} if codec == "topk_delta16" else {}
+        rule = CompressedSyncRule(
+            codec=codec.split("_")[0], ratio=0.05, momentum_correction=mc, momentum=0.5, ratio_warmup_steps=5, **SMALL, **packing
+        )
         bound = rule.bind(T, params)
         applied = [torch.zeros(s, dtype=torch.float64) for s in SHAPES]
         given = [torch.zeros(s, dtype=torch.float64) for s in SHAPES]
