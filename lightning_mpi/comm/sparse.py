@@ -4,7 +4,9 @@ Top-k does not fit ASA: ranks choose different indices, so there is no chunk to 
 sends a fixed ``k`` (sizes are known in advance), one ``Allgather`` of ``2k`` 32-bit words per rank
 (``int32`` indices, then the ``float32`` values as raw words) brings every rank all pairs, and a
 local scatter-add in rank order builds the same sum everywhere (Aji & Heafield 2017; Lin et al.'s
-Deep Gradient Compression 2018).
+Deep Gradient Compression 2018). ``"delta16"`` rows (:func:`pack_delta16`) carry an entry in one
+word instead, the 16-bit gap from the previous index and the bfloat16 value, so the same bytes
+carry about twice the entries; the rounding stays in the residual.
 
 With error feedback the unsent entries stay in a residual and join the next step's gradient.
 With DGC's momentum correction the momentum is accumulated locally before selection

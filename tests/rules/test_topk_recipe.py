@@ -151,7 +151,7 @@ def test_layerwise_sections_follow_the_bucket_members(self_transport):
 
     tensors = [torch.zeros(300), torch.zeros(7), torch.zeros(5, 10)]
     (bucket,) = make_buckets(tensors, 1, bucket_bytes=None)
-    exchanger = CompressedExchanger(self_transport, CompressedSyncRule(codec="topk", ratio=0.1, layerwise=True))
+    exchanger = CompressedExchanger(self_transport, CompressedSyncRule(codec="topk", ratio=0.1, layerwise=True, topk_packing="pairs"))
     exchanger.prepare([bucket])
     exchanger.step = 10**6  # past the warm-up
     state = next(iter(exchanger._states.values()))
@@ -224,5 +224,5 @@ def test_delta16_sends_twice_the_entries_and_keeps_the_rounding(self_transport):
         nbytes.append(4 * exchanger._row_words(state, counts[-1]))
         exchanger.close()
     assert counts == [4, 8] and nbytes == [32, 32]  # ceil(0.01 * 370) = 4 pairs
-    with pytest.raises(ValueError, match="topk_packing='delta16'"):
-        CompressedSyncRule(codec="topk", topk_packing="delta16", layerwise=True)
+    with pytest.raises(ValueError, match="layerwise=True needs topk_packing='pairs'"):
+        CompressedSyncRule(codec="topk", layerwise=True)
