@@ -135,6 +135,7 @@ def test_recipe_defaults_and_bad_input():
     rule = CompressedSyncRule(codec="topk")
     assert rule.ratio_warmup_steps == 40 and rule.ratio_at(0) == 1.0 and rule.ratio_at(40) == 0.01
     assert not rule.corrects_momentum and not rule.layerwise and rule.clip_norm is None  # measured: off
+    assert rule.topk_packing == "delta16"  # measured: on
     assert CompressedSyncRule(codec="topk", momentum_correction=True).corrects_momentum
     with pytest.raises(ValueError, match="clip_norm="):
         CompressedSyncRule(codec="topk", clip_norm=0.0)
