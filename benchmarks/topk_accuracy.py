@@ -38,17 +38,18 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 RESULTS = HERE / "results"
 
-#: The default arms: the peer; mpi_topk at its defaults (error feedback + 40 steps of warm-up);
-#: mpi_topk as it was before issue 25 (no warm-up); and DGC's other pieces switched on in turn.
+#: The default arms: the peer; mpi_topk at its defaults ("delta16" entries + error feedback + 40
+#: steps of warm-up); the int32/float32 pairs of before (with and without warm-up); the bound of
+#: twice the pairs (twice the bytes); and DGC's other pieces switched on in turn.
 ARMS = [
     "mpi_asa",
     "mpi_topk",
-    "mpi_topk@ratio_warmup_steps=0",  # before
-    "mpi_topk@ratio_warmup_steps=20",
-    "mpi_topk@ratio_warmup_steps=80",
-    "mpi_topk@momentum_correction=true",  # DGC: + momentum correction with factor masking
+    "mpi_topk@topk_packing='pairs'",  # before: pairs + warm-up
+    "mpi_topk@topk_packing='pairs'+ratio_warmup_steps=0",  # before issue 25
+    "mpi_topk@ratio_warmup_steps=0",  # delta16 without warm-up
+    "mpi_topk@topk_packing='pairs'+ratio=0.02",  # twice the entries in twice the bytes
     "mpi_topk@momentum_correction=true+momentum_masking=false",
-    "mpi_topk@layerwise=true",
+    "mpi_topk@topk_packing='pairs'+layerwise=true",
     "mpi_topk@clip_norm=1.0",
 ]
 

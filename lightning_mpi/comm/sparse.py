@@ -4,7 +4,9 @@ Top-k does not fit ASA: ranks choose different indices, so there is no chunk to 
 sends a fixed ``k`` (sizes are known in advance), one ``Allgather`` of ``2k`` 32-bit words per rank
 (``int32`` indices, then the ``float32`` values as raw words) brings every rank all pairs, and a
 local scatter-add in rank order builds the same sum everywhere (Aji & Heafield 2017; Lin et al.'s
-Deep Gradient Compression 2018).
+Deep Gradient Compression 2018). ``"delta16"`` rows (:func:`pack_delta16`) carry an entry in one
+word instead, the 16-bit gap from the previous index and the bfloat16 value, so the same bytes
+carry about twice the entries; the rounding stays in the residual.
 
 With error feedback the unsent entries stay in a residual and join the next step's gradient.
 With DGC's momentum correction the momentum is accumulated locally before selection
@@ -135,6 +137,57 @@ def scatter_pairs_(out: Tensor, wire: Tensor) -> None:
     out.index_add_(0, wire[:k].long(), wire[k:].view(torch.float32))
 
 
+#: Largest index gap one ``"delta16"`` word carries; a longer gap takes filler words of this gap.
+_GAP = (1 << 16) - 1
+
+
+def delta16_fillers(numel: int) -> int:
+    """The most filler words the gaps of a ``"delta16"`` row over ``numel`` entries can need."""
+    return (numel - 1) // _GAP if numel else 0
+
+
+def delta16_counts(numel: int, words: int) -> int:
+    """Entries a ``"delta16"`` row of ``words`` 32-bit words carries for a buffer of ``numel``:
+    what is left after room for the filler words the longest gaps may need (at least one, at most all)."""
+    return max(1, min(numel, words - delta16_fillers(numel))) if numel else 0
+
+
+def pack_delta16(values: Tensor, index: Tensor, wire: Tensor) -> tuple[Tensor, Tensor]:
+    """Write ``values[index]`` into the ``int32`` ``wire`` as ``"delta16"`` words and return what
+    the receivers will decode (the values rounded to bfloat16) and the indices, sorted, for the residual.
+
+    A word holds the gap from the previous index (from 0 for the first) in its high 16 bits and
+    the value's bfloat16 bits (the high half of its float32) in its low 16. A gap above 65,535
+    takes filler words (gap 65,535, value 0) before it; unused words at the end are (0, 0), which
+    adds zero to the last index. ``wire`` must have room: :func:`delta16_counts`."""
+    index, _ = torch.sort(index)
+    sent = values[index].to(torch.bfloat16)
+    gaps = torch.diff(index, prepend=index.new_zeros(1))
+    fillers = torch.clamp((gaps - 1) // _GAP, min=0)  # words of gap _GAP before each entry
+    gaps = gaps - fillers * _GAP
+    bits = sent.view(torch.int16).to(torch.int64) & 0xFFFF
+    words = (gaps << 16) | bits
+    if int(fillers.sum()):
+        per_entry = fillers + 1
+        words = torch.repeat_interleave(words, per_entry)
+        filler = torch.ones_like(words, dtype=torch.bool)
+        filler[torch.cumsum(per_entry, 0) - 1] = False  # the last word of each group is the entry
+        words[filler] = _GAP << 16
+    words = torch.where(words >= 1 << 31, words - (1 << 32), words)  # as int32 bits
+    wire.zero_()
+    wire[: words.numel()].copy_(words)
+    return sent.to(values.dtype), index
+
+
+def scatter_delta16_(out: Tensor, wire: Tensor) -> None:
+    """``out[index] += value`` for the words of one ``"delta16"`` row (:func:`pack_delta16`)."""
+    words = wire.to(torch.int64) & 0xFFFFFFFF
+    index = torch.cumsum(words >> 16, 0)
+    bits = (words & 0xFFFF) << 16
+    bits = torch.where(bits >= 1 << 31, bits - (1 << 32), bits).to(torch.int32)
+    out.index_add_(0, index, bits.view(torch.float32).to(out.dtype))
+
+
 class TopKWorkspace:
     """Send row ``[1, 2k]`` and gathered rows ``[world, 2k]`` for the current ``k``, plus
     selection scratch shaped like the exchanged buffer (kept when ``k`` changes)."""
@@ -145,15 +198,17 @@ class TopKWorkspace:
         self.world, self.device = world, device
         self.magnitude = torch.empty(numel, dtype=dtype, device=device) if numel else None
         self.mask = torch.empty(numel, dtype=torch.bool, device=device) if numel else None
-        self.k = -1
+        self.k = self.words = -1
         self.resize(k)
 
-    def resize(self, k: int) -> TopKWorkspace:
-        """Wire buffers for ``k`` pairs (reallocated only when ``k`` changes: ratio warm-up)."""
-        if k != self.k:
-            self.k = k
-            self.send = torch.empty(1, 2 * k, dtype=torch.int32, device=self.device)
-            self.recv = torch.empty(self.world, 2 * k, dtype=torch.int32, device=self.device)
+    def resize(self, k: int, words: int | None = None) -> TopKWorkspace:
+        """Wire buffers for ``k`` pairs, or rows of ``words`` words (``"delta16"``); reallocated
+        only when they change (ratio warm-up)."""
+        words = 2 * k if words is None else words
+        if (k, words) != (self.k, self.words):
+            self.k, self.words = k, words
+            self.send = torch.empty(1, words, dtype=torch.int32, device=self.device)
+            self.recv = torch.empty(self.world, words, dtype=torch.int32, device=self.device)
         return self
 
 
@@ -167,6 +222,7 @@ def topk_mean_steps(
     momentum: float = 0.0,
     sections: list[Section] | None = None,
     mask_momentum: bool = True,
+    packing: str = "pairs",
 ) -> Exchange:
     """Mean over ranks of every rank's top-``k`` entries, left dense in ``flat`` on every rank.
 
@@ -174,6 +230,9 @@ def topk_mean_steps(
     feedback) and ``momentum_buf`` (momentum correction) are shaped like ``flat`` or ``None``.
     ``sections`` (their ``k_i`` summing to ``k``): choose per section instead of over all of ``flat``.
     ``mask_momentum``: clear ``momentum_buf`` where entries were sent (DGC's momentum factor masking).
+    ``packing``: ``"pairs"`` (an int32 index and a float32 value per entry) or ``"delta16"`` (one
+    word per entry, :func:`pack_delta16`, in the workspace's rows; the bfloat16 rounding of what
+    was sent stays in ``residual``).
     """
     world = transport.size
     source = flat
@@ -190,13 +249,19 @@ def topk_mean_steps(
         index = topk_select_sections(source, sections, magnitude, mask)
     else:
         index = topk_select(source, k, magnitude, mask)
-    pack_pairs(source, index, work.send[0])
-    if residual is not None:
-        residual[index] = 0
+    if packing == "delta16":
+        sent, index = pack_delta16(source, index, work.send[0])
+        if residual is not None:
+            residual[index] -= sent  # v - what the receivers decode: the rounding waits here
+    else:
+        pack_pairs(source, index, work.send[0])
+        if residual is not None:
+            residual[index] = 0
     if momentum_buf is not None and mask_momentum:
         momentum_buf[index] = 0
     yield from transport.iallgather(work.send, work.recv)
     flat.zero_()
+    scatter = scatter_delta16_ if packing == "delta16" else scatter_pairs_
     for row in work.recv:  # rank order: the same sum on every rank
-        scatter_pairs_(flat, row)
+        scatter(flat, row)
     flat.div_(world)

@@ -9,7 +9,15 @@ import pytest
 import torch
 from mpi4py import MPI
 
-from lightning_mpi.comm.sparse import TopKWorkspace, section_counts, topk_mean_steps, topk_select_sections
+from lightning_mpi.comm.sparse import (
+    TopKWorkspace,
+    delta16_fillers,
+    pack_delta16,
+    scatter_delta16_,
+    section_counts,
+    topk_mean_steps,
+    topk_select_sections,
+)
 from lightning_mpi.comm.transport import Transport
 from lightning_mpi.rules.compressed import CompressedSyncRule, clip_
 from lightning_mpi.rules.momentum_handoff import compensate_
@@ -127,6 +135,7 @@ def test_recipe_defaults_and_bad_input():
     rule = CompressedSyncRule(codec="topk")
     assert rule.ratio_warmup_steps == 40 and rule.ratio_at(0) == 1.0 and rule.ratio_at(40) == 0.01
     assert not rule.corrects_momentum and not rule.layerwise and rule.clip_norm is None  # measured: off
+    assert rule.topk_packing == "delta16"  # measured: on
     assert CompressedSyncRule(codec="topk", momentum_correction=True).corrects_momentum
     with pytest.raises(ValueError, match="clip_norm="):
         CompressedSyncRule(codec="topk", clip_norm=0.0)
@@ -143,7 +152,7 @@ def test_layerwise_sections_follow_the_bucket_members(self_transport):
 
     tensors = [torch.zeros(300), torch.zeros(7), torch.zeros(5, 10)]
     (bucket,) = make_buckets(tensors, 1, bucket_bytes=None)
-    exchanger = CompressedExchanger(self_transport, CompressedSyncRule(codec="topk", ratio=0.1, layerwise=True))
+    exchanger = CompressedExchanger(self_transport, CompressedSyncRule(codec="topk", ratio=0.1, layerwise=True, topk_packing="pairs"))
     exchanger.prepare([bucket])
     exchanger.step = 10**6  # past the warm-up
     state = next(iter(exchanger._states.values()))
@@ -163,3 +172,58 @@ def test_warmup_can_start_below_one():
     assert CompressedSyncRule(codec="topk", ratio=0.5, ratio_warmup_start=0.25).ratio_at(0) == 0.5  # never below ratio
     with pytest.raises(ValueError, match="ratio_warmup_start="):
         CompressedSyncRule(codec="topk", ratio_warmup_start=0.0)
+
+
+@pytest.mark.timeout(60)
+def test_delta16_rows_round_trip_long_gaps():
+    """Gaps above 16 bits take filler words; the values arrive rounded to bfloat16."""
+    n = 200_000
+    values = torch.randn(n, generator=torch.Generator().manual_seed(5))
+    index = torch.tensor([199_999, 0, 1, 65_536, 131_073])  # any order; gaps of 65,535 and more
+    wire = torch.empty(index.numel() + delta16_fillers(n) + 2, dtype=torch.int32)  # 2 unused words
+    sent, order = pack_delta16(values, index, wire)
+    assert order.tolist() == sorted(index.tolist())
+    torch.testing.assert_close(sent, values[order].bfloat16().float(), rtol=0, atol=0)
+    out = torch.zeros(n)
+    scatter_delta16_(out, wire)
+    want = torch.zeros(n)
+    want[index] = values[index].bfloat16().float()
+    torch.testing.assert_close(out, want, rtol=0, atol=0)
+
+
+@pytest.mark.timeout(60)
+def test_delta16_sends_twice_the_entries_and_keeps_the_rounding(self_transport):
+    """With ``"delta16"`` the exchange sends the top ``2k`` of ``v`` in the bytes of ``k`` pairs; what
+    the receivers decode is ``v`` rounded to bfloat16, and the rounding stays in the residual."""
+    from lightning_mpi.comm.buffers import make_buckets
+    from lightning_mpi.rules.compressed import CompressedExchanger
+
+    gen = torch.Generator().manual_seed(6)
+    n, k = 500, 10
+    residual, v = torch.zeros(n), torch.zeros(n)
+    work = TopKWorkspace(2 * k, 1, torch.device("cpu"), n)
+    for _ in range(5):
+        g = torch.randn(n, generator=gen)
+        v += g
+        sent = torch.topk(v.abs(), 2 * k).indices
+        want = torch.zeros(n)
+        want[sent] = v[sent].bfloat16().float()
+        v[sent] -= want[sent]
+        flat = g.clone()
+        run(topk_mean_steps(self_transport, flat, 2 * k, work, residual, packing="delta16"))
+        torch.testing.assert_close(flat, want, rtol=0, atol=0)
+        torch.testing.assert_close(residual, v)
+    # In the rule: twice the entries of "pairs" in the same bytes, past the warm-up.
+    (bucket,) = make_buckets([torch.zeros(300), torch.zeros(7, 10)], 1, bucket_bytes=None)
+    counts, nbytes = [], []
+    for packing in ("pairs", "delta16"):
+        exchanger = CompressedExchanger(self_transport, CompressedSyncRule(codec="topk", topk_packing=packing))
+        exchanger.prepare([bucket])
+        exchanger.step = 10**6
+        state = next(iter(exchanger._states.values()))
+        counts.append(exchanger._sections(state)[1][0])
+        nbytes.append(4 * exchanger._row_words(state, counts[-1]))
+        exchanger.close()
+    assert counts == [4, 8] and nbytes == [32, 32]  # ceil(0.01 * 370) = 4 pairs
+    with pytest.raises(ValueError, match="layerwise=True needs topk_packing='pairs'"):
+        CompressedSyncRule(codec="topk", layerwise=True)

@@ -48,7 +48,8 @@ result = {"world_size": W}
 params = make_params()
 asa = SyncRule(exchange="asa", **SMALL).bind(T, params)
 cases = {
-    "topk_ratio1": (CompressedSyncRule(codec="topk", ratio=1.0, **SMALL), lambda s: random_grads(s)),
+    # "pairs": float32 values ("delta16" rounds them to bfloat16, into the residual)
+    "topk_ratio1": (CompressedSyncRule(codec="topk", ratio=1.0, topk_packing="pairs", **SMALL), lambda s: random_grads(s)),
     # W times integers in [-40, 40]: spans below 254, so every chunk and the (integer) mean
     # sit on int8's unit grid exactly.
     "int8_exact": (
@@ -73,7 +74,9 @@ asa.close()
 #    masking, the trajectory of fp32 ASA with the same optimizer (DGC's velocity, applied once) ----
 params_a, params_b = make_params(), make_params()
 asa = SyncRule(exchange="asa", **SMALL).bind(T, params_a)
-dgc = CompressedSyncRule(codec="topk", ratio=1.0, momentum_correction=True, momentum_masking=False, **SMALL).bind(T, params_b)
+dgc = CompressedSyncRule(
+    codec="topk", ratio=1.0, momentum_correction=True, momentum_masking=False, topk_packing="pairs", **SMALL
+).bind(T, params_b)
 opt_a = torch.optim.SGD(params_a, lr=0.1, momentum=0.9)
 opt_b = torch.optim.SGD(params_b, lr=0.1, momentum=0.9)
 for step in range(6):
@@ -99,10 +102,13 @@ def allsum(t):
     return t
 
 
-for codec in ("int8", "topk", "onebit"):
+for codec in ("int8", "topk", "onebit", "topk_delta16"):
     for mc in (False,):  # momentum correction sends momentum, not gradients: not a mass identity
         params = make_params()
-        rule = CompressedSyncRule(codec=codec, ratio=0.05, momentum_correction=mc, momentum=0.5, ratio_warmup_steps=5, **SMALL)
+        packing = {"topk_packing": "delta16" if codec == "topk_delta16" else "pairs"} if codec.startswith("topk") else {}
+        rule = CompressedSyncRule(
+            codec=codec.split("_")[0], ratio=0.05, momentum_correction=mc, momentum=0.5, ratio_warmup_steps=5, **SMALL, **packing
+        )
         bound = rule.bind(T, params)
         applied = [torch.zeros(s, dtype=torch.float64) for s in SHAPES]
         given = [torch.zeros(s, dtype=torch.float64) for s in SHAPES]

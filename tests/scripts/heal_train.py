@@ -265,7 +265,9 @@ def topk_phase() -> dict:
     """Top-k with error feedback (residuals local) on all ranks; one dies in the exchange's step."""
     from lightning_mpi.fabric import CompressedSyncStrategy
 
-    strategy = CompressedSyncStrategy(codec="topk", ratio=TOPK_RATIO, ratio_warmup_steps=0, heal="shrink")
+    strategy = CompressedSyncStrategy(
+        codec="topk", ratio=TOPK_RATIO, ratio_warmup_steps=0, topk_packing="pairs", heal="shrink"
+    )
     return _fabric_loop(strategy, "topk", 11, count_ranks=False, settle=True)
 
 
