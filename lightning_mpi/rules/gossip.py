@@ -15,12 +15,27 @@ over workers plus messages in flight, so the weighted mean Σ wᵢθᵢ is the c
 drift towards. At the end of ``fit`` every rank drains the messages addressed to it (counts are
 known from one allreduce) and all take the weighted consensus Σ wᵢθᵢ / Σ wᵢ (one allreduce).
 
+Healing (``heal="shrink"``, :mod:`lightning_mpi.strategies.healing`): a lost rank takes its
+mixing weight wₗ with it, and so do the messages in flight on the failed communicator (they can no
+longer be received, from or to any rank). The survivors bind again on the healed communicator (a
+new mailbox, nothing in flight, no counts) with the θᵢ and wᵢ they hold, and renormalise
+wᵢ ← wᵢ / Σ_survivors wⱼ (:func:`renormalised`, one allreduce), so that Σ w = 1 again. The
+consensus they then drift to is the weighted mean of the survivors only: the lost rank's
+contribution since its last push that a survivor merged is lost (what it pushed before and a
+survivor merged stays, mixed into that survivor's θ), and so is a survivor's push still in flight at
+the heal. A loss noticed in the final drain (its count allreduce, or waiting for a message) heals
+the same way, then the drain is redone over the survivors: the messages already merged stay
+merged, nothing was sent on the new communicator, so the expected counts are zero and only the
+consensus allreduce Σ wᵢθᵢ / Σ wᵢ over the survivors remains (a survivor that missed its
+completion takes its result from one that did).
+
 Default, cited: Blot et al. study exchange probabilities between 0.01 and 0.4 and find that
 rare exchanges already keep workers in consensus; we take p = 0.1.
 """
 
 from __future__ import annotations
 
+import math
 import random
 import time
 from collections.abc import Sequence
@@ -48,6 +63,14 @@ def gossip_merge(theta: Tensor, weight: float, theta_in: Tensor, weight_in: floa
 def gossip_push_weight(weight: float) -> float:
     """The weight a pushing worker keeps, and also the weight it sends: ``w / 2``."""
     return weight / 2.0
+
+
+def renormalised(weights: Sequence[float]) -> list[float]:
+    """``wᵢ / Σ wⱼ``: mixing weights that sum to 1 again (after a heal lost some of the mass)."""
+    total = math.fsum(weights)
+    if not math.isfinite(total) or total <= 0.0:
+        raise ValueError(f"lightning_mpi: gossip weights {list(weights)} sum to {total}; expected a positive sum")
+    return [w / total for w in weights]
 
 
 def weighted_consensus(thetas: Sequence[Tensor], weights: Sequence[float]) -> Tensor:
@@ -98,6 +121,12 @@ class BoundGoSGD(BoundLocalStepRule):
         self.training = False
         self.restored = False  # True once a checkpoint's θᵢ and wᵢ were applied
         self._restore: dict[str, Any] | None = None
+        self._renormalise = False  # bound again after a heal: renormalise the weights in on_train_start
+        self.draining = False  # bound again after a heal that interrupted the final drain
+        self.drained = False  # the final drain completed
+        #: after the final drain: the (θᵢ, wᵢ) this rank brought to the consensus allreduce, and the
+        #: messages it expected and received in that drain
+        self.last_drain: dict[str, Any] | None = None
         self._reset_stats()
 
     def on_train_start(self) -> None:
@@ -106,6 +135,11 @@ class BoundGoSGD(BoundLocalStepRule):
         self.mailbox = Mailbox(self.transport, self.n + 2, TAG)
         self.board = DecisionBoard(self.transport.comm, resources=self.transport.resources)
         self._apply_restore()
+        if self._renormalise:
+            self._renormalise = False
+            total = torch.tensor([self.weight], dtype=torch.float64)
+            self.transport.allreduce_(total, "sum")
+            self.weight = renormalised([self.weight, float(total) - self.weight])[0]
         self.training = True
 
     def _advance(self) -> None:
@@ -148,22 +182,54 @@ class BoundGoSGD(BoundLocalStepRule):
 
     def on_train_end(self) -> None:
         """Drain every message in flight, then all ranks take the weighted consensus."""
-        if self.mailbox is None or self.transport.size == 1:
+        if (self.mailbox is None and not self.draining) or self.transport.size == 1:
             self.training = False
             return
         self.training = False
-        counts = torch.tensor(self.sent_to, dtype=torch.int64)
-        self.transport.allreduce_(counts, "sum")
-        expected = int(counts[self.transport.rank])
-        while self.received < expected:
-            self._merge(self.mailbox.wait_for_one())
-        self.mailbox.finish_sends()
+        expected = 0
+        if self.mailbox is not None:  # bound again mid-drain: nothing was sent on the new communicator
+            counts = torch.tensor(self.sent_to, dtype=torch.int64)
+            self.transport.allreduce_(counts, "sum")
+            expected = int(counts[self.transport.rank])
+            while self.received < expected:
+                self._merge(self.mailbox.wait_for_one())
+            self.mailbox.finish_sends()
         theta = self.flat.pull_host()
+        self.last_drain = {
+            "theta": theta.double().clone(),
+            "weight": self.weight,
+            "expected": expected,
+            "received": self.received,
+            "sent": sum(self.sent_to),
+        }
         acc = torch.cat([theta.double() * self.weight, torch.tensor([self.weight], dtype=torch.float64)])
         self.transport.allreduce_(acc, "sum")
-        consensus = (acc[:-1] / acc[-1]).to(theta.dtype)
-        self.flat.push(consensus)
+        self.take_consensus((acc[:-1] / acc[-1]).to(theta.dtype))
+        self.draining = False
+        self.drained = True
+
+    def consensus(self) -> Tensor:
+        """This rank's θ (after :meth:`on_train_end`: the consensus), a copy on the host."""
+        return self.flat.pull_host().clone()
+
+    def take_consensus(self, theta: Tensor) -> None:
+        """Leave the consensus ``theta`` (a :meth:`consensus`) in the parameters, weight 1/W: the
+        result of :meth:`on_train_end`, for a survivor that missed its completion."""
+        self.flat.push(theta.to(self.flat.flat.dtype))
         self.weight = 1.0 / self.transport.size
+
+    def heal_state(self) -> dict[str, Any]:
+        """What a heal keeps (read on this rank alone): this rank's mixing weight, push count and
+        generator, and whether the final drain was under way; θᵢ is the module's own. The new
+        binding renormalises the weight over the survivors (module docstring)."""
+        return {
+            "healed": {
+                "weight": self.weight,
+                "pushes": self.pushes,
+                "rng": self.rng.getstate(),
+                "draining": self.mailbox is not None and not self.training and not self.drained,
+            }
+        }
 
     def close(self) -> None:
         if self.training and not self.transport.abandoned:  # closed mid-fit without a failure
@@ -201,7 +267,17 @@ class BoundGoSGD(BoundLocalStepRule):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Applied in ``on_train_start`` (after Lightning has put rank 0's weights in every module):
         same world size: rank r takes back its own θᵣ and wᵣ / Σw. Another world size: every rank
-        starts from the saved weighted consensus Σwθ / Σw with weight 1/W."""
+        starts from the saved weighted consensus Σwθ / Σw with weight 1/W. A :meth:`heal_state`
+        is taken at once (the weight is renormalised in ``on_train_start``, a collective)."""
+        if "healed" in state:
+            healed = state["healed"]
+            self.weight = float(healed["weight"])
+            self.pushes = int(healed["pushes"])
+            self.rng.setstate(healed["rng"])
+            self.draining = bool(healed["draining"])
+            # mid-drain the consensus allreduce Σwθ / Σw is scale-free: no renormalisation needed
+            self._renormalise = not self.draining
+            return
         self._restore = dict(state)
         if self.mailbox is not None:  # already training: apply now
             self._apply_restore()

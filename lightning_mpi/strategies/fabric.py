@@ -55,7 +55,7 @@ from lightning_mpi.strategies.environment import device_local_rank, rank_device
 from lightning_mpi.strategies.failures import RunFailures, install_abort_hook
 from lightning_mpi.strategies.flags import check_num_nodes, checked_parallel_devices
 from lightning_mpi.strategies.healing import RunHealing
-from lightning_mpi.strategies.healing_rules import heal_after_step, heal_grads
+from lightning_mpi.strategies.healing_rules import heal_after_step, heal_grads, heal_train_end
 from lightning_mpi.strategies.lightning_api import FabricAPI
 from lightning_mpi.strategies.optimizer_sharding import OptimizerSharding
 from lightning_mpi.strategies.replacement import refuse_replace
@@ -390,7 +390,7 @@ def fabric_strategy(api: FabricAPI, environment_class: type, checkpoint_io_class
             bound = self._runner.bound
             if bound is None:
                 return
-            bound.on_train_end()
+            heal_train_end(self._healing, self._runner)  # a heal may rebind the rule
             self._runner.close()
             self._runner.bound = None
             self._optimizer_sharding.detach()

@@ -36,6 +36,11 @@ BoundDiLoCo`)                               arrived mean Δ), this rank's residu
                                             exchange in flight is kept as the Δ it started
                                             from and started again over the survivors;
                                             ``after_step`` redone with the state before it
+GoSGD (:class:`~lightning_mpi.rules.        ``heal_state()``: this rank's mixing weight,
+gossip.BoundGoSGD`)                         pushes, generator; messages in flight dropped, a
+                                            new mailbox, the weights renormalised over the
+                                            survivors (the lost rank's mass is gone); the
+                                            final drain redone over the survivors
 any other                                   ``LookupError``: the strategy fails the run
 =========================================  ================================================
 """
@@ -51,6 +56,7 @@ from lightning_mpi.rules.averaging import BoundModelAveraging, averages_at
 from lightning_mpi.rules.base import BoundRule
 from lightning_mpi.rules.diloco import BoundDiLoCo
 from lightning_mpi.rules.easgd import BoundEASGD
+from lightning_mpi.rules.gossip import BoundGoSGD
 from lightning_mpi.rules.sync import BoundSync
 
 #: Rules whose ranks step on their own gradients and exchange in ``after_step`` every ``period``
@@ -105,8 +111,8 @@ def heal_grads(healing: Any, runner: Any, optimizer: Any, module: torch.nn.Modul
         exchanges = bound.transport.size > 1 and (
             averages_at(bound.steps + 1, bound.rule.period, bound.rule.sync_warmup_steps) == "gradients"
         )
-    else:
-        exchanges = type(bound) not in _LOCAL_STEP_RULES
+    else:  # GoSGD's before_step makes no collective either (its ranks are not in step)
+        exchanges = type(bound) not in _LOCAL_STEP_RULES and type(bound) is not BoundGoSGD
 
     def exchange() -> bool:
         bound = runner.bound
@@ -169,6 +175,10 @@ def heal_after_step(healing: Any, runner: Any, optimizer: Any) -> None:
     averages_weights = type(bound) is BoundSync and bound.rule.average != "gradients"
     if averages_weights:
         exchanged = lambda now, _before: now.transport.size > 1  # noqa: E731  (every step, once W > 1)
+    if healing.active and type(bound) is BoundGoSGD:
+        # gossip: no collective, nothing to redo; a loss seen by its mailbox heals here
+        healing.between("the gossip", lambda: bound.after_step(optimizer), None)
+        return
     if not healing.active or exchanged is None:
         bound.after_step(optimizer)  # the synchronous rules exchange nothing here (average="gradients")
         return
@@ -209,4 +219,32 @@ def heal_after_step(healing: Any, runner: Any, optimizer: Any) -> None:
         take,
         put_back,
         counted=lambda: exchanged(runner.bound, before),
+    )
+
+
+def heal_train_end(healing: Any, runner: Any) -> None:
+    """The rule's ``on_train_end`` (collective for the asynchronous rules); for GoSGD under
+    ``heal`` a healing operation: a loss in its drain heals, and the drain is redone over the
+    survivors (the new binding knows it was draining), or a survivor that missed its completion
+    takes the consensus from one that completed it."""
+    bound = runner.bound
+    if bound is None:
+        return
+    if not healing.active or type(bound) is not BoundGoSGD:
+        bound.on_train_end()
+        return
+
+    def drain() -> None:
+        runner.bound.on_train_end()
+
+    def keep(_: None) -> torch.Tensor:
+        consensus: torch.Tensor = runner.bound.consensus()
+        return consensus
+
+    healing.operation(
+        "the gossip drain",
+        drain,
+        keep,
+        lambda theta: runner.bound.take_consensus(theta),
+        counted=lambda: runner.bound.drained and runner.bound.transport.size > 1,
     )

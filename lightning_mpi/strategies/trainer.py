@@ -62,7 +62,7 @@ from lightning_mpi.strategies.environment import device_local_rank, rank_device
 from lightning_mpi.strategies.failures import RunFailures, install_abort_hook
 from lightning_mpi.strategies.flags import check_num_nodes, checked_parallel_devices
 from lightning_mpi.strategies.healing import RunHealing
-from lightning_mpi.strategies.healing_rules import heal_after_step, heal_grads
+from lightning_mpi.strategies.healing_rules import heal_after_step, heal_grads, heal_train_end
 from lightning_mpi.strategies.lightning_api import TrainerAPI
 from lightning_mpi.strategies.optimizer_sharding import OptimizerSharding
 from lightning_mpi.strategies.preemption import PreemptionWatch
@@ -463,7 +463,7 @@ def trainer_strategy(api: TrainerAPI, environment_class: type, checkpoint_io_cla
             self._preemption.stop()
             bound = self._runner.bound
             if bound is not None:
-                bound.on_train_end()  # collective for asynchronous rules: every rank is here
+                heal_train_end(self._healing, self._runner)  # collective for asynchronous rules: every rank is here
             super().on_train_end()
 
         def _preempt(self) -> None:

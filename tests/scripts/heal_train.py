@@ -1,8 +1,12 @@
 """Training that loses a rank and heals (``heal="shrink"``), once per phase, in one launch
 (tests/strategies/test_heal.py).
 
-Usage: ``lightning-mpi --heal -n 10 heal_train.py OUT_DIR`` (Open MPI with ULFM).
+Usage: ``lightning-mpi --heal -n 11 heal_train.py OUT_DIR`` (Open MPI with ULFM).
 
+00. ``gosgd``: a Fabric loop with ``GoSGDStrategy`` (gossip, no collective while training) on all
+   eleven; the last rank dies at Fabric step FABRIC_KILL; the survivors notice it when they do
+   (a gossip send, the error channel, or the final drain), heal, renormalise their gossip weights
+   and end in the consensus (W 11 -> 10). They record their drain's (θ, w) and message counts.
 0. one Fabric loop per rule whose state a heal carries, each built over the ranks left by the one
    before, its last rank dying at Fabric step FABRIC_KILL (before its backward: the survivors
    find the exchange of that step failed), each finishing FABRIC_STEPS: ``topk`` (top-k with
@@ -57,7 +61,8 @@ OUT, RANK, W = Path("."), 0, 1  # set by main(); the test imports Indexed and ma
 N, B, LR, VAL = 60, 4, 0.1, 20  # W = 5: 12 samples, 3 batches per rank and epoch; W = 4: 15, 4 batches
 KILL_STEP, MAX_STEPS = 4, 12
 FABRIC_KILL, FABRIC_STEPS, PERIOD = 3, 6, 2
-REPLACE_KILL, REPLACE_STEPS, REPLACEMENT = 1, 8, 10  # W = 4: 4 batches per rank and epoch; 10: no launch rank
+REPLACE_KILL, REPLACE_STEPS, REPLACEMENT = 1, 8, 11  # W = 4: 4 batches per rank and epoch; 11: no launch rank
+GOSGD_P = 0.5
 TOPK_RATIO = 0.25
 STREAMING = {"period": 4, "fragments": 2, "overlap_steps": 1, "mix_alpha": 0.5}
 
@@ -261,6 +266,29 @@ def easgd_phase() -> dict:
     return _fabric_loop(EASGDStrategy(period=PERIOD, heal="shrink"), "easgd", 5, count_ranks=False)
 
 
+def gosgd_phase() -> dict:
+    """GoSGD (pushes with probability GOSGD_P) on all ranks; one dies mid-training. Besides the
+    loop's record: what each survivor brought to the drain's consensus allreduce (its θ and w) and
+    the messages it expected there, received, and sent after the heal."""
+    from lightning_mpi.fabric import GoSGDStrategy
+
+    strategy = GoSGDStrategy(p=GOSGD_P, heal="shrink")
+    runner = strategy._runner
+    closed: list = []  # the bindings closed, the last being the one that drained
+    close = runner.close
+
+    def capture() -> None:
+        closed.append(runner.bound)
+        close()
+
+    runner.close = capture
+    result = _fabric_loop(strategy, "gosgd", 29, count_ranks=False)
+    drain = dict(closed[-1].last_drain)
+    drain["theta"] = drain["theta"].tolist()
+    result["drain"] = drain
+    return result
+
+
 def topk_phase() -> dict:
     """Top-k with error feedback (residuals local) on all ranks; one dies in the exchange's step."""
     from lightning_mpi.fabric import CompressedSyncStrategy
@@ -333,6 +361,7 @@ def main() -> None:
 
     OUT, RANK, W = Path(sys.argv[1]), MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
     phases = (
+        ("gosgd", gosgd_phase),
         ("topk", topk_phase),
         ("powersgd", powersgd_phase),
         ("diloco", diloco_phase),

@@ -3,7 +3,9 @@
 The options, the reconciliation of survivors, what the rules keep and the refusals are checked
 everywhere (cheap). The healing itself runs under Open MPI with ULFM
 (``LIGHTNING_MPI_TEST_MPI=openmpi``, ``./run test-openmpi``), in one launch of
-``tests/scripts/heal_train.py`` through ``lightning-mpi --heal -n 10``: first one Fabric run per
+``tests/scripts/heal_train.py`` through ``lightning-mpi --heal -n 11``: first GoSGD loses a rank
+mid-training (W 11 -> 10: the survivors renormalise their gossip weights and reach their
+consensus), then one Fabric run per
 rule whose state a heal carries, each losing its last rank in the step of an exchange (top-k with
 error feedback, PowerSGD, DiLoCo, Streaming DiLoCo with its exchange in flight, the synchronous
 rule averaging weights: W 10 -> 5); then a Trainer run on ``SyncStrategy(exchange="asa")`` loses a
@@ -37,7 +39,7 @@ from tests.mpi_utils import REPO, mpi_env, mpi_flavor, require_ulfm
 
 SCRIPT = REPO / "tests" / "scripts" / "heal_train.py"
 #: ranks launched: the first Fabric phases (one rule each) lose one each, down to the Trainer's 5
-LAUNCHED = 10
+LAUNCHED = 11
 REPLACEMENT = LAUNCHED  # the launch rank a replacement records under (tests/scripts/heal_train.py)
 #: the Fabric phases before the Trainer's, in order, each on one more rank than the next
 FIRST_PHASES = ("topk", "powersgd", "diloco", "streaming", "weights")
@@ -673,7 +675,7 @@ def test_rules_heal_with_their_state_and_match_a_replay(healed, phase):
     flight is started again), end identical and equal a one-process replay of the rule over the
     ranks alive at each step."""
     err, finals, records, out = healed
-    size = LAUNCHED - FIRST_PHASES.index(phase)  # the ranks at the phase's start
+    size = LAUNCHED - 1 - FIRST_PHASES.index(phase)  # the ranks at the phase's start (GoSGD lost one)
     steps = records[phase]
     assert sorted(steps) == list(range(6))
     for step, entries in steps.items():
@@ -701,6 +703,60 @@ def test_rules_heal_with_their_state_and_match_a_replay(healed, phase):
         (event,) = result["history"]
         assert event["lost"] == [size - 1] and event["world_size"] == size - 1 and event["redo"]
     assert sum(f"lightning_mpi: healed: rank {size - 1} of {size} lost" in x for x in err.splitlines()) == 1
+
+
+@pytest.mark.mpi
+@pytest.mark.openmpi_core
+@pytest.mark.timeout(480)
+def test_gosgd_survivors_renormalise_and_reach_their_consensus(healed):
+    """GoSGD on all ranks, the last dies mid-training: the survivors finish every step, heal once
+    (wherever each noticed), end identical, in the weighted consensus Σ wᵢθᵢ / Σ wᵢ of what they
+    brought to the drain (their weights renormalised: Σ w = 1), and the drain waited only for the
+    messages the survivors sent each other on the healed run (none from the lost rank)."""
+    err, finals, records, out = healed
+    size = LAUNCHED
+    steps = records["gosgd"]
+    assert sorted(steps) == list(range(6))
+    for step, entries in steps.items():
+        ranks = sorted(rank for rank, _ in entries)
+        assert ranks == list(range(size if step < 3 else size - 1)), step
+    assert sorted(finals["gosgd"]) == list(range(size - 1))
+    ours = [finals["gosgd"][r] for r in range(size - 1)]
+    assert all(result["final"] == ours[0]["final"] for result in ours)  # the consensus, on every survivor
+    thetas = [torch.tensor(r["drain"]["theta"], dtype=torch.float64) for r in ours]
+    ws = [r["drain"]["weight"] for r in ours]
+    consensus = sum(w * t for w, t in zip(ws, thetas, strict=True)) / sum(ws)
+    final = torch.tensor([x for p in ours[0]["final"] for x in p], dtype=torch.float64)
+    assert torch.allclose(final, consensus[: final.numel()].to(torch.float32).double(), atol=1e-6, rtol=0)
+    for result in ours:
+        (event,) = result["history"]
+        assert event["lost"] == [size - 1] and event["world_size"] == size - 1
+    if all(r["history"][0]["where"] != "the gossip drain" for r in ours):  # healed while training
+        assert math.isclose(sum(ws), 1.0, abs_tol=1e-9)  # renormalised over the survivors
+    expected = sum(r["drain"]["expected"] for r in ours)
+    assert expected == sum(r["drain"]["sent"] for r in ours)  # sent among survivors after the heal
+    assert all(r["drain"]["received"] >= r["drain"]["expected"] for r in ours)
+    assert sum(f"lightning_mpi: healed: rank {size - 1} of {size} lost" in x for x in err.splitlines()) == 1
+
+
+@pytest.mark.timeout(10)
+def test_gosgd_weights_are_renormalised_over_the_survivors():
+    from lightning_mpi.rules.gossip import renormalised, weighted_consensus
+
+    # four ranks' weights after some pushes (sum 1); rank 3 is lost with its mass
+    weights = [0.25, 0.125, 0.375, 0.25]
+    survivors = renormalised(weights[:3])
+    assert survivors == [1 / 3, 1 / 6, 1 / 2] or all(
+        math.isclose(a, b) for a, b in zip(survivors, [1 / 3, 1 / 6, 1 / 2], strict=True)
+    )
+    assert math.isclose(sum(survivors), 1.0)
+    thetas = [torch.tensor([1.0, 2.0]), torch.tensor([3.0, -1.0]), torch.tensor([0.0, 4.0])]
+    # the consensus is scale-free: renormalising does not move it
+    assert torch.allclose(weighted_consensus(thetas, survivors), weighted_consensus(thetas, weights[:3]))
+    with pytest.raises(ValueError, match="sum to 0.0; expected a positive sum"):
+        renormalised([0.0, 0.0])
+    with pytest.raises(ValueError, match="positive sum"):
+        renormalised([float("nan")])
 
 
 def test_script_is_where_the_tests_expect_it():
