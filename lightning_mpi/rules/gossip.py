@@ -24,10 +24,11 @@ consensus they then drift to is the weighted mean of the survivors only: the los
 contribution since its last push that a survivor merged is lost (what it pushed before and a
 survivor merged stays, mixed into that survivor's θ), and so is a survivor's push still in flight at
 the heal. A loss noticed in the final drain (its count allreduce, or waiting for a message) heals
-the same way, then the drain is redone over the survivors: the messages already merged stay
-merged, nothing was sent on the new communicator, so the expected counts are zero and only the
-consensus allreduce Σ wᵢθᵢ / Σ wᵢ over the survivors remains (a survivor that missed its
-completion takes its result from one that did).
+the same way (every survivor that started binds again and starts, whether it was training,
+draining or had drained), then the drain is redone over the survivors: the messages already
+merged stay merged, the expected counts are those sent on the new communicator, among survivors
+only (a survivor still training pushes on), then the consensus allreduce Σ wᵢθᵢ / Σ wᵢ over the
+survivors (a survivor that missed its completion takes its result from one that did).
 
 Default, cited: Blot et al. study exchange probabilities between 0.01 and 0.4 and find that
 rare exchanges already keep workers in consensus; we take p = 0.1.
@@ -122,7 +123,7 @@ class BoundGoSGD(BoundLocalStepRule):
         self.restored = False  # True once a checkpoint's θᵢ and wᵢ were applied
         self._restore: dict[str, Any] | None = None
         self._renormalise = False  # bound again after a heal: renormalise the weights in on_train_start
-        self.draining = False  # bound again after a heal that interrupted the final drain
+        self.started = False  # on_train_start ran: a heal binds again and starts the new binding
         self.drained = False  # the final drain completed
         #: after the final drain: the (θᵢ, wᵢ) this rank brought to the consensus allreduce, and the
         #: messages it expected and received in that drain
@@ -134,13 +135,14 @@ class BoundGoSGD(BoundLocalStepRule):
         self.transport.barrier(agree=True)
         self.mailbox = Mailbox(self.transport, self.n + 2, TAG)
         self.board = DecisionBoard(self.transport.comm, resources=self.transport.resources)
+        self.started = True
         self._apply_restore()
         if self._renormalise:
             self._renormalise = False
             total = torch.tensor([self.weight], dtype=torch.float64)
             self.transport.allreduce_(total, "sum")
             self.weight = renormalised([self.weight, float(total) - self.weight])[0]
-        self.training = True
+        self.training = not self.drained  # bound again after the drain completed: nothing to train
 
     def _advance(self) -> None:
         """After a local step: merge what arrived, push with probability p, reap finished sends.
@@ -182,18 +184,16 @@ class BoundGoSGD(BoundLocalStepRule):
 
     def on_train_end(self) -> None:
         """Drain every message in flight, then all ranks take the weighted consensus."""
-        if (self.mailbox is None and not self.draining) or self.transport.size == 1:
+        if self.mailbox is None or self.transport.size == 1:
             self.training = False
             return
         self.training = False
-        expected = 0
-        if self.mailbox is not None:  # bound again mid-drain: nothing was sent on the new communicator
-            counts = torch.tensor(self.sent_to, dtype=torch.int64)
-            self.transport.allreduce_(counts, "sum")
-            expected = int(counts[self.transport.rank])
-            while self.received < expected:
-                self._merge(self.mailbox.wait_for_one())
-            self.mailbox.finish_sends()
+        counts = torch.tensor(self.sent_to, dtype=torch.int64)
+        self.transport.allreduce_(counts, "sum")
+        expected = int(counts[self.transport.rank])
+        while self.received < expected:
+            self._merge(self.mailbox.wait_for_one())
+        self.mailbox.finish_sends()
         theta = self.flat.pull_host()
         self.last_drain = {
             "theta": theta.double().clone(),
@@ -205,8 +205,6 @@ class BoundGoSGD(BoundLocalStepRule):
         acc = torch.cat([theta.double() * self.weight, torch.tensor([self.weight], dtype=torch.float64)])
         self.transport.allreduce_(acc, "sum")
         self.take_consensus((acc[:-1] / acc[-1]).to(theta.dtype))
-        self.draining = False
-        self.drained = True
 
     def consensus(self) -> Tensor:
         """This rank's θ (after :meth:`on_train_end`: the consensus), a copy on the host."""
@@ -217,17 +215,25 @@ class BoundGoSGD(BoundLocalStepRule):
         result of :meth:`on_train_end`, for a survivor that missed its completion."""
         self.flat.push(theta.to(self.flat.flat.dtype))
         self.weight = 1.0 / self.transport.size
+        self.drained = True
+        self.training = False
+
+    @property
+    def restart_after_heal(self) -> bool:
+        """Whether a heal starts the new binding (``on_train_start``, collective): once this one
+        started, on every survivor alike, whether it was training, draining or had drained."""
+        return self.started
 
     def heal_state(self) -> dict[str, Any]:
         """What a heal keeps (read on this rank alone): this rank's mixing weight, push count and
-        generator, and whether the final drain was under way; θᵢ is the module's own. The new
+        generator, and whether the final drain completed; θᵢ is the module's own. The new
         binding renormalises the weight over the survivors (module docstring)."""
         return {
             "healed": {
                 "weight": self.weight,
                 "pushes": self.pushes,
                 "rng": self.rng.getstate(),
-                "draining": self.mailbox is not None and not self.training and not self.drained,
+                "drained": self.drained,
             }
         }
 
@@ -274,9 +280,8 @@ class BoundGoSGD(BoundLocalStepRule):
             self.weight = float(healed["weight"])
             self.pushes = int(healed["pushes"])
             self.rng.setstate(healed["rng"])
-            self.draining = bool(healed["draining"])
-            # mid-drain the consensus allreduce Σwθ / Σw is scale-free: no renormalisation needed
-            self._renormalise = not self.draining
+            self.drained = bool(healed["drained"])
+            self._renormalise = True  # in on_train_start, over the survivors
             return
         self._restore = dict(state)
         if self.mailbox is not None:  # already training: apply now

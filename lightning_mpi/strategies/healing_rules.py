@@ -225,7 +225,7 @@ def heal_after_step(healing: Any, runner: Any, optimizer: Any) -> None:
 def heal_train_end(healing: Any, runner: Any) -> None:
     """The rule's ``on_train_end`` (collective for the asynchronous rules); for GoSGD under
     ``heal`` a healing operation: a loss in its drain heals, and the drain is redone over the
-    survivors (the new binding knows it was draining), or a survivor that missed its completion
+    survivors (every survivor's new binding started alike), or a survivor that missed its completion
     takes the consensus from one that completed it."""
     bound = runner.bound
     if bound is None:

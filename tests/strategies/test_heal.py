@@ -3,9 +3,7 @@
 The options, the reconciliation of survivors, what the rules keep and the refusals are checked
 everywhere (cheap). The healing itself runs under Open MPI with ULFM
 (``LIGHTNING_MPI_TEST_MPI=openmpi``, ``./run test-openmpi``), in one launch of
-``tests/scripts/heal_train.py`` through ``lightning-mpi --heal -n 11``: first GoSGD loses a rank
-mid-training (W 11 -> 10: the survivors renormalise their gossip weights and reach their
-consensus), then one Fabric run per
+``tests/scripts/heal_train.py`` through ``lightning-mpi --heal -n 10``: first one Fabric run per
 rule whose state a heal carries, each losing its last rank in the step of an exchange (top-k with
 error feedback, PowerSGD, DiLoCo, Streaming DiLoCo with its exchange in flight, the synchronous
 rule averaging weights: W 10 -> 5); then a Trainer run on ``SyncStrategy(exchange="asa")`` loses a
@@ -39,7 +37,7 @@ from tests.mpi_utils import REPO, mpi_env, mpi_flavor, require_ulfm
 
 SCRIPT = REPO / "tests" / "scripts" / "heal_train.py"
 #: ranks launched: the first Fabric phases (one rule each) lose one each, down to the Trainer's 5
-LAUNCHED = 11
+LAUNCHED = 10
 REPLACEMENT = LAUNCHED  # the launch rank a replacement records under (tests/scripts/heal_train.py)
 #: the Fabric phases before the Trainer's, in order, each on one more rank than the next
 FIRST_PHASES = ("topk", "powersgd", "diloco", "streaming", "weights")
@@ -675,7 +673,7 @@ def test_rules_heal_with_their_state_and_match_a_replay(healed, phase):
     flight is started again), end identical and equal a one-process replay of the rule over the
     ranks alive at each step."""
     err, finals, records, out = healed
-    size = LAUNCHED - 1 - FIRST_PHASES.index(phase)  # the ranks at the phase's start (GoSGD lost one)
+    size = LAUNCHED - FIRST_PHASES.index(phase)  # the ranks at the phase's start
     steps = records[phase]
     assert sorted(steps) == list(range(6))
     for step, entries in steps.items():
@@ -705,16 +703,39 @@ def test_rules_heal_with_their_state_and_match_a_replay(healed, phase):
     assert sum(f"lightning_mpi: healed: rank {size - 1} of {size} lost" in x for x in err.splitlines()) == 1
 
 
+GOSGD_LAUNCHED = 4
+
+
+@pytest.fixture(scope="module")
+def gosgd_healed(tmp_path_factory):
+    """The gosgd phase alone (its own launch: not in the Open MPI CI run, whose time is at its limit;
+    run it with ``LIGHTNING_MPI_TEST_MPI=openmpi python -m pytest -m mpi -k gosgd``)."""
+    require_ulfm()
+    out = tmp_path_factory.mktemp("heal_gosgd")
+    args = [sys.executable, "-m", "lightning_mpi", "-n", GOSGD_LAUNCHED, "--heal", "--grace", 3, SCRIPT, out, "gosgd"]
+    code, _, err = finish(launch(args, REPO), 300)
+    assert code == 0, err[-6000:]
+    finals = defaultdict(dict)
+    for path in out.glob("*.*.json"):
+        phase, rank, _ = path.name.split(".")
+        finals[phase][int(rank)] = json.loads(path.read_text())
+    records = defaultdict(lambda: defaultdict(list))
+    for path in out.glob("steps.*.jsonl"):
+        for line in path.read_text().splitlines():
+            entry = json.loads(line)
+            records[entry["phase"]][entry["step"]].append((int(path.suffixes[0][1:]), entry))
+    return err, finals, records, out
+
+
 @pytest.mark.mpi
-@pytest.mark.openmpi_core
-@pytest.mark.timeout(480)
-def test_gosgd_survivors_renormalise_and_reach_their_consensus(healed):
+@pytest.mark.timeout(330)
+def test_gosgd_survivors_renormalise_and_reach_their_consensus(gosgd_healed):
     """GoSGD on all ranks, the last dies mid-training: the survivors finish every step, heal once
     (wherever each noticed), end identical, in the weighted consensus Σ wᵢθᵢ / Σ wᵢ of what they
     brought to the drain (their weights renormalised: Σ w = 1), and the drain waited only for the
     messages the survivors sent each other on the healed run (none from the lost rank)."""
-    err, finals, records, out = healed
-    size = LAUNCHED
+    err, finals, records, out = gosgd_healed
+    size = GOSGD_LAUNCHED
     steps = records["gosgd"]
     assert sorted(steps) == list(range(6))
     for step, entries in steps.items():
@@ -731,11 +752,10 @@ def test_gosgd_survivors_renormalise_and_reach_their_consensus(healed):
     for result in ours:
         (event,) = result["history"]
         assert event["lost"] == [size - 1] and event["world_size"] == size - 1
-    if all(r["history"][0]["where"] != "the gossip drain" for r in ours):  # healed while training
-        assert math.isclose(sum(ws), 1.0, abs_tol=1e-9)  # renormalised over the survivors
+    assert math.isclose(sum(ws), 1.0, abs_tol=1e-9)  # renormalised over the survivors at the heal
     expected = sum(r["drain"]["expected"] for r in ours)
     assert expected == sum(r["drain"]["sent"] for r in ours)  # sent among survivors after the heal
-    assert all(r["drain"]["received"] >= r["drain"]["expected"] for r in ours)
+    assert all(r["drain"]["received"] == r["drain"]["expected"] for r in ours)
     assert sum(f"lightning_mpi: healed: rank {size - 1} of {size} lost" in x for x in err.splitlines()) == 1
 
 
