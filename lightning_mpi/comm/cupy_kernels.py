@@ -64,36 +64,19 @@ __device__ __forceinline__ bool finite32(float v) {
 // cupy compiles with -ftz=true after the caller's options (cupy issue #9576), and under it the
 // intrinsics, fminf/fmaxf and comparisons flush subnormals to zero; torch's kernels keep them. So
 // every float operation here is written in PTX without .ftz, and the sign test on the bits.
-__device__ __forceinline__ float mul_rn(float a, float b) {
-    float r;
-    asm("mul.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
-    return r;
-}
+#define PTX_F32_BINARY(name, instruction)                                   \
+    __device__ __forceinline__ float name(float a, float b) {               \
+        float r;                                                            \
+        asm(instruction " %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));         \
+        return r;                                                           \
+    }
 
-__device__ __forceinline__ float add_rn(float a, float b) {
-    float r;
-    asm("add.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
-    return r;
-}
-
-__device__ __forceinline__ float sub_rn(float a, float b) {
-    float r;
-    asm("sub.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
-    return r;
-}
-
+PTX_F32_BINARY(mul_rn, "mul.rn.f32")
+PTX_F32_BINARY(add_rn, "add.rn.f32")
+PTX_F32_BINARY(sub_rn, "sub.rn.f32")
 // min/max as fminf/fmaxf (a NaN operand gives the other), subnormals kept
-__device__ __forceinline__ float min_f32(float a, float b) {
-    float r;
-    asm("min.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
-    return r;
-}
-
-__device__ __forceinline__ float max_f32(float a, float b) {
-    float r;
-    asm("max.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
-    return r;
-}
+PTX_F32_BINARY(min_f32, "min.f32")
+PTX_F32_BINARY(max_f32, "max.f32")
 
 // v >= 0 as IEEE says (torch's test): +0, -0, positive values and +inf; not NaN, not negatives
 __device__ __forceinline__ bool nonnegative(float v) {

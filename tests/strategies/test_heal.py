@@ -456,6 +456,21 @@ def _close(a: list, b: list, tol: float = 1e-5) -> bool:
     return all(torch.allclose(torch.tensor(x), torch.tensor(y), rtol=tol, atol=tol) for x, y in zip(a, b, strict=True))
 
 
+def launch_outputs(out):
+    """What a heal launch's ranks wrote under ``out``: phase -> launch rank -> final record, and
+    phase -> step -> [(launch rank, step record)]."""
+    finals = defaultdict(dict)
+    for path in out.glob("*.*.json"):
+        phase, rank, _ = path.name.split(".")
+        finals[phase][int(rank)] = json.loads(path.read_text())
+    records = defaultdict(lambda: defaultdict(list))
+    for path in out.glob("steps.*.jsonl"):
+        for line in path.read_text().splitlines():
+            entry = json.loads(line)
+            records[entry["phase"]][entry["step"]].append((int(path.suffixes[0][1:]), entry))
+    return finals, records
+
+
 @pytest.fixture(scope="module")
 def healed(tmp_path_factory):
     require_ulfm()
@@ -463,16 +478,7 @@ def healed(tmp_path_factory):
     proc = launch([sys.executable, "-m", "lightning_mpi", "-n", LAUNCHED, "--heal", "--grace", 3, SCRIPT, out], REPO)
     code, _, err = finish(proc, 420)  # mostly start-up: 4 ranks importing Lightning on a loaded machine
     assert code == 0, err[-6000:]
-    finals = defaultdict(dict)  # phase -> launch rank -> what the survivor wrote
-    for path in out.glob("*.*.json"):
-        phase, rank, _ = path.name.split(".")
-        finals[phase][int(rank)] = json.loads(path.read_text())
-    records = defaultdict(lambda: defaultdict(list))  # phase -> step -> [(launch rank, record)]
-    for path in out.glob("steps.*.jsonl"):
-        for line in path.read_text().splitlines():
-            entry = json.loads(line)
-            records[entry["phase"]][entry["step"]].append((int(path.suffixes[0][1:]), entry))
-    return err, finals, records, out
+    return (err, *launch_outputs(out), out)
 
 
 @pytest.mark.mpi
@@ -715,16 +721,7 @@ def gosgd_healed(tmp_path_factory):
     args = [sys.executable, "-m", "lightning_mpi", "-n", GOSGD_LAUNCHED, "--heal", "--grace", 3, SCRIPT, out, "gosgd"]
     code, _, err = finish(launch(args, REPO), 300)
     assert code == 0, err[-6000:]
-    finals = defaultdict(dict)
-    for path in out.glob("*.*.json"):
-        phase, rank, _ = path.name.split(".")
-        finals[phase][int(rank)] = json.loads(path.read_text())
-    records = defaultdict(lambda: defaultdict(list))
-    for path in out.glob("steps.*.jsonl"):
-        for line in path.read_text().splitlines():
-            entry = json.loads(line)
-            records[entry["phase"]][entry["step"]].append((int(path.suffixes[0][1:]), entry))
-    return err, finals, records, out
+    return (err, *launch_outputs(out), out)
 
 
 @pytest.mark.mpi
