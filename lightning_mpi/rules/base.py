@@ -142,6 +142,8 @@ class BoundRule:
       update (Lightning's accumulation, Fabric's ``no_backward_sync``); a rule whose gradient
       hooks start exchanges during backward must not start them then.
     - ``training``: ``True`` from ``on_train_start`` until ``on_train_end`` (or an aborted fit).
+    - ``restart_after_heal``: whether a heal starts the new binding (``on_train_start``); by
+      default while ``training``.
     - ``board``: a :class:`~lightning_mpi.comm.window.DecisionBoard` on which stop decisions are
       published one-sidedly while ``training``, or ``None`` when decisions must be collectives.
 
@@ -157,6 +159,11 @@ class BoundRule:
         self.transport = transport
         self.params = list(params)
         check_single_device(self.params)
+
+    @property
+    def restart_after_heal(self) -> bool:
+        """Whether a heal starts the new binding (``on_train_start``, collective): while training."""
+        return self.training
 
     def on_train_start(self) -> None:
         """Called once when training starts, with identical weights on every rank."""

@@ -159,7 +159,7 @@ class BoundGoSGD(BoundLocalStepRule):
 
     def _message(self) -> Tensor:
         msg = torch.empty(self.n + 2, dtype=torch.float32)
-        msg[: self.flat.flat.numel()].copy_(self.flat.pull_host())
+        msg[: self.flat.flat.numel()].copy_(self.flat.pull())  # from the device straight into the message
         msg[self.n :].view(torch.float64)[0] = self.weight
         return msg
 

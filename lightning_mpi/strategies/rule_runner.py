@@ -51,8 +51,8 @@ class RuleRunner:
         """After a heal: bind again on the healed run's ``transport`` and load ``state`` (what the
         abandoned binding kept, :func:`~.healing.kept_state`); a rule that was training starts
         again (``on_train_start``), since the survivors hold the same weights where it keeps them so."""
-        # a rule that says so (GoSGD) starts again wherever its fit was: its survivors must agree
-        training = self.bound is not None and (self.bound.training or getattr(self.bound, "restart_after_heal", False))
+        # the rule says when (GoSGD: wherever its fit was, so that its survivors agree)
+        training = self.bound is not None and self.bound.restart_after_heal
         self.bound = None  # abandoned already: nothing to close
         self._pending_state = state
         bound = self.bind(transport, module, rule)
