@@ -170,7 +170,8 @@ class Counters:
         self.comm = self.resources.comm(comm.Dup())
         self.root = root
         self.length = length
-        hosted = length if self.comm.Get_rank() == root else 0
+        self.rank = self.comm.Get_rank()
+        hosted = length if self.rank == root else 0
         self.win = self.resources.window(MPI.Win.Allocate(hosted * 8, 8, comm=self.comm))
         if hosted:
             self.win.Lock(root, MPI.LOCK_EXCLUSIVE)
@@ -215,6 +216,13 @@ class Counters:
         )
         self.win.Unlock(self.root)
         return out
+
+    def hosted(self) -> np.ndarray | None:
+        """A copy of the counters read straight from this rank's window memory, without a lock, on
+        the root (``None`` elsewhere): for a run whose other ranks no longer touch it (a heal)."""
+        if self.win is None or self.rank != self.root:
+            return None
+        return np.frombuffer(self.win.tomemory(), dtype=np.int64, count=self.length).copy()
 
     def free(self) -> None:
         if self.win is not None:

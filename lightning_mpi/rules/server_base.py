@@ -32,6 +32,10 @@ the ranks' memory, and a run resumes from the last checkpoint: checkpoints are w
 their center is read after a barrier, i.e. with every rank's commits so far applied whole and no
 commit in flight.
 
+Healing (``heal="shrink"``): the survivors rebuild the center from their own shards and, for a
+lost shard, the freshest copy a survivor pulled, cut it anew over themselves and train on;
+:mod:`lightning_mpi.rules.server_heal` says what is rebuilt from what and what is lost.
+
 Checkpoints: :meth:`BoundServerRule.state_dict` is collective (the strategy calls it on every
 rank when Lightning saves): the whole center (read one-sidedly, unpadded), the server clock, and
 every rank's steps, commits and EAMSGD momentum. A resume re-shards the center over the new world
@@ -60,6 +64,7 @@ from lightning_mpi.options import integer, number, option, options_class
 from lightning_mpi.rules.base import BoundLocalStepRule, Rule, all_finite
 from lightning_mpi.rules.easgd import FlatParams
 from lightning_mpi.rules.server_commits import staleness
+from lightning_mpi.rules.server_heal import gather_and_rebuild, padded
 
 
 @options_class
@@ -113,6 +118,13 @@ class BoundServerRule(BoundLocalStepRule):
         self.training = False
         self.restored = False  # True once a checkpoint's center and clock went into the windows
         self._pending: dict[str, Any] | None = None
+        self.started = False  # on_train_start ran: a heal binds again and starts the new binding
+        self._exchanging = False  # inside a commit: a loss there leaves it partly applied (server_heal)
+        self._final_committed = False  # on_train_end's commit completed: its redo after a heal skips it
+        self._kept: dict[str, Any] | None = None  # what heal_state() returned, refreshed at close
+        self._healed: dict[str, Any] | None = None  # a heal_state() to rebuild from in on_train_start
+        #: the last rebuild after a heal: the center, the clock, the lost ranks, who each was taken from
+        self.last_heal: dict[str, Any] | None = None
         self._reset_window_stats()
 
     def windows(self) -> tuple[ShardedVector, Counters]:
@@ -139,7 +151,11 @@ class BoundServerRule(BoundLocalStepRule):
         self.board = DecisionBoard(comm, resources=resources)
         initial = self.flat.pull_host().clone()
         clock0 = 0
-        if self._pending is not None:
+        healed, self._healed = self._healed, None
+        if healed is not None:  # after a heal: the center rebuilt over the survivors (server_heal)
+            self.last_heal = gather_and_rebuild(self.transport, healed)
+            initial, clock0 = padded(self.last_heal["center"], self.ref.numel()), int(self.last_heal["clock"])
+        elif self._pending is not None:
             initial = self._padded(self._pending["center"])
             clock0 = int(self._pending["clock"])
             self._pending = None
@@ -149,10 +165,18 @@ class BoundServerRule(BoundLocalStepRule):
             clock.set_all(torch.tensor([clock0]).numpy())
         self.transport.barrier()  # every shard is set before anyone reads or commits (with the timeout)
         self.ref.copy_(initial)
-        if self.starts_from_center:
+        if healed is not None and not healed["interrupted"]:
+            # this worker's own weights go on, against the center it last pulled (laid out anew)
+            self.ref.copy_(padded(healed["ref"][: self.numel], self.ref.numel()))
+            clock0 = int(healed["clock_at_pull"])
+        elif self.starts_from_center or healed is not None:  # an interrupted commit: from the center
             self.flat.push(initial)
+            if healed is not None:
+                for buf in self.momentum_bufs:
+                    buf.zero_()
         self.clock_at_pull = clock0
         self.training = True
+        self.started = True
         self._t0 = time.perf_counter()
 
     def _advance(self) -> None:
@@ -168,13 +192,16 @@ class BoundServerRule(BoundLocalStepRule):
         if not all_finite([theta]):  # checked before the clock ticks: a dropped commit is no commit
             self._drop_commit()
             return
+        self._exchanging = True  # until the commit completed (or was dropped): see server_heal
         tick = self.clock.fetch_add(0, 1)
         stale = staleness(tick, self.clock_at_pull)
         if not self.exchange(theta, stale):
             self._drop_commit()
+            self._exchanging = False
             return
         self.clock_at_pull = tick + 1
         self.commits += 1
+        self._exchanging = False
         self._record_staleness(stale)
 
     def exchange(self, theta: Tensor, stale: int) -> bool:
@@ -216,14 +243,68 @@ class BoundServerRule(BoundLocalStepRule):
         if self.center is None:
             return
         self.training = False
-        if self.steps % self.rule.period:
+        if self.steps % self.rule.period and not self._final_committed:
             self.commit()
+        self._final_committed = True  # a redo after a heal does not commit these steps again
         self.transport.barrier()  # every rank's last commit has landed (with the collective timeout)
         self.center.read(self.scratch)
         self.flat.push(self.scratch)
         self.ref.copy_(self.scratch)
 
+    def take_center(self, center: Tensor) -> None:
+        """Leave ``center`` (the final center, as :meth:`on_train_end` leaves it on another rank) in
+        the parameters: that result, for a survivor that missed its completion in a heal."""
+        self.training = False
+        self._final_committed = True
+        self.flat.push(center.to(self.ref.dtype))
+        self.ref.copy_(center)
+
+    @property
+    def restart_after_heal(self) -> bool:
+        """Once started, on every survivor alike (training or in ``on_train_end``): the center
+        is rebuilt collectively in the new binding's ``on_train_start``."""
+        return self.started
+
+    def heal_state(self) -> dict[str, Any]:
+        """What a heal keeps, read on this rank alone (:mod:`.server_heal`): its shard of the center
+        and, on old rank 0, the clock (both read again from the windows' memory when the failed
+        run is released: :meth:`close`), the center as it last pulled it and the clock then, whether
+        a commit was interrupted, its counters and EAMSGD momentum."""
+        local = None if self.center is None else self.center.local
+        if local is None or self.clock is None:
+            raise LookupError(
+                f"the {self.rule.name} rule's center exists only while it trains, and a rank was lost outside that"
+            )
+        hosted = self.clock.hosted()
+        self._kept = {
+            "old_rank": self.transport.rank,
+            "old_world": self.transport.size,
+            "numel": self.numel,
+            "shard": torch.from_numpy(local.copy()),
+            "clock": None if hosted is None else int(hosted[0]),
+            "ref": self.ref.clone(),
+            "clock_at_pull": self.clock_at_pull,
+            "interrupted": self._exchanging,
+            "final_committed": self._final_committed,
+            **self._local_state(),
+            "skipped_commits": self.skipped_commits,
+        }
+        return {"healed": self._kept}
+
+    def _refresh_kept(self) -> None:
+        """The failed run is being released (every survivor agreed to heal, none commits any more):
+        read this rank's shard and clock again into what :meth:`heal_state` kept."""
+        kept, self._kept = self._kept, None
+        if kept is None or self.center is None or self.center.local is None or self.clock is None:
+            return
+        kept["shard"].copy_(torch.from_numpy(self.center.local))
+        hosted = self.clock.hosted()
+        if hosted is not None:
+            kept["clock"] = int(hosted[0])
+
     def close(self) -> None:
+        if self.transport.abandoned:
+            self._refresh_kept()  # before the windows are dropped (they are freed after this)
         if self.training and not self.transport.abandoned:
             # fit did not reach on_train_end, yet the run was not abandoned (a frontend that
             # closes without a failure handler): freeing a window is collective and the other
@@ -243,9 +324,7 @@ class BoundServerRule(BoundLocalStepRule):
     # -- state -------------------------------------------------------------------------------------
     def _padded(self, center: Tensor) -> Tensor:
         """A saved (unpadded) center laid out for this world size: re-shards a checkpoint from any W."""
-        out = torch.zeros_like(self.ref)
-        out[: self.numel].copy_(center.reshape(-1)[: self.numel])
-        return out
+        return padded(center.reshape(-1)[: self.numel].to(self.ref.dtype), self.ref.numel())
 
     def _local_state(self) -> dict[str, Any]:
         return {"steps": self.steps, "commits": self.commits, "momentum": [b.clone() for b in self.momentum_bufs]}
@@ -291,6 +370,12 @@ class BoundServerRule(BoundLocalStepRule):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore the center, the clock and this rank's local state (see :meth:`state_dict`)."""
+        if "healed" in state:  # a heal_state(): counters now, the center in on_train_start
+            healed = self._healed = state["healed"]
+            self._apply_local_state(healed)
+            self.skipped_commits = int(healed["skipped_commits"])
+            self._final_committed = bool(healed["final_committed"])
+            return
         saved = state.get("kind", self.rule.name)
         if saved != self.rule.name:
             raise ValueError(

@@ -41,6 +41,18 @@ gossip.BoundGoSGD`)                         pushes, generator; messages in fligh
                                             new mailbox, the weights renormalised over the
                                             survivors (the lost rank's mass is gone); the
                                             final drain redone over the survivors
+parameter server: DOWNPOUR, AGN, DynSGD,    ``heal_state()``: this rank's shard of the center
+ADAG, AEASGD, EAMSGD (:class:`~lightning_   (read again once every survivor agreed to heal),
+mpi.rules.server_base.BoundServerRule`)     the center it last pulled and the clock then, the
+                                            clock on old rank 0, counters, momentum. The new
+                                            binding rebuilds the center: surviving shards as
+                                            kept, a lost shard from the freshest pull (the
+                                            highest clock at pull, ties the lowest rank), cut
+                                            anew (:mod:`~lightning_mpi.rules.server_heal`).
+                                            Workers keep their weights; one whose commit was
+                                            interrupted restarts from the center. Nothing is
+                                            redone while training (a commit is one-sided);
+                                            ``on_train_end`` (final commit, barrier) is redone
 any other                                   ``LookupError``: the strategy fails the run
 =========================================  ================================================
 """
@@ -57,6 +69,7 @@ from lightning_mpi.rules.base import BoundRule
 from lightning_mpi.rules.diloco import BoundDiLoCo
 from lightning_mpi.rules.easgd import BoundEASGD
 from lightning_mpi.rules.gossip import BoundGoSGD
+from lightning_mpi.rules.server_base import BoundServerRule
 from lightning_mpi.rules.sync import BoundSync
 
 #: Rules whose ranks step on their own gradients and exchange in ``after_step`` every ``period``
@@ -70,6 +83,11 @@ _LOCAL_STEP_RULES: dict[type, Callable[[Any, dict[str, Any]], bool]] = {
     # DiLoCo and Streaming DiLoCo: an exchange completed when an outer step was made
     BoundDiLoCo: lambda bound, before: bound.outer_steps != before["outer_steps"],
 }
+
+
+#: Rules whose ranks are not in step while training (no collective): a loss they notice heals
+#: between operations, and their ``on_train_end`` is a healing operation.
+_ONE_SIDED = (BoundGoSGD, BoundServerRule)
 
 
 def _local_state(bound: Any) -> dict[str, Any]:
@@ -111,8 +129,8 @@ def heal_grads(healing: Any, runner: Any, optimizer: Any, module: torch.nn.Modul
         exchanges = bound.transport.size > 1 and (
             averages_at(bound.steps + 1, bound.rule.period, bound.rule.sync_warmup_steps) == "gradients"
         )
-    else:  # GoSGD's before_step makes no collective either (its ranks are not in step)
-        exchanges = type(bound) not in _LOCAL_STEP_RULES and type(bound) is not BoundGoSGD
+    else:  # GoSGD's and the parameter server's before_step make no collective (ranks not in step)
+        exchanges = type(bound) not in _LOCAL_STEP_RULES and not isinstance(bound, _ONE_SIDED)
 
     def exchange() -> bool:
         bound = runner.bound
@@ -175,9 +193,11 @@ def heal_after_step(healing: Any, runner: Any, optimizer: Any) -> None:
     averages_weights = type(bound) is BoundSync and bound.rule.average != "gradients"
     if averages_weights:
         exchanged = lambda now, _before: now.transport.size > 1  # noqa: E731  (every step, once W > 1)
-    if healing.active and type(bound) is BoundGoSGD:
-        # gossip: no collective, nothing to redo; a loss seen by its mailbox heals here
-        healing.between("the gossip", lambda: bound.after_step(optimizer), None)
+    if healing.active and isinstance(bound, _ONE_SIDED):
+        # gossip, a parameter server's commit: no collective, nothing to redo; a loss seen by the
+        # mailbox or a window heals here (an interrupted commit is settled by the rebuild)
+        where = "the gossip" if type(bound) is BoundGoSGD else "the commit"
+        healing.between(where, lambda: bound.after_step(optimizer), None)
         return
     if not healing.active or exchanged is None:
         bound.after_step(optimizer)  # the synchronous rules exchange nothing here (average="gradients")
@@ -226,12 +246,23 @@ def heal_train_end(healing: Any, runner: Any) -> None:
     """The rule's ``on_train_end`` (collective for the asynchronous rules); for GoSGD under
     ``heal`` a healing operation: a loss in its drain heals, and the drain is redone over the
     survivors (every survivor's new binding started alike), or a survivor that missed its completion
-    takes the consensus from one that completed it."""
+    takes the consensus from one that completed it. The same for a parameter-server rule: its
+    last commit, the barrier after it and the read of the center are redone over the survivors on
+    the rebuilt center (a completed last commit is not made twice)."""
     bound = runner.bound
     if bound is None:
         return
-    if not healing.active or type(bound) is not BoundGoSGD:
+    if not healing.active or not isinstance(bound, _ONE_SIDED):
         bound.on_train_end()
+        return
+    if isinstance(bound, BoundServerRule):
+        healing.operation(
+            "the final commit",
+            lambda: runner.bound.on_train_end(),
+            lambda _: runner.bound.flat.pull_host().clone(),
+            lambda center: runner.bound.take_center(center),
+            counted=lambda: runner.bound.transport.size > 1,
+        )
         return
 
     def drain() -> None:

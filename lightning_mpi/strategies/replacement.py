@@ -59,6 +59,7 @@ from lightning_mpi.comm.respawn import JOIN_TIMEOUT, Respawned
 from lightning_mpi.comm.ulfm import ProcessFailed, process_failure
 from lightning_mpi.comm.ulfm import free as ulfm_free
 from lightning_mpi.comm.ulfm import revoke as ulfm_revoke
+from lightning_mpi.rules.server_base import ServerRule
 from lightning_mpi.strategies.healing import RunHealing, remember_healed
 from lightning_mpi.strategies.healing_rules import kept_state
 
@@ -94,6 +95,18 @@ def refuse_replace(heal: str | None) -> None:
             "your own training loop where the survivors are, which Fabric does not describe. Use heal='shrink' "
             "with Fabric (the survivors go on), or the Trainer's strategies (lightning_mpi.lightning) for "
             "heal='replace'"
+        )
+
+
+def refuse_replace_for(rule: Any, heal: str | None) -> None:
+    """The Trainer strategies: ``heal="replace"`` is refused for a parameter-server rule, naming
+    what works instead (a new rank would need a shard of the center and the clock handed over,
+    which is not built yet; ``"shrink"`` rebuilds the center over the survivors)."""
+    if heal == "replace" and isinstance(rule, ServerRule):
+        raise ValueError(
+            f"heal='replace' is not supported for the parameter-server rule {rule.name!r} yet: a new rank would "
+            "have to take over a shard of the center, which is not built yet. Use heal='shrink' (the survivors "
+            "rebuild the center over themselves and go on), or `lightning-mpi --max-restarts` with checkpoints"
         )
 
 

@@ -66,7 +66,7 @@ from lightning_mpi.strategies.healing_rules import heal_after_step, heal_grads, 
 from lightning_mpi.strategies.lightning_api import TrainerAPI
 from lightning_mpi.strategies.optimizer_sharding import OptimizerSharding
 from lightning_mpi.strategies.preemption import PreemptionWatch
-from lightning_mpi.strategies.replacement import REPLACEMENT_REASON, RunReplacing
+from lightning_mpi.strategies.replacement import REPLACEMENT_REASON, RunReplacing, refuse_replace_for
 from lightning_mpi.strategies.resume import AutoResume, resume_checkpoint
 from lightning_mpi.strategies.rule_runner import RuleRunner
 from lightning_mpi.strategies.sharding import LoaderSharding
@@ -142,6 +142,7 @@ def trainer_strategy(api: TrainerAPI, environment_class: type, checkpoint_io_cla
             # Every argument is checked before the environment's first collective (it splits COMM_WORLD).
             rule = check_rule(rule) or SyncRule()
             self.options = CommonOptions(**options)
+            refuse_replace_for(rule, self.options.heal)
             RunHealing.require(self.options.heal)  # the fix named before any collective
             self._aids = ConvergenceAids(
                 self.options.lr_scaling,
@@ -535,10 +536,12 @@ def trainer_strategy(api: TrainerAPI, environment_class: type, checkpoint_io_cla
             return bool(super().reduce_boolean_decision(decision, all))
 
         def _decision_board(self) -> Any | None:
-            board = self._decisions.board(self._runner.bound)
-            if board is not None:
-                self._failures.check_peers()  # a board read waits for no rank: look for a failure first
-            return board
+            if self._decisions.board(self._runner.bound) is None:
+                return None
+            # a board read waits for no rank: look for a failure first (under heal, heal here; the
+            # healed run's rule has a board of its own)
+            self._healing.between("the error channel", self._failures.check_peers, None)
+            return self._decisions.board(self._runner.bound)
 
         def collective_decisions(self) -> AbstractContextManager[None]:
             """A scope in which every decision is a collective (see :mod:`.decisions`)."""

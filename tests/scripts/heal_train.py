@@ -2,11 +2,16 @@
 (tests/strategies/test_heal.py).
 
 Usage: ``lightning-mpi --heal -n 10 heal_train.py OUT_DIR`` (Open MPI with ULFM), the phases
-0 to 4 below; ``lightning-mpi --heal -n 4 heal_train.py OUT_DIR gosgd`` runs only the ``gosgd``
-phase (a Fabric loop with ``GoSGDStrategy``, no collective while training; the last rank dies at
-Fabric step FABRIC_KILL; the survivors notice it when they do (a gossip send, the error channel,
-or the final drain), heal, renormalise their gossip weights and end in the consensus; they record
-their drain's (θ, w) and message counts).
+0 to 4 below; ``lightning-mpi --heal -n 4 heal_train.py OUT_DIR gosgd`` runs only the two
+asynchronous phases, each a Fabric loop whose last rank dies at Fabric step FABRIC_KILL, and whose
+survivors notice it when they do (no collective while training):
+
+- ``downpour`` (``DownpourStrategy``, the center sharded over the ranks' windows, W 4 -> 3): the
+  survivors notice through a progress thread, the error channel or the final barrier, rebuild the
+  center (their shards, the lost one from the freshest pull) and train on; they record what went
+  into the rebuild, what came out, and every commit they made on the healed run;
+- ``gosgd`` (``GoSGDStrategy``, 3 -> 2): the survivors heal, renormalise their gossip weights and
+  end in the consensus; they record their drain's (θ, w) and message counts.
 
 0. one Fabric loop per rule whose state a heal carries, each built over the ranks left by the one
    before, its last rank dying at Fabric step FABRIC_KILL (before its backward: the survivors
@@ -213,14 +218,16 @@ def replace_phase() -> dict:
     return _trainer_fit(model, strategy, max_steps=REPLACE_STEPS, default_root_dir=OUT / "replace")
 
 
-def _fabric_loop(strategy, phase: str, stride: int, count_ranks: bool, settle: bool = False) -> dict:
+def _fabric_loop(strategy, phase: str, stride: int, count_ranks: bool, settle: bool = False, linger: float = 0) -> dict:
     """A Fabric loop on ``strategy`` whose last rank dies at step ``FABRIC_KILL``; each rank's batch
     is picked by its current rank and world size (a heal changes both). ``count_ranks``: Lightning's
     collectives go on after the heal (an ``all_reduce`` of ones every step). ``settle``: a barrier
     first, so that the rank dies once every rank completed the step before's exchange, and the
     survivors find the loss in the exchange of the kill step itself, which they all redo (a rank
     lost right after a collective that some survivors completed and others did not is reconciled
-    by taking its result, which the replays here do not model)."""
+    by taking its result, which the replays here do not model). ``linger``: the survivors wait that
+    many seconds at step FABRIC_KILL, so that ranks not in step (no collective while training) are
+    likely to notice the loss mid-training rather than at the end (where it heals too)."""
     import lightning as L
 
     fabric = L.Fabric(strategy=strategy, accelerator="cpu")
@@ -234,6 +241,8 @@ def _fabric_loop(strategy, phase: str, stride: int, count_ranks: bool, settle: b
             fabric.barrier()
         if step == FABRIC_KILL and fabric.global_rank == fabric.world_size - 1:
             die()
+        if step == FABRIC_KILL and linger:
+            time.sleep(linger)
         index = [(step * stride + fabric.global_rank * B + k) % N for k in range(B)]
         opt.zero_grad()
         fabric.backward(nn.functional.mse_loss(model(data.x[index]), data.y[index]))
@@ -287,6 +296,61 @@ def gosgd_phase() -> dict:
     drain = dict(closed[-1].last_drain)
     drain["theta"] = drain["theta"].tolist()
     result["drain"] = drain
+    return result
+
+
+def downpour_phase() -> dict:
+    """DOWNPOUR on all ranks, one dies mid-training. Besides the loop's record: each survivor's
+    rebuild after the heal (what it kept: its shard, its pulled center, the clock then; what came
+    out: the center, the clock, who each lost shard was taken from) and the commits it made on the
+    healed run (each DOWNPOUR update, its whole Δ)."""
+    import lightning_mpi.rules.server_base as server_base
+    from lightning_mpi.fabric import DownpourStrategy
+    from lightning_mpi.rules.server import BoundDownpour
+
+    rebuilds: list = []
+    commits: list = []
+    rebuild, exchange = server_base.gather_and_rebuild, BoundDownpour.exchange
+
+    def gather_and_rebuild(transport, kept):
+        out = rebuild(transport, kept)
+        rebuilds.append({"kept": kept, "out": out})
+        return out
+
+    def recorded_exchange(self, theta, stale):
+        update = theta - self.ref
+        done = exchange(self, theta, stale)
+        if done and rebuilds:  # a commit on the healed run
+            commits.append(update.clone())
+        return done
+
+    server_base.gather_and_rebuild, BoundDownpour.exchange = gather_and_rebuild, recorded_exchange
+    try:
+        strategy = DownpourStrategy(period=PERIOD, heal="shrink")
+        result = _fabric_loop(strategy, "downpour", 3, count_ranks=False, linger=1.0)
+    finally:
+        server_base.gather_and_rebuild, BoundDownpour.exchange = rebuild, exchange
+    tolist = lambda t: t.double().tolist()  # noqa: E731
+    result["rebuilds"] = [
+        {
+            "kept": {
+                "old_rank": r["kept"]["old_rank"],
+                "old_world": r["kept"]["old_world"],
+                "numel": r["kept"]["numel"],
+                "shard": tolist(r["kept"]["shard"]),
+                "ref": tolist(r["kept"]["ref"]),
+                "clock_at_pull": r["kept"]["clock_at_pull"],
+                "clock": r["kept"]["clock"],
+                "interrupted": r["kept"]["interrupted"],
+            },
+            "center": tolist(r["out"]["center"]),
+            "clock": r["out"]["clock"],
+            "lost": r["out"]["lost"],
+            "chosen": {str(k): v for k, v in r["out"]["chosen"].items()},
+        }
+        for r in rebuilds
+    ]
+    result["commits"] = [tolist(u) for u in commits]
     return result
 
 
@@ -374,7 +438,7 @@ def main() -> None:
         ("min_ranks", min_ranks_phase),
     )
     if sys.argv[2:] == ["gosgd"]:
-        phases = (("gosgd", gosgd_phase),)
+        phases = (("downpour", downpour_phase), ("gosgd", gosgd_phase))
     if os.environ.get("LIGHTNING_MPI_REPLACEMENT"):  # a replacement spawned by the replace phase starts there
         RANK = REPLACEMENT
         phases = phases[[name for name, _ in phases].index("replace") :]

@@ -75,6 +75,95 @@ def test_rules_that_cannot_heal_yet_say_so():
     assert kept_state(bound(SyncRule(average="weights"))) == {"skipped_steps": 3}
     with pytest.raises(LookupError, match="BoundRule keeps state that is not rebuilt after a heal yet"):
         kept_state(object.__new__(BoundRule))
+    # the parameter-server rules heal (test_parameter_server_*), but not outside training: their
+    # center lives in windows that exist only while they train
+    from lightning_mpi.rules.server import BoundDownpour, DownpourRule
+
+    server = object.__new__(BoundDownpour)
+    server.rule, server.center, server.clock = DownpourRule(), None, None
+    with pytest.raises(LookupError, match="downpour rule's center exists only while it trains"):
+        kept_state(server)
+
+
+@pytest.mark.timeout(10)
+def test_a_lost_shard_of_the_center_is_rebuilt_from_the_freshest_pull_and_cut_anew():
+    """The pure part of a parameter server's heal (lightning_mpi.rules.server_heal): the freshest
+    pull (highest clock at pull, ties to the lowest rank), the center assembled from the surviving
+    shards and the chosen pull, the clock, and the shards cut anew for the new world size."""
+    from lightning_mpi.comm.window import shard_bounds
+    from lightning_mpi.rules.server_heal import freshest, healed_clock, padded, rebuild_center
+
+    # old W = 4, n = 10 padded to 12 (shards of 3); ranks 1 and 3 lost
+    assert freshest({0: 7, 2: 9}, [3, 1]) == {1: 2, 3: 2}
+    assert freshest({2: 9, 0: 9}, [1]) == {1: 0}  # a tie: the lowest old rank, whatever the order
+    with pytest.raises(ValueError, match="no survivor"):
+        freshest({}, [0])
+    assert healed_clock({0: 7, 2: 9}, [11]) == 11  # old rank 0 (the clock's host) survived
+    assert healed_clock({2: 9, 3: 8}, []) == 9  # it did not: the freshest pull's clock
+    shards = {0: torch.tensor([0.0, 1, 2]), 2: torch.tensor([6.0, 7, 8])}
+    pull = torch.arange(100.0, 112.0)  # rank 2's pulled center (old layout, padded)
+    pulled = {1: pull[3:6], 3: pull[9:12]}
+    center = rebuild_center(shards, pulled, 4, 10)
+    assert center.tolist() == [0.0, 1, 2, 103, 104, 105, 6, 7, 8, 109]
+    with pytest.raises(ValueError, match="shard 1 of 4 is in neither"):
+        rebuild_center(shards, {3: pull[9:12]}, 4, 10)
+    with pytest.raises(ValueError, match="shard 0 of 4 is in both"):
+        rebuild_center(shards, {**pulled, 0: pull[:3]}, 4, 10)
+    # two survivors: padded to 10 (a multiple of 2), each hosts half
+    recut = padded(center, 10)
+    (lo0, hi0), (lo1, hi1) = shard_bounds(10, 2, 0), shard_bounds(10, 2, 1)
+    assert recut[lo0:hi0].tolist() == [0.0, 1, 2, 103, 104] and recut[lo1:hi1].tolist() == [105.0, 6, 7, 8, 109]
+    assert padded(center, 12)[10:].tolist() == [0.0, 0.0]
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("interrupted", [False, True], ids=["between-commits", "commit-interrupted"])
+def test_a_parameter_server_binding_rebuilt_from_its_heal_state_goes_on(interrupted):
+    """On one rank (no MPI peers): a DOWNPOUR binding's heal_state(), its shard read again when the
+    failed run is released (close() of an abandoned run), bound again: the new center is that
+    shard, the counters go on, and the worker keeps its weights and pulled center (or, when its
+    commit was interrupted, restarts from the center)."""
+    from mpi4py import MPI
+    from torch import nn
+
+    from lightning_mpi.comm.transport import Transport
+    from lightning_mpi.rules.server import DownpourRule
+
+    torch.manual_seed(3)
+    net = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
+    params = list(net.parameters())
+    rule = DownpourRule(period=2)
+    opt = torch.optim.SGD(params, lr=0.1)
+    bound = rule.bind(Transport(MPI.COMM_SELF), params)
+    bound.on_train_start()
+    for _ in range(3):  # one commit (step 2), one step since
+        opt.zero_grad()
+        net(torch.randn(6, 3)).pow(2).mean().backward()
+        assert bound.before_step(opt)
+        opt.step()
+        bound.after_step(opt)
+    bound._exchanging = interrupted  # as if a loss had been noticed inside a commit
+    state = kept_state(bound)
+    center, _ = bound.windows()
+    center.add(torch.full_like(bound.ref, 0.5))  # a commit that lands before every survivor stopped
+    landed = bound.center.read(torch.empty_like(bound.ref))
+    weights = torch.cat([p.detach().flatten() for p in params])
+    bound.transport.resources.abandon()
+    bound.close()  # as heal_run's before_release: the shard is read again here
+    again = rule.bind(Transport(MPI.COMM_SELF), params)
+    again.load_state_dict(state)
+    again.on_train_start()
+    bound.transport.resources.free_abandoned()  # as heal_run releases the failed run
+    assert again.steps == 3 and again.commits == 1 and again.clock_at_pull == 1  # one commit so far
+    assert again.last_heal["lost"] == [] and again.last_heal["clock"] == 1
+    assert torch.equal(again.center.read(torch.empty_like(again.ref)), landed)
+    now = torch.cat([p.detach().flatten() for p in params])
+    if interrupted:  # from the center: the shards its commit reached keep it, it is not sent again
+        assert torch.equal(now, landed[: now.numel()]) and torch.equal(again.ref, landed)
+    else:  # its own weights, against the center it pulled at its commit
+        assert torch.equal(now, weights) and torch.equal(again.ref, bound.ref)
+    again.on_train_end()
+    again.close()
 
 
 @pytest.mark.timeout(60)
@@ -576,6 +665,14 @@ def test_fabric_refuses_replace_naming_the_fix():
 
 
 @pytest.mark.timeout(10)
+def test_the_trainer_refuses_replace_for_a_parameter_server_rule_naming_the_fix():
+    from lightning_mpi.lightning import DownpourStrategy
+
+    with pytest.raises(ValueError, match=r"heal='replace' is not supported for the parameter-server rule 'downpour'"):
+        DownpourStrategy(heal="replace")
+
+
+@pytest.mark.timeout(10)
 def test_replacements_take_the_shards_lost_this_epoch_first():
     from lightning_mpi.strategies.replacement import replacement_shards
 
@@ -714,8 +811,9 @@ GOSGD_LAUNCHED = 4
 
 @pytest.fixture(scope="module")
 def gosgd_healed(tmp_path_factory):
-    """The gosgd phase alone (its own launch: not in the Open MPI CI run, whose time is at its limit;
-    run it with ``LIGHTNING_MPI_TEST_MPI=openmpi python -m pytest -m mpi -k gosgd``)."""
+    """The asynchronous phases alone, ``downpour`` (W 4 -> 3) then ``gosgd`` (3 -> 2): their own
+    launch, not in the Open MPI CI run, whose time is at its limit; run it with
+    ``LIGHTNING_MPI_TEST_MPI=openmpi python -m pytest -m mpi -k "gosgd or parameter_server"``."""
     require_ulfm()
     out = tmp_path_factory.mktemp("heal_gosgd")
     args = [sys.executable, "-m", "lightning_mpi", "-n", GOSGD_LAUNCHED, "--heal", "--grace", 3, SCRIPT, out, "gosgd"]
@@ -732,7 +830,7 @@ def test_gosgd_survivors_renormalise_and_reach_their_consensus(gosgd_healed):
     brought to the drain (their weights renormalised: Σ w = 1), and the drain waited only for the
     messages the survivors sent each other on the healed run (none from the lost rank)."""
     err, finals, records, out = gosgd_healed
-    size = GOSGD_LAUNCHED
+    size = GOSGD_LAUNCHED - 1  # after the downpour phase
     steps = records["gosgd"]
     assert sorted(steps) == list(range(6))
     for step, entries in steps.items():
@@ -754,6 +852,58 @@ def test_gosgd_survivors_renormalise_and_reach_their_consensus(gosgd_healed):
     assert expected == sum(r["drain"]["sent"] for r in ours)  # sent among survivors after the heal
     assert all(r["drain"]["received"] == r["drain"]["expected"] for r in ours)
     assert sum(f"lightning_mpi: healed: rank {size - 1} of {size} lost" in x for x in err.splitlines()) == 1
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(330)
+def test_parameter_server_survivors_rebuild_the_center_and_train_on(gosgd_healed):
+    """DOWNPOUR on 4 ranks, its center sharded over their windows; the last rank dies mid-training
+    (the survivors notice it wherever they do: a progress thread, the error channel, the final
+    barrier). The survivors finish every step, heal once, and rebuild the same center: each
+    surviving shard as its host kept it, the lost one from the pulled center of the survivor with
+    the highest clock at its pull; the clock from old rank 0. They end identical, on that center
+    plus exactly the commits they made on the healed run."""
+    from lightning_mpi.rules.server_heal import freshest
+
+    err, finals, records, out = gosgd_healed
+    size = GOSGD_LAUNCHED
+    steps = records["downpour"]
+    assert sorted(steps) == list(range(6))
+    for step, entries in steps.items():
+        assert sorted(rank for rank, _ in entries) == list(range(size if step < 3 else size - 1)), step
+    ours = [finals["downpour"][r] for r in range(size - 1)]
+    assert sorted(finals["downpour"]) == list(range(size - 1))
+    for result in ours:
+        (event,) = result["history"]
+        assert event["lost"] == [size - 1] and event["world_size"] == size - 1
+    assert sum(f"lightning_mpi: healed: rank {size - 1} of {size} lost" in x for x in err.splitlines()) == 1
+    # one rebuild on each survivor, the same everywhere
+    rebuilds = [result["rebuilds"] for result in ours]
+    assert all(len(r) == 1 for r in rebuilds)
+    kept = {r[0]["kept"]["old_rank"]: r[0]["kept"] for r in rebuilds}
+    assert sorted(kept) == list(range(size - 1))
+    outcomes = {(tuple(r[0]["center"]), r[0]["clock"], tuple(r[0]["chosen"].items())) for r in rebuilds}
+    ((center, clock, chosen),) = outcomes
+    pulls = {rank: k["clock_at_pull"] for rank, k in kept.items()}
+    (_, source), *_ = chosen
+    assert dict(chosen) == {str(size - 1): source} and freshest(pulls, [size - 1]) == {size - 1: source}
+    assert pulls[source] == max(pulls.values()) and all(pulls[r] < pulls[source] for r in pulls if r < source)
+    numel = kept[0]["numel"]
+    shard = len(kept[0]["shard"])
+    assert len(center) == numel and shard * size == len(kept[0]["ref"])
+    for rank, k in kept.items():  # a surviving shard: as its host kept it
+        assert list(center[rank * shard : (rank + 1) * shard]) == k["shard"][: numel - rank * shard]
+    lost = slice((size - 1) * shard, numel)  # the lost shard: the chosen survivor's pull of it
+    assert list(center[lost]) == kept[source]["ref"][lost]
+    assert clock == kept[0]["clock"] >= max(pulls.values())  # old rank 0 hosted the clock
+    # the survivors end identical, on the rebuilt center plus every commit made since
+    assert all(result["final"] == ours[0]["final"] for result in ours)
+    final = torch.tensor([x for p in ours[0]["final"] for x in p], dtype=torch.float64)
+    expected = torch.tensor(center, dtype=torch.float64)
+    for result in ours:
+        for update in result["commits"]:
+            expected += torch.tensor(update, dtype=torch.float64)[:numel]
+    assert torch.allclose(final, expected, atol=1e-5, rtol=0)
 
 
 @pytest.mark.timeout(10)
