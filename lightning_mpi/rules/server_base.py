@@ -152,6 +152,8 @@ class BoundServerRule(BoundLocalStepRule):
         initial = self.flat.pull_host().clone()
         clock0 = 0
         healed, self._healed = self._healed, None
+        if healed is None:
+            self._final_committed = False  # a new fit (after a heal: as kept)
         if healed is not None:  # after a heal: the center rebuilt over the survivors (server_heal)
             self.last_heal = gather_and_rebuild(self.transport, healed)
             initial, clock0 = padded(self.last_heal["center"], self.ref.numel()), int(self.last_heal["clock"])
