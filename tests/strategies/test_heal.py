@@ -118,21 +118,22 @@ def test_a_lost_shard_of_the_center_is_rebuilt_from_the_freshest_pull_and_cut_an
 
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("interrupted", [False, True], ids=["between-commits", "commit-interrupted"])
-def test_a_parameter_server_binding_rebuilt_from_its_heal_state_goes_on(interrupted):
-    """On one rank (no MPI peers): a DOWNPOUR binding's heal_state(), its shard read again when the
-    failed run is released (close() of an abandoned run), bound again: the new center is that
-    shard, the counters go on, and the worker keeps its weights and pulled center (or, when its
-    commit was interrupted, restarts from the center)."""
+@pytest.mark.parametrize("name", ["downpour", "eamsgd"])
+def test_a_parameter_server_binding_rebuilt_from_its_heal_state_goes_on(name, interrupted):
+    """On one rank (no MPI peers): a DOWNPOUR (EAMSGD) binding's heal_state(), its shard read again
+    when the failed run is released (close() of an abandoned run), bound again: the new center is
+    that shard, the counters go on, and the worker keeps its weights, pulled center (and momentum),
+    or, when its commit was interrupted, restarts from the center (momentum zeroed)."""
     from mpi4py import MPI
     from torch import nn
 
     from lightning_mpi.comm.transport import Transport
-    from lightning_mpi.rules.server import DownpourRule
+    from lightning_mpi.rules.server import DownpourRule, EAMSGDRule
 
     torch.manual_seed(3)
     net = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
     params = list(net.parameters())
-    rule = DownpourRule(period=2)
+    rule = DownpourRule(period=2) if name == "downpour" else EAMSGDRule(period=2)
     opt = torch.optim.SGD(params, lr=0.1)
     bound = rule.bind(Transport(MPI.COMM_SELF), params)
     bound.on_train_start()
@@ -148,6 +149,8 @@ def test_a_parameter_server_binding_rebuilt_from_its_heal_state_goes_on(interrup
     center.add(torch.full_like(bound.ref, 0.5))  # a commit that lands before every survivor stopped
     landed = bound.center.read(torch.empty_like(bound.ref))
     weights = torch.cat([p.detach().flatten() for p in params])
+    momentum = [b.clone() for b in bound.momentum_bufs]
+    assert len(momentum) == (2 * 2 if name == "eamsgd" else 0) and all(b.abs().sum() > 0 for b in momentum)
     bound.transport.resources.abandon()
     bound.close()  # as heal_run's before_release: the shard is read again here
     again = rule.bind(Transport(MPI.COMM_SELF), params)
@@ -160,8 +163,10 @@ def test_a_parameter_server_binding_rebuilt_from_its_heal_state_goes_on(interrup
     now = torch.cat([p.detach().flatten() for p in params])
     if interrupted:  # from the center: the shards its commit reached keep it, it is not sent again
         assert torch.equal(now, landed[: now.numel()]) and torch.equal(again.ref, landed)
+        assert all(b.abs().sum() == 0 for b in again.momentum_bufs)
     else:  # its own weights, against the center it pulled at its commit
         assert torch.equal(now, weights) and torch.equal(again.ref, bound.ref)
+        assert all(torch.equal(a, b) for a, b in zip(again.momentum_bufs, momentum, strict=True))
     again.on_train_end()
     again.close()
 
