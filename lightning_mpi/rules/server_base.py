@@ -271,11 +271,14 @@ class BoundServerRule(BoundLocalStepRule):
         """What a heal keeps, read on this rank alone (:mod:`.server_heal`): its shard of the center
         and, on old rank 0, the clock (both read again from the windows' memory when the failed
         run is released: :meth:`close`), the center as it last pulled it and the clock then, whether
-        a commit was interrupted, its counters and EAMSGD momentum."""
+        a commit was interrupted, its counters and EAMSGD momentum. Before training started:
+        nothing (the new binding starts over the survivors when training starts)."""
+        if not self.started:
+            return {}
         local = None if self.center is None else self.center.local
         if local is None or self.clock is None:
             raise LookupError(
-                f"the {self.rule.name} rule's center exists only while it trains, and a rank was lost outside that"
+                f"the {self.rule.name} rule's center exists only while it trains, and a rank was lost after it ended"
             )
         hosted = self.clock.hosted()
         self._kept = {
@@ -372,6 +375,8 @@ class BoundServerRule(BoundLocalStepRule):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore the center, the clock and this rank's local state (see :meth:`state_dict`)."""
+        if not state:  # a heal before training started: nothing kept
+            return
         if "healed" in state:  # a heal_state(): counters now, the center in on_train_start
             healed = self._healed = state["healed"]
             self._apply_local_state(healed)

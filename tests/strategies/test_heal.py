@@ -80,7 +80,9 @@ def test_rules_that_cannot_heal_yet_say_so():
     from lightning_mpi.rules.server import BoundDownpour, DownpourRule
 
     server = object.__new__(BoundDownpour)
-    server.rule, server.center, server.clock = DownpourRule(), None, None
+    server.rule, server.center, server.clock, server.started = DownpourRule(), None, None, False
+    assert kept_state(server) == {}  # not started yet: nothing to keep, it starts over the survivors
+    server.started = True
     with pytest.raises(LookupError, match="downpour rule's center exists only while it trains"):
         kept_state(server)
 
