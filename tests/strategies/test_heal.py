@@ -13,7 +13,9 @@ runs built after that heal lose one rank each: ``ModelAveragingStrategy`` (4 -> 
 survivors must exit 0, finish every step, end bitwise identical, and equal a one-process replay
 over the ranks alive at each step, with the same samples (for the compressed rules, a replay of
 the compression with each rank's residual carried through the heal); the sampler shards over the
-survivors from the next epoch.
+survivors from the next epoch. The asynchronous rules have their own 4-rank launch, outside the
+Open MPI CI run: DOWNPOUR (its center rebuilt over the survivors, checked value by value), then
+GoSGD.
 """
 
 from __future__ import annotations
