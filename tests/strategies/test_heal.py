@@ -675,10 +675,15 @@ def test_fabric_refuses_replace_naming_the_fix():
 
 @pytest.mark.timeout(10)
 def test_the_trainer_refuses_replace_for_a_parameter_server_rule_naming_the_fix():
-    from lightning_mpi.lightning import DownpourStrategy
+    # what the Trainer strategies call first in __init__ (before any collective)
+    from lightning_mpi.rules.server import DownpourRule
+    from lightning_mpi.rules.sync import SyncRule
+    from lightning_mpi.strategies.replacement import refuse_replace_for
 
-    with pytest.raises(ValueError, match=r"heal='replace' is not supported for the parameter-server rule 'downpour'"):
-        DownpourStrategy(heal="replace")
+    refuse_replace_for(DownpourRule(), "shrink")
+    refuse_replace_for(SyncRule(), "replace")
+    with pytest.raises(ValueError, match=r"not supported for the parameter-server rule 'downpour'.*heal='shrink'"):
+        refuse_replace_for(DownpourRule(), "replace")
 
 
 @pytest.mark.timeout(10)
