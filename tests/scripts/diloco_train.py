@@ -72,7 +72,8 @@ def trainer_run(strategy, steps_per_epoch=8, epochs=1, package="pytorch_lightnin
         """After every step: the mean of the ranks' weights (collective), kept for the end's check."""
 
         def on_train_batch_end(self, trainer, pl_module, *args):
-            REPLICAS_MEAN[:] = [torch.from_numpy(COMM.allreduce(p.detach().numpy())) / W for p in pl_module.parameters()]
+            weights = [p.detach().numpy() for p in pl_module.parameters()]
+            REPLICAS_MEAN[:] = [torch.from_numpy(COMM.allreduce(w)) / W for w in weights]
 
     torch.manual_seed(100 + RANK)  # different initial weights: setup must broadcast rank 0's
     model = Module()
