@@ -27,8 +27,8 @@ The arms are the existing rules, held by composition: :class:`BoundAuto` holds t
 of the arm in use and delegates every hook to it. A switch happens in ``after_step``, where
 every rank is, after the update:
 
-- leaving Streaming DiLoCo: its ``on_train_end`` folds in what is in
-  flight and the steps since each fragment's last exchange, and leaves θ_global, identical on
+- leaving Streaming DiLoCo: its ``on_train_end`` averages the replicas (what is in flight and
+  the steps since each fragment's last exchange) and leaves that mean, θ_global, identical on
   every rank; for an every-step arm, the inner optimizer's per-parameter state (momentum, Adam's
   moments), which differed between ranks, is averaged, so every rank continues from the same
   state (Streaming DiLoCo keeps each rank's own, as it does between its exchanges);

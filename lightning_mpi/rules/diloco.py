@@ -29,8 +29,19 @@ at 50 one exchange still costs about 2% of the steps' compute on a 1 Gbit/s link
 State: θ_global, the outer momentum and the step count are the same on every rank; every
 rank's local weights, inner-optimizer state and feedback residuals differ between exchanges, so
 a checkpoint carries each rank's (:mod:`lightning_mpi.rules.replica_state`), and a run resumed
-mid-period retraces the uninterrupted one exactly. At the end of training a last outer step
-folds in the steps since the last exchange (if any), and every rank is left with θ_global.
+mid-period retraces the uninterrupted one exactly.
+
+At the end of training every rank is left with the replicas' mean: an exchange in flight is
+completed, and the steps since each fragment's last exchange are exchanged, and both are applied
+by *averaging*, θ_global ← θ_global − Δ = mean θᵢ, not by an outer step. The outer rate and
+momentum are made for the Δ of a whole period applied in the middle of training; at the end,
+Nesterov's step adds η·μ² = 0.57 times the momentum buffer however few steps the last period
+held, and moves the weights away from where the replicas agree. On the time-to-quality task
+(2 ranks, Streaming DiLoCo at its defaults; ``benchmarks/time_to_quality.py``), over end steps
+100-160, an outer step at the end left the held-out loss 0.075 nats/byte above the replicas'
+mean on average, up to 0.19 above it (step 157: 3.052 against 2.862) and at best 0.011 below:
+what the end cost depended on where in the period the run stopped (docs/performance.md, "The
+end of a DiLoCo run").
 
 The running part, :class:`BoundDiLoCo`, also runs Streaming DiLoCo
 (:mod:`lightning_mpi.rules.streaming_diloco`): several fragments on staggered schedules, each
@@ -296,36 +307,36 @@ class BoundDiLoCo(BoundLocalStepRule):
                 if self.driver is not None:
                     self.driver.start()
 
-    def _finish(self, index: int, alpha: float) -> None:
-        """The outer step of fragment ``index`` with its mean Δ, then mix it into the local weights."""
+    def _finish(self, index: int, alpha: float, average: bool = False) -> None:
+        """The outer step of fragment ``index`` with its mean Δ, then mix it into the local weights
+        (``alpha`` 1: leave them). ``average``: θ_global ← θ_global − Δ (the replicas' mean when Δ
+        was taken) instead of the outer step, whatever its count."""
         self._wait()
         fragment = self.fragments[index]
-        if averages_at(self.outer_count(index), self.rule.outer_warmup):
+        if average or averages_at(self.outer_count(index), self.rule.outer_warmup):
             fragment.theta_global.sub_(fragment.delta)  # the mean of the replicas; no momentum yet
         else:
             outer_step_(self.outer, fragment.theta_global, fragment.delta)
-        local = fragment.local.pull()
-        mix_(local, fragment.theta_global, alpha)
-        fragment.local.push()
+        if alpha < 1.0:
+            local = fragment.local.pull()
+            mix_(local, fragment.theta_global, alpha)
+            fragment.local.push()
         fragment.status = "idle"
         self.outer_steps += 1
 
     def on_train_end(self) -> None:
-        """Use what is in flight, fold in the steps since each fragment's last exchange, leave θ_global."""
+        """Leave the replicas' mean of the last step in θ_global and the weights on every rank: what
+        is in flight is completed and the steps since each fragment's exchange are folded in, both
+        by averaging (not an outer step: module docstring)."""
         for index, fragment in enumerate(self.fragments):
-            if fragment.status != "idle":
-                self._finish(index, 0.0)
-        if self.period is None:  # ended while period="auto" was still measuring: one exchange at the end
-            for index, fragment in enumerate(self.fragments):
-                if self.steps > 0:
-                    self._start(index)
-                    self._finish(index, 0.0)
-                fragment.local.push(fragment.theta_global)
-            return
-        for index, (fragment, offset) in enumerate(zip(self.fragments, self.offsets, strict=True)):
-            if last_start(self.steps, offset, self.period) < self.steps:
+            if fragment.status != "idle":  # the local weights stay: their steps since its start are folded in next
+                self._finish(index, 1.0, average=True)
+        for index, fragment in enumerate(self.fragments):
+            # period None: ended while period="auto" was still measuring, so one exchange at the end
+            since = 0 if self.period is None else last_start(self.steps, self.offsets[index], self.period)
+            if since < self.steps:
                 self._start(index)
-                self._finish(index, 0.0)
+                self._finish(index, 0.0, average=True)
             fragment.local.push(fragment.theta_global)
 
     def close(self) -> None:

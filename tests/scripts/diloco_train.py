@@ -3,6 +3,8 @@
 - ``model_avg``: DiLoCo with ``outer_lr=1, outer_momentum=0`` against ``mpi_model_avg`` (same period);
 - ``streaming_as_diloco``: Streaming DiLoCo with one fragment, τ = 0, α = 0 against DiLoCo
   (fp32 and int8 wires);
+- ``end``: DiLoCo and Streaming DiLoCo (fp32 wire) end on the mean of the ranks' weights after the
+  last step, also with an exchange in flight at the end;
 - ``identical``: every run above and a streaming run with fragments, overlap and mixing (under the
   unified package's Trainer) end with bitwise-identical weights on every rank;
 - ``resume``: 2 epochs straight (saving at the end of epoch 1) against epoch 2 resumed from that
@@ -66,13 +68,29 @@ def trainer_run(strategy, steps_per_epoch=8, epochs=1, package="pytorch_lightnin
             if save_to is not None and trainer.current_epoch == 0:
                 trainer.save_checkpoint(save_to)
 
+    class MeanOfReplicas(pl.Callback):
+        """After every step: the mean of the ranks' weights (collective), kept for the end's check."""
+
+        def on_train_batch_end(self, trainer, pl_module, *args):
+            weights = [p.detach().numpy() for p in pl_module.parameters()]
+            REPLICAS_MEAN[:] = [torch.from_numpy(COMM.allreduce(w)) / W for w in weights]
+
     torch.manual_seed(100 + RANK)  # different initial weights: setup must broadcast rank 0's
     model = Module()
-    trainer = pl.Trainer(strategy=strategy, max_epochs=epochs, callbacks=[SaveAtEpochEnd()], **QUIET)
+    trainer = pl.Trainer(strategy=strategy, max_epochs=epochs, callbacks=[SaveAtEpochEnd(), MeanOfReplicas()], **QUIET)
     loader = DataLoader(dataset(W * B * steps_per_epoch), batch_size=B, shuffle=True)
     trainer.fit(model, loader, ckpt_path=resume_from)
     assert trainer.global_step == steps_per_epoch * epochs
     return model, trainer.strategy
+
+
+#: the mean of the ranks' weights after the last step of the last run (MeanOfReplicas)
+REPLICAS_MEAN = []
+
+
+def from_replicas_mean(module):
+    """How far ``module``'s weights are from the mean of the ranks' weights after the last step."""
+    return max((p.detach() - m).abs().max().item() for p, m in zip(module.parameters(), REPLICAS_MEAN))
 
 
 def max_diff(a, b):
@@ -85,12 +103,17 @@ def part_equivalences(results):
     plain, _ = trainer_run(S.DiLoCoStrategy(period=3, outer_lr=1.0, outer_momentum=0.0))
     results["model_avg"] = {"diff": max_diff(averaged, plain), "identical": identical(averaged) and identical(plain)}
     for wire in ("fp32", "int8"):
+        # 8 steps, period 3: outer steps after steps 3 and 6, and the steps 7-8 folded in at the end
         diloco, strategy = trainer_run(S.DiLoCoStrategy(period=3, wire=wire))
+        # the end averages the replicas (no outer step on a partial period): the mean of the ranks' weights
+        # after step 8, to fp32 rounding on the fp32 wire
+        end_diloco = from_replicas_mean(diloco)
         streaming, _ = trainer_run(S.StreamingDiLoCoStrategy(period=3, fragments=1, overlap_steps=0, mix_alpha=0.0, wire=wire))
         results[f"streaming_as_diloco_{wire}"] = {
             "diff": max_diff(diloco, streaming), "identical": identical(diloco) and identical(streaming),
             "outer_steps": strategy.bound_rule.stats()["outer_steps"],
             "moved": max_diff(diloco, plain),  # outer momentum makes a difference
+            "end_from_mean": end_diloco, "end_from_mean_streaming": from_replicas_mean(streaming),
         }
     streaming, strategy = trainer_run(
         importlib.import_module("lightning_mpi.lightning").StreamingDiLoCoStrategy(period=4, fragments=2, overlap_steps=1),
@@ -98,6 +121,11 @@ def part_equivalences(results):
     stats = strategy.bound_rule.stats()
     results["streaming_overlapped"] = {"identical": identical(streaming), "outer_steps": stats["outer_steps"],
                                        "finite": all(bool(torch.isfinite(p).all()) for p in streaming.parameters())}
+    # 7 steps, fragments exchanging after steps 3 and 6 with τ = 2: the end meets fragment 1's exchange
+    # in flight (started after step 6) and step 7 not yet exchanged; it still ends on the replicas' mean
+    streaming, _ = trainer_run(S.StreamingDiLoCoStrategy(period=6, fragments=2, overlap_steps=2, wire="fp32"),
+                               steps_per_epoch=7)
+    results["end_in_flight"] = {"end_from_mean": from_replicas_mean(streaming), "identical": identical(streaming)}
 
 
 def part_resume(results):

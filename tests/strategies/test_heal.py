@@ -471,8 +471,9 @@ def _replay_diloco(
     fp32: each rank alive at a step takes its own SGD step; fragment f starts an exchange after
     step t = offset_f + kH (Δᵢ = θ_global − θᵢ, kept per rank) and uses it τ steps later: the mean
     Δ over the ranks alive then (a rank lost in between took its Δ along), the outer step, then
-    θᵢ ← α θᵢ + (1 − α) θ_global; at the end the fragments fold in their last steps and every rank
-    holds θ_global, which is returned."""
+    θᵢ ← α θᵢ + (1 − α) θ_global; at the end an exchange in flight and the fragments' last steps are
+    applied by averaging (θ_global ← θ_global − mean Δ, no outer step), and every rank holds θ_global,
+    the mean of the replicas, which is returned."""
     from lightning_mpi.rules.diloco_math import (
         averages_at,
         last_start,
@@ -508,12 +509,15 @@ def _replay_diloco(
         sent[f] = {r: theta[f] - torch.cat([p.detach().flatten() for p in local(net, f)]) for r, net in nets.items()}
         started[f], due[f] = step, step + overlap_steps
 
-    def finish(f: int, alpha: float) -> None:
+    def finish(f: int, alpha: float, average: bool = False) -> None:
         mean = torch.stack([sent[f][r] for r in nets]).mean(0)
-        if averages_at((started[f] - offsets[f]) // period + 1, 1):
+        if average or averages_at((started[f] - offsets[f]) // period + 1, 1):
             theta[f].sub_(mean)
         else:
             outer_step_(outer, theta[f], mean)
+        if alpha == 1.0:  # the end: the local weights stay, their steps since the start are folded in next
+            del due[f]
+            return
         with torch.no_grad():
             for net in nets.values():
                 flat = torch.cat([p.detach().flatten() for p in local(net, f)])
@@ -537,11 +541,11 @@ def _replay_diloco(
                     finish(f, mix_alpha)
     end = len(steps)
     for f in list(due):
-        finish(f, 0.0)
+        finish(f, 1.0, average=True)
     for f, offset in enumerate(offsets):
         if last_start(end, offset, period) < end:
             start(f, end)
-            finish(f, 0.0)
+            finish(f, 0.0, average=True)
     out = [None] * len(group)
     cursor = [0] * fragments
     for i, (p, g) in enumerate(zip(nets[0].parameters(), group, strict=True)):
