@@ -578,9 +578,12 @@ def trainer_strategy(api: TrainerAPI, environment_class: type, checkpoint_io_cla
                 else:
                     super(MPIStrategy, self).save_checkpoint(checkpoint, filepath, storage_options)
 
-            save_through_heals(
-                self._healing, save, lambda: collectives.barrier(self.transport), filepath, lambda: self.is_global_zero
-            )
+            save_through_heals(self._healing, save, self._save_barrier, filepath, lambda: self.is_global_zero)
+
+        def _save_barrier(self) -> None:
+            """The barrier that ends a save under ``heal`` (local while a replacement catches up)."""
+            if not self._replacing.catching_up:
+                collectives.barrier(self.transport)
 
         @override
         def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
