@@ -1,8 +1,8 @@
 """Training that loses a rank and heals (``heal="shrink"``), once per phase, in one launch
 (tests/strategies/test_heal.py).
 
-Usage: ``lightning-mpi --heal -n 12 heal_train.py OUT_DIR`` (Open MPI with ULFM), the phases
-0 to 4 below; ``lightning-mpi --heal -n 4 heal_train.py OUT_DIR gosgd`` runs only the ``gosgd``
+Usage: ``lightning-mpi --heal -n 10 heal_train.py OUT_DIR`` (Open MPI with ULFM; CI; or ``-n 12``),
+the phases 0 to 4 below; ``lightning-mpi --heal -n 4 heal_train.py OUT_DIR gosgd`` runs only the ``gosgd``
 phase (a Fabric loop with ``GoSGDStrategy``, no collective while training; the last rank dies at
 Fabric step FABRIC_KILL; the survivors notice it when they do (a gossip send, the error channel,
 or the final drain), heal, renormalise their gossip weights and end in the consensus; they record
@@ -11,14 +11,18 @@ their drain's (θ, w) and message counts).
 0. one Fabric loop per rule whose state a heal carries, each built over the ranks left by the one
    before, its last rank dying at Fabric step FABRIC_KILL (before its backward: the survivors
    find the exchange of that step failed), each finishing FABRIC_STEPS: ``topk`` (top-k with
-   error feedback, W 12 -> 11), ``powersgd`` (11 -> 10), ``diloco`` (PERIOD, an outer exchange
-   in the kill step; 10 -> 9), ``streaming`` (Streaming DiLoCo, STREAMING: the exchange started
-   at the kill step is in flight over the next step; 9 -> 8), ``weights`` (``SyncStrategy(average=
-   "weights")``; 8 -> 7).
-1. ``trainer``: the Trainer on the seven left with ``SyncStrategy(exchange="asa", heal="shrink")``
+   error feedback, W 10 -> 9), ``powersgd`` (9 -> 8), ``diloco`` (PERIOD, an outer exchange in
+   the kill step; 8 -> 7), ``streaming`` (Streaming DiLoCo, STREAMING: the exchange started at
+   the kill step is in flight over the next step; 7 -> 6), ``weights`` (``SyncStrategy(average=
+   "weights")``; 6 -> 5). With ``-n 12`` (outside CI) each has two ranks more.
+1. ``trainer``: the Trainer on the five left with ``SyncStrategy(exchange="asa", heal="shrink")``
    (gradient hooks, overlapped buckets), ``self.log(..., sync_dist=True)`` every step (Lightning's
    ``reduce``), validation at every epoch's end, a ``ModelCheckpoint`` and an ``EarlyStopping``;
-   it loses three ranks, each where Lightning is elsewhere (W 7 -> 6 -> 5 -> 4):
+   rank 0 dies in the middle of writing the checkpoint of step SAVE_KILL_CI (its ``torch.save``,
+   in the validation at the end of epoch 1): the survivors heal in the save, launch rank 1
+   becomes rank 0 and writes it, and the next validation is sharded over the four left (W 5 -> 4).
+   With ``-n 12`` the Trainer starts on seven and loses three ranks, each where Lightning is
+   elsewhere (W 7 -> 6 -> 5 -> 4):
    - rank 0 SIGKILLs itself at the start of step KILL_STEP (the second batch of the second epoch):
      the survivors heal in the middle of an epoch, launch rank 1 becomes rank 0 (it prints the
      heal lines and writes the checkpoints from then on);
@@ -28,7 +32,7 @@ their drain's (θ, w) and message counts).
    - launch rank 1, rank 0 by then, dies in the middle of writing the checkpoint of step SAVE_KILL
      (its ``torch.save``): the survivors heal in the save, the new rank 0 (launch rank 2) writes it.
    They train on to MAX_STEPS, the training loader sharded anew from each next epoch. From the
-   next phase on every process records under its rank after this one (launch ranks 2-5 -> 0-3).
+   next phase on every process records under its rank after this one (the four left -> 0-3).
 1b. ``replace``: a second Trainer run on the four left, ``SyncStrategy(heal="replace")``: the last
    rank dies at step REPLACE_KILL (mid-epoch); the three survivors heal, at the next batch
    spawn a replacement and let it in at the one after; it runs this script (it starts at this
@@ -69,8 +73,10 @@ torch.set_num_threads(1)
 OUT, RANK, W = Path("."), 0, 1  # set by main(); the test imports Indexed and make_net without MPI
 N, B, LR, VAL = 60, 4, 0.1, 20  # W = 5: 12 samples, 3 batches per rank and epoch; W = 4: 15, 4 batches
 KILL_STEP, VAL_KILL, SAVE_KILL, MAX_STEPS = 4, 6, 9, 12  # W = 7: 3 batches per rank and epoch
+SAVE_KILL_CI = 6  # -n 10: W = 5, 3 batches per rank and epoch: the checkpoint at the end of epoch 1
 FABRIC_KILL, FABRIC_STEPS, PERIOD = 3, 6, 2
-REPLACE_KILL, REPLACE_STEPS, REPLACEMENT = 1, 8, 12  # W = 4: 4 batches per rank and epoch; 12: no launch rank
+REPLACE_KILL, REPLACE_STEPS = 1, 8  # W = 4: 4 batches per rank and epoch
+REPLACEMENT = 12  # what a replacement records under: no launch rank
 GOSGD_P = 0.5
 TOPK_RATIO = 0.25
 STREAMING = {"period": 4, "fragments": 2, "overlap_steps": 1, "mix_alpha": 0.5}
@@ -218,13 +224,18 @@ def trainer_phase() -> dict:
 
     from lightning_mpi.lightning import SyncStrategy
 
-    model = _trainer_model(
-        "trainer",
-        "validation",
-        lambda m: m.global_step == KILL_STEP and RANK == 0,
-        dies_validating=lambda m: m.global_step == VAL_KILL and RANK == 6,
-        dies_saving=lambda m: m.global_step == SAVE_KILL and RANK == 1,
-    )
+    if W == 12:  # -n 12 (outside CI): three losses, W 7 -> 4
+        model = _trainer_model(
+            "trainer",
+            "validation",
+            lambda m: m.global_step == KILL_STEP and RANK == 0,
+            dies_validating=lambda m: m.global_step == VAL_KILL and RANK == 6,
+            dies_saving=lambda m: m.global_step == SAVE_KILL and RANK == 1,
+        )
+    else:  # -n 10 (CI): rank 0 dies in the middle of writing the checkpoint of step SAVE_KILL_CI, W 5 -> 4
+        model = _trainer_model(
+            "trainer", "validation", _never, dies_saving=lambda m: m.global_step == SAVE_KILL_CI and RANK == 0
+        )
     return _trainer_fit(
         model,
         SyncStrategy(exchange="asa", heal="shrink", min_ranks=2),
