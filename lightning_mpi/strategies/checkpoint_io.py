@@ -13,13 +13,21 @@ as an overwrite by ``open`` would.
 
 :mod:`lightning_mpi.strategies.build` puts the mixin on the ``TorchCheckpointIO`` of each Fabric
 package as ``AtomicCheckpointIO``; Trainer and Fabric saves both go through it.
+
+Under ``heal="shrink"`` a save is one healing operation (:func:`save_through_heals`): the rule's
+state, rank 0's write and a barrier. A rank lost anywhere in it (rank 0 in the middle of its write
+included) makes the survivors heal and save again, the new rank 0 writing; until then the
+previous file is intact (the atomic write), and the lost writer's temporary file is removed.
 """
 
 from __future__ import annotations
 
+import itertools
 import os
+import re
 import secrets
 import stat
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +37,62 @@ from lightning_mpi.checkpoint.sharded import is_sharded_checkpoint, load_sharded
 
 #: ``os.open`` flags of a new file written once: fail rather than reuse a name, no leak into children.
 _CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_BINARY", 0)
+
+
+def _temporary_name(target: Path) -> re.Pattern[str]:
+    """The names :func:`create_temporary_beside` gives ``target``'s temporary files."""
+    return re.compile(rf"\.{re.escape(target.name)}\.[0-9a-f]{{12}}\.tmp")
+
+
+def remove_stale_temporaries(target: Any) -> list[Path]:
+    """Remove the temporary files beside ``target`` that an atomic write of it left when its writer
+    died before the rename (only names :func:`create_temporary_beside` makes for ``target``); call
+    it only where no other process writes ``target`` now. Returns what was removed."""
+    path = Path(str(target))
+    pattern = _temporary_name(path)
+    removed: list[Path] = []
+    try:
+        candidates = list(path.parent.iterdir())
+    except OSError:  # no such local directory (or a remote store): nothing left here
+        return removed
+    for candidate in candidates:
+        if pattern.fullmatch(candidate.name):
+            try:
+                candidate.unlink()
+            except FileNotFoundError:
+                continue
+            removed.append(candidate)
+    return removed
+
+
+def save_through_heals(
+    healing: Any, save: Callable[[], None], barrier: Callable[[], None], target: Any, writes: Callable[[], bool]
+) -> None:
+    """A checkpoint save that a rank lost on the way cannot leave undone (``heal="shrink"``).
+
+    ``save()`` is the strategy's whole save on this rank (the rule's state, gathered where it is
+    sharded, and rank 0's write); with ``healing`` active it runs with ``barrier()`` after it as one
+    :meth:`~.healing.RunHealing.operation`: a loss anywhere in it, rank 0 dying in its write
+    included, makes the survivors heal and run it again (the new rank 0 writes, after removing the
+    temporary file the lost writer left; ``writes()``: this rank writes ``target`` now). A
+    survivor that completed the barrier knows that the file was written (every rank had entered
+    it, the writer after its write), so one that missed that completion takes nothing and goes
+    on. Without ``healing``: ``save()`` alone, as before.
+    """
+    if not healing.active:
+        save()
+        return
+    attempts = itertools.count()
+
+    def run() -> None:
+        # a redo after a heal: a lost writer may have left its temporary file (only the writer
+        # looks, before it makes its own, so that nobody removes the one being written)
+        if next(attempts) and writes():
+            remove_stale_temporaries(target)
+        save()
+        barrier()
+
+    healing.operation("the checkpoint save", run, keep=lambda result: None)
 
 
 def create_temporary_beside(target: Path, attempts: int = 100) -> tuple[int, Path]:

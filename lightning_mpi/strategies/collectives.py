@@ -8,6 +8,7 @@ process groups.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -98,20 +99,20 @@ def barrier(transport: Transport) -> None:
         transport.barrier()
 
 
-def connect_metrics(module: torch.nn.Module, world_size: int, transport_of: Any) -> None:
+def connect_metrics(
+    module: torch.nn.Module, distributed: Callable[[], bool], allgather_object: Callable[[Any], list[Any]]
+) -> None:
     """Point every torchmetrics ``Metric`` in the module at MPI, so ``compute()`` syncs over it.
 
-    ``transport_of()`` returns the current run's transport (a retry after a failure gets a new
-    one); it is asked only when a metric syncs.
+    ``distributed()`` says whether metrics sync at all, ``allgather_object(x)`` returns every
+    rank's ``x`` over the current run (the strategy's: after a heal, the survivors'; under
+    ``heal`` a loss during the sync heals there). Both are asked only when a metric syncs.
     """
 
     def gather(tensor: Tensor, group: Any = None) -> list[Tensor]:
         # torchmetrics' dist_sync_fn: every rank's tensor; shapes may differ between ranks
-        gathered = transport_of().allgather_object(tensor.detach().cpu())
+        gathered = allgather_object(tensor.detach().cpu())
         return [t.to(tensor.device) for t in gathered]
-
-    def distributed() -> bool:
-        return world_size > 1
 
     for child in module.modules():
         if isinstance(child, Metric):

@@ -49,6 +49,7 @@ from lightning_mpi.options import check_one
 from lightning_mpi.rules.base import BoundRule, Rule
 from lightning_mpi.rules.sync import SyncRule
 from lightning_mpi.strategies import collectives, replicas
+from lightning_mpi.strategies.checkpoint_io import save_through_heals
 from lightning_mpi.strategies.common_options import CommonOptions
 from lightning_mpi.strategies.convergence import ConvergenceAids
 from lightning_mpi.strategies.environment import device_local_rank, rank_device
@@ -269,7 +270,9 @@ def fabric_strategy(api: FabricAPI, environment_class: type, checkpoint_io_class
             bound = self._runner.bind(self.transport, module, self._aids.rule_to_bind(self.world_size))
             self._module = module
             bound.on_train_start()
-            collectives.connect_metrics(module, self.world_size, lambda: self.transport)
+            collectives.connect_metrics(
+                module, lambda: self._healing.distributed(self.world_size), self._metric_allgather
+            )
             return module
 
         @override
@@ -420,6 +423,11 @@ def fabric_strategy(api: FabricAPI, environment_class: type, checkpoint_io_class
         def broadcast(self, obj: Any, src: int = 0) -> Any:
             return self._healing.operation("broadcast", lambda: collectives.broadcast(self.transport, obj, src))
 
+        @_fails_the_run
+        def _metric_allgather(self, obj: Any) -> list[Any]:
+            """torchmetrics' sync (:func:`.collectives.connect_metrics`): every rank's ``obj``."""
+            return self._healing.operation("a metric's sync", lambda: self.transport.allgather_object(obj))
+
         @override
         @_fails_the_run
         def barrier(self, name: str | None = None) -> None:
@@ -437,14 +445,22 @@ def fabric_strategy(api: FabricAPI, environment_class: type, checkpoint_io_class
         ) -> None:
             """Rank 0 writes ``state`` plus the rule's state; every rank takes part (sharded rule
             state is gathered here). After :meth:`finish_training` no rule is bound, so the file holds
-            the consensus weights and no rule state: save before it to resume training."""
-            entry = self._runner.checkpoint(self.world_size)
-            if entry is not None:
-                state = {**state, CHECKPOINT_KEY: entry}
-            if self._optimizer_sharding.active:  # every rank writes its optimizer shard; nothing is gathered
-                save_sharded(path, self._convert_stateful_objects_in_state(state, filter=filter or {}), self.transport)
-            else:
-                super().save_checkpoint(path, state, storage_options=storage_options, filter=filter)
+            the consensus weights and no rule state: save before it to resume training. Under
+            ``heal`` a rank lost during the save makes the survivors heal and save again
+            (:func:`.checkpoint_io.save_through_heals`)."""
+
+            def save() -> None:
+                entry = self._runner.checkpoint(self.world_size)  # the rule as bound now (a heal rebinds it)
+                full = state if entry is None else {**state, CHECKPOINT_KEY: entry}
+                if self._optimizer_sharding.active:  # every rank writes its optimizer shard; nothing is gathered
+                    converted = self._convert_stateful_objects_in_state(full, filter=filter or {})
+                    save_sharded(path, converted, self.transport)
+                else:
+                    super(MPIStrategy, self).save_checkpoint(path, full, storage_options=storage_options, filter=filter)
+
+            save_through_heals(
+                self._healing, save, lambda: collectives.barrier(self.transport), path, lambda: self.is_global_zero
+            )
 
         @override
         def get_optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:

@@ -44,6 +44,8 @@ import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+import torch
+
 from lightning_mpi.comm.errors import RankFailedError
 from lightning_mpi.comm.healing import HealedRun, heal_run
 from lightning_mpi.comm.ulfm import HEAL_ATTEMPTS, ProcessFailed, mark_finished, process_failure, require_heal
@@ -134,6 +136,12 @@ class RunHealing:
     def active(self) -> bool:
         return self.mode is not None
 
+    def distributed(self, world_size: int) -> bool:
+        """Whether Lightning is to treat the run as distributed: more than one rank, or under
+        ``heal`` a run that started with more and shrank to one (a key logged with ``sync_dist``
+        must keep its sync within an epoch, or Lightning refuses it; a sync over one rank is free)."""
+        return world_size > 1 or (self.active and self.start_size > 1)
+
     @property
     def stats(self) -> dict[str, float]:
         """``mpi/heal/events`` (heals so far), ``mpi/heal/seconds`` (the last one's, from detection
@@ -205,6 +213,13 @@ class RunHealing:
 
     # -- the heal --------------------------------------------------------------------------------------
     def _heal(self, failure: ProcessFailed, where: str, error: BaseException) -> Any:
+        # A loss noticed during validation is healed inside Lightning's inference mode: what the
+        # heal keeps and binds anew (DiLoCo's outer state, residuals, buckets) must stay tensors
+        # that training can update in place afterwards.
+        with torch.inference_mode(False):
+            return self._heal_outside_inference(failure, where, error)
+
+    def _heal_outside_inference(self, failure: ProcessFailed, where: str, error: BaseException) -> Any:
         detected = time.perf_counter()
         try:
             state = kept_state(self._bound())

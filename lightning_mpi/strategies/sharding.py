@@ -91,6 +91,8 @@ class LoaderSharding:
         self.train_shard: tuple[int, int] | None = None
         #: (num_replicas, rank, batches to skip) for the next training loader only (a replacement's)
         self.next_training_shard: tuple[int, int, int] | None = None
+        #: a heal during fit's validation: its loaders are to be built anew once it ended
+        self._validation_reshard_pending = False
 
     def take_over(self, trainer: Any) -> None:
         """Before Lightning builds this stage's loaders: keep the user's ``use_distributed_sampler``
@@ -135,18 +137,34 @@ class LoaderSharding:
             sampler = SkipFirst(sampler, skip * (dataloader.batch_size or 1))
         return self._api.update_dataloader(dataloader, sampler, mode=stage)
 
-    @staticmethod
-    def reshard_next_epoch(trainer: Any) -> None:
+    def reshard_next_epoch(self, trainer: Any) -> None:
         """After a heal: the loaders are built and sharded again over the new world size, the
         training loader from the next epoch and the validation loaders at the next validation
         (Lightning builds a stage's loaders again when it holds none). The current epoch goes on
-        with the shards it has: the lost rank's share of it is not seen this epoch."""
+        with the shards it has: the lost rank's share of it is not seen this epoch. A heal during
+        fit's validation leaves that validation its loaders (it is iterating them) and drops them at
+        the next training batch (:meth:`reshard_validation_if_pending`): the lost rank's share of
+        that one validation is not evaluated."""
         fit_loop = getattr(trainer, "fit_loop", None)
         if fit_loop is None:
             return
         fit_loop._combined_loader = None
         val_loop = getattr(getattr(fit_loop, "epoch_loop", None), "val_loop", None)
-        if val_loop is not None and not getattr(trainer, "validating", False):
+        if val_loop is None:
+            return
+        if getattr(trainer, "validating", False):
+            self._validation_reshard_pending = True
+        else:
+            val_loop._combined_loader = None
+
+    def reshard_validation_if_pending(self, trainer: Any) -> None:
+        """At a training batch: drop fit's validation loaders if a heal happened during the last
+        validation, so that the next one shards them over the survivors."""
+        if not self._validation_reshard_pending:
+            return
+        self._validation_reshard_pending = False
+        val_loop = getattr(getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None), "val_loop", None)
+        if val_loop is not None:
             val_loop._combined_loader = None
 
     def _should_shard(self, dataloader: Any, trainer: Any, world_size: int) -> bool:

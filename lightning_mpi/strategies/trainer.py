@@ -55,6 +55,7 @@ from lightning_mpi.options import check_one
 from lightning_mpi.rules.base import BoundRule, Rule
 from lightning_mpi.rules.sync import SyncRule
 from lightning_mpi.strategies import collectives, replicas
+from lightning_mpi.strategies.checkpoint_io import save_through_heals
 from lightning_mpi.strategies.common_options import CommonOptions
 from lightning_mpi.strategies.convergence import ConvergenceAids
 from lightning_mpi.strategies.decisions import StopDecisions
@@ -264,7 +265,8 @@ def trainer_strategy(api: TrainerAPI, environment_class: type, checkpoint_io_cla
         @property
         @override
         def is_distributed(self) -> bool:
-            return self.world_size > 1
+            healing = self.__dict__.get("_healing")  # None while Lightning's own __init__ runs
+            return healing.distributed(self.world_size) if healing is not None else self.world_size > 1
 
         def set_world_ranks(self) -> None:
             # Lightning has set parallel_devices from devices= by now: refuse one that MPI contradicts,
@@ -317,7 +319,7 @@ def trainer_strategy(api: TrainerAPI, environment_class: type, checkpoint_io_cla
                 if self._optimizer_sharding.active:
                     # Lightning clips through the precision plugin: by the global norm over the shards
                     self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm
-            collectives.connect_metrics(model, self.world_size, lambda: self.transport)
+            collectives.connect_metrics(model, lambda: self.is_distributed, self._metric_allgather)
 
         def _clip_grad_by_norm(self, optimizer: Optimizer, clip_val: float) -> None:
             self._optimizer_sharding.clip_grad_norm_(clip_val)
@@ -355,7 +357,9 @@ def trainer_strategy(api: TrainerAPI, environment_class: type, checkpoint_io_cla
         @override
         def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
             super().on_train_batch_start(batch, batch_idx)
-            self._replacing.at_batch_start(self.lightning_module.trainer)  # heal="replace": new ranks join here
+            trainer = self.lightning_module.trainer
+            self._sharding.reshard_validation_if_pending(trainer)  # a heal during the last validation
+            self._replacing.at_batch_start(trainer)  # heal="replace": new ranks join here
             if self._healing.between("the preemption vote", self._preemption.requested, False):
                 self._preempt()
 
@@ -511,6 +515,12 @@ def trainer_strategy(api: TrainerAPI, environment_class: type, checkpoint_io_cla
                 "all_gather", lambda: collectives.all_gather(self.transport, tensor, sync_grads)
             )
 
+        def _metric_allgather(self, obj: Any) -> list[Any]:
+            """torchmetrics' sync (:func:`.collectives.connect_metrics`): every rank's ``obj``."""
+            if self._replacing.catching_up:
+                return [obj]
+            return self._healing.operation("a metric's sync", lambda: self.transport.allgather_object(obj))
+
         @override
         def barrier(self, name: str | None = None) -> None:
             if self._replacing.catching_up:
@@ -556,16 +566,27 @@ def trainer_strategy(api: TrainerAPI, environment_class: type, checkpoint_io_cla
 
             Called on every rank, so a rule with sharded state may gather it here. With a sharded
             optimizer (``mpi_zero``) ``filepath`` is a directory that every rank writes its shard into.
+            Under ``heal`` a rank lost during the save (rank 0 in its write included) makes the
+            survivors heal and save again (:func:`.checkpoint_io.save_through_heals`).
             """
-            entry = self._runner.checkpoint(self.world_size)
-            if entry is not None:
-                checkpoint[CHECKPOINT_KEY] = entry
-            if self._optimizer_sharding.active:  # every rank writes its optimizer shard; nothing is gathered
-                # and 1/W of the weights, which the Allgather made equal on every rank (buffers: rank 0's)
-                params = {f"state_dict/{name}" for name, _ in self.lightning_module.named_parameters()}
-                save_sharded(filepath, checkpoint, self.transport, spread=params)
-            else:
-                super().save_checkpoint(checkpoint, filepath, storage_options)
+
+            def save() -> None:
+                entry = self._runner.checkpoint(self.world_size)  # the rule as bound now (a heal rebinds it)
+                if entry is not None:
+                    checkpoint[CHECKPOINT_KEY] = entry
+                if self._optimizer_sharding.active:  # every rank writes its optimizer shard; nothing is gathered
+                    # and 1/W of the weights, which the Allgather made equal on every rank (buffers: rank 0's)
+                    params = {f"state_dict/{name}" for name, _ in self.lightning_module.named_parameters()}
+                    save_sharded(filepath, checkpoint, self.transport, spread=params)
+                else:
+                    super(MPIStrategy, self).save_checkpoint(checkpoint, filepath, storage_options)
+
+            save_through_heals(self._healing, save, self._save_barrier, filepath, lambda: self.is_global_zero)
+
+        def _save_barrier(self) -> None:
+            """The barrier that ends a save under ``heal`` (local while a replacement catches up)."""
+            if not self._replacing.catching_up:
+                collectives.barrier(self.transport)
 
         @override
         def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:

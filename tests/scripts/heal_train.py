@@ -1,8 +1,8 @@
 """Training that loses a rank and heals (``heal="shrink"``), once per phase, in one launch
 (tests/strategies/test_heal.py).
 
-Usage: ``lightning-mpi --heal -n 10 heal_train.py OUT_DIR`` (Open MPI with ULFM), the phases
-0 to 4 below; ``lightning-mpi --heal -n 4 heal_train.py OUT_DIR gosgd`` runs only the two
+Usage: ``lightning-mpi --heal -n 10 heal_train.py OUT_DIR`` (Open MPI with ULFM; CI; or ``-n 12``),
+the phases 0 to 4 below; ``lightning-mpi --heal -n 4 heal_train.py OUT_DIR gosgd`` runs only the two
 asynchronous phases, each a Fabric loop whose last rank dies at Fabric step FABRIC_KILL, and whose
 survivors notice it when they do (no collective while training):
 
@@ -19,13 +19,25 @@ survivors notice it when they do (no collective while training):
    error feedback, W 10 -> 9), ``powersgd`` (9 -> 8), ``diloco`` (PERIOD, an outer exchange in
    the kill step; 8 -> 7), ``streaming`` (Streaming DiLoCo, STREAMING: the exchange started at
    the kill step is in flight over the next step; 7 -> 6), ``weights`` (``SyncStrategy(average=
-   "weights")``; 6 -> 5).
+   "weights")``; 6 -> 5). With ``-n 12`` (outside CI) each has two ranks more.
 1. ``trainer``: the Trainer on the five left with ``SyncStrategy(exchange="asa", heal="shrink")``
    (gradient hooks, overlapped buckets), ``self.log(..., sync_dist=True)`` every step (Lightning's
-   ``reduce``); the last rank SIGKILLs itself at the start of step KILL_STEP (the second batch of the second
-   epoch), so the survivors heal in the middle of an epoch and train on to MAX_STEPS over three
-   ranks, sharded anew from the third epoch; validation at every epoch's end (its loader sharded
-   anew at the first validation after the heal), a ``ModelCheckpoint`` and an ``EarlyStopping``.
+   ``reduce``), validation at every epoch's end, a ``ModelCheckpoint`` and an ``EarlyStopping``;
+   rank 0 dies in the middle of writing the checkpoint of step SAVE_KILL_CI (its ``torch.save``,
+   in the validation at the end of epoch 1): the survivors heal in the save, launch rank 1
+   becomes rank 0 and writes it, and the next validation is sharded over the four left (W 5 -> 4).
+   With ``-n 12`` the Trainer starts on seven and loses three ranks, each where Lightning is
+   elsewhere (W 7 -> 6 -> 5 -> 4):
+   - rank 0 SIGKILLs itself at the start of step KILL_STEP (the second batch of the second epoch):
+     the survivors heal in the middle of an epoch, launch rank 1 becomes rank 0 (it prints the
+     heal lines and writes the checkpoints from then on);
+   - launch rank 6 dies at the end of its validation batch at step VAL_KILL (the first validation
+     after that heal, its loader sharded anew over six): the survivors heal in the validation's
+     epoch-end reduce, and the next validation is sharded over the five left;
+   - launch rank 1, rank 0 by then, dies in the middle of writing the checkpoint of step SAVE_KILL
+     (its ``torch.save``): the survivors heal in the save, the new rank 0 (launch rank 2) writes it.
+   They train on to MAX_STEPS, the training loader sharded anew from each next epoch. From the
+   next phase on every process records under its rank after this one (the four left -> 0-3).
 1b. ``replace``: a second Trainer run on the four left, ``SyncStrategy(heal="replace")``: the last
    rank dies at step REPLACE_KILL (mid-epoch); the three survivors heal, at the next batch
    spawn a replacement and let it in at the one after; it runs this script (it starts at this
@@ -65,9 +77,11 @@ warnings.filterwarnings("ignore")
 torch.set_num_threads(1)
 OUT, RANK, W = Path("."), 0, 1  # set by main(); the test imports Indexed and make_net without MPI
 N, B, LR, VAL = 60, 4, 0.1, 20  # W = 5: 12 samples, 3 batches per rank and epoch; W = 4: 15, 4 batches
-KILL_STEP, MAX_STEPS = 4, 12
+KILL_STEP, VAL_KILL, SAVE_KILL, MAX_STEPS = 4, 6, 9, 12  # W = 7: 3 batches per rank and epoch
+SAVE_KILL_CI = 6  # -n 10: W = 5, 3 batches per rank and epoch: the checkpoint at the end of epoch 1
 FABRIC_KILL, FABRIC_STEPS, PERIOD = 3, 6, 2
-REPLACE_KILL, REPLACE_STEPS, REPLACEMENT = 1, 8, 10  # W = 4: 4 batches per rank and epoch; 10: no launch rank
+REPLACE_KILL, REPLACE_STEPS = 1, 8  # W = 4: 4 batches per rank and epoch
+REPLACEMENT = 12  # what a replacement records under: no launch rank
 GOSGD_P = 0.5
 TOPK_RATIO = 0.25
 STREAMING = {"period": 4, "fragments": 2, "overlap_steps": 1, "mix_alpha": 0.5}
@@ -108,10 +122,22 @@ def die() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _trainer_model(phase: str, val_phase: str, dies: Callable[[Any], bool]):
+def _never(module: Any) -> bool:
+    return False
+
+
+def _trainer_model(
+    phase: str,
+    val_phase: str,
+    dies: Callable[[Any], bool],
+    dies_validating: Callable[[Any], bool] = _never,
+    dies_saving: Callable[[Any], bool] = _never,
+):
     """The Trainer phases' LightningModule: records each training step under ``phase`` and each
     validation batch under ``val_phase``, logs with ``sync_dist=True`` (Lightning's reduce: a place to
-    notice a loss), and SIGKILLs this process at the start of a batch where ``dies(module)``."""
+    notice a loss), and SIGKILLs this process at the start of a batch where ``dies(module)``, at
+    the end of a validation batch where ``dies_validating(module)``, and in the middle of writing a
+    checkpoint (its ``torch.save``, after a first chunk) where ``dies_saving(module)``."""
     import lightning as L
 
     class Net(L.LightningModule):
@@ -142,6 +168,21 @@ def _trainer_model(phase: str, val_phase: str, dies: Callable[[Any], bool]):
             index, x, y = batch
             self.log("val_loss", nn.functional.mse_loss(self.net(x), y), sync_dist=True)
             record(phase=val_phase, step=self.global_step, world=self.trainer.world_size, indices=index.tolist())
+
+        def on_validation_batch_end(self, outputs, batch, batch_idx, dataloader_idx=0):
+            if dies_validating(self):
+                die()
+
+        def on_save_checkpoint(self, checkpoint):
+            # every rank gets here (Lightning's dump, before the strategy's save); only rank 0 writes
+            if dies_saving(self):
+
+                def save_then_die(obj, f, *args, **kwargs):
+                    f.write(b"half a checkpoint")
+                    f.flush()
+                    die()
+
+                torch.save = save_then_die
 
         def val_dataloader(self):
             return DataLoader(torch.utils.data.Subset(Indexed(), range(VAL)), batch_size=B)
@@ -177,6 +218,7 @@ def _trainer_fit(model, strategy, **trainer_args) -> dict:
         "stats": {k: v for k, v in strategy.stats().items() if k.startswith("mpi/heal/")},
         "history": strategy._healing.history,
         "world_size": trainer.world_size,
+        "rank": trainer.global_rank,
         "global_step": trainer.global_step,
         "epoch": trainer.current_epoch,
     }
@@ -187,16 +229,23 @@ def trainer_phase() -> dict:
 
     from lightning_mpi.lightning import SyncStrategy
 
-    model = _trainer_model(
-        "trainer",
-        "validation",
-        lambda m: m.global_step == KILL_STEP and m.global_rank == m.trainer.world_size - 1,
-    )
+    if W == 12:  # -n 12 (outside CI): three losses, W 7 -> 4
+        model = _trainer_model(
+            "trainer",
+            "validation",
+            lambda m: m.global_step == KILL_STEP and RANK == 0,
+            dies_validating=lambda m: m.global_step == VAL_KILL and RANK == 6,
+            dies_saving=lambda m: m.global_step == SAVE_KILL and RANK == 1,
+        )
+    else:  # -n 10 (CI): rank 0 dies in the middle of writing the checkpoint of step SAVE_KILL_CI, W 5 -> 4
+        model = _trainer_model(
+            "trainer", "validation", _never, dies_saving=lambda m: m.global_step == SAVE_KILL_CI and RANK == 0
+        )
     return _trainer_fit(
         model,
         SyncStrategy(exchange="asa", heal="shrink", min_ranks=2),
         max_steps=MAX_STEPS,
-        # after the heal: the epoch-end checkpoints (rank 0 writes; the path is broadcast) and the
+        # after each heal: the epoch-end checkpoints (rank 0 writes; the path is broadcast) and the
         # early-stopping decision (a reduce) go on over the survivors
         callbacks=[ModelCheckpoint(dirpath=OUT / "checkpoints", save_top_k=-1), EarlyStopping("val_loss", patience=99)],
     )
@@ -443,7 +492,10 @@ def main() -> None:
         RANK = REPLACEMENT
         phases = phases[[name for name, _ in phases].index("replace") :]
     for name, phase in phases:
-        (OUT / f"{name}.{RANK}.json").write_text(json.dumps(phase()))
+        result = phase()
+        (OUT / f"{name}.{RANK}.json").write_text(json.dumps(result))
+        if name == "trainer":  # the later phases record under the ranks the trainer phase left
+            RANK = result["rank"]
 
 
 if __name__ == "__main__":

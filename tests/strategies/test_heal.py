@@ -6,9 +6,12 @@ everywhere (cheap). The healing itself runs under Open MPI with ULFM
 ``tests/scripts/heal_train.py`` through ``lightning-mpi --heal -n 10``: first one Fabric run per
 rule whose state a heal carries, each losing its last rank in the step of an exchange (top-k with
 error feedback, PowerSGD, DiLoCo, Streaming DiLoCo with its exchange in flight, the synchronous
-rule averaging weights: W 10 -> 5); then a Trainer run on ``SyncStrategy(exchange="asa")`` loses a
-rank mid-epoch (W 5 -> 4), with validation, checkpoints and early stopping going on; then Fabric
-runs built after that heal lose one rank each: ``ModelAveragingStrategy`` (4 -> 3),
+rule averaging weights: W 10 -> 5); then a Trainer run on ``SyncStrategy(exchange="asa")`` whose
+rank 0 dies in the middle of writing a checkpoint (W 5 -> 4), with validation, checkpoints and
+early stopping going on (outside CI, ``-n 12``: W 7 -> 4, losing rank 0 mid-epoch, a rank at the
+end of its validation batch and the rank 0 of then in a checkpoint write); then
+``heal="replace"`` on the four left; then Fabric runs built after those heals lose one rank
+each: ``ModelAveragingStrategy`` (4 -> 3),
 ``EASGDStrategy`` (3 -> 2); then ``min_ranks=2`` stops the last two when one more dies. The
 survivors must exit 0, finish every step, end bitwise identical, and equal a one-process replay
 over the ranks alive at each step, with the same samples (for the compressed rules, a replay of
@@ -40,7 +43,9 @@ from tests.mpi_utils import REPO, mpi_env, mpi_flavor, require_ulfm
 SCRIPT = REPO / "tests" / "scripts" / "heal_train.py"
 #: ranks launched: the first Fabric phases (one rule each) lose one each, down to the Trainer's 5
 LAUNCHED = 10
-REPLACEMENT = LAUNCHED  # the launch rank a replacement records under (tests/scripts/heal_train.py)
+#: the launch outside CI whose Trainer phase loses three ranks (in training, validation, a save)
+EVERYWHERE_LAUNCHED = 12
+REPLACEMENT = 12  # the launch rank a replacement records under (tests/scripts/heal_train.py)
 #: the Fabric phases before the Trainer's, in order, each on one more rank than the next
 FIRST_PHASES = ("topk", "powersgd", "diloco", "streaming", "weights")
 
@@ -578,32 +583,58 @@ def healed(tmp_path_factory):
     require_ulfm()
     out = tmp_path_factory.mktemp("heal")
     proc = launch([sys.executable, "-m", "lightning_mpi", "-n", LAUNCHED, "--heal", "--grace", 3, SCRIPT, out], REPO)
-    code, _, err = finish(proc, 420)  # mostly start-up: 4 ranks importing Lightning on a loaded machine
+    code, _, err = finish(proc, 420)  # mostly start-up: 10 ranks importing Lightning on a loaded machine
     assert code == 0, err[-6000:]
     return (err, *launch_outputs(out), out)
+
+
+@pytest.fixture(scope="module")
+def healed_everywhere(tmp_path_factory):
+    """The same script on 12 ranks: its Trainer phase loses three (outside the Open MPI CI run,
+    whose time is at its limit: two more ranks cost ~80 s of start-up on a 2-core machine; run it
+    with ``LIGHTNING_MPI_TEST_MPI=openmpi python -m pytest -m mpi -k everywhere``)."""
+    require_ulfm()
+    out = tmp_path_factory.mktemp("heal_everywhere")
+    args = [sys.executable, "-m", "lightning_mpi", "-n", EVERYWHERE_LAUNCHED, "--heal", "--grace", 3, SCRIPT, out]
+    code, _, err = finish(launch(args, REPO), 540)
+    assert code == 0, err[-6000:]
+    return (err, *launch_outputs(out), out)
+
+
+def _checkpoints_whole(directory: Path, names: list[str], redone: str, step: int, final: list) -> None:
+    """Every epoch's checkpoint is there and nothing else (no temporary file left); the one whose
+    writer died in it loads with its step; the last one holds the final weights."""
+    assert sorted(p.name for p in directory.iterdir()) == names
+    for name, at in ((redone, step), (names[-1], int(names[-1].split("step=")[1].split(".")[0]))):
+        checkpoint = torch.load(directory / name, weights_only=False)
+        assert checkpoint["global_step"] == at and any("EarlyStopping" in key for key in checkpoint["callbacks"])
+    assert [p.detach().double().flatten().tolist() for p in checkpoint["state_dict"].values()] == final
 
 
 @pytest.mark.mpi
 @pytest.mark.openmpi_core
 @pytest.mark.timeout(480)
-def test_trainer_survivors_heal_mid_epoch_and_match_a_replay(healed):
+def test_trainer_survivors_heal_when_rank_0_dies_writing_a_checkpoint_and_match_a_replay(healed):
+    """The trainer phase (W = 5 -> 4): rank 0 dies in the middle of writing the checkpoint of step 6
+    (in the validation at the end of epoch 1). The survivors heal in the save and the new rank 0
+    (launch rank 1) writes it; no half-written file is left; training finishes, every step once,
+    the survivors bitwise identical and equal to a replay; the next validation is sharded over the
+    four; one heal line, printed by the new rank 0 (the old one is dead)."""
     err, finals, records, out = healed
-    assert sorted(finals["trainer"]) == [0, 1, 2, 3]  # rank 4 died
+    assert sorted(finals["trainer"]) == [1, 2, 3, 4]  # launch rank 0 died
     steps = records["trainer"]
     assert sorted(steps) == list(range(12))  # no step lost, none repeated
     for step, entries in steps.items():
-        assert len(entries) == (5 if step < 4 else 4), step
-        assert len({rank for rank, _ in entries}) == len(entries), step
-    # mid-epoch the survivors keep their shards (the lost rank's two batches are not seen); from
-    # the next epoch the sampler deals every sample over the three survivors
-    epoch1 = [i for s in (3, 4, 5) for _, e in steps[s] for i in e["indices"]]
-    assert len(epoch1) == len(set(epoch1)) == 60 - 2 * 4
-    epoch2 = sorted(i for s in (6, 7, 8, 9) for _, e in steps[s] for i in e["indices"])
-    assert epoch2 == list(range(60)) and all(e["epoch"] == 2 for s in (6, 7, 8, 9) for _, e in steps[s])
-    ours = [finals["trainer"][r] for r in (0, 1, 2, 3)]
+        assert sorted(rank for rank, _ in entries) == ([0, 1, 2, 3, 4] if step < 6 else [1, 2, 3, 4]), step
+        assert {e["world"] for _, e in entries} == {len(entries)}, step
+    for epoch, epoch_steps in enumerate(((0, 1, 2), (3, 4, 5), (6, 7, 8, 9))):  # 5, 5, then 4 ranks
+        indices = sorted(i for s in epoch_steps for _, e in steps[s] for i in e["indices"])
+        assert indices == list(range(60)) and all(e["epoch"] == epoch for s in epoch_steps for _, e in steps[s])
+    ours = [finals["trainer"][r] for r in (1, 2, 3, 4)]
     assert all(result["final"] == ours[0]["final"] for result in ours)  # bitwise identical survivors
-    replay = _replay(ours[0]["initial"], [[e["indices"] for _, e in steps[s]] for s in range(12)])
+    replay = _replay(ours[0]["initial"], [[e["indices"] for _, e in sorted(steps[s])] for s in range(12)])
     assert _close(ours[0]["final"], replay)
+    assert [result["rank"] for result in ours] == [0, 1, 2, 3]
     for result in ours:
         assert result["global_step"] == 12 and result["world_size"] == 4
         assert result["stats"] == {
@@ -612,19 +643,80 @@ def test_trainer_survivors_heal_mid_epoch_and_match_a_replay(healed):
             "mpi/heal/world_size": 4.0,
         }
         (event,) = result["history"]
-        assert event["lost"] == [4] and event["old_world_size"] == 5 and event["world_size"] == 4
-        assert event["seconds"] < 60  # no timing target here: benchmarks/heal_latency.py measures
-    # Lightning's callbacks and validation go on after the heal: validation at the end of epochs 0
-    # (4 ranks), 1 and 2 (3 ranks, its loader sharded anew), a checkpoint at the end of each and of training
+        assert event["lost"] == [0] and event["old_world_size"] == 5 and event["world_size"] == 4
+        assert event["where"] == "the checkpoint save" and event["seconds"] < 60  # heal_latency.py times
+    # validation at the end of epochs 0 and 1 (5 ranks: the loss came after its batches) and 2 (4 ranks:
+    # sharded anew after the heal, which happened while validating)
     validation = records["validation"]
-    assert sorted(validation) == [3, 6, 10]  # global step at each epoch's end
-    for step, world in ((3, 5), (6, 4), (10, 4)):
-        assert {e["world"] for _, e in validation[step]} == {world}
-        assert sorted(i for _, e in validation[step] for i in e["indices"]) == list(range(20))
-    saved = sorted(p.name for p in (out / "checkpoints").glob("*.ckpt"))
-    assert saved == ["epoch=0-step=3.ckpt", "epoch=1-step=6.ckpt", "epoch=2-step=10.ckpt", "epoch=3-step=12.ckpt"]
-    line = [x for x in err.splitlines() if "lightning_mpi: healed: rank 4 of 5 lost" in x]
+    assert sorted(validation) == [3, 6, 10]
+    for step, world in ((3, 5), (6, 5), (10, 4)):
+        assert {e["world"] for _, e in validation[step]} == {world}, step
+        assert len({rank for rank, _ in validation[step]}) == world, step
+        assert sorted(i for _, e in validation[step] for i in e["indices"]) == list(range(20)), step
+    names = ["epoch=0-step=3.ckpt", "epoch=1-step=6.ckpt", "epoch=2-step=10.ckpt", "epoch=3-step=12.ckpt"]
+    _checkpoints_whole(out / "checkpoints", names, "epoch=1-step=6.ckpt", 6, ours[0]["final"])
+    line = [
+        x for x in err.splitlines() if "lightning_mpi: healed: rank 0 of 5 lost (detected in the checkpoint save" in x
+    ]
     assert len(line) == 1 and "training goes on at world size 4" in line[0], err[-3000:]
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(600)
+def test_trainer_survivors_heal_everywhere_mid_epoch_in_validation_and_in_a_save(healed_everywhere):
+    """The trainer phase (W = 7 -> 4): rank 0 dies mid-epoch at step 4, launch rank 6 at the end of
+    its validation batch at step 6, launch rank 1 (rank 0 by then) in the middle of writing the
+    checkpoint of step 9. Training finishes, every step once, the survivors bitwise identical and
+    equal to a replay; the interrupted checkpoint is written by the new rank 0, no half-written
+    file is left, the last one loads with the final weights; validation after the heal in
+    validation is sharded over the survivors; one heal line each, printed by the rank 0 of then."""
+    err, finals, records, out = healed_everywhere
+    assert sorted(finals["trainer"]) == [2, 3, 4, 5]  # launch ranks 0, 6 and 1 died
+    steps = records["trainer"]
+    assert sorted(steps) == list(range(12))  # no step lost, none repeated
+    alive = {s: [0, 1, 2, 3, 4, 5, 6] for s in range(4)} | {4: [1, 2, 3, 4, 5, 6], 5: [1, 2, 3, 4, 5, 6]}
+    alive |= {s: [1, 2, 3, 4, 5] for s in (6, 7, 8)} | {s: [2, 3, 4, 5] for s in (9, 10, 11)}
+    assert len(alive[0]) == EVERYWHERE_LAUNCHED - len(FIRST_PHASES)
+    for step, entries in steps.items():
+        assert sorted(rank for rank, _ in entries) == alive[step], step
+        assert {e["world"] for _, e in entries} == {len(entries)}, step
+    # epoch 0 over seven ranks (60 samples padded to 63); epoch 1 keeps those shards after the heal
+    # at step 4 (the lost rank's last two batches are not seen); epoch 2 is sharded over the five
+    # left (the heal in validation), epoch 3 over the four left (the heal in the save)
+    assert {i for s in (0, 1, 2) for _, e in steps[s] for i in e["indices"]} == set(range(60))
+    epoch2 = sorted(i for s in (6, 7, 8) for _, e in steps[s] for i in e["indices"])
+    assert epoch2 == list(range(60)) and all(e["epoch"] == 2 for s in (6, 7, 8) for _, e in steps[s])
+    assert all(e["epoch"] == 3 for s in (9, 10, 11) for _, e in steps[s])
+    ours = [finals["trainer"][r] for r in (2, 3, 4, 5)]
+    assert all(result["final"] == ours[0]["final"] for result in ours)  # bitwise identical survivors
+    replay = _replay(ours[0]["initial"], [[e["indices"] for _, e in sorted(steps[s])] for s in range(12)])
+    assert _close(ours[0]["final"], replay)
+    assert [result["rank"] for result in ours] == [0, 1, 2, 3]
+    for result in ours:
+        assert result["global_step"] == 12 and result["world_size"] == 4
+        assert result["stats"] == {
+            "mpi/heal/events": 3.0,
+            "mpi/heal/seconds": pytest.approx(result["history"][-1]["seconds"]),
+            "mpi/heal/world_size": 4.0,
+        }
+        lost = [(e["lost"], e["old_world_size"], e["world_size"]) for e in result["history"]]
+        assert lost == [([0], 7, 6), ([5], 6, 5), ([0], 5, 4)]
+        assert result["history"][2]["where"] == "the checkpoint save"
+        assert all(event["seconds"] < 60 for event in result["history"])  # benchmarks/heal_latency.py times
+    # validation at the end of epochs 0 (7 ranks), 1 (6: sharded anew after the heal at step 4; launch
+    # rank 6 validated its batch, then died) and 2 (5: sharded anew after the heal in validation)
+    validation = records["validation"]
+    assert sorted(validation) == [3, 6, 9]
+    for step, world in ((3, 7), (6, 6), (9, 5)):
+        assert {e["world"] for _, e in validation[step]} == {world} and len(validation[step]) == world, step
+        assert {i for _, e in validation[step] for i in e["indices"]} == set(range(20)), step
+    # every epoch's checkpoint, the one whose writer died in it written by the next rank 0, whole
+    names = ["epoch=0-step=3.ckpt", "epoch=1-step=6.ckpt", "epoch=2-step=9.ckpt", "epoch=3-step=12.ckpt"]
+    _checkpoints_whole(out / "checkpoints", names, "epoch=2-step=9.ckpt", 9, ours[0]["final"])
+    for lost in ("rank 0 of 7 lost", "rank 5 of 6 lost", "rank 0 of 5 lost (detected in the checkpoint save"):
+        line = [x for x in err.splitlines() if f"lightning_mpi: healed: {lost}" in x]
+        assert len(line) == 1, (lost, err[-3000:])
+    assert "training goes on at world size 4" in line[0]
 
 
 @pytest.mark.mpi
@@ -1036,3 +1128,92 @@ def test_a_rank_lost_during_the_heal_heals_again(monkeypatch):
 
     assert healing.operation("allreduce", run) == "redone"
     assert adopted == [None] and healing.events == 1  # one heal, made of two shrinks
+
+
+@pytest.mark.timeout(10)
+def test_a_heal_during_validation_binds_the_rule_outside_inference_mode(monkeypatch):
+    """Lightning validates under ``torch.inference_mode()``: what a heal there keeps and binds anew
+    (DiLoCo's outer state, residuals) must be tensors that training can update in place later."""
+    from lightning_mpi.comm.ulfm import ProcessFailed
+
+    healing, _ = _healing(monkeypatch, _FakeTransport(0, [(0, "reduce", "MPI_ERR_REVOKED", 1)]))
+    modes = []
+    healing._adopt = lambda state: modes.append(torch.is_inference_mode_enabled())
+    runs = iter([True, False])
+
+    def run():
+        if next(runs):
+            raise ProcessFailed((2,), "allreduce")
+        return torch.ones(2)
+
+    with torch.inference_mode():
+        assert torch.equal(healing.operation("reduce", run), torch.ones(2))
+    assert modes == [False]
+
+
+@pytest.mark.timeout(10)
+def test_a_save_interrupted_by_a_loss_is_redone_and_the_lost_writers_temporary_removed(monkeypatch, tmp_path):
+    """``save_through_heals``: the save and a barrier are one healing operation; after the heal the
+    writer (the new rank 0) removes the temporary file the lost writer left and writes again; the
+    previous file stays whole until then. ``heal=None``: the save alone, as before."""
+    from lightning_mpi.comm.ulfm import ProcessFailed
+    from lightning_mpi.strategies.checkpoint_io import remove_stale_temporaries, save_through_heals
+    from lightning_mpi.strategies.healing import RunHealing
+
+    target = tmp_path / "last.ckpt"
+    target.write_bytes(b"the previous checkpoint")
+    others = [tmp_path / ".other.ckpt.0123456789ab.tmp", tmp_path / ".last.ckpt.tmp", tmp_path / "last.ckpt.x.tmp"]
+    for other in others:
+        other.write_bytes(b"not ours")
+    calls = []
+
+    def save():
+        calls.append("save")
+        if len(calls) == 1:  # the writer died in the middle of its write: a temporary file is left
+            (tmp_path / ".last.ckpt.a1b2c3d4e5f6.tmp").write_bytes(b"half")
+            assert target.read_bytes() == b"the previous checkpoint"
+            raise ProcessFailed((0,), "barrier")
+        assert not (tmp_path / ".last.ckpt.a1b2c3d4e5f6.tmp").exists()  # removed before the redo's write
+        target.write_bytes(b"the new checkpoint")
+
+    healing, adopted = _healing(monkeypatch, _FakeTransport(0, [(4, "barrier", "MPI_ERR_PROC_FAILED", 1)]))
+    healing.completed = 4
+    save_through_heals(healing, save, lambda: calls.append("barrier"), target, writes=lambda: True)
+    assert calls == ["save", "save", "barrier"] and healing.completed == 5 and adopted == [None]
+    assert target.read_bytes() == b"the new checkpoint" and all(other.exists() for other in others)
+    assert healing.history[0]["where"] == "the checkpoint save"
+    # heal=None: the save alone, no barrier
+    inert = RunHealing(None, None, None, None, lambda: None, print, print, "sync")
+    save_through_heals(inert, lambda: calls.append("plain"), lambda: calls.append("barrier"), target, lambda: True)
+    assert calls[3:] == ["plain"]
+    assert remove_stale_temporaries(tmp_path / "missing" / "x.ckpt") == []
+
+
+@pytest.mark.timeout(10)
+def test_a_heal_during_validation_reshards_the_next_validation():
+    """A heal in fit's validation leaves that validation its loaders and drops them at the next
+    training batch; a heal while training drops them at once. Shrunk to one rank, the run stays
+    distributed for Lightning (a ``sync_dist`` key keeps its sync)."""
+    from types import SimpleNamespace
+
+    from lightning_mpi.strategies.healing import RunHealing
+    from lightning_mpi.strategies.sharding import LoaderSharding
+
+    val_loop = SimpleNamespace(_combined_loader="validation loaders")
+    fit_loop = SimpleNamespace(_combined_loader="training loader", epoch_loop=SimpleNamespace(val_loop=val_loop))
+    trainer = SimpleNamespace(fit_loop=fit_loop, validating=True)
+    sharding = LoaderSharding(api=None)
+    sharding.reshard_next_epoch(trainer)
+    assert fit_loop._combined_loader is None and val_loop._combined_loader == "validation loaders"
+    trainer.validating = False
+    sharding.reshard_validation_if_pending(trainer)
+    assert val_loop._combined_loader is None
+    val_loop._combined_loader = "rebuilt"
+    sharding.reshard_validation_if_pending(trainer)  # once only
+    assert val_loop._combined_loader == "rebuilt"
+    sharding.reshard_next_epoch(trainer)  # training: at once
+    assert val_loop._combined_loader is None
+    healing = RunHealing(None, None, SimpleNamespace(world_size=3), None, lambda: None, print, print, "sync")
+    assert not healing.distributed(1) and healing.distributed(2)
+    healing.mode = "shrink"
+    assert healing.distributed(1)
