@@ -601,6 +601,25 @@ def healed_everywhere(tmp_path_factory):
     return (err, *launch_outputs(out), out)
 
 
+def _trainer_survivors_match_a_replay(finals: dict, steps: dict, survivors: list[int], heals: int) -> list[dict]:
+    """The Trainer phase's survivors (launch ranks ``survivors``) after ``heals`` heals: bitwise
+    identical, equal to a replay of the 12 steps' batches, ranked anew from 0, at step 12 on the
+    world left, their ``mpi/heal/*`` stats those of the last heal. Returns their final records."""
+    ours = [finals[r] for r in survivors]
+    assert all(result["final"] == ours[0]["final"] for result in ours)  # bitwise identical survivors
+    replay = _replay(ours[0]["initial"], [[e["indices"] for _, e in sorted(steps[s])] for s in range(12)])
+    assert _close(ours[0]["final"], replay)
+    assert [result["rank"] for result in ours] == list(range(len(survivors)))
+    for result in ours:
+        assert result["global_step"] == 12 and result["world_size"] == len(survivors)
+        assert result["stats"] == {
+            "mpi/heal/events": float(heals),
+            "mpi/heal/seconds": pytest.approx(result["history"][-1]["seconds"]),
+            "mpi/heal/world_size": float(len(survivors)),
+        }
+    return ours
+
+
 def _checkpoints_whole(directory: Path, names: list[str], redone: str, step: int, final: list) -> None:
     """Every epoch's checkpoint is there and nothing else (no temporary file left); the one whose
     writer died in it loads with its step; the last one holds the final weights."""
@@ -630,18 +649,8 @@ def test_trainer_survivors_heal_when_rank_0_dies_writing_a_checkpoint_and_match_
     for epoch, epoch_steps in enumerate(((0, 1, 2), (3, 4, 5), (6, 7, 8, 9))):  # 5, 5, then 4 ranks
         indices = sorted(i for s in epoch_steps for _, e in steps[s] for i in e["indices"])
         assert indices == list(range(60)) and all(e["epoch"] == epoch for s in epoch_steps for _, e in steps[s])
-    ours = [finals["trainer"][r] for r in (1, 2, 3, 4)]
-    assert all(result["final"] == ours[0]["final"] for result in ours)  # bitwise identical survivors
-    replay = _replay(ours[0]["initial"], [[e["indices"] for _, e in sorted(steps[s])] for s in range(12)])
-    assert _close(ours[0]["final"], replay)
-    assert [result["rank"] for result in ours] == [0, 1, 2, 3]
+    ours = _trainer_survivors_match_a_replay(finals["trainer"], steps, [1, 2, 3, 4], heals=1)
     for result in ours:
-        assert result["global_step"] == 12 and result["world_size"] == 4
-        assert result["stats"] == {
-            "mpi/heal/events": 1.0,
-            "mpi/heal/seconds": pytest.approx(result["history"][0]["seconds"]),
-            "mpi/heal/world_size": 4.0,
-        }
         (event,) = result["history"]
         assert event["lost"] == [0] and event["old_world_size"] == 5 and event["world_size"] == 4
         assert event["where"] == "the checkpoint save" and event["seconds"] < 60  # heal_latency.py times
@@ -687,18 +696,8 @@ def test_trainer_survivors_heal_everywhere_mid_epoch_in_validation_and_in_a_save
     epoch2 = sorted(i for s in (6, 7, 8) for _, e in steps[s] for i in e["indices"])
     assert epoch2 == list(range(60)) and all(e["epoch"] == 2 for s in (6, 7, 8) for _, e in steps[s])
     assert all(e["epoch"] == 3 for s in (9, 10, 11) for _, e in steps[s])
-    ours = [finals["trainer"][r] for r in (2, 3, 4, 5)]
-    assert all(result["final"] == ours[0]["final"] for result in ours)  # bitwise identical survivors
-    replay = _replay(ours[0]["initial"], [[e["indices"] for _, e in sorted(steps[s])] for s in range(12)])
-    assert _close(ours[0]["final"], replay)
-    assert [result["rank"] for result in ours] == [0, 1, 2, 3]
+    ours = _trainer_survivors_match_a_replay(finals["trainer"], steps, [2, 3, 4, 5], heals=3)
     for result in ours:
-        assert result["global_step"] == 12 and result["world_size"] == 4
-        assert result["stats"] == {
-            "mpi/heal/events": 3.0,
-            "mpi/heal/seconds": pytest.approx(result["history"][-1]["seconds"]),
-            "mpi/heal/world_size": 4.0,
-        }
         lost = [(e["lost"], e["old_world_size"], e["world_size"]) for e in result["history"]]
         assert lost == [([0], 7, 6), ([5], 6, 5), ([0], 5, 4)]
         assert result["history"][2]["where"] == "the checkpoint save"
