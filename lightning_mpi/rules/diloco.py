@@ -460,6 +460,9 @@ class BoundDiLoCo(BoundLocalStepRule):
         if "local" in state:  # a heal: this rank's own part; its local weights are the module's
             self._load_healed(state)
             return
+        if "ranks" not in state:  # a rank that joins a healed run (heal="replace"): none of its own
+            self._load_joined(state)
+            return
         same_world = self.replicas.restore(state["ranks"], int(state["world_size"]))
         for index, fragment in enumerate(self.fragments):
             if not same_world:  # residuals and local weights of other ranks do not map onto these
@@ -492,6 +495,31 @@ class BoundDiLoCo(BoundLocalStepRule):
                 residual = None if fragment.residual is None else fragment.residual.clone()
                 self._sent[index] = (fragment.delta.clone(), residual)
         self._loaded = True
+
+    def _load_joined(self, state: dict[str, Any]) -> None:
+        """A new rank let into a healed run (``heal="replace"``) with the survivors' outer state
+        (:meth:`heal_state` without this rank's part): it has no replica of its own, so its local
+        weights start from θ_global (as every rank's do after an outer step, and as a resume at
+        another world size does), its residuals at zero. The survivors let it in only while no
+        exchange is in flight (:attr:`exchange_in_flight`): it could not join one started without it."""
+        if any(saved.get("sent") is not None for saved in state["fragments"]):
+            raise ValueError(
+                "lightning_mpi: a new rank cannot join while a DiLoCo exchange is in flight; the survivors let "
+                "it in at a step with none (lightning_mpi.strategies.replacement)"
+            )
+        for fragment in self.fragments:
+            if fragment.residual is not None:
+                fragment.residual.zero_()
+            if fragment.owner_residual is not None:
+                fragment.owner_residual.zero_()
+            fragment.local.push(fragment.theta_global)
+        self._loaded = True
+
+    @property
+    def exchange_in_flight(self) -> bool:
+        """Whether an outer exchange was started and has not arrived yet (Streaming DiLoCo's
+        ``overlap_steps``; one started again after a heal included)."""
+        return any(f.status in ("running", "restart") for f in self.fragments)
 
     def stats(self) -> dict[str, float]:
         chosen = {}

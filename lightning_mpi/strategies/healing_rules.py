@@ -248,9 +248,13 @@ def heal_train_end(healing: Any, runner: Any) -> None:
     survivors (every survivor's new binding started alike), or a survivor that missed its completion
     takes the consensus from one that completed it. The same for a parameter-server rule: its
     last commit, the barrier after it and the read of the center are redone over the survivors on
-    the rebuilt center (a completed last commit is not made twice)."""
+    the rebuilt center (a completed last commit is not made twice). DiLoCo's and Streaming
+    DiLoCo's final average: :func:`heal_outer_end`."""
     bound = runner.bound
     if bound is None:
+        return
+    if healing.active and isinstance(bound, BoundDiLoCo):
+        heal_outer_end(healing, runner)
         return
     if not healing.active or not isinstance(bound, _ONE_SIDED):
         bound.on_train_end()
@@ -278,4 +282,55 @@ def heal_train_end(healing: Any, runner: Any) -> None:
         keep,
         lambda theta: runner.bound.take_consensus(theta),
         counted=lambda: runner.bound.drained and runner.bound.transport.size > 1,
+    )
+
+
+def heal_outer_end(healing: Any, runner: Any) -> None:
+    """DiLoCo's and Streaming DiLoCo's ``on_train_end`` under ``heal`` as a healing operation: the
+    final average of the replicas (an exchange in flight completed, the steps since each
+    fragment's last exchange exchanged, both applied by averaging) is redone over the survivors
+    when a rank is lost in it, so that the survivors end bitwise identical on the mean of *their*
+    replicas (the lost rank's replica is left out of the mean).
+
+    Before it, this rank keeps the rule's :meth:`~lightning_mpi.rules.diloco.BoundDiLoCo.heal_state`
+    (with ``heal_snapshots`` on, an exchange in flight is kept as the Δ it started from) and its
+    local weights; a redo puts both back into the healed run's binding (an interrupted average
+    may have averaged and pushed some fragments already), which starts the exchange in flight
+    again over the survivors. A survivor that missed the completion takes the averaged weights and
+    the outer state from one that completed it (its own residuals as before the average)."""
+    bound = runner.bound
+    bound.heal_snapshots = True  # keep what an exchange starts from (its heal_state)
+    before = bound.heal_state()
+    params = list(bound.params)
+    start = [p.detach().clone() for p in params]
+
+    def average() -> None:
+        runner.bound.heal_snapshots = True
+        runner.bound.on_train_end()
+
+    def keep(_: None) -> tuple[dict[str, Any], list[torch.Tensor]]:
+        return runner.bound.heal_state(), [p.detach().cpu().clone() for p in params]
+
+    def take(kept: tuple[dict[str, Any], list[torch.Tensor]]) -> None:
+        state, values = kept
+        runner.bound.load_state_dict({**state, "local": before["local"]})
+        with torch.no_grad():
+            for p, value in zip(params, values, strict=True):
+                p.copy_(value)
+
+    def put_back() -> None:
+        runner.bound.load_state_dict(before)
+        with torch.no_grad():
+            for p, value in zip(params, start, strict=True):
+                p.copy_(value)
+
+    healing.operation(
+        "the final average",
+        average,
+        keep,
+        take,
+        put_back,
+        # every rank runs the same schedule: each averaged fragment is one outer step, and at W = 1
+        # nothing went over the wire
+        counted=lambda: runner.bound.transport.size > 1 and runner.bound.outer_steps != before["outer_steps"],
     )

@@ -15,8 +15,10 @@ survivor is, after the interrupted step was finished on the healed run):
    rank 0 looks whether every new process said it is ready (its strategy is built) and the
    survivors take its verdict (a small broadcast). A new process that died, or is not ready
    within ``JOIN_TIMEOUT`` seconds, is given up and spawned again;
-3. once they are ready: read what the rule keeps (:func:`.healing_rules.kept_state`) and close it,
-   gather which data shard each survivor trains on this epoch, make the run's communicators over
+3. once they are ready, at the first batch where the rule has no exchange in flight (Streaming
+   DiLoCo's ``overlap_steps``: a new rank could not take part in it): read what the rule keeps
+   (:func:`.healing_rules.kept_state`) and close it, gather which data shard each survivor trains
+   on this epoch, make the run's communicators over
    survivors + new ranks (:func:`~lightning_mpi.comm.healing.finish_growth`; the survivors keep
    their ranks, the new ones come after), adopt them (ranks, world size, node layout) and broadcast
    rank 0's *handover*: Lightning's own checkpoint dictionary of this moment (``dump_checkpoint``:
@@ -132,6 +134,7 @@ class _Pending:
     events: int  # the survivors' heals at the spawn: one more means a survivor was lost
     heard: set[int] = field(default_factory=set)
     batches: int = 0  # batches since the spawn (the same count on every survivor)
+    ready: bool = False  # every new process said it is ready; let in at the next batch the rule allows
 
 
 class RunReplacing:
@@ -238,7 +241,9 @@ class RunReplacing:
             pending = None
         if pending is not None:
             pending.batches += 1
-            if pending.batches % self.poll_every == 1 or self.poll_every == 1:
+            if pending.ready:
+                self._let_in(trainer, pending)
+            elif pending.batches % self.poll_every == 1 or self.poll_every == 1:
                 self._poll(trainer, pending)
         elif self._healing.grow_pending:
             self._start()
@@ -307,8 +312,19 @@ class RunReplacing:
             self._healing.grow_pending = True
             return
         if decided > 0:
-            self._pending = None
-            self._switch(trainer, pending)
+            pending.ready = True
+            self._let_in(trainer, pending)
+
+    def _let_in(self, trainer: Any, pending: _Pending) -> None:
+        """Let the ready new processes in, unless the rule has an exchange in flight (Streaming
+        DiLoCo's ``overlap_steps``): a new rank could not take part in an exchange started without
+        it, so it is let in at the next batch without one (the same batch on every survivor: they
+        run the same schedule). Nothing is collective here before the switch."""
+        bound = self._runner.bound if self._runner.live else None
+        if bound is not None and getattr(bound, "exchange_in_flight", False):
+            return
+        self._pending = None
+        self._switch(trainer, pending)
 
     def _give_up(self, revoke: bool) -> None:
         pending, self._pending = self._pending, None

@@ -233,6 +233,105 @@ def test_diloco_heal_state_carries_the_outer_state_and_restarts_an_exchange_in_f
     assert all(torch.equal(a, b) for a, b in zip(whole, healed, strict=True))
 
 
+@pytest.mark.timeout(30)
+def test_diloco_final_average_interrupted_midway_is_put_back_and_redone_or_taken():
+    """On one rank (no MPI peers): Streaming DiLoCo's ``on_train_end`` (three fragments: one
+    exchange in flight, two fragments' last steps) as a healing operation
+    (:func:`~lightning_mpi.strategies.healing_rules.heal_outer_end`). A loss at the third fragment's
+    start, once the in-flight exchange and the second fragment were averaged and pushed into the
+    weights: the new binding, loaded as a heal loads it, gets the state and weights from before the
+    average back and redoes it, ending bitwise where an uninterrupted end does; a survivor that
+    missed the completion takes the weights and outer state of one that completed it."""
+    from types import SimpleNamespace
+
+    from mpi4py import MPI
+    from torch import nn
+
+    from lightning_mpi.comm.transport import Transport
+    from lightning_mpi.rules.diloco import BoundDiLoCo
+    from lightning_mpi.rules.streaming_diloco import StreamingDiLoCoRule
+    from lightning_mpi.strategies.healing_rules import heal_outer_end
+
+    rule = StreamingDiLoCoRule(period=6, fragments=3, overlap_steps=1, mix_alpha=0.5, wire="fp32")
+
+    class Lost(Exception):
+        pass
+
+    def trained():
+        torch.manual_seed(3)
+        net = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
+        runner = SimpleNamespace(bound=rule.bind(Transport(MPI.COMM_SELF), list(net.parameters())))
+        runner.bound.heal_snapshots = True
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        runner.bound.on_train_start()
+        for _ in range(8):  # fragment 0 starts after step 8: in flight at the end; 1 and 2 have steps since
+            opt.zero_grad()
+            net(torch.randn(6, 3)).pow(2).mean().backward()
+            assert runner.bound.before_step(opt)
+            opt.step()
+            runner.bound.after_step(opt)
+        assert [f.status for f in runner.bound.fragments] == ["running", "idle", "idle"]
+        return net, runner
+
+    class Healing:  # RunHealing.operation with one loss: the new binding loaded from kept_state, then the redo
+        active, redone = True, 0
+
+        def __init__(self, runner, taken=None):
+            self.runner, self.taken = runner, taken
+
+        def operation(self, where, run, keep, take, before_redo, counted):
+            assert where == "the final average"
+            if self.taken is not None:  # a survivor behind: takes the result of one that completed
+                return take(self.taken)
+            try:
+                run()
+            except Lost:
+                state = kept_state(self.runner.bound)
+                self.runner.bound.close()
+                self.runner.bound = rule.bind(Transport(MPI.COMM_SELF), self.runner.bound.params)
+                self.runner.bound.load_state_dict(state)
+                before_redo()
+                self.put_back = [f.status for f in self.runner.bound.fragments], [p.clone() for p in net.parameters()]
+                self.redone += 1
+                run()
+            assert not counted()  # one rank: nothing went over the wire
+            self.kept = keep(None)
+
+    net, runner = trained()
+    heal_outer_end(Healing(runner), runner)
+    whole = [p.detach().clone() for p in net.parameters()]
+
+    net, runner = trained()
+    starts = BoundDiLoCo._start
+
+    def dies_at_the_second_start(self, index):
+        if index == 2:
+            BoundDiLoCo._start = starts  # the loss happens once
+            raise Lost
+        starts(self, index)
+
+    healing = Healing(runner)
+    before = [p.detach().clone() for p in net.parameters()]
+    BoundDiLoCo._start = dies_at_the_second_start
+    try:
+        heal_outer_end(healing, runner)
+    finally:
+        BoundDiLoCo._start = starts
+    assert healing.redone == 1
+    # the redo starts from the state before the average: the exchange in flight to start again over
+    # the survivors (the lost rank's Δ left out), the weights as training left them
+    statuses, weights = healing.put_back
+    assert statuses == ["restart", "idle", "idle"]
+    assert all(torch.equal(a, b) for a, b in zip(before, weights, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(whole, net.parameters(), strict=True))
+    assert all(f.status == "idle" for f in runner.bound.fragments)
+
+    net, runner = trained()  # behind: takes the weights and the outer state of one that completed
+    heal_outer_end(Healing(runner, taken=healing.kept), runner)
+    assert all(torch.equal(a, b) for a, b in zip(whole, net.parameters(), strict=True))
+    assert runner.bound.outer_steps == healing.runner.bound.outer_steps
+
+
 @pytest.mark.timeout(10)
 def test_a_powersgd_survivor_that_took_the_exchange_keeps_the_residual_it_would_have_left():
     """A survivor that missed the completion of a PowerSGD exchange takes the approximation M̂ (the
