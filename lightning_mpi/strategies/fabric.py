@@ -20,8 +20,10 @@ code, so the rule's lifecycle hangs on the calls that loop makes:
   residuals, gossip weights) travels under the ``"lightning_mpi"`` key.
 - ``fabric.strategy.finish_training()``: a Fabric loop has no ``on_train_end``, so call it on every
   rank after the loop: every rank's module then holds the rule's consensus weights (the center
-  for elastic and parameter-server rules, the weighted consensus for gossip), and the rule's
-  threads and windows are released.
+  for elastic and parameter-server rules, the weighted consensus for gossip, DiLoCo's mean of the
+  replicas), and the rule's threads and windows are released. Under ``heal`` a rank lost inside it
+  heals there and the final exchange is redone over the survivors
+  (:func:`~.healing_rules.heal_train_end`).
 
 When a rank fails. An exception raised inside any of the strategy's calls above (a collective, a
 step, a checkpoint) fails the run on every rank: it is posted to the other ranks, which raise

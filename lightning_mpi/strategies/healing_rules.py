@@ -35,7 +35,10 @@ DiLoCo, Streaming DiLoCo                    ``heal_state()``: the outer state (r
 BoundDiLoCo`)                               arrived mean Δ), this rank's residuals; an
                                             exchange in flight is kept as the Δ it started
                                             from and started again over the survivors;
-                                            ``after_step`` redone with the state before it
+                                            ``after_step`` redone with the state before it;
+                                            ``on_train_end`` (the final average) redone over
+                                            the survivors from the state and weights before
+                                            it (:func:`heal_outer_end`)
 GoSGD (:class:`~lightning_mpi.rules.        ``heal_state()``: this rank's mixing weight,
 gossip.BoundGoSGD`)                         pushes, generator; messages in flight dropped, a
                                             new mailbox, the weights renormalised over the

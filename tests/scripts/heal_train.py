@@ -53,6 +53,22 @@ survivors notice it when they do (no collective while training):
 4. ``min_ranks``: a Fabric run with ``min_ranks=2`` on those two loses one more rank; the survivor
    raises ``RankFailedError`` (what ``--max-restarts`` takes over from).
 
+``lightning-mpi --heal -n 4 heal_train.py OUT_DIR outer`` (outside CI) runs OUTER_PHASES, each on
+the processes the one before left, a replacement recording under OUTER_REPLACEMENT + the index
+of the phase that spawned it:
+
+- ``topk_replace``, ``diloco_replace``, ``streaming_replace``: the Trainer with ``heal="replace"``
+  at W = 4 on top-k with error feedback, DiLoCo (OUTER_PERIOD) and Streaming DiLoCo (STREAMING,
+  fp32); the last rank (from the second phase on, the replacement of the phase before) dies at
+  step REPLACE_KILL (Streaming DiLoCo: STREAMING_KILL), a replacement joins at step 3 (Streaming
+  DiLoCo: ready at step 2 while fragment 0's exchange is in flight, let in at step 3),
+  REPLACE_STEPS in all;
+- ``diloco_end``: a Fabric loop on ``DiLoCoStrategy(period=OUTER_PERIOD, heal="shrink")``, no loss
+  while training; the last rank dies inside ``finish_training``'s final average (W 4 -> 3);
+- ``streaming_end``: the Trainer on Streaming DiLoCo (STREAMING_END, fp32, ``heal="shrink"``) for
+  END_STEPS without checkpoints, ending with an exchange in flight; the last rank dies inside ``on_train_end``'s final
+  average when it is to start fragment END_DIES_AT's exchange (W 3 -> 2).
+
 Every process appends a record per step to ``OUT_DIR/steps.<rank>.jsonl`` (its rank at launch):
 the phase, step, world size, its batch's sample indices and (Fabric) its own gradients' inputs.
 The survivors of each phase write ``OUT_DIR/<phase>.<rank>.json``: initial and final weights,
@@ -85,6 +101,13 @@ REPLACEMENT = 12  # what a replacement records under: no launch rank
 GOSGD_P = 0.5
 TOPK_RATIO = 0.25
 STREAMING = {"period": 4, "fragments": 2, "overlap_steps": 1, "mix_alpha": 0.5}
+# the ``outer`` launch: Streaming DiLoCo at the Trainer's end with an exchange in flight and two more
+# fragments to average (fragment 0 starts after step END_STEPS, 1 and 2 have steps since)
+STREAMING_END, END_STEPS, END_DIES_AT = {"period": 6, "fragments": 3, "overlap_steps": 1, "mix_alpha": 0.5}, 8, 2
+OUTER_PERIOD = 4  # DiLoCo in the ``outer`` launch: outer steps after steps 4 and 8
+# its streaming_replace phase: a rank dies at step 0, a replacement is ready at step 2 while fragment 0's
+# exchange is in flight, and is let in at step 3 (mid-epoch: no checkpoint completed the exchange)
+STREAMING_KILL = 0
 
 
 class Indexed(Dataset):
@@ -126,18 +149,40 @@ def _never(module: Any) -> bool:
     return False
 
 
+def _dies_in_the_final_average(fragment: int) -> None:
+    """This process SIGKILLs itself inside DiLoCo's ``on_train_end`` (the final average), when it is
+    about to start fragment ``fragment``'s exchange: the survivors are then inside that exchange,
+    the exchanges before it in the average completed (their result already in the weights)."""
+    from lightning_mpi.rules.diloco import BoundDiLoCo
+
+    end, start = BoundDiLoCo.on_train_end, BoundDiLoCo._start
+
+    def on_train_end(self) -> None:
+        self.ending = True
+        end(self)
+
+    def _start(self, index: int) -> None:
+        if getattr(self, "ending", False) and index == fragment:
+            die()
+        start(self, index)
+
+    BoundDiLoCo.on_train_end, BoundDiLoCo._start = on_train_end, _start
+
+
 def _trainer_model(
     phase: str,
     val_phase: str,
     dies: Callable[[Any], bool],
     dies_validating: Callable[[Any], bool] = _never,
     dies_saving: Callable[[Any], bool] = _never,
+    dies_in_final_average: int | None = None,
 ):
     """The Trainer phases' LightningModule: records each training step under ``phase`` and each
     validation batch under ``val_phase``, logs with ``sync_dist=True`` (Lightning's reduce: a place to
     notice a loss), and SIGKILLs this process at the start of a batch where ``dies(module)``, at
     the end of a validation batch where ``dies_validating(module)``, and in the middle of writing a
-    checkpoint (its ``torch.save``, after a first chunk) where ``dies_saving(module)``."""
+    checkpoint (its ``torch.save``, after a first chunk) where ``dies_saving(module)``, and, on the
+    last rank, in the final average of a DiLoCo rule at fragment ``dies_in_final_average``."""
     import lightning as L
 
     class Net(L.LightningModule):
@@ -183,6 +228,11 @@ def _trainer_model(
                     die()
 
                 torch.save = save_then_die
+
+        def on_train_end(self):
+            # Lightning calls this before the strategy's on_train_end (the rule's final average)
+            if dies_in_final_average is not None and self.global_rank == self.trainer.world_size - 1:
+                _dies_in_the_final_average(dies_in_final_average)
 
         def val_dataloader(self):
             return DataLoader(torch.utils.data.Subset(Indexed(), range(VAL)), batch_size=B)
@@ -267,7 +317,15 @@ def replace_phase() -> dict:
     return _trainer_fit(model, strategy, max_steps=REPLACE_STEPS, default_root_dir=OUT / "replace")
 
 
-def _fabric_loop(strategy, phase: str, stride: int, count_ranks: bool, settle: bool = False, linger: float = 0) -> dict:
+def _fabric_loop(
+    strategy,
+    phase: str,
+    stride: int,
+    count_ranks: bool,
+    settle: bool = False,
+    linger: float = 0,
+    dies_in_final_average: int | None = None,
+) -> dict:
     """A Fabric loop on ``strategy`` whose last rank dies at step ``FABRIC_KILL``; each rank's batch
     is picked by its current rank and world size (a heal changes both). ``count_ranks``: Lightning's
     collectives go on after the heal (an ``all_reduce`` of ones every step). ``settle``: a barrier
@@ -276,7 +334,9 @@ def _fabric_loop(strategy, phase: str, stride: int, count_ranks: bool, settle: b
     lost right after a collective that some survivors completed and others did not is reconciled
     by taking its result, which the replays here do not model). ``linger``: the survivors wait that
     many seconds at step FABRIC_KILL, so that ranks not in step (no collective while training) are
-    likely to notice the loss mid-training rather than at the end (where it heals too)."""
+    likely to notice the loss mid-training rather than at the end (where it heals too).
+    ``dies_in_final_average``: no rank dies while training; the last one dies in the final average
+    of a DiLoCo rule (``finish_training``), at that fragment's exchange."""
     import lightning as L
 
     fabric = L.Fabric(strategy=strategy, accelerator="cpu")
@@ -288,7 +348,7 @@ def _fabric_loop(strategy, phase: str, stride: int, count_ranks: bool, settle: b
     for step in range(FABRIC_STEPS):
         if step == FABRIC_KILL and settle:
             fabric.barrier()
-        if step == FABRIC_KILL and fabric.global_rank == fabric.world_size - 1:
+        if step == FABRIC_KILL and fabric.global_rank == fabric.world_size - 1 and dies_in_final_average is None:
             die()
         if step == FABRIC_KILL and linger:
             time.sleep(linger)
@@ -301,6 +361,8 @@ def _fabric_loop(strategy, phase: str, stride: int, count_ranks: bool, settle: b
         if count_ranks:
             extra["ones"] = float(fabric.all_reduce(torch.tensor([1.0]), reduce_op="sum"))
         record(phase=phase, step=step, world=world, rank=fabric.global_rank, indices=index, **extra)
+    if dies_in_final_average is not None and fabric.global_rank == fabric.world_size - 1:
+        _dies_in_the_final_average(dies_in_final_average)
     strategy.finish_training()  # every rank's weights become the consensus (EASGD: the center)
     return {
         "initial": initial,
@@ -444,6 +506,78 @@ def streaming_phase() -> dict:
     return _fabric_loop(strategy, "streaming", 19, count_ranks=False, settle=True)
 
 
+# -- the ``outer`` launch (outside CI): heal="replace" with the compressed and the DiLoCo rules, then a
+# rank lost inside DiLoCo's final average (Fabric, then the Trainer) --------------------------------------
+def _replace_trainer(phase: str, strategy, kill_step: int) -> dict:
+    """The Trainer with ``heal="replace"`` on every rank: the last rank dies at the start of step
+    ``kill_step``; the survivors spawn a replacement at the next step and wait for it at the one
+    after (it is let in there, or at the next step without an exchange in flight); REPLACE_STEPS."""
+    model = _trainer_model(
+        phase, f"{phase}_val", lambda m: m.global_step == kill_step and m.global_rank == m.trainer.world_size - 1
+    )
+    strategy._replacing.wait_for_join = True
+    return _trainer_fit(model, strategy, max_steps=REPLACE_STEPS, default_root_dir=OUT / phase)
+
+
+def topk_replace_phase() -> dict:
+    """Top-k with error feedback: the residuals stay local, the replacement starts with none."""
+    from lightning_mpi.lightning import CompressedSyncStrategy
+
+    strategy = CompressedSyncStrategy(
+        codec="topk", ratio=TOPK_RATIO, ratio_warmup_steps=0, topk_packing="pairs", heal="replace"
+    )
+    return _replace_trainer("topk_replace", strategy, REPLACE_KILL)
+
+
+def diloco_replace_phase() -> dict:
+    """DiLoCo (outer steps after steps 4 and 8): the replacement takes the outer state, its replica
+    starts from θ_global."""
+    from lightning_mpi.lightning import DiLoCoStrategy
+
+    return _replace_trainer("diloco_replace", DiLoCoStrategy(period=OUTER_PERIOD, heal="replace"), REPLACE_KILL)
+
+
+def streaming_replace_phase() -> dict:
+    """Streaming DiLoCo (STREAMING): a rank dies at step STREAMING_KILL; the replacement is ready at
+    step 2, while fragment 0's exchange is in flight, and is let in at step 3."""
+    from lightning_mpi.lightning import StreamingDiLoCoStrategy
+
+    strategy = StreamingDiLoCoStrategy(**STREAMING, wire="fp32", heal="replace")
+    return _replace_trainer("streaming_replace", strategy, STREAMING_KILL)
+
+
+def diloco_end_phase() -> dict:
+    """Fabric, DiLoCo (an outer step after step 4, two steps since at the end): the last rank dies in
+    ``finish_training``'s final average; the survivors average their own replicas."""
+    from lightning_mpi.fabric import DiLoCoStrategy
+
+    strategy = DiLoCoStrategy(period=OUTER_PERIOD, heal="shrink")
+    return _fabric_loop(strategy, "diloco_end", 17, count_ranks=False, dies_in_final_average=0)
+
+
+def streaming_end_phase() -> dict:
+    """The Trainer, Streaming DiLoCo (STREAMING_END) for END_STEPS: the last rank dies in
+    ``on_train_end``'s final average at fragment END_DIES_AT, after the exchange in flight and the
+    fragment before were averaged into the weights."""
+    from lightning_mpi.lightning import StreamingDiLoCoStrategy
+
+    model = _trainer_model("streaming_end", "streaming_end_val", _never, dies_in_final_average=END_DIES_AT)
+    strategy = StreamingDiLoCoStrategy(**STREAMING_END, wire="fp32", heal="shrink")
+    # no checkpoint: the one Lightning saves at the end would complete the exchange in flight first
+    return _trainer_fit(model, strategy, max_steps=END_STEPS, enable_checkpointing=False)
+
+
+OUTER_PHASES = (
+    ("topk_replace", topk_replace_phase),
+    ("diloco_replace", diloco_replace_phase),
+    ("streaming_replace", streaming_replace_phase),
+    ("diloco_end", diloco_end_phase),
+    ("streaming_end", streaming_end_phase),
+)
+#: a replacement spawned in the ``outer`` launch records under OUTER_REPLACEMENT + the index of its phase
+OUTER_REPLACEMENT = 20
+
+
 def min_ranks_phase() -> dict:
     """Two ranks left and ``min_ranks=2``: the survivor of one more loss raises ``RankFailedError``."""
     import lightning as L
@@ -488,10 +622,17 @@ def main() -> None:
     )
     if sys.argv[2:] == ["gosgd"]:
         phases = (("downpour", downpour_phase), ("gosgd", gosgd_phase))
-    if os.environ.get("LIGHTNING_MPI_REPLACEMENT"):  # a replacement spawned by the replace phase starts there
-        RANK = REPLACEMENT
-        phases = phases[[name for name, _ in phases].index("replace") :]
+    if sys.argv[2:] == ["outer"]:
+        phases = OUTER_PHASES
+    names = [name for name, _ in phases]
+    if os.environ.get("LIGHTNING_MPI_REPLACEMENT"):  # a replacement starts at the phase that spawned it
+        current = (OUT / "phase").read_text()
+        RANK = REPLACEMENT if current == "replace" else OUTER_REPLACEMENT + names.index(current)
+        phases = phases[names.index(current) :]
     for name, phase in phases:
+        mark = OUT / f"phase.{os.getpid()}"  # what a replacement spawned in this phase reads (atomic)
+        mark.write_text(name)
+        os.replace(mark, OUT / "phase")
         result = phase()
         (OUT / f"{name}.{RANK}.json").write_text(json.dumps(result))
         if name == "trainer":  # the later phases record under the ranks the trainer phase left

@@ -569,7 +569,13 @@ def _powersgd(grads: dict, residuals: dict, step: int) -> list:
 
 
 def _replay_diloco(
-    initial: list, steps: list[dict[int, list[int]]], period: int, fragments: int, overlap_steps: int, mix_alpha: float
+    initial: list,
+    steps: list[dict[int, list[int]]],
+    period: int,
+    fragments: int,
+    overlap_steps: int,
+    mix_alpha: float,
+    lost_at_end: tuple[int, ...] = (),
 ) -> list:
     """(Streaming) DiLoCo in one process, outer lr 0.7, Nesterov momentum 0.9, one warm-up outer step,
     fp32: each rank alive at a step takes its own SGD step; fragment f starts an exchange after
@@ -577,7 +583,9 @@ def _replay_diloco(
     Δ over the ranks alive then (a rank lost in between took its Δ along), the outer step, then
     θᵢ ← α θᵢ + (1 − α) θ_global; at the end an exchange in flight and the fragments' last steps are
     applied by averaging (θ_global ← θ_global − mean Δ, no outer step), and every rank holds θ_global,
-    the mean of the replicas, which is returned."""
+    the mean of the replicas, which is returned. A rank that first appears at a step (a replacement)
+    starts its replica from θ_global then (fresh SGD) and takes part from the next exchange started;
+    the ranks ``lost_at_end`` are left out of the final average (lost in it)."""
     from lightning_mpi.rules.diloco_math import (
         averages_at,
         last_start,
@@ -614,7 +622,7 @@ def _replay_diloco(
         started[f], due[f] = step, step + overlap_steps
 
     def finish(f: int, alpha: float, average: bool = False) -> None:
-        mean = torch.stack([sent[f][r] for r in nets]).mean(0)
+        mean = torch.stack([sent[f][r] for r in nets if r in sent[f]]).mean(0)
         if average or averages_at((started[f] - offsets[f]) // period + 1, 1):
             theta[f].sub_(mean)
         else:
@@ -632,6 +640,11 @@ def _replay_diloco(
     for t, batches in enumerate(steps, start=1):
         for rank in [r for r in nets if r not in batches]:  # died
             del nets[rank]
+        for rank in [r for r in batches if r not in nets]:  # a replacement: its replica from θ_global
+            nets[rank] = script.make_net()
+            for f in range(fragments):
+                torch.nn.utils.vector_to_parameters(theta[f].clone(), local(nets[rank], f))
+            opts[rank] = torch.optim.SGD(nets[rank].parameters(), lr=script.LR)
         for rank, index in batches.items():
             opts[rank].zero_grad()
             torch.nn.functional.mse_loss(nets[rank](data.x[index]), data.y[index]).backward()
@@ -644,6 +657,8 @@ def _replay_diloco(
                 if overlap_steps == 0:
                     finish(f, mix_alpha)
     end = len(steps)
+    for rank in lost_at_end:
+        del nets[rank]
     for f in list(due):
         finish(f, 1.0, average=True)
     for f, offset in enumerate(offsets):
@@ -889,6 +904,83 @@ def test_replacements_take_the_shards_lost_this_epoch_first():
     # the epoch was sharded over the survivors already (a heal at an epoch's end): repeat theirs
     assert replacement_shards([(2, 0), (2, 1)], 2) == [(2, 0), (2, 1)]
     assert replacement_shards([None, None], 1) == [None]  # not sharded
+
+
+@pytest.mark.timeout(30)
+def test_a_diloco_replacement_takes_the_outer_state_and_starts_its_replica_from_theta_global():
+    """On one rank (no MPI peers): what a new rank loads from the handover (the survivors'
+    ``heal_state()`` without their own part): the outer state, its weights set to θ_global, no
+    exchange in flight; a handover with an exchange in flight is refused (the survivors never
+    send one: :meth:`RunReplacing._let_in` waits for a batch without)."""
+    from mpi4py import MPI
+    from torch import nn
+
+    from lightning_mpi.comm.transport import Transport
+    from lightning_mpi.rules.streaming_diloco import StreamingDiLoCoRule
+
+    rule = StreamingDiLoCoRule(period=4, fragments=2, overlap_steps=1, mix_alpha=0.5, wire="fp32")
+    torch.manual_seed(3)
+    net = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
+    bound = rule.bind(Transport(MPI.COMM_SELF), list(net.parameters()))
+    bound.heal_snapshots = True
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    bound.on_train_start()
+    in_flight = []
+    for _ in range(5):  # fragment 0 exchanges after steps 2 (in flight over step 3), fragment 1 after 4
+        opt.zero_grad()
+        net(torch.randn(6, 3)).pow(2).mean().backward()
+        assert bound.before_step(opt)
+        opt.step()
+        bound.after_step(opt)
+        in_flight.append(bound.exchange_in_flight)
+    assert in_flight == [False, True, False, True, False]
+    handover = {key: value for key, value in bound.heal_state().items() if key != "local"}
+    fresh = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
+    joined = rule.bind(Transport(MPI.COMM_SELF), list(fresh.parameters()))
+    joined.load_state_dict(handover)
+    joined.on_train_start()  # the loaded outer state stays (not adopted from the local weights)
+    assert joined.steps == 5 and joined.outer_steps == bound.outer_steps and not joined.exchange_in_flight
+    for mine, theirs in zip(joined.fragments, bound.fragments, strict=True):
+        assert torch.equal(mine.theta_global, theirs.theta_global)
+        assert torch.equal(mine.local.pull(), theirs.theta_global)  # its replica: θ_global
+    opt.zero_grad()
+    net(torch.randn(6, 3)).pow(2).mean().backward()
+    bound.before_step(opt)
+    opt.step()
+    bound.after_step(opt)  # step 6: fragment 0 starts again: in flight
+    in_flight_handover = {key: value for key, value in bound.heal_state().items() if key != "local"}
+    with pytest.raises(ValueError, match="cannot join while a DiLoCo exchange is in flight"):
+        rule.bind(Transport(MPI.COMM_SELF), list(fresh.parameters())).load_state_dict(in_flight_handover)
+    for b in (bound, joined):
+        b.on_train_end()
+        b.close()
+
+
+@pytest.mark.timeout(10)
+def test_ready_replacements_wait_for_a_batch_without_an_exchange_in_flight():
+    from types import SimpleNamespace
+
+    from lightning_mpi.strategies.replacement import RunReplacing, _Pending
+
+    bound = SimpleNamespace(exchange_in_flight=True)
+    runner = SimpleNamespace(bound=bound, live=True)
+    healing = SimpleNamespace(mode="replace", events=1, grow_pending=False)
+    replacing = RunReplacing(healing, None, None, runner, None, print, "key")
+    switched = []
+    replacing._switch = lambda trainer, pending: switched.append(pending)
+    pending = _Pending(respawned=None, started=0.0, deadline=0.0, events=1, ready=True)
+    replacing._pending = pending
+    replacing.at_batch_start(None)  # ready, but an exchange is in flight: not yet, and no collective
+    assert switched == [] and replacing._pending is pending and pending.batches == 1
+    bound.exchange_in_flight = False
+    replacing.at_batch_start(None)
+    assert switched == [pending] and replacing._pending is None
+    replacing._pending = pending
+    healing.events = 2  # a survivor lost meanwhile: the spawn is given up (not let in)
+    given_up = []
+    replacing._give_up = lambda revoke: given_up.append(revoke) or setattr(replacing, "_pending", None)
+    replacing.at_batch_start(None)
+    assert given_up == [True] and switched == [pending]
 
 
 @pytest.mark.timeout(10)
@@ -1315,3 +1407,107 @@ def test_a_heal_during_validation_reshards_the_next_validation():
     assert not healing.distributed(1) and healing.distributed(2)
     healing.mode = "shrink"
     assert healing.distributed(1)
+
+
+# -- the ``outer`` launch (outside CI): heal="replace" with the compressed and DiLoCo rules, a loss in
+#    DiLoCo's final average ------------------------------------------------------------------------------
+OUTER_LAUNCHED = 4
+#: per phase of the outer launch: the processes at its start (launch ranks; a replacement records under
+#: 20 + the index of the phase that spawned it), the one that dies, and the step a replacement joins at
+OUTER = {
+    "topk_replace": ([0, 1, 2, 3], 3, 3),
+    "diloco_replace": ([0, 1, 2, 20], 20, 3),
+    "streaming_replace": ([0, 1, 2, 21], 21, 3),
+    "diloco_end": ([0, 1, 2, 22], 22, None),
+    "streaming_end": ([0, 1, 2], 2, None),
+}
+
+
+@pytest.fixture(scope="module")
+def outer_healed(tmp_path_factory):
+    """``heal_train.py ... outer`` on 4 ranks: its own launch, not in the Open MPI CI run, whose time
+    is at its limit; run it with ``LIGHTNING_MPI_TEST_MPI=openmpi python -m pytest -m mpi
+    tests/strategies/test_heal.py -k outer``."""
+    require_ulfm()
+    out = tmp_path_factory.mktemp("heal_outer")
+    args = [sys.executable, "-m", "lightning_mpi", "-n", OUTER_LAUNCHED, "--heal", "--grace", 3, SCRIPT, out, "outer"]
+    code, _, err = finish(launch(args, REPO), 840)
+    assert code == 0, err[-6000:]
+    return (err, *launch_outputs(out), out)
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("phase", ["topk_replace", "diloco_replace", "streaming_replace"])
+def test_outer_replace_with_compressed_and_diloco_rules_matches_a_replay(outer_healed, phase):
+    """The Trainer with ``heal="replace"`` at W = 4: the last rank dies (for Streaming DiLoCo while an
+    exchange is in flight, which the survivors start again over themselves); a replacement joins
+    (for Streaming DiLoCo ready while another exchange is in flight, let in at the next step
+    without one): top-k's residuals stay local and the replacement starts with none; DiLoCo's
+    replacement takes the outer state from rank 0, its replica starting from θ_global. All four
+    end bitwise identical, equal to a one-process replay of the rule over the ranks alive at each
+    step with the recorded batches."""
+    err, finals, records, out = outer_healed
+    start, lost, joins = OUTER[phase]
+    new = 20 + list(OUTER).index(phase)
+    survivors = [r for r in start if r != lost]
+    assert sorted(finals[phase]) == sorted([*survivors, new])
+    steps = records[phase]
+    assert sorted(steps) == list(range(8))  # no step lost, none repeated
+    kill = next(s for s in range(8) if lost not in {rank for rank, _ in steps[s]})
+    for step, entries in steps.items():
+        alive = start if step < kill else survivors if step < joins else [*survivors, new]
+        assert sorted(rank for rank, _ in entries) == sorted(alive), step
+        assert all(e["world"] == len(alive) for _, e in entries), step
+    ours = [finals[phase][r] for r in [*survivors, new]]
+    assert all(result["final"] == ours[0]["final"] for result in ours)  # bitwise identical, replacement too
+    batches = [{rank: e["indices"] for rank, e in steps[s]} for s in range(8)]
+    script = _script_module()
+    if phase == "topk_replace":
+        replay = _replay_compressed(ours[0]["initial"], batches, _topk(script.TOPK_RATIO))
+    elif phase == "diloco_replace":
+        replay = _replay_diloco(ours[0]["initial"], batches, script.OUTER_PERIOD, 1, 0, 0.0)
+    else:
+        replay = _replay_diloco(ours[0]["initial"], batches, **script.STREAMING)
+    assert _close(ours[0]["final"], replay)
+    for result in ours:
+        assert result["global_step"] == 8 and result["world_size"] == 4 and result["stats"]["mpi/heal/world_size"] == 4
+    healed_event, joined_event = ours[0]["history"]
+    assert healed_event["lost"] == [3] and healed_event["world_size"] == 3
+    assert joined_event["joined"] == [3] and joined_event["world_size"] == 4
+    assert ours[0]["stats"]["mpi/heal/replaced"] == 1
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("phase", ["diloco_end", "streaming_end"])
+def test_outer_a_rank_lost_in_the_final_average_heals_and_the_survivors_average_theirs(outer_healed, phase):
+    """DiLoCo under Fabric (``finish_training``), Streaming DiLoCo under the Trainer (``on_train_end``,
+    ending with an exchange in flight; the loss comes after it and one fragment were averaged into
+    the weights): no loss while training; the last rank dies inside the final average. The
+    survivors heal there, put back what the interrupted average changed and redo it over
+    themselves: they end bitwise identical on the mean of their own replicas (a replay that leaves
+    the lost rank out of the final average, and not one that keeps it)."""
+    err, finals, records, out = outer_healed
+    start, lost, _ = OUTER[phase]
+    survivors = [r for r in start if r != lost]
+    steps = records[phase]
+    count = 6 if phase == "diloco_end" else 8
+    assert sorted(steps) == list(range(count))
+    for step, entries in steps.items():
+        assert sorted(rank for rank, _ in entries) == sorted(start), step  # nobody lost while training
+    assert sorted(finals[phase]) == sorted(survivors)
+    ours = [finals[phase][r] for r in survivors]
+    assert all(result["final"] == ours[0]["final"] for result in ours)  # bitwise identical survivors
+    batches = [{rank: e["indices"] for rank, e in steps[s]} for s in range(count)]
+    script = _script_module()
+    schedule = (script.OUTER_PERIOD, 1, 0, 0.0) if phase == "diloco_end" else tuple(script.STREAMING_END.values())
+    assert _close(ours[0]["final"], _replay_diloco(ours[0]["initial"], batches, *schedule, lost_at_end=(lost,)))
+    assert not _close(ours[0]["final"], _replay_diloco(ours[0]["initial"], batches, *schedule))
+    for result in ours:
+        (event,) = result["history"]
+        assert event["lost"] == [len(start) - 1] and event["world_size"] == len(survivors)
+        assert event["where"] == "the final average" and event["redo"]
+        assert result["world_size"] == len(survivors)
+    line = f"rank {len(start) - 1} of {len(start)} lost (detected in the final average"
+    assert sum(line in x for x in err.splitlines()) == 1
