@@ -18,7 +18,9 @@ over the ranks alive at each step, with the same samples (for the compressed rul
 the compression with each rank's residual carried through the heal); the sampler shards over the
 survivors from the next epoch. The asynchronous rules have their own 4-rank launch, outside the
 Open MPI CI run: DOWNPOUR (its center rebuilt over the survivors, checked value by value), then
-GoSGD.
+GoSGD. So has the ``outer`` launch (4 ranks, outside CI, ``-k outer``): ``heal="replace"`` under the
+Trainer with top-k, DiLoCo and Streaming DiLoCo, then a rank lost inside DiLoCo's final average
+(Fabric's ``finish_training``, the Trainer's ``on_train_end``).
 """
 
 from __future__ import annotations
