@@ -85,6 +85,7 @@ REPLACEMENT = 12  # what a replacement records under: no launch rank
 GOSGD_P = 0.5
 TOPK_RATIO = 0.25
 STREAMING = {"period": 4, "fragments": 2, "overlap_steps": 1, "mix_alpha": 0.5}
+AUTO_DECIDES, AUTO_KILL, AUTO_STEPS = 5, 8, 11  # mpi_auto: its first decision after step 5 (PROBE_STEPS)
 
 
 class Indexed(Dataset):
@@ -444,6 +445,68 @@ def streaming_phase() -> dict:
     return _fabric_loop(strategy, "streaming", 19, count_ranks=False, settle=True)
 
 
+def auto_phase() -> dict:
+    """``mpi_auto`` (Fabric, SGD with momentum) on all ranks, W 4 -> 3 -> 2. Its first decision
+    (after step AUTO_DECIDES) runs the real probe, dry runs and agreements over the ranks, but
+    decides on pinned numbers (the link fast, the steps long, every dry run free: every-step ASA, so
+    the survivors switch from Streaming DiLoCo, averaging weights and momenta, and keep it at every
+    later decision); the last rank dies inside that
+    probe: the survivors heal in the decision and redo it over themselves. The last rank of the
+    three then dies at Fabric step AUTO_KILL (before its backward, once every rank completed the
+    step before's): the survivors heal in ASA's exchange, redo it, and re-decide at the next step
+    over the two left. Each step records a digest of the weights (after the switch every rank
+    holds the same) and the arm; each survivor reports the rule's ``mpi/auto/*`` stats."""
+    import lightning as L
+
+    from lightning_mpi.fabric import AutoStrategy
+    from lightning_mpi.rules import auto as auto_module
+    from lightning_mpi.rules.link_model import Link
+    from lightning_mpi.rules.link_probe import LinkProbe, Measurement
+
+    measure = LinkProbe.measure
+    probes = [0]
+
+    def pinned(self, step_seconds, exchange, nbytes):
+        probes[0] += 1
+        if probes[0] == 1 and RANK == 3:
+            die()  # inside the first decision's probe, its first collective
+        measure(self, step_seconds, exchange, nbytes)  # the real collectives, over the ranks alive
+        return Measurement(50.0, Link(1e9 / 8, 1e-4))  # steps of 50 s: whatever ASA's own steps take hides
+
+    LinkProbe.measure = pinned
+    auto_module.dry_run_exposed = lambda *args: 0.0  # the dry runs run; what they say is pinned
+    strategy = AutoStrategy(heal="shrink")
+    fabric = L.Fabric(strategy=strategy, accelerator="cpu")
+    fabric.launch()
+    net = make_net()
+    initial = weights(net)
+    model, opt = fabric.setup(net, torch.optim.SGD(net.parameters(), lr=LR, momentum=0.9))
+    data = Indexed()
+    for step in range(AUTO_STEPS):
+        if step == AUTO_KILL:
+            fabric.barrier()
+            if fabric.global_rank == fabric.world_size - 1:
+                die()
+        index = [(step * 31 + fabric.global_rank * B + k) % N for k in range(B)]
+        opt.zero_grad()
+        fabric.backward(nn.functional.mse_loss(model(data.x[index]), data.y[index]))
+        opt.step()
+        bound = strategy._runner.bound
+        digest = sum(float(p.double().sum()) * (i + 1) for i, p in enumerate(net.parameters()))
+        arm, decisions = bound.choice.arm, bound.decisions
+        record(phase="auto", step=step, world=fabric.world_size, rank=fabric.global_rank, arm=arm, decisions=decisions,
+               digest=digest)
+    stats = {k: v for k, v in strategy.stats().items() if k.startswith(("mpi/heal/", "mpi/auto/"))}
+    strategy.finish_training()
+    return {
+        "initial": initial,
+        "final": weights(net),
+        "stats": stats,
+        "history": strategy._healing.history,
+        "world_size": fabric.world_size,
+    }
+
+
 def min_ranks_phase() -> dict:
     """Two ranks left and ``min_ranks=2``: the survivor of one more loss raises ``RankFailedError``."""
     import lightning as L
@@ -488,6 +551,8 @@ def main() -> None:
     )
     if sys.argv[2:] == ["gosgd"]:
         phases = (("downpour", downpour_phase), ("gosgd", gosgd_phase))
+    if sys.argv[2:] == ["auto"]:
+        phases = (("auto", auto_phase),)
     if os.environ.get("LIGHTNING_MPI_REPLACEMENT"):  # a replacement spawned by the replace phase starts there
         RANK = REPLACEMENT
         phases = phases[[name for name, _ in phases].index("replace") :]
