@@ -494,8 +494,15 @@ def auto_phase() -> dict:
         bound = strategy._runner.bound
         digest = sum(float(p.double().sum()) * (i + 1) for i, p in enumerate(net.parameters()))
         arm, decisions = bound.choice.arm, bound.decisions
-        record(phase="auto", step=step, world=fabric.world_size, rank=fabric.global_rank, arm=arm, decisions=decisions,
-               digest=digest)
+        record(
+            phase="auto",
+            step=step,
+            world=fabric.world_size,
+            rank=fabric.global_rank,
+            arm=arm,
+            decisions=decisions,
+            digest=digest,
+        )
     stats = {k: v for k, v in strategy.stats().items() if k.startswith(("mpi/heal/", "mpi/auto/"))}
     strategy.finish_training()
     return {

@@ -1015,6 +1015,120 @@ def test_parameter_server_survivors_rebuild_the_center_and_train_on(gosgd_healed
     assert torch.allclose(final, expected, atol=1e-5, rtol=0)
 
 
+AUTO_LAUNCHED = 4
+
+
+@pytest.fixture(scope="module")
+def auto_healed(tmp_path_factory):
+    """``mpi_auto`` alone (W 4 -> 3 -> 2): its own launch, not in the Open MPI CI run, whose time is
+    at its limit; run it with ``LIGHTNING_MPI_TEST_MPI=openmpi python -m pytest -m mpi -k mpi_auto``."""
+    require_ulfm()
+    out = tmp_path_factory.mktemp("heal_auto")
+    args = [sys.executable, "-m", "lightning_mpi", "-n", AUTO_LAUNCHED, "--heal", "--grace", 3, SCRIPT, out, "auto"]
+    code, printed, err = finish(launch(args, REPO), 300)
+    assert code == 0, err[-6000:]
+    return (printed + err, *launch_outputs(out))  # mpi_auto's lines are printed (stdout), heal lines on stderr
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(330)
+def test_mpi_auto_survivors_heal_in_a_decision_and_an_exchange_and_agree_on_their_arm(auto_healed):
+    """``mpi_auto`` on 4 ranks: the last dies inside the first decision's probe (a collective): the
+    three survivors heal there, redo the decision over themselves (probe, dry runs, agreement, and
+    the switch from Streaming DiLoCo to every-step ASA); the last of them dies in ASA's exchange at
+    step AUTO_KILL: the two left redo it and re-decide at the next step over themselves. Training
+    finishes; from the switch on, every rank alive holds the same weights at every step, the same
+    arm and the same count of decisions; the survivors end bitwise identical, with one heal line
+    each and the decisions announced (the one after the heal too)."""
+    err, finals, records = auto_healed
+    script = _script_module()
+    steps = records["auto"]
+    assert sorted(steps) == list(range(script.AUTO_STEPS))
+    decided = script.AUTO_DECIDES - 1  # the Fabric step whose update ends with the first decision
+    for step, entries in steps.items():
+        world = AUTO_LAUNCHED - (step >= decided) - (step >= script.AUTO_KILL)
+        assert sorted(rank for rank, _ in entries) == list(range(world)), step
+        assert all(e["world"] == world for _, e in entries)
+        if step >= decided:  # every-step ASA after the switch: one set of weights everywhere
+            assert {e["digest"] for _, e in entries} == {entries[0][1]["digest"]}, step
+            assert {(e["arm"], e["decisions"]) for _, e in entries} == {("sync", 1 + (step >= script.AUTO_KILL))}
+        else:
+            assert {e["arm"] for _, e in entries} == {"streaming"}
+    ours = [finals["auto"][r] for r in range(AUTO_LAUNCHED - 2)]
+    assert sorted(finals["auto"]) == [0, 1]
+    assert ours[0]["final"] == ours[1]["final"] and ours[0]["final"] != ours[0]["initial"]
+    assert ours[0]["stats"]["mpi/auto/arm"] == ours[1]["stats"]["mpi/auto/arm"] == 0.0  # sync
+    for result in ours:
+        first, second = result["history"]
+        assert (first["where"], first["lost"], first["world_size"], first["redo"]) == (
+            "the mpi_auto decision",
+            [AUTO_LAUNCHED - 1],
+            AUTO_LAUNCHED - 1,
+            True,
+        )
+        assert (second["where"], second["lost"], second["world_size"]) == ("the exchange", [AUTO_LAUNCHED - 2], 2)
+        assert result["stats"]["mpi/heal/events"] == 2.0 and result["stats"]["mpi/auto/switches"] == 1.0
+    assert (
+        sum("lightning_mpi: healed: rank 3 of 4 lost (detected in the mpi_auto decision" in x for x in err.splitlines())
+        == 1
+    )
+    assert sum("lightning_mpi: healed: rank 2 of 3 lost (detected in the exchange" in x for x in err.splitlines()) == 1
+    assert f"mpi_auto after step {script.AUTO_DECIDES}: every-step ASA" in err
+    assert f"mpi_auto after step {script.AUTO_KILL + 1}: every-step ASA" in err  # the re-decision over two
+
+
+@pytest.mark.timeout(10)
+def test_mpi_auto_survivors_agree_on_the_arm_and_the_next_decision():
+    """What ``mpi_auto``'s survivors agree after a heal (lightning_mpi.rules.auto_heal), from each
+    one's (decisions, steps, inside a decision)."""
+    from lightning_mpi.rules.auto_heal import agree_after_heal
+
+    # nobody in a decision: re-decide at the step after the furthest survivor's (one may be a step behind)
+    assert agree_after_heal([(2, 30, False), (2, 29, False)], 5) == (0, 2, 31)
+    assert agree_after_heal([(0, 1, False), (0, 2, False)], 5) == (0, 0, 5)  # not before the first steps
+    # all in the decision, or some not there yet: it is redone at its step
+    assert agree_after_heal([(1, 11, True), (1, 10, False), (1, 11, True)], 5) == (0, 1, 11)
+    assert agree_after_heal([(1, 10, False), (1, 11, True)], 5) == (1, 1, 11)
+    # one completed it (one more decision): its arm for everyone, the others take its outcome
+    assert agree_after_heal([(1, 11, True), (2, 11, False)], 5) == (1, 2, 12)
+    with pytest.raises(ValueError, match="more than one decision apart"):
+        agree_after_heal([(1, 11, False), (3, 40, False)], 5)
+
+
+@pytest.mark.timeout(30)
+def test_mpi_auto_keeps_its_arm_and_its_state_through_a_heal():
+    """On one rank (no MPI peers): what a heal keeps of ``mpi_auto`` (its decisions' state, its arm's
+    kept state with this rank's own part under "local"; inside a decision, the state that decision
+    started from) binds again the arm in use with that state, and the next decision is scheduled."""
+    from mpi4py import MPI
+    from torch import nn
+
+    from lightning_mpi.comm.transport import Transport
+    from lightning_mpi.rules.auto import PROBE_STEPS, AutoRule
+    from lightning_mpi.rules.auto_choice import default_plan
+    from lightning_mpi.rules.diloco import BoundDiLoCo
+
+    net = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
+    params = list(net.parameters())
+    bound = AutoRule().bind(Transport(MPI.COMM_SELF), params)
+    bound.heal_snapshots = True
+    plan = default_plan(bound.sizes)
+    bound._bind(plan)  # Streaming DiLoCo, the arm of the first steps on more than one rank
+    assert bound.inner.heal_snapshots  # an arm bound later keeps its exchanges' starts too
+    bound.steps, bound.decisions, bound.observed = 3, 0, {"sync": (0.1, 1e9)}
+    kept = kept_state(bound)
+    assert kept["healed"] and not kept["deciding"] and kept["choice"] == plan.as_dict()
+    assert "local" in kept and "local" not in kept["inner"]  # a replacement takes the rest
+    healed = AutoRule().bind(Transport(MPI.COMM_SELF), params)
+    healed.load_state_dict(kept)
+    assert isinstance(healed.inner, BoundDiLoCo) and healed.choice == plan
+    assert (healed.steps, healed.decisions, healed.next_decision, healed.observed) == (3, 0, PROBE_STEPS, {})
+    bound.deciding = {**kept, "deciding": True, "steps": 2}
+    assert kept_state(bound)["steps"] == 2  # inside a decision: the state it started from
+    bound.close()
+    healed.close()
+
+
 @pytest.mark.timeout(10)
 def test_gosgd_weights_are_renormalised_over_the_survivors():
     from lightning_mpi.rules.gossip import renormalised, weighted_consensus
