@@ -86,6 +86,7 @@ GOSGD_P = 0.5
 TOPK_RATIO = 0.25
 STREAMING = {"period": 4, "fragments": 2, "overlap_steps": 1, "mix_alpha": 0.5}
 AUTO_DECIDES, AUTO_KILL, AUTO_STEPS = 5, 8, 11  # mpi_auto: its first decision after step 5 (PROBE_STEPS)
+AUTO_REPLACE_KILL, AUTO_REPLACE_STEPS = 7, 14  # W = 2: 8 batches per rank and epoch
 
 
 class Indexed(Dataset):
@@ -514,6 +515,24 @@ def auto_phase() -> dict:
     }
 
 
+def auto_replace_phase() -> dict:
+    """``mpi_auto`` under the Trainer with ``heal="replace"`` on the two left by :func:`auto_phase`
+    (``assume``: every-step ASA from the first decision, after step AUTO_DECIDES): launch rank 1
+    dies at the start of step AUTO_REPLACE_KILL; the survivor finishes that step alone, spawns a
+    replacement at the next batch and lets it in at the one after; the replacement takes the rule's
+    state from the handover and both re-decide over two. The replacement enters here (:func:`main`)."""
+    from lightning_mpi.lightning import AutoStrategy
+
+    dies = lambda m: m.global_step == AUTO_REPLACE_KILL and RANK == 1  # noqa: E731
+    model = _trainer_model("auto_replace", "auto_replace_val", dies)
+    strategy = AutoStrategy(heal="replace", assume="50000,1000,0.1")
+    strategy._replacing.wait_for_join = True
+    result = _trainer_fit(model, strategy, max_steps=AUTO_REPLACE_STEPS, default_root_dir=OUT / "auto_replace")
+    bound = strategy._runner.bound
+    result["auto"] = {"arm": bound.choice.arm, "decisions": bound.decisions, "steps": bound.steps}
+    return result
+
+
 def min_ranks_phase() -> dict:
     """Two ranks left and ``min_ranks=2``: the survivor of one more loss raises ``RankFailedError``."""
     import lightning as L
@@ -559,10 +578,11 @@ def main() -> None:
     if sys.argv[2:] == ["gosgd"]:
         phases = (("downpour", downpour_phase), ("gosgd", gosgd_phase))
     if sys.argv[2:] == ["auto"]:
-        phases = (("auto", auto_phase),)
+        phases = (("auto", auto_phase), ("auto_replace", auto_replace_phase))
     if os.environ.get("LIGHTNING_MPI_REPLACEMENT"):  # a replacement spawned by the replace phase starts there
         RANK = REPLACEMENT
-        phases = phases[[name for name, _ in phases].index("replace") :]
+        names = [name for name, _ in phases]
+        phases = phases[names.index("auto_replace" if "auto_replace" in names else "replace") :]
     for name, phase in phases:
         result = phase()
         (OUT / f"{name}.{RANK}.json").write_text(json.dumps(result))

@@ -1020,18 +1020,19 @@ AUTO_LAUNCHED = 4
 
 @pytest.fixture(scope="module")
 def auto_healed(tmp_path_factory):
-    """``mpi_auto`` alone (W 4 -> 3 -> 2): its own launch, not in the Open MPI CI run, whose time is
+    """``mpi_auto`` alone (Fabric, ``"shrink"``: W 4 -> 3 -> 2; then the Trainer, ``"replace"``: 2 -> 1
+    -> 2): its own launch, not in the Open MPI CI run, whose time is
     at its limit; run it with ``LIGHTNING_MPI_TEST_MPI=openmpi python -m pytest -m mpi -k mpi_auto``."""
     require_ulfm()
     out = tmp_path_factory.mktemp("heal_auto")
     args = [sys.executable, "-m", "lightning_mpi", "-n", AUTO_LAUNCHED, "--heal", "--grace", 3, SCRIPT, out, "auto"]
-    code, printed, err = finish(launch(args, REPO), 300)
+    code, printed, err = finish(launch(args, REPO), 400)
     assert code == 0, err[-6000:]
     return (printed + err, *launch_outputs(out))  # mpi_auto's lines are printed (stdout), heal lines on stderr
 
 
 @pytest.mark.mpi
-@pytest.mark.timeout(330)
+@pytest.mark.timeout(430)
 def test_mpi_auto_survivors_heal_in_a_decision_and_an_exchange_and_agree_on_their_arm(auto_healed):
     """``mpi_auto`` on 4 ranks: the last dies inside the first decision's probe (a collective): the
     three survivors heal there, redo the decision over themselves (probe, dry runs, agreement, and
@@ -1075,6 +1076,35 @@ def test_mpi_auto_survivors_heal_in_a_decision_and_an_exchange_and_agree_on_thei
     assert sum("lightning_mpi: healed: rank 2 of 3 lost (detected in the exchange" in x for x in err.splitlines()) == 1
     assert f"mpi_auto after step {script.AUTO_DECIDES}: every-step ASA" in err
     assert f"mpi_auto after step {script.AUTO_KILL + 1}: every-step ASA" in err  # the re-decision over two
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(430)
+def test_mpi_auto_replacement_takes_its_state_and_decides_with_the_survivor(auto_healed):
+    """``mpi_auto`` under the Trainer with ``heal="replace"`` on two ranks (every-step ASA from step
+    AUTO_DECIDES): one dies at step AUTO_REPLACE_KILL, the survivor trains on alone, spawns a
+    replacement and lets it in two batches later; the replacement takes the rule's state from the
+    handover, both re-decide at the next step over two (the same arm, the same count of
+    decisions), finish every step and end bitwise identical."""
+    err, finals, records = auto_healed
+    script = _script_module()
+    kill = script.AUTO_REPLACE_KILL
+    steps = records["auto_replace"]
+    assert sorted(steps) == list(range(script.AUTO_REPLACE_STEPS))
+    for step, entries in steps.items():
+        alone = step in (kill, kill + 1)
+        assert sorted(rank for rank, _ in entries) == ([0] if alone else [0, 1] if step < kill else [0, REPLACEMENT])
+    assert sorted(finals["auto_replace"]) == [0, REPLACEMENT]
+    survivor, replacement = finals["auto_replace"][0], finals["auto_replace"][REPLACEMENT]
+    assert survivor["final"] == replacement["final"] and survivor["final"] != survivor["initial"]
+    assert (
+        survivor["auto"] == replacement["auto"] == {"arm": "sync", "decisions": 2, "steps": script.AUTO_REPLACE_STEPS}
+    )
+    assert survivor["global_step"] == replacement["global_step"] == script.AUTO_REPLACE_STEPS
+    heal, join = survivor["history"]
+    assert heal["world_size"] == 1 and join["joined"] == [1] and join["world_size"] == 2
+    assert survivor["stats"]["mpi/heal/replaced"] == 1.0
+    assert "lightning_mpi: replaced: 1 new rank (1) joined" in err
 
 
 @pytest.mark.timeout(10)
