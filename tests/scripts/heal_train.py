@@ -2,7 +2,10 @@
 (tests/strategies/test_heal.py).
 
 Usage: ``lightning-mpi --heal -n 10 heal_train.py OUT_DIR`` (Open MPI with ULFM; CI; or ``-n 12``),
-the phases 0 to 4 below; ``lightning-mpi --heal -n 4 heal_train.py OUT_DIR gosgd`` runs only the two
+the phases 0 to 4 below; ``lightning-mpi --heal -n 4 heal_train.py OUT_DIR auto`` runs only the
+``mpi_auto`` phases (``auto``: Fabric, W 4 -> 3 -> 2, a loss inside a decision's probe and one in
+the exchange; ``auto_replace``: the Trainer with ``heal="replace"``, 2 -> 1 -> 2);
+``lightning-mpi --heal -n 4 heal_train.py OUT_DIR gosgd`` runs only the two
 asynchronous phases, each a Fabric loop whose last rank dies at Fabric step FABRIC_KILL, and whose
 survivors notice it when they do (no collective while training):
 

@@ -18,7 +18,8 @@ over the ranks alive at each step, with the same samples (for the compressed rul
 the compression with each rank's residual carried through the heal); the sampler shards over the
 survivors from the next epoch. The asynchronous rules have their own 4-rank launch, outside the
 Open MPI CI run: DOWNPOUR (its center rebuilt over the survivors, checked value by value), then
-GoSGD.
+GoSGD; so has ``mpi_auto`` (a loss inside a decision and one in its arm's exchange, then
+``heal="replace"`` under the Trainer; ``-k mpi_auto``).
 """
 
 from __future__ import annotations
