@@ -1160,6 +1160,78 @@ def test_mpi_auto_keeps_its_arm_and_its_state_through_a_heal():
     healed.close()
 
 
+@pytest.mark.timeout(30)
+def test_an_mpi_auto_survivor_inside_a_decision_another_completed_takes_its_outcome():
+    """On one rank (no MPI peers; the survivors' allgather answered by hand): survivor A completes a
+    decision that switches from Streaming DiLoCo to every-step ASA; survivor B is inside it when
+    the loss comes, keeps the state it started from, binds on the healed run the arm A's state
+    names (the agreement), and takes A's outcome: the same arm, decisions, weights and momenta, the
+    next decision agreed at the heal, nothing observed kept."""
+    from types import SimpleNamespace
+
+    from mpi4py import MPI
+    from torch import nn
+
+    from lightning_mpi.comm.transport import Transport
+    from lightning_mpi.rules.auto import AutoRule
+    from lightning_mpi.rules.auto_choice import default_plan
+    from lightning_mpi.strategies import healing_rules
+
+    rule = AutoRule(assume="50,1000,0.1")
+
+    def survivor(seed: int):
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
+        opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+        torch.manual_seed(seed)  # each rank its own local steps
+        for _ in range(2):
+            opt.zero_grad()
+            net(torch.randn(5, 3)).pow(2).mean().backward()
+            opt.step()
+        bound = rule.bind(Transport(MPI.COMM_SELF), list(net.parameters()))
+        bound.heal_snapshots = True
+        bound._bind(default_plan(bound.sizes))  # the first steps' arm on more than one rank
+        bound.steps = bound.next_decision = 5
+        return net, opt, SimpleNamespace(bound=bound)
+
+    net_a, opt_a, runner_a = survivor(1)
+    kept: list = []
+
+    def completes(where, run, keep, take, before_redo=None, counted=None):
+        kept.append(keep(run()))
+
+    healing_rules._auto_decision(SimpleNamespace(operation=completes), runner_a, opt_a)
+    a = runner_a.bound
+    assert a.choice.arm == "sync" and a.decisions == 1 and a.deciding is None
+    net_b, opt_b, runner_b = survivor(2)
+    theirs = (a.decisions, a.steps, False, a.choice.as_dict())
+
+    def interrupted(where, run, keep, take, before_redo=None, counted=None):
+        runner_b.bound.decide = lambda optimizer: (_ for _ in ()).throw(RuntimeError("a rank died"))
+        with pytest.raises(RuntimeError):
+            run()
+        state = kept_state(runner_b.bound)
+        assert state["deciding"] and state["choice"]["arm"] == "streaming" and state["decisions"] == 0
+        transport = Transport(MPI.COMM_SELF)
+        transport.allgather_object = lambda mine: [mine, theirs]  # the healed run's two survivors
+        transport.size = 2
+        healed = rule.bind(transport, list(net_b.parameters()))
+        healed.load_state_dict(state)  # binds A's arm: binding is collective, every survivor binds the same
+        assert healed.choice == a.choice and healed.next_decision == 6
+        runner_b.bound = healed
+        take(kept[0])
+
+    healing_rules._auto_decision(SimpleNamespace(operation=interrupted), runner_b, opt_b)
+    b = runner_b.bound
+    assert (b.choice, b.decisions, b.switches, b.observed, b.next_decision) == (a.choice, 1, 1, {}, 6)
+    assert all(torch.equal(p, q) for p, q in zip(net_a.parameters(), net_b.parameters(), strict=True))
+    moments = [
+        opt.state[p]["momentum_buffer"] for opt, net in ((opt_a, net_a), (opt_b, net_b)) for p in net.parameters()
+    ]
+    half = len(moments) // 2
+    assert all(torch.equal(x, y) for x, y in zip(moments[:half], moments[half:], strict=True))
+
+
 @pytest.mark.timeout(10)
 def test_gosgd_weights_are_renormalised_over_the_survivors():
     from lightning_mpi.rules.gossip import renormalised, weighted_consensus
