@@ -138,7 +138,8 @@ class AutoRule(Rule):
 
     measure_every: int = option(
         default=100,
-        doc="steps between measurements after the first decision (≥ 0; 0: decide once, after step 5); after a "
+        doc="steps between measurements after the first decision (≥ 0; 0: decide once, after step 5, and once "
+        "after each heal); after a "
         "switch the next one comes within 6 steps, so that the new arm's own cost is seen early.",
         check=integer(0),
     )

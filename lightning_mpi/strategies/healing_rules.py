@@ -61,21 +61,20 @@ auto.BoundAuto`)                            measurements; inside a decision, as 
                                             the weights and optimizer state it started from,
                                             or its outcome taken. The survivors agree on the
                                             arm and re-decide over the new world size
-                                            (:mod:`~lightning_mpi.rules.auto_heal`)
+                                            (:mod:`.healing_auto`, :mod:`~lightning_mpi.
+                                            rules.auto_heal`)
 any other                                   ``LookupError``: the strategy fails the run
 =========================================  ================================================
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from lightning_mpi.rules.auto import BoundAuto
-from lightning_mpi.rules.auto_choice import Choice
 from lightning_mpi.rules.averaging import BoundModelAveraging, averages_at
 from lightning_mpi.rules.base import BoundRule
 from lightning_mpi.rules.diloco import BoundDiLoCo
@@ -117,7 +116,9 @@ def kept_state(bound: BoundRule | None) -> dict[str, Any] | None:
     if bound is None:
         return None
     if isinstance(bound, BoundAuto):  # before heal_state: BoundAuto answers for its arm's attributes
-        return _auto_kept_state(bound)
+        from lightning_mpi.strategies.healing_auto import auto_kept_state
+
+        return auto_kept_state(bound)
     if type(bound) is BoundSync:
         return {"skipped_steps": bound.skipped_steps}
     if type(bound) in _LOCAL_STEP_RULES or hasattr(bound, "heal_state"):
@@ -134,7 +135,9 @@ def heal_grads(healing: Any, runner: Any, optimizer: Any, module: torch.nn.Modul
     buckets already), and the exchanged gradients are what a survivor that missed the exchange's
     completion takes (one copy of the gradients each, every step, while ``heal`` is set)."""
     if isinstance(runner.bound, BoundAuto):
-        return _auto_grads(healing, runner, optimizer, module)
+        from lightning_mpi.strategies.healing_auto import auto_grads
+
+        return auto_grads(healing, runner, optimizer, module)
     params = [p for p in module.parameters() if p.requires_grad]
     own = [None if p.grad is None else p.grad.detach().clone() for p in params]
 
@@ -206,7 +209,9 @@ def heal_after_step(healing: Any, runner: Any, optimizer: Any) -> None:
     bound = runner.bound
     assert bound is not None
     if healing.active and isinstance(bound, BoundAuto):
-        _auto_after_step(healing, runner, optimizer)
+        from lightning_mpi.strategies.healing_auto import auto_after_step
+
+        auto_after_step(healing, runner, optimizer)
         return
     exchanged = _LOCAL_STEP_RULES.get(type(bound))
     averages_weights = type(bound) is BoundSync and bound.rule.average != "gradients"
@@ -298,125 +303,3 @@ def heal_train_end(healing: Any, runner: Any) -> None:
         lambda theta: runner.bound.take_consensus(theta),
         counted=lambda: runner.bound.drained and runner.bound.transport.size > 1,
     )
-
-
-# -- mpi_auto: its arm's exchanges heal as that arm's do; its decision is one healing operation ----------
-class _ArmRunner:
-    """The arm ``mpi_auto`` runs, as the rule the healing operations above act on (read afresh: a
-    heal binds a new ``BoundAuto``)."""
-
-    def __init__(self, runner: Any) -> None:
-        self._runner = runner
-
-    @property
-    def bound(self) -> BoundRule:
-        inner: BoundRule = self._runner.bound.inner
-        return inner
-
-
-def _auto_kept_state(bound: BoundAuto) -> dict[str, Any]:
-    """``mpi_auto``'s kept state: its decisions' state, and its arm's kept state (``"inner"``, this
-    rank's own part of it under ``"local"``, which a replacement does not take); inside a decision,
-    the state that decision started from (``"deciding"``). Loaded, it makes the survivors agree
-    (:meth:`~lightning_mpi.rules.auto.BoundAuto.load_state_dict`)."""
-    if bound.deciding is not None:
-        return bound.deciding
-    inner = dict(kept_state(bound.inner) or {})
-    local = inner.pop("local", None)
-    state = {**bound.counters(), "healed": True, "deciding": False, "inner": inner}
-    if local is not None:
-        state["local"] = local
-    return state
-
-
-def _auto_grads(healing: Any, runner: Any, optimizer: Any, module: torch.nn.Module) -> bool:
-    """``mpi_auto``'s ``before_step``: its arm's as a healing operation (:func:`heal_grads`), then,
-    where a rejected local step was counted here and a decision is due, the decision."""
-    runner.bound.heal_snapshots = True  # every arm it binds keeps what its exchanges start from
-    runner.bound.begin_exchange()
-    accepted = heal_grads(healing, _ArmRunner(runner), optimizer, module)
-    if runner.bound.end_exchange(accepted):
-        _auto_decision(healing, runner, optimizer)
-    return accepted
-
-
-def _auto_after_step(healing: Any, runner: Any, optimizer: Any) -> None:
-    """``mpi_auto``'s ``after_step``: its arm's (:func:`heal_after_step`), then the decision where due."""
-    runner.bound.heal_snapshots = True
-    start = time.perf_counter()
-    heal_after_step(healing, _ArmRunner(runner), optimizer)
-    if runner.bound.end_step(time.perf_counter() - start):
-        _auto_decision(healing, runner, optimizer)
-    runner.bound.clock.resume()
-
-
-def _float_state(params: list[torch.Tensor], optimizer: Any) -> dict[tuple[int, str], torch.Tensor]:
-    """The optimizer's per-parameter float state (what a switch averages), by parameter and key."""
-    found = {}
-    for index, p in enumerate(params):
-        for key, value in optimizer.state.get(p, {}).items():
-            if isinstance(value, torch.Tensor) and value.is_floating_point() and value.shape == p.shape:
-                found[(index, str(key))] = value
-    return found
-
-
-def _auto_decision(healing: Any, runner: Any, optimizer: Any) -> None:
-    """``mpi_auto``'s decision (probe, dry runs, the agreement of their numbers, the switch) as one
-    healing operation. Before it: its state, the weights and the optimizer's float state are kept
-    (a heal inside it keeps that state, so the survivors bind the arm it started from). Redone
-    over the survivors from them; a survivor inside it when another completed it takes the
-    other's outcome: the decisions' state and, where it switched, the new arm's state, the weights
-    and the optimizer state the switch left (replicated: a switch averages them)."""
-    auto = runner.bound
-    params = list(auto.params)
-    snapshot = {**_auto_kept_state(auto), "deciding": True}
-    weights = [p.detach().clone() for p in params]
-    moments = {key: t.detach().clone() for key, t in _float_state(params, optimizer).items()}
-    collective = [True]
-
-    def decide() -> None:
-        bound = runner.bound
-        bound.deciding = snapshot  # what a heal keeps while this runs
-        collective[0] = bound.decide(optimizer)
-        bound.deciding = None
-
-    def keep(_: None) -> tuple[dict[str, Any], Any, Any, Any]:
-        bound = runner.bound
-        if bound.choice == Choice.from_dict(snapshot["choice"]):
-            return bound.counters(), None, None, None
-        state = _float_state(params, optimizer)
-        return (
-            bound.counters(),
-            kept_state(bound.inner),
-            [p.detach().cpu().clone() for p in params],
-            {key: t.detach().cpu().clone() for key, t in state.items()},
-        )
-
-    def take(kept: tuple[dict[str, Any], Any, Any, Any]) -> None:
-        counters, inner, values, state = kept
-        bound = runner.bound
-        bound.take_decision(counters)
-        if inner is None:
-            return
-        bound.inner.load_state_dict(inner)  # the arm the heal bound is the other's (auto_heal)
-        mine = _float_state(params, optimizer)
-        with torch.no_grad():
-            for p, value in zip(params, values, strict=True):
-                p.copy_(value)
-            for key, value in state.items():
-                if key in mine:
-                    mine[key].copy_(value)
-        replicas = getattr(bound.inner, "replicas", None)
-        if replicas is not None:
-            replicas.remember(optimizer)
-
-    def put_back() -> None:
-        mine = _float_state(params, optimizer)
-        with torch.no_grad():
-            for p, value in zip(params, weights, strict=True):
-                p.copy_(value)
-            for key, value in moments.items():
-                if key in mine:
-                    mine[key].copy_(value)
-
-    healing.operation("the mpi_auto decision", decide, keep, take, put_back, counted=lambda: collective[0])

@@ -1175,7 +1175,7 @@ def test_an_mpi_auto_survivor_inside_a_decision_another_completed_takes_its_outc
     from lightning_mpi.comm.transport import Transport
     from lightning_mpi.rules.auto import AutoRule
     from lightning_mpi.rules.auto_choice import default_plan
-    from lightning_mpi.strategies import healing_rules
+    from lightning_mpi.strategies import healing_auto
 
     rule = AutoRule(assume="50,1000,0.1")
 
@@ -1200,7 +1200,7 @@ def test_an_mpi_auto_survivor_inside_a_decision_another_completed_takes_its_outc
     def completes(where, run, keep, take, before_redo=None, counted=None):
         kept.append(keep(run()))
 
-    healing_rules._auto_decision(SimpleNamespace(operation=completes), runner_a, opt_a)
+    healing_auto.auto_decision(SimpleNamespace(operation=completes), runner_a, opt_a)
     a = runner_a.bound
     assert a.choice.arm == "sync" and a.decisions == 1 and a.deciding is None
     net_b, opt_b, runner_b = survivor(2)
@@ -1221,7 +1221,7 @@ def test_an_mpi_auto_survivor_inside_a_decision_another_completed_takes_its_outc
         runner_b.bound = healed
         take(kept[0])
 
-    healing_rules._auto_decision(SimpleNamespace(operation=interrupted), runner_b, opt_b)
+    healing_auto.auto_decision(SimpleNamespace(operation=interrupted), runner_b, opt_b)
     b = runner_b.bound
     assert (b.choice, b.decisions, b.switches, b.observed, b.next_decision) == (a.choice, 1, 1, {}, 6)
     assert all(torch.equal(p, q) for p, q in zip(net_a.parameters(), net_b.parameters(), strict=True))
