@@ -256,7 +256,7 @@ class BoundAuto(BoundRule):
         self.clock.resume()
 
     # The hooks in parts, so that a healing strategy runs the arm's exchange and the decision each
-    # as its own healing operation (lightning_mpi.strategies.healing_rules), between these.
+    # as its own healing operation (lightning_mpi.strategies.healing_auto), between these.
     def begin_exchange(self) -> None:
         """Before the arm's ``before_step``: the step's compute ends here."""
         self.clock.pause()

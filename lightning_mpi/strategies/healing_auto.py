@@ -80,7 +80,8 @@ def auto_decision(healing: Any, runner: Any, optimizer: Any) -> None:
     """``mpi_auto``'s decision (probe, dry runs, the agreement of their numbers, the switch) as one
     healing operation. Before it: its state, the weights and the optimizer's float state are kept
     (a heal inside it keeps that state, so the survivors bind the arm it started from). Redone
-    over the survivors from them; a survivor inside it when another completed it takes the
+    over the survivors from them (not when one rank is left: nothing to decide there, it keeps
+    the arm it started from until ranks join again); a survivor inside it when another completed it takes the
     other's outcome: the decisions' state and, where it switched, the new arm's state, the weights
     and the optimizer state the switch left (replicated: a switch averages them)."""
     auto = runner.bound
@@ -89,9 +90,14 @@ def auto_decision(healing: Any, runner: Any, optimizer: Any) -> None:
     weights = [p.detach().clone() for p in params]
     moments = {key: t.detach().clone() for key, t in _float_state(params, optimizer).items()}
     collective = [True]
+    attempts = [0]
 
     def decide() -> None:
         bound = runner.bound
+        attempts[0] += 1
+        if attempts[0] > 1 and bound.transport.size == 1:
+            collective[0] = False  # redone on the one rank left: nothing to measure or exchange
+            return
         bound.deciding = snapshot  # what a heal keeps while this runs
         collective[0] = bound.decide(optimizer)
         bound.deciding = None
