@@ -2,9 +2,9 @@
 (tests/strategies/test_heal.py).
 
 Usage: ``lightning-mpi --heal -n 10 heal_train.py OUT_DIR`` (Open MPI with ULFM; CI; or ``-n 12``),
-the phases 0 to 4 below; ``lightning-mpi --heal -n 4 heal_train.py OUT_DIR auto`` runs only the
-``mpi_auto`` phases (``auto``: Fabric, W 4 -> 3 -> 2, a loss inside a decision's probe and one in
-the exchange; ``auto_replace``: the Trainer with ``heal="replace"``, 2 -> 1 -> 2);
+the phases 0 to 4 below; ``lightning-mpi --heal -n 5 heal_train.py OUT_DIR auto`` runs only the
+``mpi_auto`` phases (``auto``: Fabric, W 5 -> 4 -> 3 -> 2, a loss inside a decision's probe, one in
+its redo's switch, one in the exchange; ``auto_replace``: the Trainer with ``heal="replace"``, 2 -> 1 -> 2);
 ``lightning-mpi --heal -n 4 heal_train.py OUT_DIR gosgd`` runs only the two
 asynchronous phases, each a Fabric loop whose last rank dies at Fabric step FABRIC_KILL, and whose
 survivors notice it when they do (no collective while training):
@@ -450,12 +450,14 @@ def streaming_phase() -> dict:
 
 
 def auto_phase() -> dict:
-    """``mpi_auto`` (Fabric, SGD with momentum) on all ranks, W 4 -> 3 -> 2. Its first decision
+    """``mpi_auto`` (Fabric, SGD with momentum) on all ranks, W 5 -> 4 -> 3 -> 2. Its first decision
     (after step AUTO_DECIDES) runs the real probe, dry runs and agreements over the ranks, but
     decides on pinned numbers (the link fast, the steps long, every dry run free: every-step ASA, so
     the survivors switch from Streaming DiLoCo, averaging weights and momenta, and keep it at every
-    later decision); the last rank dies inside that
-    probe: the survivors heal in the decision and redo it over themselves. The last rank of the
+    later decision); the last rank dies inside that probe: the survivors heal in the decision and
+    redo it over themselves; the last of the four dies as that redo switches (the others in
+    Streaming DiLoCo's final average): the three left heal again, put back the weights and momenta
+    the decision started from and redo it once more. The last rank of the
     three then dies at Fabric step AUTO_KILL (before its backward, once every rank completed the
     step before's): the survivors heal in ASA's exchange, redo it, and re-decide at the next step
     over the two left. Each step records a digest of the weights (after the switch every rank
@@ -472,12 +474,20 @@ def auto_phase() -> dict:
 
     def pinned(self, step_seconds, exchange, nbytes):
         probes[0] += 1
-        if probes[0] == 1 and RANK == 3:
+        if probes[0] == 1 and RANK == 4:
             die()  # inside the first decision's probe, its first collective
         measure(self, step_seconds, exchange, nbytes)  # the real collectives, over the ranks alive
         return Measurement(50.0, Link(1e9 / 8, 1e-4))  # steps of 50 s: whatever ASA's own steps take hides
 
+    switch = auto_module.BoundAuto._switch
+
+    def switch_or_die(self, choice, optimizer):
+        if RANK == 3:
+            die()  # in the redone decision, as the others average the replicas for the switch
+        switch(self, choice, optimizer)
+
     LinkProbe.measure = pinned
+    auto_module.BoundAuto._switch = switch_or_die
     auto_module.dry_run_exposed = lambda *args: 0.0  # the dry runs run; what they say is pinned
     strategy = AutoStrategy(heal="shrink")
     fabric = L.Fabric(strategy=strategy, accelerator="cpu")
