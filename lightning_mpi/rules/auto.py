@@ -35,6 +35,16 @@ every rank is, after the update:
 - leaving an every-step arm: weights and optimizer state are already identical on every rank;
 - the new arm is bound to the same parameters and started (``on_train_start``).
 
+Healing (``heal="shrink"``, and the survivors of ``heal="replace"``): a survivor keeps its decisions'
+state and the arm's own (through the arm's heal support, :mod:`lightning_mpi.strategies.healing_rules`);
+the arm's exchanges heal and are redone as that arm's do, and a decision is one healing operation
+(the probe, the dry runs, the agreement of their numbers and the switch), redone over the survivors
+from the state, weights and optimizer state it started from, or taken from a survivor that
+completed it. On the healed run the survivors agree on the arm to bind and re-decide, with fresh
+measurements (link probe, dry runs, step time) over the new world size, at the step after the
+furthest survivor's, or at the step of a decision that the loss interrupted
+(:mod:`.auto_heal`): every survivor ends each heal with the same arm and the same schedule.
+
 Checkpoints carry the arm in use, its own state and the decision's inputs; a resumed run binds the
 same arm and loads its state, so it continues exactly as the arm would. Later decisions depend on
 fresh timings (``assume`` makes them reproducible, for tests and what-if runs).
@@ -67,6 +77,7 @@ from lightning_mpi.rules.auto_choice import (
     dry_run_exposed,
     worth_timing,
 )
+from lightning_mpi.rules.auto_heal import agree_after_heal
 from lightning_mpi.rules.base import BoundRule, Rule
 from lightning_mpi.rules.diloco import DiLoCoRule
 from lightning_mpi.rules.link_model import Link
@@ -127,7 +138,8 @@ class AutoRule(Rule):
 
     measure_every: int = option(
         default=100,
-        doc="steps between measurements after the first decision (≥ 0; 0: decide once, after step 5); after a "
+        doc="steps between measurements after the first decision (≥ 0; 0: decide once, after step 5, and once "
+        "after each heal); after a "
         "switch the next one comes within 6 steps, so that the new arm's own cost is seen early.",
         check=integer(0),
     )
@@ -173,6 +185,9 @@ class BoundAuto(BoundRule):
 
     def __init__(self, rule: AutoRule, transport: Transport, params: Sequence[Tensor]) -> None:
         super().__init__(transport, params)
+        self._heal_snapshots = False  # before ``inner``: __getattr__ would read the arm's
+        #: under ``heal``: the state a decision in progress started from (what a heal keeps then)
+        self.deciding: dict[str, Any] | None = None
         self.rule = rule
         self.sizes = Sizes.of([tuple(p.shape) for p in self.params], transport.size)
         self.assumed = parse_assumed(rule.assume) if rule.assume is not None else None
@@ -190,6 +205,8 @@ class BoundAuto(BoundRule):
         self.clock = StepClock()
         self.held: deque[float] = deque(maxlen=16)  # seconds the arm's hooks held each step
         self._held = 0.0
+        self._exchange_started = time.perf_counter()
+        self._announce_next = False  # the first decision after a heal is announced too
         self._counted = False
         self._observed_share = 0.0
         #: arm -> (exposed seconds per step seen in it, the link bandwidth then), agreed over ranks
@@ -211,37 +228,64 @@ class BoundAuto(BoundRule):
             raise AttributeError(name)
         return getattr(inner, name)
 
+    @property  # a healing strategy sets it: every arm bound from then on keeps its exchanges' starts
+    def heal_snapshots(self) -> bool:
+        return self._heal_snapshots
+
+    @heal_snapshots.setter
+    def heal_snapshots(self, value: bool) -> None:
+        self._heal_snapshots = value
+        if hasattr(self.inner, "heal_snapshots"):
+            self.inner.heal_snapshots = value
+
     def on_train_start(self) -> None:
         self.inner.on_train_start()
 
     def before_step(self, optimizer: Optimizer) -> bool:
-        self.clock.pause()
-        start = time.perf_counter()
+        self.begin_exchange()
         accepted = self.inner.before_step(optimizer)
-        self._held = time.perf_counter() - start
-        if not accepted and self.choice.arm in LOCAL_STEP_ARMS:
-            # A local-step arm rejected this rank's own step (non-finite gradients): the strategy
-            # skips after_step on this rank only, but the step counts on every rank, so count it
-            # (and decide, if due) here; the other ranks do the same in after_step, and nothing
-            # collective runs between the two points.
-            self._count_step(optimizer)
-            self._counted = True
+        if self.end_exchange(accepted):
+            self.decide(optimizer)
         return accepted
 
     def after_step(self, optimizer: Optimizer) -> None:
         start = time.perf_counter()
         self.inner.after_step(optimizer)
-        self.held.append(self._held + time.perf_counter() - start)
-        if self._counted:  # counted in before_step (a GradScaler makes the strategy call this anyway)
-            self._counted = False
-        else:
-            self._count_step(optimizer)
+        if self.end_step(time.perf_counter() - start):
+            self.decide(optimizer)
         self.clock.resume()
 
-    def _count_step(self, optimizer: Optimizer) -> None:
+    # The hooks in parts, so that a healing strategy runs the arm's exchange and the decision each
+    # as its own healing operation (lightning_mpi.strategies.healing_auto), between these.
+    def begin_exchange(self) -> None:
+        """Before the arm's ``before_step``: the step's compute ends here."""
+        self.clock.pause()
+        self._exchange_started = time.perf_counter()
+
+    def end_exchange(self, accepted: bool) -> bool:
+        """After the arm's ``before_step``; True when this step was counted here and a decision is due.
+
+        A local-step arm that rejected this rank's own step (non-finite gradients): the strategy
+        skips ``after_step`` on this rank only, but the step counts on every rank, so it is counted
+        (and decided, if due) here; the other ranks do the same in ``after_step``, and nothing
+        collective runs between the two points."""
+        self._held = time.perf_counter() - self._exchange_started
+        if not accepted and self.choice.arm in LOCAL_STEP_ARMS:
+            self._counted = True
+            return self._count_step()
+        return False
+
+    def end_step(self, seconds: float) -> bool:
+        """After the arm's ``after_step`` (which held the step ``seconds``); True when a decision is due."""
+        self.held.append(self._held + seconds)
+        if self._counted:  # counted in before_step (a GradScaler makes the strategy call this anyway)
+            self._counted = False
+            return False
+        return self._count_step()
+
+    def _count_step(self) -> bool:
         self.steps += 1
-        if self._decision_due():
-            self._decide(optimizer)
+        return self._decision_due()
 
     def on_train_end(self) -> None:
         self.inner.on_train_end()
@@ -320,7 +364,10 @@ class BoundAuto(BoundRule):
         finally:
             bound.close()
 
-    def _decide(self, optimizer: Optimizer) -> None:
+    def decide(self, optimizer: Optimizer) -> bool:
+        """Measure, agree, choose, and switch where the choice changed (collective); returns whether
+        it involved the other ranks (not with ``assume`` and no switch)."""
+        switches = self.switches
         self.measured, observed = self._measure()
         bandwidth = self.measured.link.bandwidth
         self._observed_share = 0.0 if observed is None else observed / self.measured.step_seconds
@@ -342,9 +389,11 @@ class BoundAuto(BoundRule):
         if choice != self.choice:
             self._switch(choice, optimizer)
             every = min(every, CONFIRM_STEPS) if every > 0 else 0
-        elif self.decisions == 1:  # the first decision kept the plan it started with: say so
+        elif self.decisions == 1 or self._announce_next:  # the first decision (after a heal) kept the plan: say so
             self._announce(choice)
+        self._announce_next = False
         self.next_decision = self.steps + every if every > 0 else -1
+        return self.assumed is None or self.switches != switches
 
     def _switch(self, choice: Choice, optimizer: Optimizer) -> None:
         """Hand over to ``choice``'s rule at this step (every rank is here; see the module docstring)."""
@@ -353,10 +402,7 @@ class BoundAuto(BoundRule):
             self.inner.on_train_end()  # every rank now holds θ_global
             if choice.arm in ("sync", "powersgd"):  # a local-step arm keeps each rank's own state
                 self._average_optimizer_state(optimizer)
-        enabled = self.inner.sync_enabled
-        self.inner.close()
-        self.inner = arm_rule(choice).bind(self.transport, self.params)
-        self.inner.sync_enabled = enabled
+        self._bind(choice)
         self.inner.on_train_start()
         replicas = getattr(self.inner, "replicas", None)
         if replicas is not None:
@@ -365,6 +411,17 @@ class BoundAuto(BoundRule):
         self.switches += 1
         self.held.clear()
         self._announce(choice)
+
+    def _bind(self, choice: Choice) -> None:
+        """Close the arm in use and bind ``choice``'s (collective: an arm's binding duplicates the
+        communicator)."""
+        enabled = self.inner.sync_enabled
+        self.inner.close()
+        self.inner = arm_rule(choice).bind(self.transport, self.params)
+        self.inner.sync_enabled = enabled
+        if self._heal_snapshots and hasattr(self.inner, "heal_snapshots"):
+            self.inner.heal_snapshots = True
+        self.choice = choice
 
     def _announce(self, choice: Choice) -> None:
         """Rank 0's one line for a decision that changed the arm (and for the first decision)."""
@@ -400,10 +457,10 @@ class BoundAuto(BoundRule):
             self.transport.allreduce_(entries[entry]).div_(size)
 
     # -- checkpoints and logs -------------------------------------------------------------------------
-    def state_dict(self) -> dict[str, Any]:
+    def counters(self) -> dict[str, Any]:
+        """The decisions' state, without the arm's (read on this rank alone)."""
         return {
             "choice": self.choice.as_dict(),
-            "inner": self.inner.state_dict(),
             "steps": self.steps,
             "next_decision": self.next_decision,
             "decisions": self.decisions,
@@ -412,15 +469,22 @@ class BoundAuto(BoundRule):
             "observed": {arm: list(seen) for arm, seen in self.observed.items()},
         }
 
+    def state_dict(self) -> dict[str, Any]:
+        return {**self.counters(), "inner": self.inner.state_dict()}
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned, or, with ``"healed"`` in ``state``, what a heal
+        kept (collective over the healed run: :meth:`_load_healed`)."""
+        if state.get("healed"):
+            self._load_healed(state)
+            return
         choice = Choice.from_dict(state["choice"])
         if choice != self.choice:
-            enabled = self.inner.sync_enabled
-            self.inner.close()
-            self.inner = arm_rule(choice).bind(self.transport, self.params)
-            self.inner.sync_enabled = enabled
-            self.choice = choice
+            self._bind(choice)
         self.inner.load_state_dict(state["inner"])
+        self._load_counters(state)
+
+    def _load_counters(self, state: dict[str, Any]) -> None:
         self.steps = int(state["steps"])
         self.next_decision = int(state["next_decision"])
         self.decisions = int(state["decisions"])
@@ -428,6 +492,35 @@ class BoundAuto(BoundRule):
         measured = state.get("measured")
         self.measured = None if measured is None else Measurement.from_dict(measured)
         self.observed = {arm: (float(s), float(b)) for arm, (s, b) in state.get("observed", {}).items()}
+
+    def _load_healed(self, state: dict[str, Any]) -> None:
+        """Bind on the healed run what this survivor kept (``heal="shrink"``/``"replace"``;
+        collective): the survivors agree on the arm, the count of decisions and the step of the next
+        decision (:func:`~.auto_heal.agree_after_heal`); this rank loads its arm's kept state
+        (``"inner"``, its own part under ``"local"``) where it kept the agreed arm (else it was inside
+        the decision that switched, and takes that decision's result from a survivor that completed
+        it). What was observed of the arms' costs is dropped: the world size changed."""
+        mine = (int(state["decisions"]), int(state["steps"]), bool(state.get("deciding")), state["choice"])
+        everyone = self.transport.allgather_object(mine) if self.transport.size > 1 else [mine]
+        source, decisions, next_decision = agree_after_heal([entry[:3] for entry in everyone], PROBE_STEPS)
+        choice = Choice.from_dict(everyone[source][3])
+        if choice != self.choice:
+            self._bind(choice)
+        if Choice.from_dict(state["choice"]) == choice:
+            inner = dict(state["inner"])
+            if "local" in state:
+                inner["local"] = state["local"]
+            self.inner.load_state_dict(inner)
+        self._load_counters(state)
+        self.decisions, self.next_decision, self.observed = decisions, next_decision, {}
+        self._announce_next = True
+
+    def take_decision(self, counters: dict[str, Any]) -> None:
+        """A survivor inside a decision that another completed takes its outcome (``counters``, the
+        other's after it); the schedule agreed at the heal stays, the observations stay dropped."""
+        next_decision = self.next_decision
+        self._load_counters(counters)
+        self.next_decision, self.observed = next_decision, {}
 
     def stats(self) -> dict[str, float]:
         mine = {

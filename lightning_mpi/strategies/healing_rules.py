@@ -56,6 +56,16 @@ mpi.rules.server_base.BoundServerRule`)     the center it last pulled and the cl
                                             interrupted restarts from the center. Nothing is
                                             redone while training (a commit is one-sided);
                                             ``on_train_end`` (final commit, barrier) is redone
+``mpi_auto`` (:class:`~lightning_mpi.rules.  its decisions' state (arm, counters, schedule,
+auto.BoundAuto`)                            measurements; inside a decision, as it started)
+                                            and its arm's, as that arm keeps it (above); the
+                                            arm's exchanges redone as that arm's; a decision
+                                            (probe, dry runs, agreement, switch) redone from
+                                            the weights and optimizer state it started from,
+                                            or its outcome taken. The survivors agree on the
+                                            arm and re-decide over the new world size
+                                            (:mod:`.healing_auto`, :mod:`~lightning_mpi.
+                                            rules.auto_heal`)
 any other                                   ``LookupError``: the strategy fails the run
 =========================================  ================================================
 """
@@ -67,6 +77,7 @@ from typing import Any
 
 import torch
 
+from lightning_mpi.rules.auto import BoundAuto
 from lightning_mpi.rules.averaging import BoundModelAveraging, averages_at
 from lightning_mpi.rules.base import BoundRule
 from lightning_mpi.rules.diloco import BoundDiLoCo
@@ -107,6 +118,10 @@ def kept_state(bound: BoundRule | None) -> dict[str, Any] | None:
     ``LookupError`` naming why for a rule that cannot heal yet."""
     if bound is None:
         return None
+    if isinstance(bound, BoundAuto):  # before heal_state: BoundAuto answers for its arm's attributes
+        from lightning_mpi.strategies.healing_auto import auto_kept_state
+
+        return auto_kept_state(bound)
     if type(bound) is BoundSync:
         return {"skipped_steps": bound.skipped_steps}
     if type(bound) in _LOCAL_STEP_RULES or hasattr(bound, "heal_state"):
@@ -122,6 +137,10 @@ def heal_grads(healing: Any, runner: Any, optimizer: Any, module: torch.nn.Modul
     kept before it, put back before a redo (an interrupted exchange may have averaged some
     buckets already), and the exchanged gradients are what a survivor that missed the exchange's
     completion takes (one copy of the gradients each, every step, while ``heal`` is set)."""
+    if isinstance(runner.bound, BoundAuto):
+        from lightning_mpi.strategies.healing_auto import auto_grads
+
+        return auto_grads(healing, runner, optimizer, module)
     params = [p for p in module.parameters() if p.requires_grad]
     own = [None if p.grad is None else p.grad.detach().clone() for p in params]
 
@@ -192,6 +211,11 @@ def heal_after_step(healing: Any, runner: Any, optimizer: Any) -> None:
     ``"weights+momentum"``, the optimizer's moments) it starts from are kept and put back too."""
     bound = runner.bound
     assert bound is not None
+    if healing.active and isinstance(bound, BoundAuto):
+        from lightning_mpi.strategies.healing_auto import auto_after_step
+
+        auto_after_step(healing, runner, optimizer)
+        return
     exchanged = _LOCAL_STEP_RULES.get(type(bound))
     averages_weights = type(bound) is BoundSync and bound.rule.average != "gradients"
     if averages_weights:

@@ -2,7 +2,10 @@
 (tests/strategies/test_heal.py).
 
 Usage: ``lightning-mpi --heal -n 10 heal_train.py OUT_DIR`` (Open MPI with ULFM; CI; or ``-n 12``),
-the phases 0 to 4 below; ``lightning-mpi --heal -n 4 heal_train.py OUT_DIR gosgd`` runs only the two
+the phases 0 to 4 below; ``lightning-mpi --heal -n 5 heal_train.py OUT_DIR auto`` runs only the
+``mpi_auto`` phases (``auto``: Fabric, W 5 -> 4 -> 3 -> 2, a loss inside a decision's probe, one in
+its redo's switch, one in the exchange; ``auto_replace``: the Trainer with ``heal="replace"``, 2 -> 1 -> 2);
+``lightning-mpi --heal -n 4 heal_train.py OUT_DIR gosgd`` runs only the two
 asynchronous phases, each a Fabric loop whose last rank dies at Fabric step FABRIC_KILL, and whose
 survivors notice it when they do (no collective while training):
 
@@ -108,6 +111,8 @@ OUTER_PERIOD = 4  # DiLoCo in the ``outer`` launch: outer steps after steps 4 an
 # its streaming_replace phase: a rank dies at step 0, a replacement is ready at step 2 while fragment 0's
 # exchange is in flight, and is let in at step 3 (mid-epoch: no checkpoint completed the exchange)
 STREAMING_KILL = 0
+AUTO_DECIDES, AUTO_KILL, AUTO_STEPS = 5, 8, 11  # mpi_auto: its first decision after step 5 (PROBE_STEPS)
+AUTO_REPLACE_KILL, AUTO_REPLACE_STEPS = 7, 14  # W = 2: 8 batches per rank and epoch
 
 
 class Indexed(Dataset):
@@ -578,6 +583,103 @@ OUTER_PHASES = (
 OUTER_REPLACEMENT = 20
 
 
+def auto_phase() -> dict:
+    """``mpi_auto`` (Fabric, SGD with momentum) on all ranks, W 5 -> 4 -> 3 -> 2. Its first decision
+    (after step AUTO_DECIDES) runs the real probe, dry runs and agreements over the ranks, but
+    decides on pinned numbers (the link fast, the steps long, every dry run free: every-step ASA, so
+    the survivors switch from Streaming DiLoCo, averaging weights and momenta, and keep it at every
+    later decision); the last rank dies inside that probe: the survivors heal in the decision and
+    redo it over themselves; the last of the four dies as that redo switches (the others in
+    Streaming DiLoCo's final average): the three left heal again, put back the weights and momenta
+    the decision started from and redo it once more. The last rank of the
+    three then dies at Fabric step AUTO_KILL (before its backward, once every rank completed the
+    step before's): the survivors heal in ASA's exchange, redo it, and re-decide at the next step
+    over the two left. Each step records a digest of the weights (after the switch every rank
+    holds the same) and the arm; each survivor reports the rule's ``mpi/auto/*`` stats."""
+    import lightning as L
+
+    from lightning_mpi.fabric import AutoStrategy
+    from lightning_mpi.rules import auto as auto_module
+    from lightning_mpi.rules.link_model import Link
+    from lightning_mpi.rules.link_probe import LinkProbe, Measurement
+
+    measure = LinkProbe.measure
+    probes = [0]
+
+    def pinned(self, step_seconds, exchange, nbytes):
+        probes[0] += 1
+        if probes[0] == 1 and RANK == 4:
+            die()  # inside the first decision's probe, its first collective
+        measure(self, step_seconds, exchange, nbytes)  # the real collectives, over the ranks alive
+        return Measurement(50.0, Link(1e9 / 8, 1e-4))  # steps of 50 s: whatever ASA's own steps take hides
+
+    switch = auto_module.BoundAuto._switch
+
+    def switch_or_die(self, choice, optimizer):
+        if RANK == 3:
+            die()  # in the redone decision, as the others average the replicas for the switch
+        switch(self, choice, optimizer)
+
+    LinkProbe.measure = pinned
+    auto_module.BoundAuto._switch = switch_or_die
+    auto_module.dry_run_exposed = lambda *args: 0.0  # the dry runs run; what they say is pinned
+    strategy = AutoStrategy(heal="shrink")
+    fabric = L.Fabric(strategy=strategy, accelerator="cpu")
+    fabric.launch()
+    net = make_net()
+    initial = weights(net)
+    model, opt = fabric.setup(net, torch.optim.SGD(net.parameters(), lr=LR, momentum=0.9))
+    data = Indexed()
+    for step in range(AUTO_STEPS):
+        if step == AUTO_KILL:
+            fabric.barrier()
+            if fabric.global_rank == fabric.world_size - 1:
+                die()
+        index = [(step * 31 + fabric.global_rank * B + k) % N for k in range(B)]
+        opt.zero_grad()
+        fabric.backward(nn.functional.mse_loss(model(data.x[index]), data.y[index]))
+        opt.step()
+        bound = strategy._runner.bound
+        digest = sum(float(p.double().sum()) * (i + 1) for i, p in enumerate(net.parameters()))
+        arm, decisions = bound.choice.arm, bound.decisions
+        record(
+            phase="auto",
+            step=step,
+            world=fabric.world_size,
+            rank=fabric.global_rank,
+            arm=arm,
+            decisions=decisions,
+            digest=digest,
+        )
+    stats = {k: v for k, v in strategy.stats().items() if k.startswith(("mpi/heal/", "mpi/auto/"))}
+    strategy.finish_training()
+    return {
+        "initial": initial,
+        "final": weights(net),
+        "stats": stats,
+        "history": strategy._healing.history,
+        "world_size": fabric.world_size,
+    }
+
+
+def auto_replace_phase() -> dict:
+    """``mpi_auto`` under the Trainer with ``heal="replace"`` on the two left by :func:`auto_phase`
+    (``assume``: every-step ASA from the first decision, after step AUTO_DECIDES): launch rank 1
+    dies at the start of step AUTO_REPLACE_KILL; the survivor finishes that step alone, spawns a
+    replacement at the next batch and lets it in at the one after; the replacement takes the rule's
+    state from the handover and both re-decide over two. The replacement enters here (:func:`main`)."""
+    from lightning_mpi.lightning import AutoStrategy
+
+    dies = lambda m: m.global_step == AUTO_REPLACE_KILL and RANK == 1  # noqa: E731
+    model = _trainer_model("auto_replace", "auto_replace_val", dies)
+    strategy = AutoStrategy(heal="replace", assume="50000,1000,0.1")
+    strategy._replacing.wait_for_join = True
+    result = _trainer_fit(model, strategy, max_steps=AUTO_REPLACE_STEPS, default_root_dir=OUT / "auto_replace")
+    bound = strategy._runner.bound
+    result["auto"] = {"arm": bound.choice.arm, "decisions": bound.decisions, "steps": bound.steps}
+    return result
+
+
 def min_ranks_phase() -> dict:
     """Two ranks left and ``min_ranks=2``: the survivor of one more loss raises ``RankFailedError``."""
     import lightning as L
@@ -624,10 +726,12 @@ def main() -> None:
         phases = (("downpour", downpour_phase), ("gosgd", gosgd_phase))
     if sys.argv[2:] == ["outer"]:
         phases = OUTER_PHASES
+    if sys.argv[2:] == ["auto"]:
+        phases = (("auto", auto_phase), ("auto_replace", auto_replace_phase))
     names = [name for name, _ in phases]
     if os.environ.get("LIGHTNING_MPI_REPLACEMENT"):  # a replacement starts at the phase that spawned it
         current = (OUT / "phase").read_text()
-        RANK = REPLACEMENT if current == "replace" else OUTER_REPLACEMENT + names.index(current)
+        RANK = REPLACEMENT if current in ("replace", "auto_replace") else OUTER_REPLACEMENT + names.index(current)
         phases = phases[names.index(current) :]
     for name, phase in phases:
         mark = OUT / f"phase.{os.getpid()}"  # what a replacement spawned in this phase reads (atomic)

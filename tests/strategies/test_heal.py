@@ -21,6 +21,8 @@ Open MPI CI run: DOWNPOUR (its center rebuilt over the survivors, checked value 
 GoSGD. So has the ``outer`` launch (4 ranks, outside CI, ``-k outer``): ``heal="replace"`` under the
 Trainer with top-k, DiLoCo and Streaming DiLoCo, then a rank lost inside DiLoCo's final average
 (Fabric's ``finish_training``, the Trainer's ``on_train_end``).
+So has ``mpi_auto`` (a loss inside a decision, one in its redo, one in its arm's
+exchange, then ``heal="replace"`` under the Trainer; ``-k mpi_auto``).
 """
 
 from __future__ import annotations
@@ -1206,6 +1208,220 @@ def test_parameter_server_survivors_rebuild_the_center_and_train_on(gosgd_healed
         for update in result["commits"]:
             expected += torch.tensor(update, dtype=torch.float64)[:numel]
     assert torch.allclose(final, expected, atol=1e-5, rtol=0)
+
+
+AUTO_LAUNCHED = 5
+
+
+@pytest.fixture(scope="module")
+def auto_healed(tmp_path_factory):
+    """``mpi_auto`` alone (Fabric, ``"shrink"``: W 5 -> 4 -> 3 -> 2; then the Trainer, ``"replace"``: 2 -> 1
+    -> 2): its own launch, not in the Open MPI CI run, whose time is
+    at its limit; run it with ``LIGHTNING_MPI_TEST_MPI=openmpi python -m pytest -m mpi -k mpi_auto``."""
+    require_ulfm()
+    out = tmp_path_factory.mktemp("heal_auto")
+    args = [sys.executable, "-m", "lightning_mpi", "-n", AUTO_LAUNCHED, "--heal", "--grace", 3, SCRIPT, out, "auto"]
+    code, printed, err = finish(launch(args, REPO), 400)
+    assert code == 0, err[-6000:]
+    return (printed + err, *launch_outputs(out))  # mpi_auto's lines are printed (stdout), heal lines on stderr
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(430)
+def test_mpi_auto_survivors_heal_in_a_decision_and_an_exchange_and_agree_on_their_arm(auto_healed):
+    """``mpi_auto`` on 5 ranks: the last dies inside the first decision's probe (a collective): the
+    four survivors heal there and redo the decision over themselves (probe, dry runs, agreement,
+    the switch from Streaming DiLoCo to every-step ASA); the last of them dies as that redo
+    switches: the three left heal again, put back the weights and momenta it started from and redo
+    it once more; the last of those dies in ASA's exchange at step AUTO_KILL: the two left redo it
+    and re-decide at the next step over themselves. Training finishes; from the switch on, every
+    rank alive holds the same weights at every step, the same arm and the same count of decisions;
+    the survivors end bitwise identical, with one heal line per loss and the decisions announced
+    (the one after the last heal too)."""
+    err, finals, records = auto_healed
+    script = _script_module()
+    steps = records["auto"]
+    assert sorted(steps) == list(range(script.AUTO_STEPS))
+    decided = script.AUTO_DECIDES - 1  # the Fabric step whose update ends with the first decision
+    for step, entries in steps.items():
+        world = AUTO_LAUNCHED - 2 * (step >= decided) - (step >= script.AUTO_KILL)
+        assert sorted(rank for rank, _ in entries) == list(range(world)), step
+        assert all(e["world"] == world for _, e in entries)
+        if step >= decided:  # every-step ASA after the switch: one set of weights everywhere
+            assert {e["digest"] for _, e in entries} == {entries[0][1]["digest"]}, step
+            assert {(e["arm"], e["decisions"]) for _, e in entries} == {("sync", 1 + (step >= script.AUTO_KILL))}
+        else:
+            assert {e["arm"] for _, e in entries} == {"streaming"}
+    ours = [finals["auto"][r] for r in range(2)]
+    assert sorted(finals["auto"]) == [0, 1]
+    assert ours[0]["final"] == ours[1]["final"] and ours[0]["final"] != ours[0]["initial"]
+    assert ours[0]["stats"]["mpi/auto/arm"] == ours[1]["stats"]["mpi/auto/arm"] == 0.0  # sync
+    for result in ours:
+        events = [(e["where"], e["lost"], e["world_size"], e["redo"]) for e in result["history"]]
+        assert events == [
+            ("the mpi_auto decision", [4], 4, True),
+            ("the mpi_auto decision", [3], 3, True),
+            ("the exchange", [2], 2, True),
+        ]
+        assert result["stats"]["mpi/heal/events"] == 3.0 and result["stats"]["mpi/auto/switches"] == 1.0
+    lines = err.splitlines()
+    for lost, size, where in ((4, 5, "the mpi_auto decision"), (3, 4, "the mpi_auto decision"), (2, 3, "the exchange")):
+        assert sum(f"lightning_mpi: healed: rank {lost} of {size} lost (detected in {where}" in x for x in lines) == 1
+    assert f"mpi_auto after step {script.AUTO_DECIDES}: every-step ASA" in err
+    assert f"mpi_auto after step {script.AUTO_KILL + 1}: every-step ASA" in err  # the re-decision over two
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(430)
+def test_mpi_auto_replacement_takes_its_state_and_decides_with_the_survivor(auto_healed):
+    """``mpi_auto`` under the Trainer with ``heal="replace"`` on two ranks (every-step ASA from step
+    AUTO_DECIDES): one dies at step AUTO_REPLACE_KILL, the survivor trains on alone, spawns a
+    replacement and lets it in two batches later; the replacement takes the rule's state from the
+    handover, both re-decide at the next step over two (the same arm, the same count of
+    decisions), finish every step and end bitwise identical."""
+    err, finals, records = auto_healed
+    script = _script_module()
+    kill = script.AUTO_REPLACE_KILL
+    steps = records["auto_replace"]
+    assert sorted(steps) == list(range(script.AUTO_REPLACE_STEPS))
+    for step, entries in steps.items():
+        alone = step in (kill, kill + 1)
+        assert sorted(rank for rank, _ in entries) == ([0] if alone else [0, 1] if step < kill else [0, REPLACEMENT])
+    assert sorted(finals["auto_replace"]) == [0, REPLACEMENT]
+    survivor, replacement = finals["auto_replace"][0], finals["auto_replace"][REPLACEMENT]
+    assert survivor["final"] == replacement["final"] and survivor["final"] != survivor["initial"]
+    assert (
+        survivor["auto"] == replacement["auto"] == {"arm": "sync", "decisions": 2, "steps": script.AUTO_REPLACE_STEPS}
+    )
+    assert survivor["global_step"] == replacement["global_step"] == script.AUTO_REPLACE_STEPS
+    heal, join = survivor["history"]
+    assert heal["world_size"] == 1 and join["joined"] == [1] and join["world_size"] == 2
+    assert survivor["stats"]["mpi/heal/replaced"] == 1.0
+    assert "lightning_mpi: replaced: 1 new rank (1) joined" in err
+
+
+@pytest.mark.timeout(10)
+def test_mpi_auto_survivors_agree_on_the_arm_and_the_next_decision():
+    """What ``mpi_auto``'s survivors agree after a heal (lightning_mpi.rules.auto_heal), from each
+    one's (decisions, steps, inside a decision)."""
+    from lightning_mpi.rules.auto_heal import agree_after_heal
+
+    # nobody in a decision: re-decide at the step after the furthest survivor's (one may be a step behind)
+    assert agree_after_heal([(2, 30, False), (2, 29, False)], 5) == (0, 2, 31)
+    assert agree_after_heal([(0, 1, False), (0, 2, False)], 5) == (0, 0, 5)  # not before the first steps
+    # all in the decision, or some not there yet: it is redone at its step
+    assert agree_after_heal([(1, 11, True), (1, 10, False), (1, 11, True)], 5) == (0, 1, 11)
+    assert agree_after_heal([(1, 10, False), (1, 11, True)], 5) == (1, 1, 11)
+    # one completed it (one more decision): its arm for everyone, the others take its outcome
+    assert agree_after_heal([(1, 11, True), (2, 11, False)], 5) == (1, 2, 12)
+    with pytest.raises(ValueError, match="more than one decision apart"):
+        agree_after_heal([(1, 11, False), (3, 40, False)], 5)
+
+
+@pytest.mark.timeout(30)
+def test_mpi_auto_keeps_its_arm_and_its_state_through_a_heal():
+    """On one rank (no MPI peers): what a heal keeps of ``mpi_auto`` (its decisions' state, its arm's
+    kept state with this rank's own part under "local"; inside a decision, the state that decision
+    started from) binds again the arm in use with that state, and the next decision is scheduled."""
+    from mpi4py import MPI
+    from torch import nn
+
+    from lightning_mpi.comm.transport import Transport
+    from lightning_mpi.rules.auto import PROBE_STEPS, AutoRule
+    from lightning_mpi.rules.auto_choice import default_plan
+    from lightning_mpi.rules.diloco import BoundDiLoCo
+
+    net = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
+    params = list(net.parameters())
+    bound = AutoRule().bind(Transport(MPI.COMM_SELF), params)
+    bound.heal_snapshots = True
+    plan = default_plan(bound.sizes)
+    bound._bind(plan)  # Streaming DiLoCo, the arm of the first steps on more than one rank
+    assert bound.inner.heal_snapshots  # an arm bound later keeps its exchanges' starts too
+    bound.steps, bound.decisions, bound.observed = 3, 0, {"sync": (0.1, 1e9)}
+    kept = kept_state(bound)
+    assert kept["healed"] and not kept["deciding"] and kept["choice"] == plan.as_dict()
+    assert "local" in kept and "local" not in kept["inner"]  # a replacement takes the rest
+    healed = AutoRule().bind(Transport(MPI.COMM_SELF), params)
+    healed.load_state_dict(kept)
+    assert isinstance(healed.inner, BoundDiLoCo) and healed.choice == plan
+    assert (healed.steps, healed.decisions, healed.next_decision, healed.observed) == (3, 0, PROBE_STEPS, {})
+    bound.deciding = {**kept, "deciding": True, "steps": 2}
+    assert kept_state(bound)["steps"] == 2  # inside a decision: the state it started from
+    bound.close()
+    healed.close()
+
+
+@pytest.mark.timeout(30)
+def test_an_mpi_auto_survivor_inside_a_decision_another_completed_takes_its_outcome():
+    """On one rank (no MPI peers; the survivors' allgather answered by hand): survivor A completes a
+    decision that switches from Streaming DiLoCo to every-step ASA; survivor B is inside it when
+    the loss comes, keeps the state it started from, binds on the healed run the arm A's state
+    names (the agreement), and takes A's outcome: the same arm, decisions, weights and momenta, the
+    next decision agreed at the heal, nothing observed kept."""
+    from types import SimpleNamespace
+
+    from mpi4py import MPI
+    from torch import nn
+
+    from lightning_mpi.comm.transport import Transport
+    from lightning_mpi.rules.auto import AutoRule
+    from lightning_mpi.rules.auto_choice import default_plan
+    from lightning_mpi.strategies import healing_auto
+
+    rule = AutoRule(assume="50,1000,0.1")
+
+    def survivor(seed: int):
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
+        opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+        torch.manual_seed(seed)  # each rank its own local steps
+        for _ in range(2):
+            opt.zero_grad()
+            net(torch.randn(5, 3)).pow(2).mean().backward()
+            opt.step()
+        bound = rule.bind(Transport(MPI.COMM_SELF), list(net.parameters()))
+        bound.heal_snapshots = True
+        bound._bind(default_plan(bound.sizes))  # the first steps' arm on more than one rank
+        bound.steps = bound.next_decision = 5
+        return net, opt, SimpleNamespace(bound=bound)
+
+    net_a, opt_a, runner_a = survivor(1)
+    kept: list = []
+
+    def completes(where, run, keep, take, before_redo=None, counted=None):
+        kept.append(keep(run()))
+
+    healing_auto.auto_decision(SimpleNamespace(operation=completes), runner_a, opt_a)
+    a = runner_a.bound
+    assert a.choice.arm == "sync" and a.decisions == 1 and a.deciding is None
+    net_b, opt_b, runner_b = survivor(2)
+    theirs = (a.decisions, a.steps, False, a.choice.as_dict())
+
+    def interrupted(where, run, keep, take, before_redo=None, counted=None):
+        runner_b.bound.decide = lambda optimizer: (_ for _ in ()).throw(RuntimeError("a rank died"))
+        with pytest.raises(RuntimeError):
+            run()
+        state = kept_state(runner_b.bound)
+        assert state["deciding"] and state["choice"]["arm"] == "streaming" and state["decisions"] == 0
+        transport = Transport(MPI.COMM_SELF)
+        transport.allgather_object = lambda mine: [mine, theirs]  # the healed run's two survivors
+        transport.size = 2
+        healed = rule.bind(transport, list(net_b.parameters()))
+        healed.load_state_dict(state)  # binds A's arm: binding is collective, every survivor binds the same
+        assert healed.choice == a.choice and healed.next_decision == 6
+        runner_b.bound = healed
+        take(kept[0])
+
+    healing_auto.auto_decision(SimpleNamespace(operation=interrupted), runner_b, opt_b)
+    b = runner_b.bound
+    assert (b.choice, b.decisions, b.switches, b.observed, b.next_decision) == (a.choice, 1, 1, {}, 6)
+    assert all(torch.equal(p, q) for p, q in zip(net_a.parameters(), net_b.parameters(), strict=True))
+    moments = [
+        opt.state[p]["momentum_buffer"] for opt, net in ((opt_a, net_a), (opt_b, net_b)) for p in net.parameters()
+    ]
+    half = len(moments) // 2
+    assert all(torch.equal(x, y) for x, y in zip(moments[:half], moments[half:], strict=True))
 
 
 @pytest.mark.timeout(10)
