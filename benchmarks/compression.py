@@ -136,11 +136,10 @@ def worker(mode: str, rows: list, out: str, epochs: int, steps: int, repeat: int
                 self.dense.append(s.get("dense_bytes", s.get("wire_bytes", 0.0)))
 
     if mode == "acc":
-        from sklearn.datasets import load_digits
-        from sklearn.model_selection import train_test_split
+        from examples.digits_data import held_out_split, load_digits
 
-        x, y = load_digits(return_X_y=True)
-        xtr, xte, ytr, yte = train_test_split(x / 16.0, y, test_size=0.25, random_state=0, stratify=y)
+        x, y = load_digits()
+        xtr, xte, ytr, yte = held_out_split(x / 16.0, y)
         train = TensorDataset(torch.tensor(xtr, dtype=torch.float32), torch.tensor(ytr))
         xte, yte = torch.tensor(xte, dtype=torch.float32), torch.tensor(yte)
     schedule = [(r, row) for r in range(repeat if mode == "speed" else 1) for row in rows]

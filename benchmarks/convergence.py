@@ -56,19 +56,18 @@ def worker(args: argparse.Namespace) -> None:
     import pytorch_lightning as pl
     import torch
     from mpi4py import MPI
-    from sklearn.datasets import load_digits
-    from sklearn.model_selection import train_test_split
     from torch import nn
     from torch.utils.data import DataLoader, TensorDataset
 
     import lightning_mpi  # noqa: F401
+    from examples.digits_data import held_out_split, load_digits
 
     torch.set_num_threads(1)
     comm = MPI.COMM_WORLD
     rank, world = comm.Get_rank(), comm.Get_size()
-    x, y = load_digits(return_X_y=True)
+    x, y = load_digits()
     x = (x / 16.0).astype(np.float32)
-    xtr, xte, ytr, yte = train_test_split(x, y, test_size=0.25, random_state=0, stratify=y)
+    xtr, xte, ytr, yte = held_out_split(x, y)
     train = TensorDataset(torch.tensor(xtr), torch.tensor(ytr, dtype=torch.long))
     xte, yte = torch.tensor(xte), torch.tensor(yte, dtype=torch.long)
     steps_per_epoch = math.ceil(math.ceil(len(train) / world) / BATCH)

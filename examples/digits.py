@@ -23,12 +23,13 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_mpi  # noqa: F401  (registers the mpi_* strategy names)
+from digits_data import load_digits  # examples/digits_data.py: scikit-learn's digits, stored here
 
 warnings.filterwarnings("ignore", ".*does not have many workers.*")
 
 
 class DigitsData(pl.LightningDataModule):
-    """scikit-learn's 1,797 8×8 digit images, split 80/20 with a fixed seed."""
+    """scikit-learn's 1,797 8×8 digit images (``digits_data.py``), split 80/20 with a fixed seed."""
 
     def __init__(self, batch_size: int = 32, seed: int = 0) -> None:
         super().__init__()
@@ -36,9 +37,7 @@ class DigitsData(pl.LightningDataModule):
         self.seed = seed
 
     def setup(self, stage: str | None = None) -> None:
-        from sklearn.datasets import load_digits
-
-        x, y = load_digits(return_X_y=True)
+        x, y = load_digits()
         x = torch.tensor(x, dtype=torch.float32).view(-1, 1, 8, 8) / 16.0
         y = torch.tensor(y, dtype=torch.long)
         order = torch.randperm(len(x), generator=torch.Generator().manual_seed(self.seed))

@@ -25,15 +25,14 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_mpi  # registers the mpi_* names with lightning.fabric
+from digits_data import load_digits  # examples/digits_data.py: scikit-learn's digits, stored here
 
 warnings.filterwarnings("ignore", ".*does not have many workers.*")
 
 
 def digits(seed: int = 0) -> tuple[TensorDataset, TensorDataset]:
-    """scikit-learn's 1,797 8x8 digit images, split 80/20 with a fixed seed."""
-    from sklearn.datasets import load_digits
-
-    x, y = load_digits(return_X_y=True)
+    """scikit-learn's 1,797 8x8 digit images (``digits_data.py``), split 80/20 with a fixed seed."""
+    x, y = load_digits()
     x = torch.tensor(x, dtype=torch.float32).view(-1, 1, 8, 8) / 16.0
     y = torch.tensor(y)
     order = torch.randperm(len(y), generator=torch.Generator().manual_seed(seed))

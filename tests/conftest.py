@@ -60,6 +60,7 @@ CUDA_SKIP_REASON = "needs a CUDA device: on a GPU machine `python benchmarks/gpu
 def pytest_collection_modifyitems(config, items):
     _mark_openmpi_core(config, items)
     _skip_cuda(items)
+    _skip_plots(items)
 
 
 def _skip_cuda(items):
@@ -77,5 +78,30 @@ def _skip_cuda(items):
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason=CUDA_SKIP_REASON)
+    for item in marked:
+        item.add_marker(skip)
+
+
+PLOTS_SKIP_REASON = (
+    "writes figures: needs matplotlib (pip install -e \".[plots]\"); ./run test runs the tests marked plots "
+    "last, after installing it"
+)
+
+
+def _skip_plots(items):
+    """Tests marked ``plots`` are skipped where matplotlib is not installed.
+
+    The test environment leaves matplotlib out on purpose: torchmetrics, which Lightning imports,
+    imports it whenever it is installed (about 1.2 s of CPU in every rank of every launch).
+    ``./run test`` runs the rest of the suite first, then installs it and runs these.
+    """
+    marked = [item for item in items if item.get_closest_marker("plots") is not None]
+    if not marked:
+        return
+    import importlib.util
+
+    if importlib.util.find_spec("matplotlib") is not None:
+        return
+    skip = pytest.mark.skip(reason=PLOTS_SKIP_REASON)
     for item in marked:
         item.add_marker(skip)

@@ -51,6 +51,7 @@ def test_the_python_entry_and_its_config_exist_and_agree_with_the_script(monkeyp
     assert (REPO / entry).is_file() and (REPO / config).is_file()
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "argv", [str(REPO / entry), "fit", f"--config={REPO / config}", "--print_config"])
+    monkeypatch.syspath_prepend(str((REPO / entry).parent))  # as `python examples/digits.py` has it
     main = runpy.run_path(str(REPO / entry), run_name="slurm_entry")["main"]
     with pytest.raises(SystemExit) as ended:
         main()

@@ -152,6 +152,7 @@ def write_stage_outputs(out: Path) -> None:
                  {"mode": "checkpoint+torchtune", "ok": False, "skipped": "torchtune not installed"}]}))
 
 
+@pytest.mark.plots  # the report draws two figures
 def test_the_report_renders_every_section_and_judges_issue_16s_targets(tmp_path):
     write_stage_outputs(tmp_path)
     machine = {"cuda": True, "gpu": "NVIDIA H100 80GB HBM3", "gpu_memory_gib": 79.1, "capability": "9.0", "driver": "550.54.15",

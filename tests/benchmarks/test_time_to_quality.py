@@ -13,6 +13,7 @@ from tests.mpi_utils import REPO, mpi_env
 sys.path.insert(0, str(REPO))
 
 from benchmarks import time_to_quality as ttq  # noqa: E402
+from benchmarks import ttq_report  # noqa: E402
 from benchmarks.ttq_report import (  # noqa: E402
     aggregate,
     effective_speedup,
@@ -58,7 +59,24 @@ def test_smoke_run_writes_every_field_and_reports_a_missing_arm(tmp_path):
     assert summary["mpi_asa16"]["speedup"] > 0 and "ddp_fp16" in summary["mpi_asa16"]["vs_peers"]
     assert summary["mpi_no_such_rule"]["status"] == "not available"
     assert "| mpi_no_such_rule | not available" in out.with_suffix(".md").read_text()
-    assert (tmp_path / "ttq_shm_2.png").exists()
+    # the figure: test_plot_draws_every_arm_and_the_speedups (matplotlib is not in the test extra)
+
+
+@pytest.mark.plots
+def test_plot_draws_every_arm_and_the_speedups(tmp_path):
+    local = _arm([(0, 5.0), (10, 4.0), (20, 3.0)], 2.0, 30.0, 300, 4800, world=1)
+    results = {"ddp_fp16": _arm([(0, 5.0), (10.0, 4.5)], 4.2, 10.0, 20, 640),
+               "mpi_x": _arm([(0, 5.0), (5.0, 3.5)], 3.0, 10.0, 50, 1600),
+               "mpi_gone": {"status": "hung", "reason": "killed"}}
+    summary = summarize(results, local, budget=10.0, peer_factor=1.0, local_runs=[local])
+    report = {"args": {"budget": 10.0, "peer_factor": 1.0}, "local": local, "settings": {"shm:2": results},
+              "summary": {"shm:2": summary}}
+    path = tmp_path / "ttq_shm_2.png"
+    ttq_report.plot(report, "shm:2", path)
+    import matplotlib.image
+
+    height, width, _ = matplotlib.image.imread(path).shape
+    assert width > 1.5 * height  # two panels side by side: the curves and the speedup bars
 
 
 def test_arm_specs_and_exchange_bytes():

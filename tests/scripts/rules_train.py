@@ -1,4 +1,4 @@
-"""Train a small MLP on scikit-learn digits with each named strategy; rank 0 writes JSON.
+"""Train a small MLP on scikit-learn's digits (examples/digits_data.py) with each named strategy; rank 0 writes JSON.
 
 Usage: rules_train.py OUT.json NAME[,NAME...] [SCENARIO]
 
@@ -29,12 +29,11 @@ import numpy as np  # noqa: E402
 import pytorch_lightning as pl  # noqa: E402
 import torch  # noqa: E402
 from mpi4py import MPI  # noqa: E402
-from sklearn.datasets import load_digits  # noqa: E402
-from sklearn.model_selection import train_test_split  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 import lightning_mpi  # noqa: E402,F401
+from examples.digits_data import held_out_split, load_digits  # noqa: E402
 from tests.quiet_trainer import QUIET  # noqa: E402
 
 torch.set_num_threads(1)
@@ -50,9 +49,9 @@ WARMUP_EPOCHS = float(os.environ.get("RULES_WARMUP_EPOCHS", 1))
 
 
 def data():
-    x, y = load_digits(return_X_y=True)
+    x, y = load_digits()
     x = (x / 16.0).astype(np.float32)
-    xtr, xte, ytr, yte = train_test_split(x, y, test_size=0.25, random_state=0, stratify=y)
+    xtr, xte, ytr, yte = held_out_split(x, y)
     t = lambda a, d: torch.tensor(a, dtype=d)  # noqa: E731
     return TensorDataset(t(xtr, torch.float32), t(ytr, torch.long)), (t(xte, torch.float32), t(yte, torch.long))
 

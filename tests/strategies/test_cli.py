@@ -68,6 +68,7 @@ def _digits_cli(monkeypatch, capsys, *args: str) -> tuple[int, str, str]:
     ``--print_config`` exits before anything is built or launched, so one process is the whole
     story; running it here saves a Lightning import per call (several seconds each on 2 cores)."""
     monkeypatch.setattr(sys, "argv", [DIGITS, "fit", *args, "--print_config"])
+    monkeypatch.syspath_prepend(str(REPO / "examples"))  # as `python examples/digits.py` has it: digits_data
     digits = runpy.run_path(DIGITS, run_name="digits_cli")
     capsys.readouterr()
     with pytest.raises(SystemExit) as ended:
