@@ -14,7 +14,8 @@ import torch
 from lightning_mpi.rules.auto import BoundAuto
 from lightning_mpi.rules.auto_choice import Choice
 from lightning_mpi.rules.base import BoundRule
-from lightning_mpi.strategies.healing_rules import heal_after_step, heal_grads, kept_state
+from lightning_mpi.rules.diloco import BoundDiLoCo
+from lightning_mpi.strategies.healing_rules import heal_after_step, heal_grads, heal_outer_end, kept_state
 
 
 class _ArmRunner:
@@ -64,6 +65,16 @@ def auto_after_step(healing: Any, runner: Any, optimizer: Any) -> None:
     if runner.bound.end_step(time.perf_counter() - start):
         auto_decision(healing, runner, optimizer)
     runner.bound.clock.resume()
+
+
+def auto_train_end(healing: Any, runner: Any) -> None:
+    """``mpi_auto``'s ``on_train_end``: where its arm is Streaming DiLoCo, that arm's final average
+    as a healing operation (:func:`heal_outer_end`: redone over the survivors, who end bitwise
+    identical on the mean of their own replicas); the every-step arms exchange nothing there."""
+    if isinstance(runner.bound.inner, BoundDiLoCo):
+        heal_outer_end(healing, _ArmRunner(runner))
+    else:
+        runner.bound.on_train_end()
 
 
 def _float_state(params: list[torch.Tensor], optimizer: Any) -> dict[tuple[int, str], torch.Tensor]:

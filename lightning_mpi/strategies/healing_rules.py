@@ -65,7 +65,8 @@ auto.BoundAuto`)                            measurements; inside a decision, as 
                                             or its outcome taken. The survivors agree on the
                                             arm and re-decide over the new world size
                                             (:mod:`.healing_auto`, :mod:`~lightning_mpi.
-                                            rules.auto_heal`)
+                                            rules.auto_heal`); ``on_train_end`` on a
+                                            Streaming DiLoCo arm redone as DiLoCo's
 any other                                   ``LookupError``: the strategy fails the run
 =========================================  ================================================
 """
@@ -276,9 +277,15 @@ def heal_train_end(healing: Any, runner: Any) -> None:
     takes the consensus from one that completed it. The same for a parameter-server rule: its
     last commit, the barrier after it and the read of the center are redone over the survivors on
     the rebuilt center (a completed last commit is not made twice). DiLoCo's and Streaming
-    DiLoCo's final average: :func:`heal_outer_end`."""
+    DiLoCo's final average: :func:`heal_outer_end`; ``mpi_auto``'s, where its arm is Streaming
+    DiLoCo, the same on that arm (:func:`~.healing_auto.auto_train_end`)."""
     bound = runner.bound
     if bound is None:
+        return
+    if healing.active and isinstance(bound, BoundAuto):
+        from lightning_mpi.strategies.healing_auto import auto_train_end
+
+        auto_train_end(healing, runner)
         return
     if healing.active and isinstance(bound, BoundDiLoCo):
         heal_outer_end(healing, runner)

@@ -113,6 +113,7 @@ OUTER_PERIOD = 4  # DiLoCo in the ``outer`` launch: outer steps after steps 4 an
 STREAMING_KILL = 0
 AUTO_DECIDES, AUTO_KILL, AUTO_STEPS = 5, 8, 11  # mpi_auto: its first decision after step 5 (PROBE_STEPS)
 AUTO_REPLACE_KILL, AUTO_REPLACE_STEPS = 7, 14  # W = 2: 8 batches per rank and epoch
+AUTO_END_STEPS, AUTO_END_DIES_AT = 4, 1  # mpi_auto's first arm to the end, before its first decision
 
 
 class Indexed(Dataset):
@@ -662,6 +663,22 @@ def auto_phase() -> dict:
     }
 
 
+def auto_end_phase() -> dict:
+    """``mpi_auto`` under the Trainer on all ranks (W 6 -> 5), AUTO_END_STEPS steps: before its first
+    decision (after step AUTO_DECIDES) it trains its first arm, Streaming DiLoCo at its defaults;
+    the last rank dies inside ``on_train_end``'s final average, at fragment AUTO_END_DIES_AT's
+    exchange (fragment 0's already averaged into the weights): the survivors heal there, put back
+    what the average changed and redo it over themselves."""
+    from lightning_mpi.lightning import AutoStrategy
+
+    model = _trainer_model("auto_end", "auto_end_val", _never, dies_in_final_average=AUTO_END_DIES_AT)
+    strategy = AutoStrategy(heal="shrink")
+    result = _trainer_fit(model, strategy, max_steps=AUTO_END_STEPS, enable_checkpointing=False)
+    bound = strategy._runner.bound
+    result["auto"] = {"arm": bound.choice.arm, "decisions": bound.decisions, "steps": bound.steps}
+    return result
+
+
 def auto_replace_phase() -> dict:
     """``mpi_auto`` under the Trainer with ``heal="replace"`` on the two left by :func:`auto_phase`
     (``assume``: every-step ASA from the first decision, after step AUTO_DECIDES): launch rank 1
@@ -727,7 +744,7 @@ def main() -> None:
     if sys.argv[2:] == ["outer"]:
         phases = OUTER_PHASES
     if sys.argv[2:] == ["auto"]:
-        phases = (("auto", auto_phase), ("auto_replace", auto_replace_phase))
+        phases = (("auto_end", auto_end_phase), ("auto", auto_phase), ("auto_replace", auto_replace_phase))
     names = [name for name, _ in phases]
     if os.environ.get("LIGHTNING_MPI_REPLACEMENT"):  # a replacement starts at the phase that spawned it
         current = (OUT / "phase").read_text()

@@ -21,8 +21,8 @@ Open MPI CI run: DOWNPOUR (its center rebuilt over the survivors, checked value 
 GoSGD. So has the ``outer`` launch (4 ranks, outside CI, ``-k outer``): ``heal="replace"`` under the
 Trainer with top-k, DiLoCo and Streaming DiLoCo, then a rank lost inside DiLoCo's final average
 (Fabric's ``finish_training``, the Trainer's ``on_train_end``).
-So has ``mpi_auto`` (a loss inside a decision, one in its redo, one in its arm's
-exchange, then ``heal="replace"`` under the Trainer; ``-k mpi_auto``).
+So has ``mpi_auto`` (a loss in its Streaming DiLoCo arm's final average, one inside a decision, one in
+its redo, one in its arm's exchange, then ``heal="replace"`` under the Trainer; ``-k mpi_auto``).
 """
 
 from __future__ import annotations
@@ -1210,13 +1210,13 @@ def test_parameter_server_survivors_rebuild_the_center_and_train_on(gosgd_healed
     assert torch.allclose(final, expected, atol=1e-5, rtol=0)
 
 
-AUTO_LAUNCHED = 5
+AUTO_LAUNCHED = 6  # W 6 -> 5 in the final average, then the decisions' phase from 5
 
 
 @pytest.fixture(scope="module")
 def auto_healed(tmp_path_factory):
-    """``mpi_auto`` alone (Fabric, ``"shrink"``: W 5 -> 4 -> 3 -> 2; then the Trainer, ``"replace"``: 2 -> 1
-    -> 2): its own launch, not in the Open MPI CI run, whose time is
+    """``mpi_auto`` alone (the Trainer, a loss in the final average: W 6 -> 5; Fabric, ``"shrink"``: 5 -> 4
+    -> 3 -> 2; then the Trainer, ``"replace"``: 2 -> 1 -> 2): its own launch, not in the Open MPI CI run, whose time is
     at its limit; run it with ``LIGHTNING_MPI_TEST_MPI=openmpi python -m pytest -m mpi -k mpi_auto``."""
     require_ulfm()
     out = tmp_path_factory.mktemp("heal_auto")
@@ -1244,7 +1244,7 @@ def test_mpi_auto_survivors_heal_in_a_decision_and_an_exchange_and_agree_on_thei
     assert sorted(steps) == list(range(script.AUTO_STEPS))
     decided = script.AUTO_DECIDES - 1  # the Fabric step whose update ends with the first decision
     for step, entries in steps.items():
-        world = AUTO_LAUNCHED - 2 * (step >= decided) - (step >= script.AUTO_KILL)
+        world = AUTO_LAUNCHED - 1 - 2 * (step >= decided) - (step >= script.AUTO_KILL)
         assert sorted(rank for rank, _ in entries) == list(range(world)), step
         assert all(e["world"] == world for _, e in entries)
         if step >= decided:  # every-step ASA after the switch: one set of weights everywhere
@@ -1269,6 +1269,33 @@ def test_mpi_auto_survivors_heal_in_a_decision_and_an_exchange_and_agree_on_thei
         assert sum(f"lightning_mpi: healed: rank {lost} of {size} lost (detected in {where}" in x for x in lines) == 1
     assert f"mpi_auto after step {script.AUTO_DECIDES}: every-step ASA" in err
     assert f"mpi_auto after step {script.AUTO_KILL + 1}: every-step ASA" in err  # the re-decision over two
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(430)
+def test_mpi_auto_survivors_heal_in_the_final_average_of_its_streaming_diloco_arm(auto_healed):
+    """``mpi_auto`` under the Trainer on 6 ranks, before its first decision (its first arm,
+    Streaming DiLoCo): the last rank dies inside ``on_train_end``'s final average, once fragment 0's
+    exchange was averaged into the weights. The five survivors heal there and redo the average
+    over themselves: every step done by the six, one heal line, the survivors bitwise identical
+    and moved by the average (not the weights of any one replica), still on their first arm."""
+    err, finals, records = auto_healed
+    script = _script_module()
+    steps = records["auto_end"]
+    assert sorted(steps) == list(range(script.AUTO_END_STEPS))
+    for step, entries in steps.items():
+        assert sorted(rank for rank, _ in entries) == list(range(AUTO_LAUNCHED)), step  # nobody lost while training
+    survivors = list(range(AUTO_LAUNCHED - 1))
+    assert sorted(finals["auto_end"]) == survivors
+    ours = [finals["auto_end"][r] for r in survivors]
+    assert all(result["final"] == ours[0]["final"] for result in ours) and ours[0]["final"] != ours[0]["initial"]
+    for result in ours:
+        assert result["auto"] == {"arm": "streaming", "decisions": 0, "steps": script.AUTO_END_STEPS}
+        (event,) = result["history"]
+        assert (event["where"], event["lost"], event["world_size"], event["redo"]) == (
+            "the final average", [AUTO_LAUNCHED - 1], AUTO_LAUNCHED - 1, True)
+    line = f"rank {AUTO_LAUNCHED - 1} of {AUTO_LAUNCHED} lost (detected in the final average"
+    assert sum(line in x for x in err.splitlines()) == 1
 
 
 @pytest.mark.mpi
