@@ -53,35 +53,27 @@ fresh timings (``assume`` makes them reproducible, for tests and what-if runs).
 from __future__ import annotations
 
 import time
-import warnings
 from collections import deque
 from collections.abc import Sequence
-from types import SimpleNamespace
-from typing import Any, cast
+from typing import Any
 
-import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from lightning_mpi.comm.codecs import FP16
-from lightning_mpi.comm.collectives import ASAWorkspace, asa_mean_steps
-from lightning_mpi.comm.engine import ExchangeScheduler
 from lightning_mpi.comm.transport import Transport
 from lightning_mpi.options import integer, number, option, options_class
 from lightning_mpi.rules.auto_choice import (
-    EVERY_STEP_ARMS,
     Choice,
     Sizes,
     choose,
     default_plan,
-    dry_run_exposed,
-    worth_timing,
 )
 from lightning_mpi.rules.auto_heal import agree_after_heal
+from lightning_mpi.rules.auto_measure import DecisionProbe
 from lightning_mpi.rules.base import BoundRule, Rule
 from lightning_mpi.rules.diloco import DiLoCoRule
 from lightning_mpi.rules.link_model import Link
-from lightning_mpi.rules.link_probe import LinkProbe, Measurement, StepClock
+from lightning_mpi.rules.link_probe import Measurement, StepClock
 from lightning_mpi.rules.powersgd import PowerSGDRule
 from lightning_mpi.rules.streaming_diloco import StreamingDiLoCoRule
 from lightning_mpi.rules.sync import SyncRule
@@ -92,8 +84,6 @@ PROBE_STEPS = 5
 #: (PowerSGD's matrix products, Python's overhead per bucket) is seen soon, not ``measure_every``
 #: steps later.
 CONFIRM_STEPS = 6
-#: Values of the bandwidth probe (fp32): 1 MiB, a few ms on 1 Gbit/s, 80 ms on 100 Mbit/s.
-PROBE_NUMEL = 1 << 18
 #: The arms whose ranks step on their own between exchanges.
 LOCAL_STEP_ARMS = ("probing", "streaming")
 ARM_CODES = {"probing": -1.0, "sync": 0.0, "powersgd": 1.0, "streaming": 2.0}
@@ -298,71 +288,12 @@ class BoundAuto(BoundRule):
         return self.transport.size > 1 and self.steps == self.next_decision
 
     def _measure(self) -> tuple[Measurement, float | None]:
-        """Collective: this decision's measurement and the arm's observed exposed seconds, agreed."""
-        step = self.clock.seconds() or 1e-3
-        every_step = self.choice.arm in ("sync", "powersgd")
+        """Collective: this decision's measurement and the arm's observed exposed seconds, agreed
+        (:class:`~.auto_measure.DecisionProbe`); with ``assume``, the assumed one and none."""
         if self.assumed is not None:
             return self.assumed[min(self.decisions, len(self.assumed) - 1)], None
-        probe = torch.zeros(min(PROBE_NUMEL, max(1, self.sizes.numel)), dtype=torch.float32)
-        nbytes = int(2 * (self.transport.size - 1) / self.transport.size * probe.numel() * 4)
-        measured = LinkProbe(self.transport).measure(step, lambda: self.transport.allreduce_(probe), nbytes)
-        self._dry_runs(measured)
-        if not every_step:  # the same on every rank: the arm in use is agreed
-            return measured, None
-        # Agreed whether or not this rank timed a step of the arm (-1: none), so that every rank
-        # joins this Allreduce whatever its own ``held`` holds.
-        mine = sorted(self.held)[len(self.held) // 2] if self.held else -1.0
-        agreed = torch.tensor([mine], dtype=torch.float64)
-        slowest = float(self.transport.allreduce_(agreed, "max")[0])
-        return measured, (slowest if slowest >= 0 else None)
-
-    def _dry_runs(self, measured: Measurement) -> None:
-        """Collective: time one exchange of every every-step arm that the link does not rule out
-        (and that is not in use: its own steps are timed), on the real gradient sizes, and keep
-        what it would add to a step as that arm's observed cost (:func:`~.auto_choice.dry_run_exposed`)."""
-        step, link = measured.step_seconds, measured.link
-        for arm in EVERY_STEP_ARMS:
-            if arm == self.choice.arm or not worth_timing(arm, step, link, self.sizes, self.rule.tolerance):
-                continue
-            seconds = self._dry_sync_seconds() if arm == "sync" else self._dry_powersgd_seconds()
-            agreed = torch.tensor([seconds], dtype=torch.float64)
-            real = float(self.transport.allreduce_(agreed, "max")[0])  # every rank decides from the same
-            self.observed[arm] = (dry_run_exposed(arm, real, step, link, self.sizes), link.bandwidth)
-
-    def _dry_sync_seconds(self) -> float:
-        """Collective: one fp16 ASA exchange of the real gradient size (zeros), timed."""
-        size = self.transport.size
-        flat = torch.zeros(-(-self.sizes.numel // size) * size, dtype=torch.float32)
-        work = ASAWorkspace.for_buffer(flat, size, FP16)
-        scheduler = ExchangeScheduler(self.transport.timeout, self.transport.rank, size, watch=self.transport.watch)
-        start = time.perf_counter()
-        scheduler.start(asa_mean_steps(self.transport, flat, FP16, work))
-        scheduler.wait_all()
-        return time.perf_counter() - start
-
-    def _dry_powersgd_seconds(self) -> float:
-        """Collective: PowerSGD's step (compress, two Allreduces, decompress, error feedback) on
-        copies of this rank's gradients, timed once: the matrix products and orthogonalisation the
-        link model cannot see. Once, so that the probe costs about one PowerSGD step: that one
-        also draws the Q's and allocates the buckets, which overstates PowerSGD's cost a little;
-        its steady cost shows in its own steps once it runs. The training's own parameters,
-        gradients and state are untouched."""
-        shadow = []
-        for param in self.params:
-            copy = torch.empty_like(param).requires_grad_(True)
-            source = param.grad if param.grad is not None else param  # same cost, non-zero values
-            copy.grad = source.detach().clone()
-            shadow.append(copy)
-        steps = SimpleNamespace(param_groups=[{"params": shadow}])  # before_step reads only these
-        bound = PowerSGDRule(overlap=False).bind(self.transport, shadow)
-        try:
-            with warnings.catch_warnings():  # a rank's own non-finite gradients: timed all the same
-                warnings.simplefilter("ignore")
-                start = time.perf_counter()
-                bound.before_step(cast(Optimizer, steps))
-                return time.perf_counter() - start
-        finally:
-            bound.close()
+        probe = DecisionProbe(self.transport, self.params, self.sizes, self.rule.tolerance)
+        return probe.measure(self.clock.seconds() or 1e-3, self.choice.arm, self.held, self.observed)
 
     def decide(self, optimizer: Optimizer) -> bool:
         """Measure, agree, choose, and switch where the choice changed (collective); returns whether

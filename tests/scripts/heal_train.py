@@ -601,6 +601,7 @@ def auto_phase() -> dict:
 
     from lightning_mpi.fabric import AutoStrategy
     from lightning_mpi.rules import auto as auto_module
+    from lightning_mpi.rules import auto_choice
     from lightning_mpi.rules.link_model import Link
     from lightning_mpi.rules.link_probe import LinkProbe, Measurement
 
@@ -623,7 +624,7 @@ def auto_phase() -> dict:
 
     LinkProbe.measure = pinned
     auto_module.BoundAuto._switch = switch_or_die
-    auto_module.dry_run_exposed = lambda *args: 0.0  # the dry runs run; what they say is pinned
+    auto_choice.dry_run_exposed = lambda *args: 0.0  # the dry runs run; what they say is pinned
     strategy = AutoStrategy(heal="shrink")
     fabric = L.Fabric(strategy=strategy, accelerator="cpu")
     fabric.launch()
