@@ -47,6 +47,7 @@ from lightning_mpi.rules.base import BoundRule, Rule
 from lightning_mpi.rules.buckets import SegmentedBuckets
 from lightning_mpi.rules.zero_bucket import ShardBucket
 from lightning_mpi.rules.zero_layout import ParamSpec, plan_buckets
+from lightning_mpi.rules.zero_mirror import MirrorShard
 from lightning_mpi.rules.zero_optimizer import ShardedOptimizer, check_elementwise
 from lightning_mpi.rules.zero_state import consolidate
 
@@ -128,6 +129,14 @@ class BoundZeroRule(BoundRule):
                 on_error=transport.report_thread_failure,
             )
         self.sharded: ShardedOptimizer | None = None
+        #: the buddy copy of rank (r + 1) % W's shard, under ``heal`` (:mod:`~lightning_mpi.rules.zero_mirror`)
+        self.mirror: MirrorShard | None = None
+        self.mirrored = False
+        #: optimizer steps taken since the run started (carried through heals): the survivors compare them
+        self.optimizer_steps = 0
+        #: what the survivors kept of the binding before a heal (``load_state_dict``), until resharded
+        self.healed_from: dict[str, Any] | None = None
+        self._step_hook: Any = None
         self.skipped_steps = 0
         self.exchange_count = 0
         self.hook_launches = 0
@@ -144,11 +153,14 @@ class BoundZeroRule(BoundRule):
                 self._hooks.append(self.params[param_index].register_post_accumulate_grad_hook(hook))
 
     # -- the optimizer ---------------------------------------------------------------------------
-    def shard_optimizer(self, optimizer: Optimizer) -> Optimizer:
+    def shard_optimizer(self, optimizer: Optimizer, mirror: bool = False) -> Optimizer:
         """Rebuild ``optimizer`` in place over this rank's pieces and return it (the same object).
 
         Call once after ``bind``, with the model's final weights in place (they seed the fp32
-        master weights where a bucket keeps them) and before loading optimizer state.
+        master weights where a bucket keeps them) and before loading optimizer state. ``mirror``
+        (the strategy's ``heal`` is set): also keep the buddy copy of rank (r + 1) % W's shard
+        (:mod:`~lightning_mpi.rules.zero_mirror`), and start the reduce-scatter in ``before_step``
+        rather than from the gradient hooks (a redo after a heal puts the gradients back).
 
         Raises:
             ValueError: the optimizer is not element-wise (LBFGS, ...), or does not hold exactly the
@@ -166,7 +178,26 @@ class BoundZeroRule(BoundRule):
         )
         grads = {id(t): g for b in self.buckets for t, g in zip(b.piece_tensors, b.piece_grads, strict=True)}
         self._piece_grads = [(t, grads[id(t)]) for t in self.sharded.tensors]
+        self.mirrored = mirror
+        if mirror and self.transport.size > 1:
+            masters = {id(t) for b in self.buckets if b.master is not None for t in b.piece_tensors}
+            self.mirror = MirrorShard(
+                self.sharded,
+                self.buckets,
+                self.params,
+                [id(t) in masters for t in self.sharded.tensors],
+                self.transport.rank,
+                self.transport.size,
+            )
+        if mirror:
+            self._step_hook = optimizer.register_step_post_hook(self._owner_stepped)
         return optimizer
+
+    def _owner_stepped(self, *_: Any) -> None:
+        """The optimizer stepped this rank's shard: the mirror steps its buddy's (both local)."""
+        if self.mirror is not None:
+            self.mirror.step()
+        self.optimizer_steps += 1
 
     def _require(self, optimizer: Any) -> None:
         inner = getattr(optimizer, "_optimizer", optimizer)  # Lightning's LightningOptimizer
@@ -184,7 +215,9 @@ class BoundZeroRule(BoundRule):
     # -- reduce-scatter ---------------------------------------------------------------------------
     def _make_hook(self, buckets: list[ShardBucket]):
         def on_grad_ready(_param: Tensor) -> None:
-            if not self.sync_enabled:
+            if not self.sync_enabled or self.mirrored:
+                # mirrored (heal): the exchange starts in before_step, from gradients that a redo
+                # after a heal can put back (stage 2 would free them during backward)
                 return
             if any(bucket.launched for bucket in buckets):
                 self._replayed = True  # a second backward before the step: redone in before_step
@@ -248,6 +281,8 @@ class BoundZeroRule(BoundRule):
         self._taken.clear()
         for tensor, grad in self._piece_grads:
             tensor.grad = grad
+        if self.mirror is not None:  # this rank's averaged chunks to the rank that mirrors it (1/W of the bytes)
+            self.mirror.exchange(self.team, [b.grad for b in self.buckets])
         # per-bucket norms in the gradients' dtype (no float64 copy of the shard), summed in float64
         total = self._global_sum(lambda g: torch.linalg.vector_norm(g).double().square(), "sum")
         self._norm_sq = (total, self._grad_versions())
@@ -306,6 +341,8 @@ class BoundZeroRule(BoundRule):
         coefficient = min(max_norm / (total + 1e-6), 1.0) if math.isfinite(total) else max_norm / (total + 1e-6)
         for bucket in self.buckets:
             bucket.grad.mul_(coefficient)
+        if self.mirror is not None:
+            self.mirror.scale(coefficient)
         return torch.tensor(total, dtype=torch.float32)
 
     # -- allgather ---------------------------------------------------------------------------------
@@ -352,6 +389,8 @@ class BoundZeroRule(BoundRule):
         if self.sharded is None:
             raise ValueError("no optimizer is sharded yet: call shard_optimizer(optimizer) first")
         loaded = self.sharded.load(saved)
+        if self.mirror is not None:
+            self.mirror.stale = True  # the next exchange sends every rank's loaded shard to its mirror
         by_tensor = {id(t): s for t, s in zip(self.sharded.tensors, loaded, strict=True)}
         for bucket in self.buckets:
             if bucket.master is None:
@@ -372,6 +411,26 @@ class BoundZeroRule(BoundRule):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.skipped_steps = int(state.get("skipped_steps", 0))
+        self.healed_from = state.get("zero_heal")
+
+    def heal_state(self) -> dict[str, Any]:
+        """What a heal keeps, read on this rank alone: the counters, this rank's own shard and its
+        buddy's mirror, each with its weights, and the optimizer steps they are at (see
+        :func:`~lightning_mpi.rules.zero_mirror.rebuild_shards`). Raises ``LookupError`` without a
+        mirror (the strategy's ``heal`` was not set when the optimizer was sharded)."""
+        if self.sharded is None or self.mirror is None:
+            raise LookupError(
+                "ZeRO keeps the only copy of each rank's optimizer shard on that rank unless heal is set when the "
+                "optimizer is sharded (its buddy copy)"
+            )
+        return {
+            **self.state_dict(),
+            "zero_heal": {
+                "steps": self.optimizer_steps,
+                "own": self.mirror.sharded_state(),
+                "mirror": self.mirror.state(),
+            },
+        }
 
     def stats(self) -> dict[str, float]:
         """The last step's exchange seconds (reduce-scatter waits, norm, Allgather), bytes this rank
@@ -392,6 +451,9 @@ class BoundZeroRule(BoundRule):
         for handle in self._hooks:
             handle.remove()
         self._hooks = []
+        if self._step_hook is not None:
+            self._step_hook.remove()
+            self._step_hook = None
         if self.transport.abandoned:
             self.progress.abandon()
         else:

@@ -97,6 +97,8 @@ class ShardedOptimizer:
         if len(position) != len(originals):
             raise ValueError("optimizer lists a parameter twice; ZeRO needs each parameter in exactly one group")
         group_of = [g for g, group in enumerate(optimizer.param_groups) for _ in group["params"]]
+        #: the parameters in the optimizer's numbering, and each one's group (for :meth:`unshard`)
+        self.originals, self.group_of = list(originals), group_of
         self._check_coverage(params, originals, position)
         #: optimizer-order slots: (parameter index in the optimizer's numbering, start, length)
         self.slots = [(position[id(params[p.param])], p.start, p.length) for p in pieces]
@@ -122,6 +124,17 @@ class ShardedOptimizer:
             group["params"] = members  # the same dicts: schedulers and Lightning hold them
         optimizer.state.clear()  # the same mapping object: LightningOptimizer shares it
         optimizer.state.update(new_state)
+
+    def unshard(self) -> None:
+        """Give the optimizer its whole parameters back (each group's own, and its ``param_names``),
+        with no state: what a new binding shards again after a heal (its state is loaded then)."""
+        first = 0
+        for group, size, names in zip(self.optimizer.param_groups, self.group_sizes, self.param_names, strict=True):
+            group["params"] = list(self.originals[first : first + size])
+            if names is not None:
+                group["param_names"] = list(names)
+            first += size
+        self.optimizer.state.clear()
 
     @staticmethod
     def _check_coverage(params: Sequence[Tensor], originals: Sequence[Tensor], position: Mapping[int, int]) -> None:

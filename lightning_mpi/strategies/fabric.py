@@ -164,7 +164,7 @@ def fabric_strategy(api: FabricAPI, environment_class: type, checkpoint_io_class
                 rule_name=rule.name,
             )
             self._module: Module | None = None  # the module the rule is bound to
-            self._optimizer_sharding = OptimizerSharding()
+            self._optimizer_sharding = OptimizerSharding(mirror=self._healing.active)
             self._exchanged: bool | None = None  # an exchange run early, for clipping (sharded optimizer)
             self._backward_sync_control = NoBackwardSync(self._runner)
             self._optimizers: list[Optimizer] = []
@@ -352,7 +352,7 @@ def fabric_strategy(api: FabricAPI, environment_class: type, checkpoint_io_class
                 bound = self._runner.rebind(
                     self.transport, self._module, self._aids.rule_to_bind(self.world_size), state
                 )
-                if self._optimizer_sharding.active:  # not reached: ZeRO does not heal yet (healing.kept_state)
+                if self._optimizer_sharding.active:  # ZeRO: the optimizer state rebuilt from shards and mirrors
                     self._optimizer_sharding.attach(bound, self._optimizers)
 
         @override

@@ -67,6 +67,18 @@ auto.BoundAuto`)                            measurements; inside a decision, as 
                                             (:mod:`.healing_auto`, :mod:`~lightning_mpi.
                                             rules.auto_heal`); ``on_train_end`` on a
                                             Streaming DiLoCo arm redone as DiLoCo's
+ZeRO: ``mpi_zero``, ``mpi_zero_bf16``,       ``heal_state()``: counters, this rank's optimizer
+``shard_optimizer=True`` (:class:`~         shard and the mirror of its buddy's ((r + 1) % W,
+lightning_mpi.rules.zero.BoundZeroRule`)    kept while ``heal`` is set: :mod:`~lightning_mpi.
+                                            rules.zero_mirror`), each with its weights, and
+                                            the optimizer steps taken. The new binding puts
+                                            the weights back whole and rebuilds the whole
+                                            optimizer state from them, resharded
+                                            (:mod:`.optimizer_sharding`); a lost shard whose
+                                            mirror was lost too, or survivors at different
+                                            optimizer steps: ``RankFailedError``.
+                                            ``before_step`` redone as sync; ``after_step``
+                                            (the Allgather) redone on the rebuilt weights
 any other                                   ``LookupError``: the strategy fails the run
 =========================================  ================================================
 """
@@ -86,6 +98,7 @@ from lightning_mpi.rules.easgd import BoundEASGD
 from lightning_mpi.rules.gossip import BoundGoSGD
 from lightning_mpi.rules.server_base import BoundServerRule
 from lightning_mpi.rules.sync import BoundSync
+from lightning_mpi.rules.zero import BoundZeroRule
 
 #: Rules whose ranks step on their own gradients and exchange in ``after_step`` every ``period``
 #: steps, with a state that each rank holds whole (``state_dict`` makes no collective): whether
@@ -221,6 +234,18 @@ def heal_after_step(healing: Any, runner: Any, optimizer: Any) -> None:
     averages_weights = type(bound) is BoundSync and bound.rule.average != "gradients"
     if averages_weights:
         exchanged = lambda now, _before: now.transport.size > 1  # noqa: E731  (every step, once W > 1)
+    if healing.active and isinstance(bound, BoundZeroRule):
+        # the Allgather of the stepped chunks: redone on the healed run, whose weights and optimizer
+        # state were rebuilt from the survivors' shards and mirrors as of this step (a survivor that
+        # missed its completion has them so too: nothing to take)
+        healing.operation(
+            "the allgather",
+            lambda: runner.bound.after_step(optimizer),
+            lambda _: None,
+            lambda _: None,
+            counted=lambda: runner.bound.transport.size > 1,
+        )
+        return
     if healing.active and isinstance(bound, _ONE_SIDED):
         # gossip, a parameter server's commit: no collective, nothing to redo; a loss seen by the
         # mailbox or a window heals here (an interrupted commit is settled by the rebuild)

@@ -10,6 +10,11 @@ the strategy must:
   (:mod:`lightning_mpi.checkpoint`), and load one at any world size (:meth:`optimizer_state`,
   :meth:`load_into`).
 
+Under ``heal`` (``mirror=True``) every rank also keeps its buddy's shard
+(:mod:`lightning_mpi.rules.zero_mirror`), and after a heal :meth:`OptimizerSharding.attach` rebuilds
+the whole optimizer state from the survivors' shards and mirrors and reshards it for the new world
+size (:meth:`OptimizerSharding.attach`).
+
 Without a ZeRO rule every method leaves the usual path alone, except that a sharded checkpoint's
 optimizer shards are consolidated into torch's format for a plain optimizer (:func:`plain_state`).
 """
@@ -25,6 +30,7 @@ from torch.optim import Optimizer
 from lightning_mpi.checkpoint.sharded import ShardFiles
 from lightning_mpi.rules.base import BoundRule
 from lightning_mpi.rules.zero import BoundZeroRule
+from lightning_mpi.rules.zero_mirror import rebuild_shards, write_weights
 from lightning_mpi.rules.zero_state import consolidate
 
 
@@ -35,10 +41,12 @@ def plain_state(saved: Any) -> Any:
 
 
 class OptimizerSharding:
-    """The strategy's side of a ZeRO rule (module docstring); inactive until :meth:`attach` finds one."""
+    """The strategy's side of a ZeRO rule (module docstring); inactive until :meth:`attach` finds one.
+    ``mirror``: keep the buddy copy of another rank's shard (the strategy's ``heal`` is set)."""
 
-    def __init__(self) -> None:
+    def __init__(self, mirror: bool = False) -> None:
         self.bound: BoundZeroRule | None = None
+        self.mirror = mirror
 
     @property
     def active(self) -> bool:
@@ -49,10 +57,19 @@ class OptimizerSharding:
         """After the rule is bound and the optimizers exist: rebuild the one optimizer over this
         rank's shard when the rule is ZeRO's (a no-op for any other rule).
 
+        After a heal (``bound`` holds what the survivors kept: its ``healed_from``), collectively
+        over the survivors: the optimizer gets its whole parameters back from the binding before
+        (``previous``), the weights are put back whole and the optimizer state is rebuilt from every
+        survivor's own shard and mirror (:func:`~lightning_mpi.rules.zero_mirror.rebuild_shards`),
+        then sharded for the new world size.
+
         Raises:
             ValueError: several optimizers, or one that is not element-wise (see
                 :func:`lightning_mpi.rules.zero_optimizer.check_elementwise`).
+            RankFailedError: after a heal, a lost shard has no mirror left, or the survivors are at
+                different optimizer steps.
         """
+        previous = self.bound
         self.bound = bound if isinstance(bound, BoundZeroRule) else None
         if self.bound is None:
             return
@@ -63,7 +80,17 @@ class OptimizerSharding:
                 f"{len(inner)} optimizers: use one optimizer (its param groups may differ in lr and weight decay), "
                 "or pass shard_optimizer=False"
             )
-        self.bound.shard_optimizer(inner[0])
+        healed, self.bound.healed_from = self.bound.healed_from, None
+        if healed is None:
+            self.bound.shard_optimizer(inner[0], mirror=self.mirror)
+            return
+        assert previous is not None and previous.sharded is not None, "a heal rebinds a ZeRO rule that sharded"
+        shards, steps = rebuild_shards(self.bound.transport.allgather_object(healed))
+        previous.sharded.unshard()
+        write_weights(shards, previous.sharded.originals)  # every survivor alike: whole again
+        self.bound.shard_optimizer(inner[0], mirror=self.mirror)
+        self.bound.load_optimizer_state(shards)  # resharded for the new world size, master weights included
+        self.bound.optimizer_steps = steps
 
     def detach(self) -> None:
         self.bound = None

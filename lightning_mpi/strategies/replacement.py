@@ -62,6 +62,7 @@ from lightning_mpi.comm.ulfm import ProcessFailed, process_failure
 from lightning_mpi.comm.ulfm import free as ulfm_free
 from lightning_mpi.comm.ulfm import revoke as ulfm_revoke
 from lightning_mpi.rules.server_base import ServerRule
+from lightning_mpi.rules.zero import ZeroRule
 from lightning_mpi.strategies.healing import RunHealing, remember_healed
 from lightning_mpi.strategies.healing_rules import kept_state
 
@@ -101,7 +102,7 @@ def refuse_replace(heal: str | None) -> None:
 
 
 def refuse_replace_for(rule: Any, heal: str | None) -> None:
-    """The Trainer strategies: ``heal="replace"`` is refused for a parameter-server rule, naming
+    """The Trainer strategies: ``heal="replace"`` is refused for a parameter-server rule and ZeRO, naming
     what works instead (a new rank would need a shard of the center and the clock handed over,
     which is not built yet; ``"shrink"`` rebuilds the center over the survivors)."""
     if heal == "replace" and isinstance(rule, ServerRule):
@@ -109,6 +110,13 @@ def refuse_replace_for(rule: Any, heal: str | None) -> None:
             f"heal='replace' is not supported for the parameter-server rule {rule.name!r} yet: a new rank would "
             "have to take over a shard of the center, which is not built yet. Use heal='shrink' (the survivors "
             "rebuild the center over themselves and go on), or `lightning-mpi --max-restarts` with checkpoints"
+        )
+    if heal == "replace" and isinstance(rule, ZeroRule):
+        raise ValueError(
+            "heal='replace' is not supported for ZeRO (shard_optimizer=True, mpi_zero) yet: a new rank would have "
+            "to take over a shard of the optimizer state, which is not built yet. Use heal='shrink' (the survivors "
+            "rebuild the optimizer state from their shards and buddy copies and go on), or `lightning-mpi "
+            "--max-restarts` with sharded checkpoints"
         )
 
 

@@ -184,7 +184,7 @@ def trainer_strategy(api: TrainerAPI, environment_class: type, checkpoint_io_cla
             self._decisions = StopDecisions(api.Callback)
             self._preemption = PreemptionWatch()
             self._sharding = LoaderSharding(api)
-            self._optimizer_sharding = OptimizerSharding()
+            self._optimizer_sharding = OptimizerSharding(mirror=self._healing.active)
             self._steps_seen = 0  # optimizer steps without a trainer to count them
             self._replacing = RunReplacing(
                 self._healing,
@@ -453,7 +453,7 @@ def trainer_strategy(api: TrainerAPI, environment_class: type, checkpoint_io_cla
             self.set_world_ranks()
             if state is not None and self.model is not None:
                 bound = self._runner.rebind(self.transport, self.model, self._aids.rule_to_bind(self.world_size), state)
-                if self._optimizer_sharding.active:  # not reached: ZeRO does not heal yet (healing.kept_state)
+                if self._optimizer_sharding.active:  # ZeRO: the optimizer state rebuilt from shards and mirrors
                     self._optimizer_sharding.attach(bound, self.optimizers)
             self._preemption.restart(self.transport)
             trainer = getattr(self.lightning_module, "_trainer", None) if self._lightning_module is not None else None

@@ -72,6 +72,14 @@ of the phase that spawned it:
   END_STEPS without checkpoints, ending with an exchange in flight; the last rank dies inside ``on_train_end``'s final
   average when it is to start fragment END_DIES_AT's exchange (W 3 -> 2).
 
+``lightning-mpi --heal -n 4 heal_train.py OUT_DIR zero`` (outside CI) runs ``zero``: a Fabric loop on
+ZeRO (``SyncStrategy(exchange="asa", shard_optimizer=True, heal="shrink")``) with Adam; every rank
+also keeps its buddy's shard; launch rank 3 dies at Fabric step ZERO_KILLS[0] (W 4 -> 3: its shard is
+rebuilt from rank 2's mirror), launch rank 1 at step ZERO_KILLS[1] (W 3 -> 2: from rank 0's mirror), each
+before its backward after a barrier (the survivors find the reduce-scatter of that step failed and
+redo it); ZERO_STEPS in all. The survivors write their final weights and the whole optimizer state
+(gathered).
+
 Every process appends a record per step to ``OUT_DIR/steps.<rank>.jsonl`` (its rank at launch):
 the phase, step, world size, its batch's sample indices and (Fabric) its own gradients' inputs.
 The survivors of each phase write ``OUT_DIR/<phase>.<rank>.json``: initial and final weights,
@@ -111,6 +119,7 @@ OUTER_PERIOD = 4  # DiLoCo in the ``outer`` launch: outer steps after steps 4 an
 # its streaming_replace phase: a rank dies at step 0, a replacement is ready at step 2 while fragment 0's
 # exchange is in flight, and is let in at step 3 (mid-epoch: no checkpoint completed the exchange)
 STREAMING_KILL = 0
+ZERO_KILLS, ZERO_STEPS, ZERO_LR = (3, 6), 9, 0.01  # the zero launch: Adam, W 4 -> 3 -> 2
 AUTO_DECIDES, AUTO_KILL, AUTO_STEPS = 5, 8, 11  # mpi_auto: its first decision after step 5 (PROBE_STEPS)
 AUTO_REPLACE_KILL, AUTO_REPLACE_STEPS = 7, 14  # W = 2: 8 batches per rank and epoch
 AUTO_END_STEPS, AUTO_END_DIES_AT = 4, 1  # mpi_auto's first arm to the end, before its first decision
@@ -374,6 +383,42 @@ def _fabric_loop(
         "initial": initial,
         "final": weights(net),
         "stats": {k: v for k, v in strategy.stats().items() if k.startswith("mpi/heal/")},
+        "history": strategy._healing.history,
+        "world_size": fabric.world_size,
+    }
+
+
+def zero_phase() -> dict:
+    """ZeRO with Adam under heal: two ranks die (module docstring); their shards come back from the
+    survivors' mirrors. Each rank's batch is picked by its current rank and world size."""
+    import lightning as L
+
+    from lightning_mpi.fabric import SyncStrategy as FabricSync
+
+    strategy = FabricSync(exchange="asa", shard_optimizer=True, heal="shrink")
+    fabric = L.Fabric(strategy=strategy, accelerator="cpu")
+    fabric.launch()
+    net = make_net()
+    initial = weights(net)
+    model, opt = fabric.setup(net, torch.optim.Adam(net.parameters(), lr=ZERO_LR))
+    data = Indexed()
+    launch_rank = RANK
+    for step in range(ZERO_STEPS):
+        if step in ZERO_KILLS:
+            fabric.barrier()
+            if launch_rank == (3, 1)[ZERO_KILLS.index(step)]:
+                die()
+        index = [(step * 11 + fabric.global_rank * B + k) % N for k in range(B)]
+        opt.zero_grad()
+        fabric.backward(nn.functional.mse_loss(model(data.x[index]), data.y[index]))
+        opt.step()
+        record(phase="zero", step=step, world=fabric.world_size, rank=fabric.global_rank, indices=index)
+    full = strategy._runner.bound.gather_optimizer_state()
+    state = {str(i): {k: v.double().flatten().tolist() for k, v in entry.items()} for i, entry in full["state"].items()}
+    return {
+        "initial": initial,
+        "final": weights(net),
+        "optimizer": state,
         "history": strategy._healing.history,
         "world_size": fabric.world_size,
     }
@@ -744,6 +789,8 @@ def main() -> None:
         phases = (("downpour", downpour_phase), ("gosgd", gosgd_phase))
     if sys.argv[2:] == ["outer"]:
         phases = OUTER_PHASES
+    if sys.argv[2:] == ["zero"]:
+        phases = (("zero", zero_phase),)
     if sys.argv[2:] == ["auto"]:
         phases = (("auto_end", auto_end_phase), ("auto", auto_phase), ("auto_replace", auto_replace_phase))
     names = [name for name, _ in phases]

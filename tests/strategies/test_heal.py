@@ -23,6 +23,8 @@ Trainer with top-k, DiLoCo and Streaming DiLoCo, then a rank lost inside DiLoCo'
 (Fabric's ``finish_training``, the Trainer's ``on_train_end``).
 So has ``mpi_auto`` (a loss in its Streaming DiLoCo arm's final average, one inside a decision, one in
 its redo, one in its arm's exchange, then ``heal="replace"`` under the Trainer; ``-k mpi_auto``).
+So has ZeRO (``mpi_zero`` with Adam, 4 -> 3 -> 2, the lost shards rebuilt from the survivors' buddy
+copies; ``-k zero``).
 """
 
 from __future__ import annotations
@@ -1756,3 +1758,74 @@ def test_outer_a_rank_lost_in_the_final_average_heals_and_the_survivors_average_
         assert result["world_size"] == len(survivors)
     line = f"rank {len(start) - 1} of {len(start)} lost (detected in the final average"
     assert sum(line in x for x in err.splitlines()) == 1
+
+
+def _replay_adam(initial: list, steps: list[list[list[int]]], lr: float) -> tuple[list, dict]:
+    """One process, one Adam over the whole model: each step averages the MSE gradients of the
+    batches the ranks alive at that step trained on (``steps[s]``: one index list per rank)."""
+    script = _script_module()
+    net = script.make_net()
+    with torch.no_grad():
+        for p, w in zip(net.parameters(), initial, strict=True):
+            p.copy_(torch.tensor(w, dtype=torch.float64).view_as(p))
+    data = script.Indexed()
+    opt = torch.optim.Adam(net.parameters(), lr=lr)
+    for batches in steps:
+        grads = []
+        for index in batches:
+            net.zero_grad()
+            torch.nn.functional.mse_loss(net(data.x[index]), data.y[index]).backward()
+            grads.append([p.grad.clone() for p in net.parameters()])
+        for p, *per_rank in zip(net.parameters(), *grads, strict=True):
+            p.grad = sum(per_rank) / len(per_rank)
+        opt.step()
+    state = {
+        str(i): {k: v.double().flatten().tolist() for k, v in opt.state[p].items()}
+        for i, p in enumerate(net.parameters())
+    }
+    return [p.detach().double().flatten().tolist() for p in net.parameters()], state
+
+
+@pytest.fixture(scope="module")
+def zero_healed(tmp_path_factory):
+    """``heal_train.py ... zero`` on 4 ranks: its own launch (about 35 s), not in the Open MPI CI run;
+    ``LIGHTNING_MPI_TEST_MPI=openmpi python -m pytest -q -m mpi tests/strategies/test_heal.py -k zero``."""
+    require_ulfm()
+    out = tmp_path_factory.mktemp("heal_zero")
+    args = [sys.executable, "-m", "lightning_mpi", "-n", 4, "--heal", "--grace", 3, SCRIPT, out, "zero"]
+    code, _, err = finish(launch(args, REPO), 400)
+    assert code == 0, err[-6000:]
+    return (err, *launch_outputs(out))
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(450)
+def test_zero_heals_from_the_buddy_copies_and_matches_a_replay(zero_healed):
+    """ZeRO with Adam under ``heal="shrink"`` at W = 4: launch rank 3 dies (its shard comes back from
+    rank 2's mirror, resharded over three), then launch rank 1 (from rank 0's mirror, over two). The
+    two survivors end bitwise identical, weights and the whole Adam state, equal to a one-process
+    Adam over the ranks alive at each step: no optimizer state was lost or made up."""
+    err, finals, records = zero_healed
+    script = _script_module()
+    steps = records["zero"]
+    assert sorted(steps) == list(range(script.ZERO_STEPS))  # no step lost, none repeated
+    first, second = script.ZERO_KILLS
+    for step, entries in steps.items():
+        alive = [0, 1, 2, 3] if step < first else [0, 1, 2] if step < second else [0, 2]
+        assert sorted(rank for rank, _ in entries) == alive, step
+        assert all(e["world"] == len(alive) for _, e in entries), step
+    assert sorted(finals["zero"]) == [0, 2]
+    ours, theirs = finals["zero"][0], finals["zero"][2]
+    assert ours["final"] == theirs["final"] and ours["optimizer"] == theirs["optimizer"]  # bitwise identical
+    batches = [[e["indices"] for _, e in sorted(steps[s], key=lambda x: x[1]["rank"])] for s in sorted(steps)]
+    weights, state = _replay_adam(ours["initial"], batches, script.ZERO_LR)
+    assert _close(ours["final"], weights)
+    assert sorted(state) == sorted(ours["optimizer"])
+    for index, entry in state.items():
+        for key, values in entry.items():
+            assert _close([ours["optimizer"][index][key]], [values]), (index, key)
+    assert [(e["lost"], e["world_size"], e["where"]) for e in ours["history"]] == [
+        ([3], 3, "the exchange"),
+        ([1], 2, "the exchange"),
+    ]
+    assert sum("healed: rank" in line for line in err.splitlines()) == 2
