@@ -202,3 +202,100 @@ def test_zero_equals_asa_with_the_full_optimizer(world, tmp_path):
     assert results["nonfinite"]["skipped"] == [1, 1] and results["nonfinite"]["nan_filled"] == [True]
     assert results["sgd_momentum"]["diff"] == 0.0 and results["adam"]["diff"] == 0.0  # bitwise: same sums, same order
     assert results["no_overlap"]["hook_launches"] == 0 and results["adam"]["hook_launches"] > 0
+
+
+def _simulated_ranks(world: int, bucket_bytes: int | None, steps: int, lr_at=lambda step: 0.01):
+    """ZeRO with the buddy mirror in one process, no MPI: ``world`` ranks, each with its own copy of
+    two parameters, its sharded Adam and its mirror of rank (r + 1) % W's shard; every step each
+    gets the same averaged gradient, steps its pieces and its mirror (with the owner's lr, a
+    scheduler's), and the pieces are shared as the Allgather would. Returns (ranks, the unsharded
+    Adam run alongside)."""
+    from types import SimpleNamespace
+
+    from lightning_mpi.rules.zero_layout import bucket_pieces
+    from lightning_mpi.rules.zero_mirror import MirrorShard
+
+    g = torch.Generator().manual_seed(3)
+    shapes = [(5, 3), (7,)]
+    start = [torch.randn(s, generator=g) for s in shapes]
+    plans = plan_buckets([ParamSpec.of(t) for t in start], world, bucket_bytes)
+    reference = [torch.nn.Parameter(t.clone()) for t in start]
+    ref_opt = torch.optim.Adam(reference, lr=0.01, weight_decay=0.1)
+    ranks = []
+    for rank in range(world):
+        params = [torch.nn.Parameter(t.clone()) for t in start]
+        opt = torch.optim.Adam(params, lr=0.01, weight_decay=0.1)
+        pieces = rank_pieces(plans, rank)
+        tensors = [params[p.param].detach().view(-1)[p.start : p.start + p.length] for p in pieces]
+        sharded = ShardedOptimizer(opt, params, pieces, tensors, world, rank)
+        buckets = [SimpleNamespace(plan=plan, master=None) for plan in plans]
+        mirror = MirrorShard(sharded, buckets, params, [False] * len(tensors), rank, world)
+        mirror.stale = False  # all start from no state: nothing to send
+        ranks.append(SimpleNamespace(params=params, opt=opt, pieces=pieces, sharded=sharded, mirror=mirror))
+    for step in range(steps):
+        grads = [torch.randn(s, generator=g) for s in shapes]
+        for p, grad in zip(reference, grads):
+            p.grad = grad.clone()
+        ref_opt.param_groups[0]["lr"] = lr_at(step)
+        ref_opt.step()
+        for r in ranks:
+            r.opt.param_groups[0]["lr"] = lr_at(step)
+            for (index, s, n), tensor in zip(r.sharded.slots, r.sharded.tensors):
+                tensor.grad = grads[index].reshape(-1)[s : s + n].clone()
+            for plan, buffer in zip(plans, r.mirror.grads):
+                for piece in bucket_pieces(plan, r.mirror.buddy):
+                    buffer[piece.offset : piece.offset + piece.length] = grads[piece.param].reshape(-1)[
+                        piece.start : piece.start + piece.length
+                    ]
+            r.opt.step()
+            r.mirror.step()
+        with torch.no_grad():  # the Allgather: every rank's pieces to every rank
+            for owner in ranks:
+                for piece in owner.pieces:
+                    values = owner.params[piece.param].reshape(-1)[piece.start : piece.start + piece.length]
+                    for r in ranks:
+                        r.params[piece.param].view(-1)[piece.start : piece.start + piece.length] = values
+    return ranks, reference, ref_opt
+
+
+@pytest.mark.parametrize("world, bucket_bytes", [(3, None), (4, 24)])
+def test_the_mirror_equals_its_buddys_shard_and_rebuilds_the_whole_state(world, bucket_bytes):
+    from lightning_mpi.rules.zero_mirror import rebuild_shards, write_weights
+
+    ranks, reference, ref_opt = _simulated_ranks(world, bucket_bytes, 4, lr_at=lambda step: 0.01 / (step + 1))
+    for r in ranks:  # bit for bit the buddy's state and weights
+        own = ranks[r.mirror.buddy].mirror.sharded_state()
+        mirror = r.mirror.state()
+        assert mirror["rank"] == own["rank"] and sorted(map(tuple, mirror["pieces"])) == sorted(map(tuple, own["pieces"]))
+        by_piece = {tuple(p): s for p, s in zip(own["pieces"], own["state"])}
+        for piece, state in zip(mirror["pieces"], mirror["state"]):
+            assert state.keys() == by_piece[tuple(piece)].keys()
+            for key, value in state.items():
+                assert torch.equal(value, by_piece[tuple(piece)][key]), key
+    # rank 1 lost: its shard from rank 0's mirror; the rebuilt state is the unsharded Adam's
+    kept = [{"steps": 4, "own": r.mirror.sharded_state(), "mirror": r.mirror.state()} for i, r in enumerate(ranks) if i != 1]
+    shards, steps = rebuild_shards(kept[::-1])
+    assert steps == 4 and [s["rank"] for s in shards] == list(range(world))
+    whole = consolidate(shards)
+    for i, p in enumerate(reference):
+        for key, value in ref_opt.state[p].items():
+            assert torch.allclose(whole["state"][i][key], value.reshape(whole["state"][i][key].shape), atol=1e-6), key
+    fresh = [torch.nn.Parameter(torch.zeros_like(p)) for p in reference]
+    write_weights(shards, fresh)
+    for p, q in zip(fresh, ranks[0].params):
+        assert torch.equal(p, q)
+    assert all(torch.allclose(p, q, atol=1e-6) for p, q in zip(fresh, reference))
+
+
+def test_a_shard_lost_with_its_mirror_or_survivors_apart_stop_the_heal():
+    from lightning_mpi.comm.errors import RankFailedError
+    from lightning_mpi.rules.zero_mirror import rebuild_shards
+
+    ranks, _, _ = _simulated_ranks(4, None, 1)
+    kept = [{"steps": 1, "own": r.mirror.sharded_state(), "mirror": r.mirror.state()} for r in ranks]
+    # ranks 1 and 2 lost: rank 1 mirrors rank 2, so rank 2's shard is gone (rank 1's is on rank 0)
+    with pytest.raises(RankFailedError, match=r"rank\(s\) 2 \(mirrored by rank 1\) of 4 were lost together"):
+        rebuild_shards([kept[0], kept[3]])
+    with pytest.raises(RankFailedError, match=r"different optimizer steps \(\[1, 2\]\)"):
+        rebuild_shards([kept[0], {**kept[2], "steps": 2}, kept[3]])
+    assert [s["rank"] for s in rebuild_shards([kept[1], kept[3]])[0]] == [0, 1, 2, 3]  # 0 and 2 lost: mirrored

@@ -98,6 +98,13 @@ def test_rules_that_cannot_heal_yet_say_so():
     server.started = True
     with pytest.raises(LookupError, match="downpour rule's center exists only while it trains"):
         kept_state(server)
+    # ZeRO heals from the buddy copies it keeps only while heal is set (test_zero_heals_*)
+    from lightning_mpi.rules.zero import BoundZeroRule
+
+    zero = object.__new__(BoundZeroRule)
+    zero.sharded, zero.mirror, zero.skipped_steps = None, None, 0
+    with pytest.raises(LookupError, match="only copy of each rank's optimizer shard on that rank unless heal"):
+        kept_state(zero)
 
 
 @pytest.mark.timeout(10)
