@@ -136,6 +136,8 @@ class BoundZeroRule(BoundRule):
         self.optimizer_steps = 0
         #: what the survivors kept of the binding before a heal (``load_state_dict``), until resharded
         self.healed_from: dict[str, Any] | None = None
+        #: the weights are whole (the last step's Allgather completed): a heal need not write them
+        self.whole = True
         self._step_hook: Any = None
         self.skipped_steps = 0
         self.exchange_count = 0
@@ -198,6 +200,7 @@ class BoundZeroRule(BoundRule):
         if self.mirror is not None:
             self.mirror.step()
         self.optimizer_steps += 1
+        self.whole = False
 
     def _require(self, optimizer: Any) -> None:
         inner = getattr(optimizer, "_optimizer", optimizer)  # Lightning's LightningOptimizer
@@ -355,6 +358,7 @@ class BoundZeroRule(BoundRule):
             slot, pool = self._slot(bucket)
             self.progress.start(bucket.gather_steps(slot, pool.release, exact=exact))
         self.progress.wait_all()
+        self.whole = True
         self._seconds += time.perf_counter() - begin
         self._last = {
             "exchange_seconds": self._seconds,
@@ -427,6 +431,7 @@ class BoundZeroRule(BoundRule):
             **self.state_dict(),
             "zero_heal": {
                 "steps": self.optimizer_steps,
+                "whole": self.whole,
                 "own": self.mirror.sharded_state(),
                 "mirror": self.mirror.state(),
             },

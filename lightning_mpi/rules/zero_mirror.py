@@ -22,8 +22,9 @@ number of optimizer steps (every rank steps both locally, between two collective
 :func:`rebuild_shards` assembles the shard states of every rank of the lost world from them (a
 lost rank's from the survivor that mirrored it), which
 :meth:`~lightning_mpi.rules.zero.BoundZeroRule.load_optimizer_state` reshards for the new world
-size, and :func:`write_weights` puts the weights back whole from the same pieces (a step
-interrupted in its Allgather is completed this way). Two adjacent ranks lost at once (a shard and
+size, and, where a survivor's step was interrupted in its Allgather, :func:`write_weights` puts
+the weights back whole from the same pieces (that Allgather is completed this way; weights already
+whole are left alone, so the fp32 weights are unchanged and a lossy wire's members keep their values). Two adjacent ranks lost at once (a shard and
 its only mirror), or survivors that stepped a different number of times (one completed the
 reduce-scatter that another did not), cannot be rebuilt exactly: ``RankFailedError``.
 
@@ -240,12 +241,17 @@ def rebuild_shards(kept: Sequence[Mapping[str, Any]]) -> tuple[list[dict[str, An
 
 def write_weights(shards: Sequence[Mapping[str, Any]], originals: Sequence[Tensor]) -> None:
     """Put every parameter's values back whole from the pieces' ``_weights`` (``originals``: the
-    parameters in the optimizer's numbering)."""
+    parameters in the optimizer's numbering). A piece that holds these values already is not
+    written: a heal inside the forward pass (Lightning's ``reduce`` in ``training_step``) must
+    leave the tensors that backward saved unchanged."""
     with torch.no_grad():
         for shard in shards:
             for (index, start, length), state in zip(shard["pieces"], shard["state"], strict=True):
                 param = originals[int(index)]
                 values = state["_weights"].reshape(-1)
+                now = param.detach().reshape(-1)[int(start) : int(start) + int(length)]
+                if torch.equal(now, values.to(device=now.device, dtype=now.dtype)):
+                    continue
                 if param.is_contiguous():
                     param.view(-1)[int(start) : int(start) + int(length)].copy_(values)
                 else:

@@ -85,9 +85,12 @@ class OptimizerSharding:
             self.bound.shard_optimizer(inner[0], mirror=self.mirror)
             return
         assert previous is not None and previous.sharded is not None, "a heal rebinds a ZeRO rule that sharded"
-        shards, steps = rebuild_shards(self.bound.transport.allgather_object(healed))
+        kept = self.bound.transport.allgather_object(healed)
+        shards, steps = rebuild_shards(kept)
         previous.sharded.unshard()
-        write_weights(shards, previous.sharded.originals)  # every survivor alike: whole again
+        if not all(k.get("whole", True) for k in kept):
+            # a step's Allgather was interrupted: every survivor's weights whole again from the pieces
+            write_weights(shards, previous.sharded.originals)
         self.bound.shard_optimizer(inner[0], mirror=self.mirror)
         self.bound.load_optimizer_state(shards)  # resharded for the new world size, master weights included
         self.bound.optimizer_steps = steps

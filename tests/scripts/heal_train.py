@@ -72,13 +72,19 @@ of the phase that spawned it:
   END_STEPS without checkpoints, ending with an exchange in flight; the last rank dies inside ``on_train_end``'s final
   average when it is to start fragment END_DIES_AT's exchange (W 3 -> 2).
 
-``lightning-mpi --heal -n 4 heal_train.py OUT_DIR zero`` (outside CI) runs ``zero``: a Fabric loop on
-ZeRO (``SyncStrategy(exchange="asa", shard_optimizer=True, heal="shrink")``) with Adam; every rank
-also keeps its buddy's shard; launch rank 3 dies at Fabric step ZERO_KILLS[0] (W 4 -> 3: its shard is
-rebuilt from rank 2's mirror), launch rank 1 at step ZERO_KILLS[1] (W 3 -> 2: from rank 0's mirror), each
-before its backward after a barrier (the survivors find the reduce-scatter of that step failed and
-redo it); ZERO_STEPS in all. The survivors write their final weights and the whole optimizer state
-(gathered).
+``lightning-mpi --heal -n 5 heal_train.py OUT_DIR zero`` (outside CI) runs two ZeRO phases
+(``SyncStrategy(exchange="asa", shard_optimizer=True, heal="shrink")``, Adam; every rank also keeps
+its buddy's shard):
+
+- ``zero``: a Fabric loop; launch rank 4 dies at Fabric step 3 (W 5 -> 4: its shard is rebuilt from
+  rank 3's mirror), launch rank 1 at step 6 (W 4 -> 3: from rank 0's mirror), each before its
+  backward after a barrier (the survivors find the reduce-scatter of that step failed and redo it);
+  ZERO_STEPS in all;
+- ``zero_trainer``: the Trainer on the three left, with gradient clipping (by the global norm) and
+  a learning-rate schedule, a ``ModelCheckpoint`` at each epoch's end (sharded optimizer files);
+  launch rank 3 dies at the start of step ZERO_TRAINER_KILL (W 3 -> 2), ZERO_TRAINER_STEPS in all.
+
+The survivors write their final weights and the whole optimizer state (gathered).
 
 Every process appends a record per step to ``OUT_DIR/steps.<rank>.jsonl`` (its rank at launch):
 the phase, step, world size, its batch's sample indices and (Fabric) its own gradients' inputs.
@@ -119,7 +125,8 @@ OUTER_PERIOD = 4  # DiLoCo in the ``outer`` launch: outer steps after steps 4 an
 # its streaming_replace phase: a rank dies at step 0, a replacement is ready at step 2 while fragment 0's
 # exchange is in flight, and is let in at step 3 (mid-epoch: no checkpoint completed the exchange)
 STREAMING_KILL = 0
-ZERO_KILLS, ZERO_STEPS, ZERO_LR = (3, 6), 9, 0.01  # the zero launch: Adam, W 4 -> 3 -> 2
+ZERO_KILLS, ZERO_STEPS, ZERO_LR = {3: 4, 6: 1}, 9, 0.01  # the zero launch (Fabric): step -> launch rank lost
+ZERO_TRAINER_KILL, ZERO_TRAINER_STEPS, ZERO_CLIP, ZERO_GAMMA = 2, 8, 0.5, 0.7  # then the Trainer, W 3 -> 2
 AUTO_DECIDES, AUTO_KILL, AUTO_STEPS = 5, 8, 11  # mpi_auto: its first decision after step 5 (PROBE_STEPS)
 AUTO_REPLACE_KILL, AUTO_REPLACE_STEPS = 7, 14  # W = 2: 8 batches per rank and epoch
 AUTO_END_STEPS, AUTO_END_DIES_AT = 4, 1  # mpi_auto's first arm to the end, before its first decision
@@ -191,13 +198,15 @@ def _trainer_model(
     dies_validating: Callable[[Any], bool] = _never,
     dies_saving: Callable[[Any], bool] = _never,
     dies_in_final_average: int | None = None,
+    configure: Callable[[Any], Any] | None = None,
 ):
     """The Trainer phases' LightningModule: records each training step under ``phase`` and each
     validation batch under ``val_phase``, logs with ``sync_dist=True`` (Lightning's reduce: a place to
     notice a loss), and SIGKILLs this process at the start of a batch where ``dies(module)``, at
     the end of a validation batch where ``dies_validating(module)``, and in the middle of writing a
     checkpoint (its ``torch.save``, after a first chunk) where ``dies_saving(module)``, and, on the
-    last rank, in the final average of a DiLoCo rule at fragment ``dies_in_final_average``."""
+    last rank, in the final average of a DiLoCo rule at fragment ``dies_in_final_average``.
+    ``configure(module)``: its ``configure_optimizers`` (SGD at LR by default)."""
     import lightning as L
 
     class Net(L.LightningModule):
@@ -253,7 +262,7 @@ def _trainer_model(
             return DataLoader(torch.utils.data.Subset(Indexed(), range(VAL)), batch_size=B)
 
         def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=LR)
+            return torch.optim.SGD(self.parameters(), lr=LR) if configure is None else configure(self)
 
         def train_dataloader(self):
             return DataLoader(Indexed(), batch_size=B, shuffle=True)
@@ -406,22 +415,51 @@ def zero_phase() -> dict:
     for step in range(ZERO_STEPS):
         if step in ZERO_KILLS:
             fabric.barrier()
-            if launch_rank == (3, 1)[ZERO_KILLS.index(step)]:
+            if launch_rank == ZERO_KILLS[step]:
                 die()
         index = [(step * 11 + fabric.global_rank * B + k) % N for k in range(B)]
         opt.zero_grad()
         fabric.backward(nn.functional.mse_loss(model(data.x[index]), data.y[index]))
         opt.step()
         record(phase="zero", step=step, world=fabric.world_size, rank=fabric.global_rank, indices=index)
-    full = strategy._runner.bound.gather_optimizer_state()
-    state = {str(i): {k: v.double().flatten().tolist() for k, v in entry.items()} for i, entry in full["state"].items()}
     return {
         "initial": initial,
         "final": weights(net),
-        "optimizer": state,
+        "optimizer": _whole_optimizer_state(strategy),
         "history": strategy._healing.history,
         "world_size": fabric.world_size,
     }
+
+
+def _whole_optimizer_state(strategy) -> dict:
+    """The ZeRO rule's optimizer state gathered whole (a collective), as lists by parameter index."""
+    full = strategy._runner.bound.gather_optimizer_state()
+    return {str(i): {k: v.double().flatten().tolist() for k, v in entry.items()} for i, entry in full["state"].items()}
+
+
+def zero_trainer_phase() -> dict:
+    """ZeRO under the Trainer on the three left, clipping and an lr schedule; launch rank 3 dies."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from lightning_mpi.lightning import SyncStrategy
+
+    def adam(module):
+        opt = torch.optim.Adam(module.parameters(), lr=ZERO_LR)
+        return {"optimizer": opt, "lr_scheduler": torch.optim.lr_scheduler.ExponentialLR(opt, gamma=ZERO_GAMMA)}
+
+    model = _trainer_model(
+        "zero_trainer", "zero_val", lambda m: m.global_step == ZERO_TRAINER_KILL and RANK == 3, configure=adam
+    )
+    strategy = SyncStrategy(exchange="asa", shard_optimizer=True, heal="shrink")
+    result = _trainer_fit(
+        model,
+        strategy,
+        max_steps=ZERO_TRAINER_STEPS,
+        gradient_clip_val=ZERO_CLIP,
+        callbacks=[ModelCheckpoint(dirpath=OUT / "zero_checkpoints", save_top_k=-1)],
+    )
+    result["optimizer"] = _whole_optimizer_state(strategy)
+    return result
 
 
 def fabric_phase() -> dict:
@@ -790,7 +828,7 @@ def main() -> None:
     if sys.argv[2:] == ["outer"]:
         phases = OUTER_PHASES
     if sys.argv[2:] == ["zero"]:
-        phases = (("zero", zero_phase),)
+        phases = (("zero", zero_phase), ("zero_trainer", zero_trainer_phase))
     if sys.argv[2:] == ["auto"]:
         phases = (("auto_end", auto_end_phase), ("auto", auto_phase), ("auto_replace", auto_replace_phase))
     names = [name for name, _ in phases]

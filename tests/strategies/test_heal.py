@@ -1767,9 +1767,13 @@ def test_outer_a_rank_lost_in_the_final_average_heals_and_the_survivors_average_
     assert sum(line in x for x in err.splitlines()) == 1
 
 
-def _replay_adam(initial: list, steps: list[list[list[int]]], lr: float) -> tuple[list, dict]:
+def _replay_adam(
+    initial: list, steps: list[list[list[int]]], lr: float, clip: float | None = None, gamma_after: dict | None = None
+) -> tuple[list, dict]:
     """One process, one Adam over the whole model: each step averages the MSE gradients of the
-    batches the ranks alive at that step trained on (``steps[s]``: one index list per rank)."""
+    batches the ranks alive at that step trained on (``steps[s]``: one index list per rank);
+    ``clip``: clipped by the norm of the whole gradient; ``gamma_after``: step -> the lr's factor
+    after it (an epoch's end, ``ExponentialLR``)."""
     script = _script_module()
     net = script.make_net()
     with torch.no_grad():
@@ -1777,7 +1781,7 @@ def _replay_adam(initial: list, steps: list[list[list[int]]], lr: float) -> tupl
             p.copy_(torch.tensor(w, dtype=torch.float64).view_as(p))
     data = script.Indexed()
     opt = torch.optim.Adam(net.parameters(), lr=lr)
-    for batches in steps:
+    for step, batches in enumerate(steps):
         grads = []
         for index in batches:
             net.zero_grad()
@@ -1785,7 +1789,12 @@ def _replay_adam(initial: list, steps: list[list[list[int]]], lr: float) -> tupl
             grads.append([p.grad.clone() for p in net.parameters()])
         for p, *per_rank in zip(net.parameters(), *grads, strict=True):
             p.grad = sum(per_rank) / len(per_rank)
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(net.parameters(), clip)
         opt.step()
+        if gamma_after and step in gamma_after:
+            for group in opt.param_groups:
+                group["lr"] *= gamma_after[step]
     state = {
         str(i): {k: v.double().flatten().tolist() for k, v in opt.state[p].items()}
         for i, p in enumerate(net.parameters())
@@ -1795,35 +1804,37 @@ def _replay_adam(initial: list, steps: list[list[list[int]]], lr: float) -> tupl
 
 @pytest.fixture(scope="module")
 def zero_healed(tmp_path_factory):
-    """``heal_train.py ... zero`` on 4 ranks: its own launch (about 35 s), not in the Open MPI CI run;
+    """``heal_train.py ... zero`` on 5 ranks: its own launch (about 25 s), not in the Open MPI CI run;
     ``LIGHTNING_MPI_TEST_MPI=openmpi python -m pytest -q -m mpi tests/strategies/test_heal.py -k zero``."""
     require_ulfm()
     out = tmp_path_factory.mktemp("heal_zero")
-    args = [sys.executable, "-m", "lightning_mpi", "-n", 4, "--heal", "--grace", 3, SCRIPT, out, "zero"]
+    args = [sys.executable, "-m", "lightning_mpi", "-n", 5, "--heal", "--grace", 3, SCRIPT, out, "zero"]
     code, _, err = finish(launch(args, REPO), 400)
     assert code == 0, err[-6000:]
-    return (err, *launch_outputs(out))
+    return (err, *launch_outputs(out), out)
 
 
 @pytest.mark.mpi
 @pytest.mark.timeout(450)
 def test_zero_heals_from_the_buddy_copies_and_matches_a_replay(zero_healed):
-    """ZeRO with Adam under ``heal="shrink"`` at W = 4: launch rank 3 dies (its shard comes back from
-    rank 2's mirror, resharded over three), then launch rank 1 (from rank 0's mirror, over two). The
-    two survivors end bitwise identical, weights and the whole Adam state, equal to a one-process
-    Adam over the ranks alive at each step: no optimizer state was lost or made up."""
-    err, finals, records = zero_healed
+    """ZeRO with Adam under ``heal="shrink"`` in a Fabric loop at W = 5: launch rank 4 dies (its shard
+    comes back from rank 3's mirror, resharded over four), then launch rank 1 (from rank 0's
+    mirror, over three). The three survivors end bitwise identical, weights and the whole Adam
+    state, equal to a one-process Adam over the ranks alive at each step: no optimizer state was
+    lost or made up."""
+    err, finals, records, _ = zero_healed
     script = _script_module()
     steps = records["zero"]
     assert sorted(steps) == list(range(script.ZERO_STEPS))  # no step lost, none repeated
-    first, second = script.ZERO_KILLS
+    first, second = sorted(script.ZERO_KILLS)
     for step, entries in steps.items():
-        alive = [0, 1, 2, 3] if step < first else [0, 1, 2] if step < second else [0, 2]
+        alive = [0, 1, 2, 3, 4] if step < first else [0, 1, 2, 3] if step < second else [0, 2, 3]
         assert sorted(rank for rank, _ in entries) == alive, step
         assert all(e["world"] == len(alive) for _, e in entries), step
-    assert sorted(finals["zero"]) == [0, 2]
-    ours, theirs = finals["zero"][0], finals["zero"][2]
-    assert ours["final"] == theirs["final"] and ours["optimizer"] == theirs["optimizer"]  # bitwise identical
+    assert sorted(finals["zero"]) == [0, 2, 3]
+    ours = finals["zero"][0]
+    for theirs in finals["zero"].values():  # bitwise identical
+        assert theirs["final"] == ours["final"] and theirs["optimizer"] == ours["optimizer"]
     batches = [[e["indices"] for _, e in sorted(steps[s], key=lambda x: x[1]["rank"])] for s in sorted(steps)]
     weights, state = _replay_adam(ours["initial"], batches, script.ZERO_LR)
     assert _close(ours["final"], weights)
@@ -1832,7 +1843,49 @@ def test_zero_heals_from_the_buddy_copies_and_matches_a_replay(zero_healed):
         for key, values in entry.items():
             assert _close([ours["optimizer"][index][key]], [values]), (index, key)
     assert [(e["lost"], e["world_size"], e["where"]) for e in ours["history"]] == [
-        ([3], 3, "the exchange"),
-        ([1], 2, "the exchange"),
+        ([4], 4, "the exchange"),
+        ([1], 3, "the exchange"),
     ]
-    assert sum("healed: rank" in line for line in err.splitlines()) == 2
+    assert sum("healed: rank" in line for line in err.splitlines()) == 3  # and the Trainer's, below
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(450)
+def test_zero_heals_under_the_trainer_with_clipping_a_schedule_and_checkpoints(zero_healed, tmp_path):
+    """ZeRO under the Trainer on the three left (gradient clipping by the global norm, an lr that
+    decays each epoch: the mirror follows both): launch rank 3 dies at the start of a batch; the
+    survivors heal in Lightning's ``reduce`` (``self.log(sync_dist=True)``, inside the forward
+    pass: the weights are left alone, backward works), finish, and end bitwise identical and equal
+    to a one-process replay. The checkpoints written after the heal hold one optimizer shard per survivor."""
+    err, finals, records, out = zero_healed
+    script = _script_module()
+    steps = records["zero_trainer"]
+    assert sorted(steps) == list(range(script.ZERO_TRAINER_STEPS))
+    for step, entries in steps.items():
+        alive = [0, 2, 3] if step < script.ZERO_TRAINER_KILL else [0, 2]
+        assert sorted(rank for rank, _ in entries) == alive, step
+    assert sorted(finals["zero_trainer"]) == [0, 2]
+    ours = finals["zero_trainer"][0]
+    theirs = finals["zero_trainer"][2]
+    assert theirs["final"] == ours["final"] and theirs["optimizer"] == ours["optimizer"]
+    assert ours["world_size"] == 2 and ours["global_step"] == script.ZERO_TRAINER_STEPS
+    ((event),) = ours["history"]
+    assert event["lost"] == [2] and event["where"] == "reduce"
+    ordered = [sorted(steps[s], key=lambda x: x[1]["rank"]) for s in sorted(steps)]
+    batches = [[e["indices"] for _, e in entries] for entries in ordered]
+    epoch_ends = {
+        s: script.ZERO_GAMMA
+        for s in range(len(ordered) - 1)
+        if ordered[s + 1][0][1]["epoch"] > ordered[s][0][1]["epoch"]
+    }
+    assert epoch_ends  # the schedule stepped
+    weights, state = _replay_adam(ours["initial"], batches, script.ZERO_LR, script.ZERO_CLIP, epoch_ends)
+    assert _close(ours["final"], weights)
+    for index, entry in state.items():
+        for key, values in entry.items():
+            assert _close([ours["optimizer"][index][key]], [values]), (index, key)
+    for checkpoint in (out / "zero_checkpoints").iterdir():
+        assert sorted(p.name for p in checkpoint.glob("shard-*")) == [
+            "shard-00000-of-00002.pt",
+            "shard-00001-of-00002.pt",
+        ]
