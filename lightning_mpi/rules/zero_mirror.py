@@ -24,9 +24,10 @@ lost rank's from the survivor that mirrored it), which
 :meth:`~lightning_mpi.rules.zero.BoundZeroRule.load_optimizer_state` reshards for the new world
 size, and, where a survivor's step was interrupted in its Allgather, :func:`write_weights` puts
 the weights back whole from the same pieces (that Allgather is completed this way; weights already
-whole are left alone, so the fp32 weights are unchanged and a lossy wire's members keep their values). Two adjacent ranks lost at once (a shard and
-its only mirror), or survivors that stepped a different number of times (one completed the
-reduce-scatter that another did not), cannot be rebuilt exactly: ``RankFailedError``.
+whole are left alone, so the fp32 weights are unchanged and a lossy wire's members keep their
+values). Two adjacent ranks lost at once (a shard and its only mirror), or survivors that stepped a
+different number of times (one completed the reduce-scatter that another did not), cannot be
+rebuilt exactly: ``RankFailedError``.
 
 Cost while nothing fails: 1/W of the gradient's bytes per step (point to point), 1/W more optimizer
 state, weights and optimizer compute per rank. Nothing without ``heal``.
