@@ -6,6 +6,8 @@ measured; the strategies call the same hooks):
 
 - ``asa`` / ``asa_bf16``: ``SyncRule(exchange="asa")`` (fp32 / bf16 wire) and the full Adam;
 - ``zero`` / ``zero_bf16``: ``ZeroRule`` and Adam sharded over the ranks;
+- ``zero_mirror``: ``zero`` as ``heal`` runs it: each rank also keeps the buddy copy of another
+  rank's shard (``shard_optimizer(mirror=True)``; ``benchmarks/zero_mirror.py``);
 - ``ddp``: ``torch.nn.parallel.DistributedDataParallel`` (gloo) and the full Adam;
 - ``ddp_zero``: the same with ``torch.distributed.optim.ZeroRedundancyOptimizer`` (Adam).
 
@@ -37,7 +39,7 @@ from lightning_mpi.comm.transport import Transport  # noqa: E402
 
 COMM = MPI.COMM_WORLD
 RANK, W = COMM.Get_rank(), COMM.Get_size()
-ARMS = ("asa", "asa_bf16", "zero", "zero_bf16", "ddp", "ddp_zero")
+ARMS = ("asa", "asa_bf16", "zero", "zero_bf16", "ddp", "ddp_zero", "zero_mirror")
 
 
 def rss_mib() -> float:
@@ -57,9 +59,11 @@ def mlp(width: int, depth: int) -> nn.Module:
     return nn.Sequential(*layers, nn.Linear(width, 10))
 
 
-def state_bytes(optimizer) -> int:
+def state_bytes(optimizer, rule=None) -> int:
     inner = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer keeps its shard's optimizer there
-    return sum(v.numel() * v.element_size() for s in inner.state.values() for v in s.values() if torch.is_tensor(v))
+    mirror = getattr(rule, "mirror", None)
+    states = [*inner.state.values(), *(mirror.optimizer.state.values() if mirror is not None else [])]
+    return sum(v.numel() * v.element_size() for s in states for v in s.values() if torch.is_tensor(v))
 
 
 def init_gloo() -> None:
@@ -105,7 +109,7 @@ class Arm:
             self.rule = rule.bind(self.transport, params)
             self.optimizer = torch.optim.Adam(params, lr=lr)
             if name.startswith("zero"):
-                self.rule.shard_optimizer(self.optimizer)
+                self.rule.shard_optimizer(self.optimizer, mirror=name == "zero_mirror")
             self.rule.on_train_start()
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> None:
@@ -240,7 +244,7 @@ def main() -> None:
         "params": sum(p.numel() for p in arm.model.parameters()),
         "rss_start_mib": COMM.allgather(rss_start), "rss_model_mib": COMM.allgather(arm.rss_model),
         "peak_rss_mib": COMM.allgather(peak_mib()), "rss_end_mib": COMM.allgather(rss_mib()),
-        "optimizer_state_mib": COMM.allgather(state_bytes(arm.optimizer) / 2**20),
+        "optimizer_state_mib": COMM.allgather(state_bytes(arm.optimizer, arm.rule) / 2**20),
         "step_seconds": statistics.median(seconds[args.warmup :]),
     }
     result["samples_per_second"] = W * args.batch / result["step_seconds"]
