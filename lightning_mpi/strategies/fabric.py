@@ -283,6 +283,7 @@ def fabric_strategy(api: FabricAPI, environment_class: type, checkpoint_io_class
             self._aids.announce(self.world_size, self._optimizers)
             # a sharded optimizer (shard_optimizer=True) is rebuilt over this rank's shard here
             self._optimizer_sharding.attach(self._runner.bound, [optimizer])
+            self._optimizer_sharding.check_precision(self.precision)
             return optimizer
 
         @override

@@ -95,6 +95,16 @@ class OptimizerSharding:
         self.bound.load_optimizer_state(shards)  # resharded for the new world size, master weights included
         self.bound.optimizer_steps = steps
 
+    def check_precision(self, precision: Any) -> None:
+        """Under ``heal``: refuse a GradScaler (``16-mixed``), naming the fix. It unscales the owner's
+        gradients in place after the buddy copy received them, so the copy would step scaled ones."""
+        if self.bound is not None and self.mirror and getattr(precision, "scaler", None) is not None:
+            raise ValueError(
+                "heal='shrink' with a sharded optimizer (shard_optimizer=True, mpi_zero) cannot use a GradScaler "
+                "(precision='16-mixed'): the buddy copy of each shard, which lets ZeRO heal, would step gradients the "
+                "scaler has not unscaled. Use precision='bf16-mixed' (no scaler), or heal=None"
+            )
+
     def detach(self) -> None:
         self.bound = None
 

@@ -316,6 +316,7 @@ def trainer_strategy(api: TrainerAPI, environment_class: type, checkpoint_io_cla
                 api.fabric.optimizers_to_device(self.optimizers, self.root_device)
                 bound = self._runner.bind(self.transport, model, self._aids.rule_to_bind(self.world_size))
                 self._optimizer_sharding.attach(bound, self.optimizers)  # shard_optimizer: before any state loads
+                self._optimizer_sharding.check_precision(self.precision_plugin)
                 if self._optimizer_sharding.active:
                     # Lightning clips through the precision plugin: by the global norm over the shards
                     self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm

@@ -299,3 +299,16 @@ def test_a_shard_lost_with_its_mirror_or_survivors_apart_stop_the_heal():
     with pytest.raises(RankFailedError, match=r"different optimizer steps \(\[1, 2\]\)"):
         rebuild_shards([kept[0], {**kept[2], "steps": 2}, kept[3]])
     assert [s["rank"] for s in rebuild_shards([kept[1], kept[3]])[0]] == [0, 1, 2, 3]  # 0 and 2 lost: mirrored
+
+
+def test_heal_with_a_grad_scaler_is_refused_by_name():
+    from types import SimpleNamespace
+
+    from lightning_mpi.strategies.optimizer_sharding import OptimizerSharding
+
+    sharding = OptimizerSharding(mirror=True)
+    sharding.bound = object()
+    sharding.check_precision(SimpleNamespace(scaler=None))  # bf16-mixed, 32-true: fine
+    with pytest.raises(ValueError, match="cannot use a GradScaler \\(precision='16-mixed'\\).*bf16-mixed"):
+        sharding.check_precision(SimpleNamespace(scaler=object()))
+    OptimizerSharding(mirror=False).check_precision(SimpleNamespace(scaler=object()))  # heal=None: unchanged
