@@ -20,11 +20,14 @@ The strategy drives it like any rule (:mod:`lightning_mpi.rules.base`), plus thr
 
 ``wire="bf16"`` (or ``"fp16"``) sends gradients as 16-bit values with fp32 sums, as ASA does, and
 sends the change of the weights the same way, with fp32 master weights on the owner (see
-:mod:`lightning_mpi.rules.zero_bucket`). Under the strategy's ``heal`` (``shard_optimizer(optimizer, mirror=True)``) each rank also keeps an exact copy
-of one other rank's shard, so that a heal loses no optimizer state (:mod:`lightning_mpi.rules.zero_mirror`);
-the reduce-scatter then starts in ``before_step`` rather than during backward. The error-feedback codecs
-(int8, 1-bit, top-k) are not offered: their residual is a full-size per-rank copy of the gradient, the very memory stage 2
+:mod:`lightning_mpi.rules.zero_bucket`). The error-feedback codecs (int8, 1-bit, top-k) are not
+offered: their residual is a full-size per-rank copy of the gradient, the very memory stage 2
 frees, and without it they are biased.
+
+Under the strategy's ``heal`` (``shard_optimizer(optimizer, mirror=True)``) each rank also keeps an
+exact copy of one other rank's shard, so that a heal loses no optimizer state
+(:mod:`lightning_mpi.rules.zero_mirror`); the reduce-scatter then starts in ``before_step`` rather
+than during backward.
 """
 
 from __future__ import annotations
