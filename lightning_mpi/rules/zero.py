@@ -176,6 +176,9 @@ class BoundZeroRule(BoundRule):
         check_elementwise(optimizer)
         if self.sharded is not None and self.sharded.optimizer is optimizer:
             return optimizer
+        # the state it holds before sharding (Adagrad's accumulator; a resumed optimizer): the mirror's too
+        whole = [p for group in optimizer.param_groups for p in group["params"]]
+        before = {i: dict(optimizer.state[p]) for i, p in enumerate(whole) if optimizer.state.get(p)}
         if self.sharded is not None:
             raise ValueError("this ZeroRule already shards another optimizer; ZeRO supports one optimizer per model")
         pieces = [p for b in self.buckets for p in b.pieces]
@@ -196,6 +199,7 @@ class BoundZeroRule(BoundRule):
                 self.transport.rank,
                 self.transport.size,
             )
+            self.mirror.load({"state": before})
         if mirror:
             self._step_hook = optimizer.register_step_post_hook(self._owner_stepped)
         return optimizer
@@ -398,8 +402,8 @@ class BoundZeroRule(BoundRule):
         if self.sharded is None:
             raise ValueError("no optimizer is sharded yet: call shard_optimizer(optimizer) first")
         loaded = self.sharded.load(saved)
-        if self.mirror is not None:
-            self.mirror.stale = True  # the next exchange sends every rank's loaded shard to its mirror
+        if self.mirror is not None:  # cut from saved where it is whole, else sent at the next exchange
+            self.mirror.load(saved)
         by_tensor = {id(t): s for t, s in zip(self.sharded.tensors, loaded, strict=True)}
         for bucket in self.buckets:
             if bucket.master is None:
@@ -431,6 +435,11 @@ class BoundZeroRule(BoundRule):
             raise LookupError(
                 "ZeRO keeps the only copy of each rank's optimizer shard on that rank unless heal is set when the "
                 "optimizer is sharded (its buddy copy)"
+            )
+        if self.mirror.stale:
+            raise LookupError(
+                "ZeRO's buddy copies were not sent yet after loading this rank's own optimizer shard (they go with "
+                "the first exchange)"
             )
         return {
             **self.state_dict(),

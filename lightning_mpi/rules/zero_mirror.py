@@ -14,8 +14,11 @@ and an optimizer of the same class and hyper-parameters over them. Every step:
    :meth:`MirrorShard.step`. Same class, same inputs, same element-wise arithmetic: the mirror's
    state and weights equal the buddy's bit for bit.
 
-The mirror starts (after sharding, a load, a heal) *stale*: the first exchange then sends each
-rank's whole shard state to the rank that mirrors it (:meth:`MirrorShard.take`), once.
+The mirror is cut from what this rank holds whole where it can (:meth:`MirrorShard.load`): the
+optimizer's state when it is sharded, torch's full format or all shards of a save when one is
+loaded, and after a heal the whole rebuilt state. Only a save read as this rank's own shard leaves
+it *stale*: the next exchange then sends each rank's shard state to the rank that mirrors it
+(:meth:`MirrorShard.take`), once; a loss before that cannot heal (``LookupError``).
 
 After a loss, every survivor holds its own shard and its buddy's mirror, both as of the same
 number of optimizer steps (every rank steps both locally, between two collectives).
@@ -44,7 +47,14 @@ from torch.optim import Optimizer
 
 from lightning_mpi.comm.errors import RankFailedError
 from lightning_mpi.rules.zero_layout import bucket_pieces
-from lightning_mpi.rules.zero_state import SHARD_FORMAT
+from lightning_mpi.rules.zero_state import (
+    SHARD_FORMAT,
+    check_shard_set,
+    gather_range,
+    index_sources,
+    is_shard_state,
+    slice_param_state,
+)
 
 _TAG = 7_411  # the mirror's messages (tag + bucket index % _SPAN), on the rule's own communicator
 _SPAN = 20_000
@@ -112,8 +122,9 @@ class MirrorShard:
         cls: Any = type(owner)
         self.optimizer: Optimizer = cls.__new__(cls)
         Optimizer.__init__(self.optimizer, groups, dict(owner.defaults))
-        #: the buddy's state is not here yet: the next exchange sends it (once)
-        self.stale = True
+        #: the buddy's state is not here: the next exchange sends it (once)
+        self.stale = False
+        self._params, self._position = params, position
 
     # -- every step ------------------------------------------------------------------------------------
     def exchange(self, team: Any, own_grads: Sequence[Tensor]) -> None:
@@ -175,6 +186,41 @@ class MirrorShard:
         }
         return with_weights(shard, self.tensors, self._masters)
 
+    def load(self, saved: Any) -> None:
+        """Cut the mirror from ``saved`` as this rank holds it: torch's full format (``{"state":
+        {index: state}, ...}``, the optimizer's own state at sharding), or all shards of a save;
+        anything else (this rank's own shard) makes it :attr:`stale`. The weights come from a
+        saved ``_master`` where every piece has one, else from the parameters (load them first)."""
+        if isinstance(saved, Mapping) and not is_shard_state(saved):
+            full = {int(k): v for k, v in saved["state"].items()}
+            states = [
+                slice_param_state(full[i], s, n, t) if full.get(i) else {}
+                for (i, s, n), t in zip(self.slots, self.tensors, strict=True)
+            ]
+        elif not isinstance(saved, Mapping) and _all_shards(saved):
+            sources = index_sources(list(saved))
+            states = [
+                gather_range(sources.get(i, []), s, n, t, what=f"parameter {i}")
+                for (i, s, n), t in zip(self.slots, self.tensors, strict=True)
+            ]
+        else:
+            self.stale = True
+            return
+        originals = self.sharded.originals
+        state = self.optimizer.state
+        state.clear()
+        with torch.no_grad():
+            for (index, start, length), tensor, saved_state in zip(self.slots, self.tensors, states, strict=True):
+                master = saved_state.get("_master")
+                if master is not None:
+                    tensor.copy_(master)
+                else:
+                    tensor.copy_(originals[index].detach().reshape(-1)[start : start + length])
+                own = {k: v for k, v in saved_state.items() if not k.startswith("_")}
+                if own:
+                    state[tensor] = own
+        self.stale = False
+
     def take(self, shard: Mapping[str, Any]) -> None:
         """Become the mirror of the buddy's ``shard`` (its :meth:`sharded_state`)."""
         by_slot = {tuple(piece): state for piece, state in zip(shard["pieces"], shard["state"], strict=True)}
@@ -188,6 +234,15 @@ class MirrorShard:
                 if own:
                     state[tensor] = own
         self.stale = False
+
+
+def _all_shards(saved: Any) -> bool:
+    try:
+        shards = list(saved)
+        check_shard_set(shards)
+    except (TypeError, ValueError, KeyError, AttributeError):
+        return False
+    return True
 
 
 def with_weights(shard: dict[str, Any], tensors: Sequence[Tensor], masters: Sequence[bool]) -> dict[str, Any]:

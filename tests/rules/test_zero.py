@@ -312,3 +312,23 @@ def test_heal_with_a_grad_scaler_is_refused_by_name():
     with pytest.raises(ValueError, match="cannot use a GradScaler \\(precision='16-mixed'\\).*bf16-mixed"):
         sharding.check_precision(SimpleNamespace(scaler=object()))
     OptimizerSharding(mirror=False).check_precision(SimpleNamespace(scaler=object()))  # heal=None: unchanged
+
+
+def test_the_mirror_is_cut_from_a_whole_save_and_waits_for_its_buddy_after_its_own_shard():
+    ranks, _, _ = _simulated_ranks(3, 24, 2)
+    mirror = ranks[0].mirror
+    expected = mirror.state()
+    shards = [r.mirror.sharded_state() for r in ranks]
+
+    def same(got):
+        assert got["pieces"] == expected["pieces"]
+        for a, b in zip(got["state"], expected["state"]):
+            assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+    for saved in (shards, consolidate(shards)):  # all shards of a save; torch's full format
+        mirror.optimizer.state.clear()
+        mirror.load(saved)
+        assert not mirror.stale
+        same(mirror.state())
+    mirror.load(shards[0])  # this rank's own shard only: the buddy's comes with the next exchange
+    assert mirror.stale
