@@ -315,6 +315,17 @@ def heal_train_end(healing: Any, runner: Any) -> None:
     if healing.active and isinstance(bound, BoundDiLoCo):
         heal_outer_end(healing, runner)
         return
+    if healing.active and isinstance(bound, BoundZeroRule):
+        # a lossy wire's last exact Allgather of the master weights: redone on the healed run (whose
+        # masters were rebuilt from the survivors' shards and copies)
+        healing.operation(
+            "the final allgather",
+            lambda: runner.bound.on_train_end(),
+            lambda _: None,
+            lambda _: None,
+            counted=lambda: runner.bound.codec.lossy and runner.bound.transport.size > 1,
+        )
+        return
     if not healing.active or not isinstance(bound, _ONE_SIDED):
         bound.on_train_end()
         return
