@@ -78,7 +78,9 @@ lightning_mpi.rules.zero.BoundZeroRule`)    kept while ``heal`` is set: :mod:`~l
                                             mirror was lost too, or survivors at different
                                             optimizer steps: ``RankFailedError``.
                                             ``before_step`` redone as sync; ``after_step``
-                                            (the Allgather) redone on the rebuilt weights
+                                            (the Allgather) and a lossy wire's final exact
+                                            one (``on_train_end``) redone on the rebuilt
+                                            weights
 any other                                   ``LookupError``: the strategy fails the run
 =========================================  ================================================
 """
