@@ -234,15 +234,15 @@ def _simulated_ranks(world: int, bucket_bytes: int | None, steps: int, lr_at=lam
         ranks.append(SimpleNamespace(params=params, opt=opt, pieces=pieces, sharded=sharded, mirror=mirror))
     for step in range(steps):
         grads = [torch.randn(s, generator=g) for s in shapes]
-        for p, grad in zip(reference, grads):
+        for p, grad in zip(reference, grads, strict=True):
             p.grad = grad.clone()
         ref_opt.param_groups[0]["lr"] = lr_at(step)
         ref_opt.step()
         for r in ranks:
             r.opt.param_groups[0]["lr"] = lr_at(step)
-            for (index, s, n), tensor in zip(r.sharded.slots, r.sharded.tensors):
+            for (index, s, n), tensor in zip(r.sharded.slots, r.sharded.tensors, strict=True):
                 tensor.grad = grads[index].reshape(-1)[s : s + n].clone()
-            for plan, buffer in zip(plans, r.mirror.grads):
+            for plan, buffer in zip(plans, r.mirror.grads, strict=True):
                 for piece in bucket_pieces(plan, r.mirror.buddy):
                     buffer[piece.offset : piece.offset + piece.length] = grads[piece.param].reshape(-1)[
                         piece.start : piece.start + piece.length
@@ -266,14 +266,16 @@ def test_the_mirror_equals_its_buddys_shard_and_rebuilds_the_whole_state(world, 
     for r in ranks:  # bit for bit the buddy's state and weights
         own = ranks[r.mirror.buddy].mirror.sharded_state()
         mirror = r.mirror.state()
-        assert mirror["rank"] == own["rank"] and sorted(map(tuple, mirror["pieces"])) == sorted(map(tuple, own["pieces"]))
-        by_piece = {tuple(p): s for p, s in zip(own["pieces"], own["state"])}
-        for piece, state in zip(mirror["pieces"], mirror["state"]):
+        assert mirror["rank"] == own["rank"]
+        assert sorted(map(tuple, mirror["pieces"])) == sorted(map(tuple, own["pieces"]))
+        by_piece = {tuple(p): s for p, s in zip(own["pieces"], own["state"], strict=True)}
+        for piece, state in zip(mirror["pieces"], mirror["state"], strict=True):
             assert state.keys() == by_piece[tuple(piece)].keys()
             for key, value in state.items():
                 assert torch.equal(value, by_piece[tuple(piece)][key]), key
     # rank 1 lost: its shard from rank 0's mirror; the rebuilt state is the unsharded Adam's
-    kept = [{"steps": 4, "own": r.mirror.sharded_state(), "mirror": r.mirror.state()} for i, r in enumerate(ranks) if i != 1]
+    kept = [{"steps": 4, "own": r.mirror.sharded_state(), "mirror": r.mirror.state()} for r in ranks]
+    del kept[1]
     shards, steps = rebuild_shards(kept[::-1])
     assert steps == 4 and [s["rank"] for s in shards] == list(range(world))
     whole = consolidate(shards)
@@ -282,9 +284,9 @@ def test_the_mirror_equals_its_buddys_shard_and_rebuilds_the_whole_state(world, 
             assert torch.allclose(whole["state"][i][key], value.reshape(whole["state"][i][key].shape), atol=1e-6), key
     fresh = [torch.nn.Parameter(torch.zeros_like(p)) for p in reference]
     write_weights(shards, fresh)
-    for p, q in zip(fresh, ranks[0].params):
+    for p, q in zip(fresh, ranks[0].params, strict=True):
         assert torch.equal(p, q)
-    assert all(torch.allclose(p, q, atol=1e-6) for p, q in zip(fresh, reference))
+    assert all(torch.allclose(p, q, atol=1e-6) for p, q in zip(fresh, reference, strict=True))
 
 
 def test_a_shard_lost_with_its_mirror_or_survivors_apart_stop_the_heal():
@@ -322,7 +324,7 @@ def test_the_mirror_is_cut_from_a_whole_save_and_waits_for_its_buddy_after_its_o
 
     def same(got):
         assert got["pieces"] == expected["pieces"]
-        for a, b in zip(got["state"], expected["state"]):
+        for a, b in zip(got["state"], expected["state"], strict=True):
             assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
     for saved in (shards, consolidate(shards)):  # all shards of a save; torch's full format

@@ -23,8 +23,8 @@ Trainer with top-k, DiLoCo and Streaming DiLoCo, then a rank lost inside DiLoCo'
 (Fabric's ``finish_training``, the Trainer's ``on_train_end``).
 So has ``mpi_auto`` (a loss in its Streaming DiLoCo arm's final average, one inside a decision, one in
 its redo, one in its arm's exchange, then ``heal="replace"`` under the Trainer; ``-k mpi_auto``).
-So has ZeRO (``mpi_zero`` with Adam, 4 -> 3 -> 2, the lost shards rebuilt from the survivors' buddy
-copies; ``-k zero``).
+So has ZeRO (``shard_optimizer=True`` with Adam, Fabric 5 -> 4 -> 3 then the Trainer 3 -> 2, the lost
+shards rebuilt from the survivors' buddy copies; ``-k zero``).
 """
 
 from __future__ import annotations
