@@ -7,7 +7,7 @@
     python benchmarks/compression.py --skip-acc --rows ddp "mpi_asa (fp32)" topk --steps 45 --skip 23
                                                      # speed of some rows only (label substrings), timed after step 23
 
-1. Accuracy and bytes: sklearn's ``digits`` (real 8x8 handwritten digits, 1,797 images, 25% held
+1. Accuracy and bytes: scikit-learn's ``digits`` (``examples/digits_data.py``: 8x8 handwritten digits, 1,797 images, 25% held
    out), an MLP, 2 ranks on this machine, every codec with and without error feedback, against
    fp32 ``mpi_asa``. Bytes per step come from the rule's ``stats()``.
 2. Samples/s: a 6.3M-parameter MLP on random data, 2 simulated hosts (``SimCluster``) joined by
@@ -173,8 +173,11 @@ def worker(mode: str, rows: list, out: str, epochs: int, steps: int, repeat: int
         total = time.perf_counter() - begin
         row = {"seconds": total}
         if nbytes.wire:
-            row["wire_bytes_per_step"] = sum(nbytes.wire[5:] or nbytes.wire) / len(nbytes.wire[5:] or nbytes.wire)
-            row["dense_bytes_per_step"] = sum(nbytes.dense[5:] or nbytes.dense) / len(nbytes.dense[5:] or nbytes.dense)
+            # over the steps that are timed (speed: past a ratio warm-up), else from the 5th
+            first = skip if mode == "speed" else 5
+            wire, dense = nbytes.wire[first:] or nbytes.wire, nbytes.dense[first:] or nbytes.dense
+            row["wire_bytes_per_step"] = sum(wire) / len(wire)
+            row["dense_bytes_per_step"] = sum(dense) / len(dense)
         if mode == "acc":
             with torch.no_grad():
                 row["accuracy"] = float((model(xte).argmax(dim=1) == yte).float().mean()) * 100
