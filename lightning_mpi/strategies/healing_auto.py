@@ -87,6 +87,23 @@ def _float_state(params: list[torch.Tensor], optimizer: Any) -> dict[tuple[int, 
     return found
 
 
+def _write_back(
+    params: list[torch.Tensor],
+    optimizer: Any,
+    weights: list[torch.Tensor],
+    float_state: dict[tuple[int, str], torch.Tensor],
+) -> None:
+    """Copy ``weights`` into ``params`` and ``float_state`` (:func:`_float_state`'s keys) into the
+    optimizer's state, where it holds that entry."""
+    mine = _float_state(params, optimizer)
+    with torch.no_grad():
+        for p, value in zip(params, weights, strict=True):
+            p.copy_(value)
+        for key, value in float_state.items():
+            if key in mine:
+                mine[key].copy_(value)
+
+
 def auto_decision(healing: Any, runner: Any, optimizer: Any) -> None:
     """``mpi_auto``'s decision (probe, dry runs, the agreement of their numbers, the switch) as one
     healing operation. Before it: its state, the weights and the optimizer's float state are kept
@@ -132,24 +149,12 @@ def auto_decision(healing: Any, runner: Any, optimizer: Any) -> None:
         if inner is None:
             return
         bound.inner.load_state_dict(inner)  # the arm the heal bound is the other's (auto_heal)
-        mine = _float_state(params, optimizer)
-        with torch.no_grad():
-            for p, value in zip(params, values, strict=True):
-                p.copy_(value)
-            for key, value in state.items():
-                if key in mine:
-                    mine[key].copy_(value)
+        _write_back(params, optimizer, values, state)
         replicas = getattr(bound.inner, "replicas", None)
         if replicas is not None:
             replicas.remember(optimizer)
 
     def put_back() -> None:
-        mine = _float_state(params, optimizer)
-        with torch.no_grad():
-            for p, value in zip(params, weights, strict=True):
-                p.copy_(value)
-            for key, value in moments.items():
-                if key in mine:
-                    mine[key].copy_(value)
+        _write_back(params, optimizer, weights, moments)
 
     healing.operation("the mpi_auto decision", decide, keep, take, put_back, counted=lambda: collective[0])

@@ -257,15 +257,43 @@ def heal_after_step(healing: Any, runner: Any, optimizer: Any) -> None:
     if not healing.active or exchanged is None:
         bound.after_step(optimizer)  # the synchronous rules exchange nothing here (average="gradients")
         return
-    before = _local_state(bound)
     params = bound.params
     moving = [*params, *_moments(bound, optimizer)] if averages_weights else list(params)
-    start = [t.detach().clone() for t in moving] if averages_weights else []
 
     def average() -> None:
         if hasattr(runner.bound, "heal_snapshots"):
             runner.bound.heal_snapshots = True  # keep what an exchange starts from (its heal_state)
         runner.bound.after_step(optimizer)
+
+    _redone_from_state(
+        healing,
+        runner,
+        "the weight average",
+        average,
+        moving,
+        restore=averages_weights,
+        counted=lambda before: exchanged(runner.bound, before),
+    )
+
+
+def _redone_from_state(
+    healing: Any,
+    runner: Any,
+    where: str,
+    exchange: Callable[[], None],
+    moving: list[torch.Tensor],
+    restore: bool,
+    counted: Callable[[dict[str, Any]], bool],
+) -> None:
+    """``exchange`` (a rule's hook that changes its state and the tensors ``moving``) as a healing
+    operation: the rule's local state (:func:`_local_state`) is kept before it and put back
+    before a redo, with ``moving`` as they were where ``restore`` (an exchange that may have
+    written some of them already); a survivor that missed the completion takes the state and
+    ``moving`` of one that completed it, keeping its own part (``"local"``: its residuals, as
+    before the exchange: that exchange's compression error on this rank is not fed back).
+    ``counted(before)``: whether the exchange went over the wire."""
+    before = _local_state(runner.bound)
+    start = [t.detach().clone() for t in moving] if restore else []
 
     def keep(_: None) -> tuple[dict[str, Any], list[torch.Tensor]]:
         return _local_state(runner.bound), [t.detach().cpu().clone() for t in moving]
@@ -273,8 +301,6 @@ def heal_after_step(healing: Any, runner: Any, optimizer: Any) -> None:
     def take(kept: tuple[dict[str, Any], list[torch.Tensor]]) -> None:
         state, values = kept
         if "local" in state and "local" in before:
-            # the other survivor's replicated state, but this rank's own part (its residuals, as
-            # before the exchange: that step's compression error on this rank is not fed back)
             state = {**state, "local": before["local"]}
         runner.bound.load_state_dict(state)
         with torch.no_grad():
@@ -284,17 +310,10 @@ def heal_after_step(healing: Any, runner: Any, optimizer: Any) -> None:
     def put_back() -> None:
         runner.bound.load_state_dict(before)
         with torch.no_grad():
-            for t, value in zip(moving if averages_weights else [], start, strict=True):
+            for t, value in zip(moving if restore else [], start, strict=True):
                 t.copy_(value)
 
-    healing.operation(
-        "the weight average",
-        average,
-        keep,
-        take,
-        put_back,
-        counted=lambda: exchanged(runner.bound, before),
-    )
+    healing.operation(where, exchange, keep, take, put_back, counted=lambda: counted(before))
 
 
 def heal_train_end(healing: Any, runner: Any) -> None:
@@ -370,39 +389,21 @@ def heal_outer_end(healing: Any, runner: Any) -> None:
     may have averaged and pushed some fragments already), which starts the exchange in flight
     again over the survivors. A survivor that missed the completion takes the averaged weights and
     the outer state from one that completed it (its own residuals as before the average)."""
-    bound = runner.bound
-    bound.heal_snapshots = True  # keep what an exchange starts from (its heal_state)
-    before = bound.heal_state()
-    params = list(bound.params)
-    start = [p.detach().clone() for p in params]
+    runner.bound.heal_snapshots = True  # keep what an exchange starts from (its heal_state)
 
     def average() -> None:
         runner.bound.heal_snapshots = True
         runner.bound.on_train_end()
 
-    def keep(_: None) -> tuple[dict[str, Any], list[torch.Tensor]]:
-        return runner.bound.heal_state(), [p.detach().cpu().clone() for p in params]
-
-    def take(kept: tuple[dict[str, Any], list[torch.Tensor]]) -> None:
-        state, values = kept
-        runner.bound.load_state_dict({**state, "local": before["local"]})
-        with torch.no_grad():
-            for p, value in zip(params, values, strict=True):
-                p.copy_(value)
-
-    def put_back() -> None:
-        runner.bound.load_state_dict(before)
-        with torch.no_grad():
-            for p, value in zip(params, start, strict=True):
-                p.copy_(value)
-
-    healing.operation(
+    _redone_from_state(
+        healing,
+        runner,
         "the final average",
         average,
-        keep,
-        take,
-        put_back,
+        list(runner.bound.params),
+        # an interrupted average may have averaged and pushed some fragments into the weights
+        restore=True,
         # every rank runs the same schedule: each averaged fragment is one outer step, and at W = 1
         # nothing went over the wire
-        counted=lambda: runner.bound.transport.size > 1 and runner.bound.outer_steps != before["outer_steps"],
+        counted=lambda before: runner.bound.transport.size > 1 and runner.bound.outer_steps != before["outer_steps"],
     )
