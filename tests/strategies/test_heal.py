@@ -705,13 +705,21 @@ def launch_outputs(out):
     return finals, records
 
 
+def _heal_launch(tmp_path_factory, name: str, ranks: int, timeout: float, *script_args) -> tuple[str, str, Path]:
+    """``lightning-mpi --heal -n RANKS heal_train.py OUT SCRIPT_ARGS`` under ULFM (skipped without it),
+    which must exit 0: (its stdout, its stderr, OUT)."""
+    require_ulfm()
+    out = tmp_path_factory.mktemp(name)
+    args = [sys.executable, "-m", "lightning_mpi", "-n", ranks, "--heal", "--grace", 3, SCRIPT, out, *script_args]
+    code, printed, err = finish(launch(args, REPO), timeout)
+    assert code == 0, err[-6000:]
+    return printed, err, out
+
+
 @pytest.fixture(scope="module")
 def healed(tmp_path_factory):
-    require_ulfm()
-    out = tmp_path_factory.mktemp("heal")
-    proc = launch([sys.executable, "-m", "lightning_mpi", "-n", LAUNCHED, "--heal", "--grace", 3, SCRIPT, out], REPO)
-    code, _, err = finish(proc, 420)  # mostly start-up: 10 ranks importing Lightning on a loaded machine
-    assert code == 0, err[-6000:]
+    # mostly start-up: 10 ranks importing Lightning on a loaded machine
+    _, err, out = _heal_launch(tmp_path_factory, "heal", LAUNCHED, 420)
     return (err, *launch_outputs(out), out)
 
 
@@ -720,11 +728,7 @@ def healed_everywhere(tmp_path_factory):
     """The same script on 12 ranks: its Trainer phase loses three (outside the Open MPI CI run,
     whose time is at its limit: two more ranks cost ~80 s of start-up on a 2-core machine; run it
     with ``LIGHTNING_MPI_TEST_MPI=openmpi python -m pytest -m mpi -k everywhere``)."""
-    require_ulfm()
-    out = tmp_path_factory.mktemp("heal_everywhere")
-    args = [sys.executable, "-m", "lightning_mpi", "-n", EVERYWHERE_LAUNCHED, "--heal", "--grace", 3, SCRIPT, out]
-    code, _, err = finish(launch(args, REPO), 540)
-    assert code == 0, err[-6000:]
+    _, err, out = _heal_launch(tmp_path_factory, "heal_everywhere", EVERYWHERE_LAUNCHED, 540)
     return (err, *launch_outputs(out), out)
 
 
@@ -1127,11 +1131,7 @@ def gosgd_healed(tmp_path_factory):
     """The asynchronous phases alone, ``downpour`` (W 4 -> 3) then ``gosgd`` (3 -> 2): their own
     launch, not in the Open MPI CI run, whose time is at its limit; run it with
     ``LIGHTNING_MPI_TEST_MPI=openmpi python -m pytest -m mpi -k "gosgd or parameter_server"``."""
-    require_ulfm()
-    out = tmp_path_factory.mktemp("heal_gosgd")
-    args = [sys.executable, "-m", "lightning_mpi", "-n", GOSGD_LAUNCHED, "--heal", "--grace", 3, SCRIPT, out, "gosgd"]
-    code, _, err = finish(launch(args, REPO), 300)
-    assert code == 0, err[-6000:]
+    _, err, out = _heal_launch(tmp_path_factory, "heal_gosgd", GOSGD_LAUNCHED, 300, "gosgd")
     return (err, *launch_outputs(out), out)
 
 
@@ -1227,11 +1227,7 @@ def auto_healed(tmp_path_factory):
     """``mpi_auto`` alone (the Trainer, a loss in the final average: W 6 -> 5; Fabric, ``"shrink"``: 5 -> 4
     -> 3 -> 2; then the Trainer, ``"replace"``: 2 -> 1 -> 2): its own launch, not in the Open MPI CI run, whose time is
     at its limit; run it with ``LIGHTNING_MPI_TEST_MPI=openmpi python -m pytest -m mpi -k mpi_auto``."""
-    require_ulfm()
-    out = tmp_path_factory.mktemp("heal_auto")
-    args = [sys.executable, "-m", "lightning_mpi", "-n", AUTO_LAUNCHED, "--heal", "--grace", 3, SCRIPT, out, "auto"]
-    code, printed, err = finish(launch(args, REPO), 400)
-    assert code == 0, err[-6000:]
+    printed, err, out = _heal_launch(tmp_path_factory, "heal_auto", AUTO_LAUNCHED, 400, "auto")
     return (printed + err, *launch_outputs(out))  # mpi_auto's lines are printed (stdout), heal lines on stderr
 
 
@@ -1682,11 +1678,7 @@ def outer_healed(tmp_path_factory):
     """``heal_train.py ... outer`` on 4 ranks: its own launch, not in the Open MPI CI run, whose time
     is at its limit; run it with ``LIGHTNING_MPI_TEST_MPI=openmpi python -m pytest -m mpi
     tests/strategies/test_heal.py -k outer``."""
-    require_ulfm()
-    out = tmp_path_factory.mktemp("heal_outer")
-    args = [sys.executable, "-m", "lightning_mpi", "-n", OUTER_LAUNCHED, "--heal", "--grace", 3, SCRIPT, out, "outer"]
-    code, _, err = finish(launch(args, REPO), 840)
-    assert code == 0, err[-6000:]
+    _, err, out = _heal_launch(tmp_path_factory, "heal_outer", OUTER_LAUNCHED, 840, "outer")
     return (err, *launch_outputs(out), out)
 
 
@@ -1806,11 +1798,7 @@ def _replay_adam(
 def zero_healed(tmp_path_factory):
     """``heal_train.py ... zero`` on 5 ranks: its own launch (about 25 s), not in the Open MPI CI run;
     ``LIGHTNING_MPI_TEST_MPI=openmpi python -m pytest -q -m mpi tests/strategies/test_heal.py -k zero``."""
-    require_ulfm()
-    out = tmp_path_factory.mktemp("heal_zero")
-    args = [sys.executable, "-m", "lightning_mpi", "-n", 5, "--heal", "--grace", 3, SCRIPT, out, "zero"]
-    code, _, err = finish(launch(args, REPO), 400)
-    assert code == 0, err[-6000:]
+    _, err, out = _heal_launch(tmp_path_factory, "heal_zero", 5, 400, "zero")
     return (err, *launch_outputs(out), out)
 
 
