@@ -13,6 +13,10 @@ right after its ``on_train_start`` (restored, not re-initialised?) and the warni
 A NAME may be written "SCENARIO/NAME" to run it under another scenario in the same launch
 (each launch costs 10-20 s of imports), and "NAME@key=value+key=value" to override the
 strategy's arguments (``lr_mode=fixed|linear`` sets the learning-rate rule).
+SCENARIO "turns": as "accuracy", but a parameter-server rule's commits (clock tick, read, add, pull)
+take turns: every rank's k-th commit waits for rank r − 1's k-th, so the interleaving of commits,
+hence the staleness each one sees and the center it reads, is the same in every run and the final
+weights are bitwise reproducible (the free-running order depends on thread timing under load).
 SCENARIO "stop": a callback asks ``strategy.broadcast`` (rank 0 decides after its 4th batch, like
 Timer) and ``reduce_boolean_decision`` (the last rank decides, like EarlyStopping) every batch;
 every rank must stop well before max_epochs. Also saves and checks a checkpoint's rule state.
@@ -159,6 +163,25 @@ class Capture(pl.Callback):
         bound.on_train_start = wrapped
 
 
+class Turns(pl.Callback):
+    """For "turns": wrap the bound server rule's ``commit`` so that rank 0 commits, then rank 1, ...,
+    then rank W − 1 (a barrier on COMM_WORLD between turns), every ``period`` steps. Every rank
+    runs the same number of steps here (same-sized shards), so every rank calls it equally often."""
+
+    def on_train_start(self, trainer, pl_module):
+        bound = trainer.strategy.bound_rule
+        original = bound.commit
+
+        def commit():
+            for turn in range(W):
+                if turn == RANK:
+                    original()
+                COMM.Barrier()
+
+        bound.commit = commit
+        self.bound = bound
+
+
 class Recorder(pl.loggers.logger.Logger):
     def __init__(self):
         super().__init__()
@@ -183,6 +206,8 @@ def run(name, scenario, train, test):
     callbacks = []
     if scenario == "uneven":
         kwargs.update(max_epochs=2, limit_train_batches=6 + 5 * RANK)
+    if scenario == "turns":
+        callbacks.append(Turns())
     if scenario == "stop":
         kwargs.update(max_epochs=50)
         callbacks.append(StopVote())
@@ -203,6 +228,8 @@ def run(name, scenario, train, test):
     seconds = time.perf_counter() - start
     out = {"seconds": seconds, "global_step": trainer.global_step, "stat_keys": sorted(rec.keys),
            "warnings": [str(w.message) for w in caught if "lightning_mpi" in str(w.message)]}
+    if scenario == "turns":
+        out["commits"] = COMM.allgather(callbacks[0].bound.commits)
     if scenario == "resume":
         out["seen"] = COMM.allgather(capture.seen)
     bound = getattr(trainer.strategy, "bound_rule", None)
