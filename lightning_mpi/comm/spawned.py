@@ -1,6 +1,10 @@
 """``python -m lightning_mpi.comm.spawned SCRIPT ARGS...``: what the survivors spawn to replace a
 lost rank without waiting for the new process's imports (:func:`~.healing.start_growth`).
 
+With ``--spare`` first it is a warm spare (:mod:`.spare`), spawned by rank 0 ahead of any loss:
+it joins rank 0 only (a bridge), runs ``SCRIPT`` the same way, and its strategy waits there to be
+let in (or dismissed) after it is built.
+
 MPI starts at once and the process joins the survivors (:func:`~.respawn.join_parent`: hello,
 merge), so their spawn returns in about a second; then it runs ``SCRIPT`` as ``__main__`` with
 ``sys.argv = [SCRIPT, *ARGS]`` (the script's directory first on ``sys.path``, as for ``python
@@ -17,16 +21,22 @@ import sys
 
 
 def main() -> None:
+    from lightning_mpi.comm.spare import BRIDGE, SPARE_ARG
+
+    spare = len(sys.argv) > 1 and sys.argv[1] == SPARE_ARG
+    if spare:
+        del sys.argv[1]
     if len(sys.argv) < 2:
-        raise SystemExit("usage: python -m lightning_mpi.comm.spawned SCRIPT [ARGS...]")
+        raise SystemExit(f"usage: python -m lightning_mpi.comm.spawned [{SPARE_ARG}] SCRIPT [ARGS...]")
     script = os.path.abspath(sys.argv[1])
     sys.path[0] = os.path.dirname(script)
     from lightning_mpi.comm.respawn import JOINED, REPLACEMENT_ENV, join_parent
 
-    merged = join_parent()
-    if merged is None:
+    joined = join_parent()
+    if joined is None:
         raise SystemExit("lightning_mpi.comm.spawned: this process was not spawned by survivors of a heal")
-    JOINED[:] = [merged]
+    # a warm spare is joined to rank 0 only (a bridge), a replacement to every survivor already
+    (BRIDGE if spare else JOINED)[:] = [joined]
     os.environ[REPLACEMENT_ENV] = "1"
     sys.argv = [script, *sys.argv[2:]]
     runpy.run_path(script, run_name="__main__")

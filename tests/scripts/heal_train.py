@@ -341,6 +341,42 @@ def replace_phase() -> dict:
     return _trainer_fit(model, strategy, max_steps=REPLACE_STEPS, default_root_dir=OUT / "replace")
 
 
+def _after_the_spare_waits(module) -> bool:
+    """The ``spare`` launch's kill: launch rank 2 at the start of step REPLACE_KILL, once the warm
+    spare is built and waiting (it wrote ``spare_waiting``), so that the survivors find it ready."""
+    if not (module.global_step == REPLACE_KILL and RANK == 2):
+        return False
+    deadline = time.monotonic() + 90
+    while not (OUT / "spare_waiting").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.5)  # its first "ready" is sent right after the mark
+    return True
+
+
+def spare_phase() -> dict:
+    """``lightning-mpi --heal -n 3 heal_train.py OUT_DIR spare``: the Trainer with
+    ``SyncStrategy(heal="replace", spares=1)``. Rank 0 spawns a warm spare at the first batch; it
+    runs this script, builds its strategy and waits (marking ``spare_waiting``); launch rank 2 dies
+    at the start of step REPLACE_KILL; the survivors heal and let the spare in at the next batch
+    (it records under REPLACEMENT); rank 0 then spawns another spare, dismissed at the end."""
+    import lightning_mpi.comm.healing as healing
+    from lightning_mpi.lightning import SyncStrategy
+
+    if os.environ.get("LIGHTNING_MPI_REPLACEMENT") and healing.BRIDGE:
+        wait = healing.wait_to_be_let_in
+
+        def marked(bridge):
+            (OUT / "spare_waiting").write_text(str(os.getpid()))
+            return wait(bridge)
+
+        healing.wait_to_be_let_in = marked
+    model = _trainer_model("spare", "spare_val", _after_the_spare_waits)
+    strategy = SyncStrategy(heal="replace", spares=1)
+    result = _trainer_fit(model, strategy, max_steps=REPLACE_STEPS, enable_checkpointing=False)
+    result["spares_spawned"] = strategy._replacing.spare.spawned  # rank 0: before the loss, after the let-in
+    return result
+
+
 def _fabric_loop(
     strategy,
     phase: str,
@@ -831,10 +867,12 @@ def main() -> None:
         phases = (("zero", zero_phase), ("zero_trainer", zero_trainer_phase))
     if sys.argv[2:] == ["auto"]:
         phases = (("auto_end", auto_end_phase), ("auto", auto_phase), ("auto_replace", auto_replace_phase))
+    if sys.argv[2:] == ["spare"]:
+        phases = (("spare", spare_phase),)
     names = [name for name, _ in phases]
     if os.environ.get("LIGHTNING_MPI_REPLACEMENT"):  # a replacement starts at the phase that spawned it
         current = (OUT / "phase").read_text()
-        RANK = REPLACEMENT if current in ("replace", "auto_replace") else OUTER_REPLACEMENT + names.index(current)
+        RANK = REPLACEMENT if current in ("replace", "auto_replace", "spare") else OUTER_REPLACEMENT + names.index(current)
         phases = phases[names.index(current) :]
     for name, phase in phases:
         mark = OUT / f"phase.{os.getpid()}"  # what a replacement spawned in this phase reads (atomic)

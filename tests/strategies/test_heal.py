@@ -63,6 +63,9 @@ FIRST_PHASES = ("topk", "powersgd", "diloco", "streaming", "weights")
         ({"heal": "grow"}, r"heal='grow' is not one of None, 'shrink', 'replace'"),
         ({"heal": "shrink", "min_ranks": 0}, r"min_ranks"),
         ({"min_ranks": 2}, r"min_ranks=2 is only read when the run heals: set heal='shrink'"),
+        ({"spares": 1, "heal": "shrink"}, r"spares=1 is only read when lost ranks are replaced: set heal='replace'"),
+        ({"spares": 2, "heal": "replace"}, r"spares=2: at most 1 warm spare is supported; use spares=1"),
+        ({"spares": -1, "heal": "replace"}, r"spares=-1 is out of range: it must be an integer >= 0"),
     ],
 )
 def test_heal_options_are_checked(kwargs, match):
@@ -71,6 +74,7 @@ def test_heal_options_are_checked(kwargs, match):
     assert CommonOptions(heal="shrink", min_ranks=2).heal == "shrink"
     assert CommonOptions(heal="replace", min_ranks=2).heal == "replace"
     assert CommonOptions().heal is None and CommonOptions().min_ranks is None
+    assert CommonOptions(heal="replace", spares=1).spares == 1 and CommonOptions().spares == 0
 
 
 @pytest.mark.timeout(10)
@@ -1001,6 +1005,58 @@ def test_ready_replacements_wait_for_a_batch_without_an_exchange_in_flight():
 
 
 @pytest.mark.timeout(10)
+def test_after_a_heal_a_warm_spare_is_waited_for_let_in_or_replaced_by_a_spawn():
+    """What the survivors do at each batch after a heal with ``spares=1``, given rank 0's verdict:
+    wait while it starts (asking every ``poll_every`` batches), let it in when ready and no
+    exchange is in flight, spawn after the loss when there is none (or it did not come)."""
+    from types import SimpleNamespace
+
+    from lightning_mpi.comm.respawn import Respawned
+    from lightning_mpi.strategies import warm_spare
+    from lightning_mpi.strategies.replacement import RunReplacing
+
+    verdicts = []
+    transport = SimpleNamespace(broadcast_object=lambda value, root: verdicts.pop(0))
+    failures = SimpleNamespace(rank=0, world_size=2, transport=transport, base_comm="base")
+    bound = SimpleNamespace(exchange_in_flight=False)
+    healing = SimpleNamespace(
+        mode="replace", events=1, grow_pending=True, start_size=3, last_healed_at=0.0, between=lambda w, f, o: f()
+    )
+    replacing = RunReplacing(healing, failures, None, SimpleNamespace(bound=bound, live=True), None, print, "k", spares=1)
+    replacing.poll_every = 4
+    spawned, switched, let_in = [], [], []
+    replacing._start = lambda: spawned.append(True)
+    replacing._switch = lambda trainer, pending: switched.append(pending)
+    grown = Respawned("merged", (2,), 0.01)
+    replacing.spare.let_in = lambda base, rank: let_in.append(base) or (grown if len(let_in) == 1 else None)
+    asked = []
+    replacing.spare.verdict = lambda rank: asked.append(rank) or 0
+
+    verdicts += [warm_spare.STARTING]
+    replacing.at_batch_start(None)  # asked: still starting, so wait (no spawn)
+    for _ in range(3):
+        replacing.at_batch_start(None)  # not asked again before poll_every batches
+    assert len(asked) == 1 and spawned == [] and switched == []
+    bound.exchange_in_flight = True
+    replacing.at_batch_start(None)  # an exchange in flight: not even asked
+    assert len(asked) == 1
+    bound.exchange_in_flight = False
+    verdicts += [warm_spare.READY]
+    replacing.at_batch_start(None)  # the 5th batch since the heal: asked, ready, let in
+    assert len(asked) == 2 and let_in == ["base"] and len(switched) == 1
+    (pending,) = switched
+    assert pending.spare and pending.respawned is grown and spawned == []
+    assert healing.grow_pending is True  # start_size 3 > world_size 2 in this fake: one more to replace
+    verdicts += [warm_spare.READY]
+    replacing.at_batch_start(None)  # ready, but it did not come: spawn after the loss
+    assert let_in == ["base", "base"] and spawned == [True] and len(switched) == 1
+    healing.grow_pending = True
+    verdicts += [warm_spare.NONE]
+    replacing.at_batch_start(None)  # no spare at all: spawn after the loss
+    assert spawned == [True, True]
+
+
+@pytest.mark.timeout(10)
 def test_a_replacement_skips_the_batches_done_once_then_resumes_from_the_handover():
     from torch.utils.data import DistributedSampler
 
@@ -1080,6 +1136,38 @@ def test_trainer_replace_spawns_a_rank_that_joins_mid_epoch_and_matches_a_replay
         assert sorted(i for _, e in validation[step] for i in e["indices"]) == list(range(20))
     lines = [x for x in err.splitlines() if "lightning_mpi: replaced: 1 new rank (3) joined at step 3" in x]
     assert len(lines) == 1 and "training goes on at world size 4" in lines[0], err[-3000:]
+
+
+@pytest.mark.mpi
+@pytest.mark.openmpi_core
+@pytest.mark.timeout(200)
+def test_trainer_replace_with_a_warm_spare_lets_it_in_at_the_next_batch_and_matches_a_replay(tmp_path_factory):
+    """``spares=1`` (W = 3): rank 0 spawned a warm spare at the first batch; launch rank 2 dies at
+    step 1 once the spare waits; the survivors finish step 1 on two ranks and let the spare in at
+    step 2 (no process started after the loss), with rank 2's shard; all three end identical, equal
+    to one process replaying the batches of the ranks alive at each step; rank 0 then spawned a
+    second spare, dismissed at the end."""
+    _, err, out = _heal_launch(tmp_path_factory, "spare", 3, 180, "spare")
+    finals, records = launch_outputs(out)
+    assert sorted(finals["spare"]) == [0, 1, REPLACEMENT], err[-3000:]
+    steps = records["spare"]
+    assert sorted(steps) == list(range(8))  # no step lost, none repeated
+    alive = {0: [0, 1, 2], 1: [0, 1]} | {s: [0, 1, REPLACEMENT] for s in range(2, 8)}
+    for step, entries in steps.items():
+        assert sorted(rank for rank, _ in entries) == alive[step], step
+    (joined,) = [e for rank, e in steps[2] if rank == REPLACEMENT]
+    assert joined["epoch"] == 0 and joined["batch"] == 2 and joined["rank"] == 2  # rank 2's shard, from batch 2
+    ours = [finals["spare"][r] for r in (0, 1, REPLACEMENT)]
+    assert all(result["final"] == ours[0]["final"] for result in ours)  # bitwise identical, the spare too
+    replay = _replay(ours[0]["initial"], [[e["indices"] for _, e in sorted(steps[s])] for s in range(8)])
+    assert _close(ours[0]["final"], replay)
+    healed_event, joined_event = ours[0]["history"]
+    assert healed_event["lost"] == [2] and healed_event["world_size"] == 2
+    assert joined_event["joined"] == [2] and joined_event["spare"] and joined_event["world_size"] == 3
+    assert joined_event["seconds"] < 5.0  # from the heal to the let-in: no interpreter started
+    assert ours[0]["spares_spawned"] == 2
+    lines = [x for x in err.splitlines() if "lightning_mpi: replaced: 1 new rank (2) joined at step 2" in x]
+    assert len(lines) == 1 and "after the heal (a warm spare)" in lines[0], err[-3000:]
 
 
 @pytest.mark.mpi
