@@ -487,7 +487,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-kills", type=int, help="at most this many kills per arm (default: no limit)")
     parser.add_argument("--out", type=Path, default=RESULTS / "goodput.json")
     parser.add_argument("--workdir", type=Path, help="keep each arm's files (logs, checkpoints) in WORKDIR/ARM")
+    parser.add_argument("--report", type=Path, help="run nothing: print the table and draw the plot of a saved run")
     args = parser.parse_args(argv)
+    if args.report:
+        show(json.loads(args.report.read_text()), args.report)
+        return
     # SIGTERM (timeout, a CI limit) unwinds like Ctrl-C, so that every arm's processes are killed
     signal.signal(signal.SIGTERM, _interrupt)
     s = QUICK if args.quick else Settings()
@@ -533,14 +537,27 @@ def main(argv: list[str] | None = None) -> None:
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1))
+    show(report, args.out)
+
+
+def show(report: dict, out: Path) -> None:
+    """Print the table of a run's report and draw its plot next to ``out`` (``.png``); without
+    matplotlib (the Open MPI test environment), say how to draw it from the saved report."""
+    s = Settings(**report["settings"])
     title = (
         f"{s.ranks} ranks on {os.cpu_count()} cores, a non-zero rank SIGKILLed every {s.every:g} s, "
-        f"checkpoint every {s.ckpt_every} steps, {s.budget:g} s of training per arm;\n{load_before}"
+        f"checkpoint every {s.ckpt_every} steps, {s.budget:g} s of training per arm;\n{report['load_before']}"
     )
-    plot(results, args.out.with_suffix(".png"), title)
     print(f"{title}\n")
-    print(table(results))
-    print(f"\nanchor: {ANCHOR}; this is far smaller (see the docstring). Results: {args.out}")
+    print(table(report["arms"]))
+    print(f"\nanchor: {ANCHOR}; this is far smaller (see the docstring). Results: {out}")
+    try:
+        plot(report["arms"], out.with_suffix(".png"), title)
+    except ImportError:
+        print(
+            f"no plot: matplotlib is not installed here; draw it with `python benchmarks/goodput.py --report {out}` "
+            "where it is (pip install -e '.[plots]')"
+        )
 
 
 if __name__ == "__main__":

@@ -51,7 +51,7 @@ from typing import Any
 from lightning_mpi.comm.errors import ErrorChannel
 from lightning_mpi.comm.resources import RunResources, keep_pending
 from lightning_mpi.comm.respawn import JOINED, READY_TAG, Respawned, join_parent, respawn
-from lightning_mpi.comm.spare import BRIDGE, wait_to_be_let_in
+from lightning_mpi.comm.spare import SPARE_WORLD, wait_to_be_let_in
 from lightning_mpi.comm.transport import Transport
 from lightning_mpi.comm.ulfm import Healed, free, heal
 
@@ -244,8 +244,8 @@ def join_run(timeout: float | None, serial: int = 0) -> HealedRun | None:
     :class:`~.spare.SpareDismissed` (the process exits) when it is not needed."""
     import numpy as np
 
-    if BRIDGE:
-        merged = wait_to_be_let_in(BRIDGE.pop())
+    if SPARE_WORLD:
+        merged = wait_to_be_let_in(SPARE_WORLD.pop())
     elif JOINED:
         merged = JOINED.pop()
         merged.Send(np.ones(1, dtype=np.int32), dest=0, tag=READY_TAG)

@@ -279,7 +279,8 @@ class BoundGoSGD(BoundLocalStepRule):
             healed = state["healed"]
             self.weight = float(healed["weight"])
             self.pushes = int(healed["pushes"])
-            self.rng.setstate(healed["rng"])
+            if "rng" in healed:  # a new rank (heal="replace") keeps its own generator
+                self.rng.setstate(healed["rng"])
             self.drained = bool(healed["drained"])
             self._renormalise = True  # in on_train_start, over the survivors
             return

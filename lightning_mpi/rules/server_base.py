@@ -167,11 +167,11 @@ class BoundServerRule(BoundLocalStepRule):
             clock.set_all(torch.tensor([clock0]).numpy())
         self.transport.barrier()  # every shard is set before anyone reads or commits (with the timeout)
         self.ref.copy_(initial)
-        if healed is not None and not healed["interrupted"]:
+        if healed is not None and not healed["interrupted"] and not healed.get("joined"):
             # this worker's own weights go on, against the center it last pulled (laid out anew)
             self.ref.copy_(padded(healed["ref"][: self.numel], self.ref.numel()))
             clock0 = int(healed["clock_at_pull"])
-        elif self.starts_from_center or healed is not None:  # an interrupted commit: from the center
+        elif self.starts_from_center or healed is not None:  # an interrupted commit, a new rank: the center
             self.flat.push(initial)
             if healed is not None:
                 for buf in self.momentum_bufs:

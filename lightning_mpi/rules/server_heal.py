@@ -79,6 +79,26 @@ def rebuild_center(shards: Mapping[int, Tensor], pulled: Mapping[int, Tensor], o
     return center[:numel].clone()
 
 
+def joined_state(kept: Mapping[str, Any]) -> dict[str, Any]:
+    """What a new rank (``heal="replace"``) takes from rank 0's :meth:`heal_state` at its let-in: no
+    shard and no pull of its own (the survivors' shards are the whole center, re-cut over the grown
+    run in :func:`gather_and_rebuild`; it starts from that center, zero momentum), rank 0's step
+    count (it sets when commits happen) and no commits or skipped commits of its own."""
+    return {
+        "joined": True,
+        "old_world": int(kept["old_world"]),
+        "numel": int(kept["numel"]),
+        "clock": None,
+        "clock_at_pull": int(kept["clock_at_pull"]),
+        "interrupted": False,
+        "final_committed": bool(kept["final_committed"]),
+        "steps": int(kept["steps"]),
+        "commits": 0,
+        "momentum": [torch.zeros_like(buf) for buf in kept.get("momentum", [])],
+        "skipped_commits": 0,
+    }
+
+
 def padded(center: Tensor, length: int) -> Tensor:
     """``center`` (unpadded) laid out in a flat buffer of ``length`` (a world size's padding)."""
     out = torch.zeros(length, dtype=center.dtype)
@@ -91,20 +111,23 @@ def gather_and_rebuild(transport: Transport, kept: Mapping[str, Any]) -> dict[st
     """Collective over the survivors' ``transport``: from each survivor's ``kept`` (its
     :meth:`~.server_base.BoundServerRule.heal_state`), the rebuilt center (unpadded), the clock,
     the lost old ranks and who each lost shard was taken from (module docstring)."""
-    old_rank, old_world = int(kept["old_rank"]), int(kept["old_world"])
+    joined = bool(kept.get("joined"))  # a new rank (heal="replace"): no shard, no pull, nothing lost
+    old_rank, old_world = (None if joined else int(kept["old_rank"])), int(kept["old_world"])
     mine = (old_rank, int(kept["clock_at_pull"]), kept["clock"])
     everyone = transport.allgather_object(mine) if transport.size > 1 else [mine]
-    pulls = {rank: clock for rank, clock, _ in everyone}
+    pulls = {rank: clock for rank, clock, _ in everyone if rank is not None}
     lost = sorted(set(range(old_world)) - set(pulls))
     chosen = freshest(pulls, lost)
-    ref: Tensor = kept["ref"]
-    size = ref.numel() // old_world
-    piece = {
-        "shard": kept["shard"],
-        "pulled": {rank: ref[rank * size : (rank + 1) * size].clone() for rank in lost if chosen[rank] == old_rank},
-    }
+    piece: dict[str, Any] = {"shard": None, "pulled": {}}
+    if not joined:
+        ref: Tensor = kept["ref"]
+        size = ref.numel() // old_world
+        piece = {
+            "shard": kept["shard"],
+            "pulled": {rank: ref[rank * size : (rank + 1) * size].clone() for rank in lost if chosen[rank] == old_rank},
+        }
     pieces = transport.allgather_object(piece) if transport.size > 1 else [piece]
-    shards = {rank: p["shard"] for (rank, _, _), p in zip(everyone, pieces, strict=True)}
+    shards = {rank: p["shard"] for (rank, _, _), p in zip(everyone, pieces, strict=True) if rank is not None}
     pulled = {lost_rank: slice_ for p in pieces for lost_rank, slice_ in p["pulled"].items()}
     center = rebuild_center(shards, pulled, old_world, int(kept["numel"]))
     clock = healed_clock(pulls, [hosted for _, _, hosted in everyone if hosted is not None])

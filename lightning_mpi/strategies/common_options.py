@@ -76,7 +76,7 @@ class CommonOptions:
 
     spares: int = option(
         default=0,
-        doc='with `heal="replace"`: warm spares rank 0 keeps ready (0 or 1), processes started ahead that have '
+        doc='with `heal="replace"`: warm spares the run keeps ready (0 or 1), processes started ahead that have '
         "imported everything and wait, idle, so that a lost rank is replaced at the next batch instead of after a "
         "new process's start-up; each needs a free slot (or `--oversubscribe`). See docs/faults.md.",
         check=integer(0),

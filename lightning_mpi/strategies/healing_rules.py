@@ -97,8 +97,9 @@ from lightning_mpi.rules.averaging import BoundModelAveraging, averages_at
 from lightning_mpi.rules.base import BoundRule
 from lightning_mpi.rules.diloco import BoundDiLoCo
 from lightning_mpi.rules.easgd import BoundEASGD
-from lightning_mpi.rules.gossip import BoundGoSGD
-from lightning_mpi.rules.server_base import BoundServerRule
+from lightning_mpi.rules.gossip import BoundGoSGD, GoSGDRule
+from lightning_mpi.rules.server_base import BoundServerRule, ServerRule
+from lightning_mpi.rules.server_heal import joined_state
 from lightning_mpi.rules.sync import BoundSync
 from lightning_mpi.rules.zero import BoundZeroRule
 
@@ -146,6 +147,27 @@ def kept_state(bound: BoundRule | None) -> dict[str, Any] | None:
         # itself what it keeps (the table above)
         return _local_state(bound)
     raise LookupError(f"{type(bound).__name__} keeps state that is not rebuilt after a heal yet")
+
+
+def split_for_new_ranks(rule: Any, state: dict[str, Any], n: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """On rank 0 when ``n`` new ranks are let in (``heal="replace"``): the state rank 0 binds the
+    rule again with, and the state each new rank takes (it starts from rank 0's weights):
+
+    - without rank 0's own part (``"local"``: its residuals); a new rank starts with none;
+    - a parameter-server rule: as a rank that joined (no shard of the center yet; the survivors'
+      shards are re-cut over the grown run: :func:`~lightning_mpi.rules.server_heal.joined_state`);
+    - GoSGD: rank 0's mixing weight split evenly between itself and the new ranks, which hold its
+      θ, so Σw and the consensus Σwθ/Σw are unchanged; a new rank keeps its own generator.
+    """
+    handed = {key: value for key, value in state.items() if key != "local"}
+    healed = handed.get("healed")
+    if isinstance(rule, ServerRule) and isinstance(healed, dict):
+        handed["healed"] = joined_state(healed)
+    elif isinstance(rule, GoSGDRule) and isinstance(healed, dict):
+        share = float(healed["weight"]) / (n + 1)
+        state = {**state, "healed": {**healed, "weight": share}}
+        handed["healed"] = {"weight": share, "pushes": 0, "drained": bool(healed["drained"])}
+    return state, handed
 
 
 def heal_grads(healing: Any, runner: Any, optimizer: Any, module: torch.nn.Module) -> bool:

@@ -61,10 +61,9 @@ from lightning_mpi.comm.respawn import JOIN_TIMEOUT, Respawned
 from lightning_mpi.comm.ulfm import ProcessFailed, process_failure
 from lightning_mpi.comm.ulfm import free as ulfm_free
 from lightning_mpi.comm.ulfm import revoke as ulfm_revoke
-from lightning_mpi.rules.server_base import ServerRule
 from lightning_mpi.rules.zero import ZeroRule
 from lightning_mpi.strategies.healing import RunHealing, remember_healed
-from lightning_mpi.strategies.healing_rules import kept_state
+from lightning_mpi.strategies.healing_rules import kept_state, split_for_new_ranks
 from lightning_mpi.strategies.warm_spare import NONE, STARTING, WarmSpare
 
 __all__ = ["HANDOVER_PATH", "REPLACEMENT_REASON", "Handover", "RunReplacing", "refuse_replace", "replacement_shards"]
@@ -103,15 +102,9 @@ def refuse_replace(heal: str | None) -> None:
 
 
 def refuse_replace_for(rule: Any, heal: str | None) -> None:
-    """The Trainer strategies: ``heal="replace"`` is refused for a parameter-server rule and ZeRO, naming
-    what works instead (a new rank would need a shard of the center and the clock handed over,
-    which is not built yet; ``"shrink"`` rebuilds the center over the survivors)."""
-    if heal == "replace" and isinstance(rule, ServerRule):
-        raise ValueError(
-            f"heal='replace' is not supported for the parameter-server rule {rule.name!r} yet: a new rank would "
-            "have to take over a shard of the center, which is not built yet. Use heal='shrink' (the survivors "
-            "rebuild the center over themselves and go on), or `lightning-mpi --max-restarts` with checkpoints"
-        )
+    """The Trainer strategies: ``heal="replace"`` is refused for ZeRO, naming what works instead (a
+    new rank would have to take over a shard of the optimizer state and its buddy copy, which is not
+    built yet; ``"shrink"`` rebuilds the optimizer state over the survivors)."""
     if heal == "replace" and isinstance(rule, ZeroRule):
         raise ValueError(
             "heal='replace' is not supported for ZeRO (shard_optimizer=True, mpi_zero) yet: a new rank would have "
@@ -262,8 +255,12 @@ class RunReplacing:
         elif self._healing.grow_pending:
             if not (self.spare.wanted and self._from_spare(trainer)):
                 self._start()
-        elif self.spare.wanted:
-            self.spare.keep_ready(self._failures.rank)
+        elif self.spare.wanted and not self.spare.held:
+            failures = self._failures
+            # collective (about a second); a rank lost meanwhile is healed, and the spawn tried again
+            self._healing.between(
+                "spawning a warm spare", lambda: self.spare.keep_ready(failures.base_comm, failures.rank), None
+            )
 
     def close(self) -> None:
         """The run ended: a warm spare is told to exit."""
@@ -292,12 +289,13 @@ class RunReplacing:
             return True
         self._spare_batches = 0
         if verdict == NONE:
+            self.spare.drop()  # on every survivor: it died, its leader was lost, or it never started
             return False
         healed_at = healing.last_healed_at
         events_before = healing.events
 
         def let_in() -> Respawned | None:
-            return self.spare.let_in(failures.base_comm, failures.rank)
+            return self.spare.let_in(failures.base_comm)
 
         grown = healing.between("letting a warm spare in", let_in, None)
         if healing.events != events_before:  # a survivor died during it: healed again; the spare is given up
@@ -412,10 +410,10 @@ class RunReplacing:
         if transport.rank == 0:
             checkpoint = trainer._checkpoint_connector.dump_checkpoint()
             if state is not None:
-                rule = type(self._runner.rule).__name__
-                # without rank 0's own part ("local": its residuals): a new rank starts with none
-                shared = {key: value for key, value in state.items() if key != "local"}
-                checkpoint[self._key] = {"rule": rule, "state": shared, "world_size": transport.size}
+                rule = self._runner.rule
+                # rank 0 keeps its own part (residuals) and shares what it shares (GoSGD's weight)
+                state, handed = split_for_new_ranks(rule, state, missing)
+                checkpoint[self._key] = {"rule": type(rule).__name__, "state": handed, "world_size": transport.size}
             epoch_loop = trainer.fit_loop.epoch_loop
             handover = Handover(checkpoint, shards, int(epoch_loop.batch_progress.current.completed))
         transport.broadcast_object(handover, root=0)

@@ -189,4 +189,4 @@ def test_a_warm_spare_is_let_in_at_once_dismissed_or_found_dead(tmp_path):
         assert {int(s): v for s, v in result["sums"].items()} == {s: [6.0, 3] for s in range(result.get("joined_at", 0), 12)}
     rank0 = by_name["rank0"]
     assert rank0["second"] == "dismissed" and [p.read_text() for p in (tmp_path / "out").glob("dismissed.*")] == ["1"]
-    assert rank0["third"].startswith("found dead: a warm spare") and rank0["third_closed"]
+    assert rank0["third"].startswith("found dead: a warm spare")

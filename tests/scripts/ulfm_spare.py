@@ -3,11 +3,12 @@
 Usage: ``lightning-mpi --heal -n 3 ulfm_spare.py OUT_DIR`` (Open MPI). A loop of blocking
 Allreduces (each rank adds its rank + 1) in which:
 
-- before step 0, rank 0 spawns a warm spare and waits until it is ready (it "imports" 1 s first);
+- before step 0, the ranks spawn a warm spare and rank 0 waits until it is ready (it "imports" 1 s);
 - step 4: rank 2 dies; the survivors heal to 2 ranks and let the spare in: 3 ranks again, the
   spare rank 2, at once (no new process is started);
-- step 6: rank 0 spawns a second spare, waits until it is ready and dismisses it: it exits 0;
-- step 8: rank 0 spawns a third spare, which is SIGKILLed while it waits; rank 0 finds it dead
+- step 6: the ranks spawn a second spare, rank 0 waits until it is ready, and they dismiss it: it
+  exits 0;
+- step 8: the ranks spawn a third spare, which is SIGKILLed while it waits; rank 0 finds it dead
   (``Spare.ready`` raises) and the run goes on;
 - the loop ends on 3 ranks at step 12.
 
@@ -25,7 +26,7 @@ from pathlib import Path
 import numpy as np
 from mpi4py import MPI
 
-from lightning_mpi.comm.spare import BRIDGE, SpareDismissed, let_in, spawn_spare, wait_to_be_let_in
+from lightning_mpi.comm.spare import SPARE_WORLD, SpareDismissed, let_in, spawn_spare, wait_to_be_let_in
 from lightning_mpi.comm.ulfm import ProcessFailed, failures_raised, free, heal, mark_finished
 
 OUT = Path(sys.argv[1])
@@ -36,10 +37,11 @@ def die() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def ready_spare():
-    spare = spawn_spare(__file__, [str(OUT)])
+def ready_spare(comm):
+    """Spawn a spare (collective); rank 0 waits until it is ready."""
+    spare = spawn_spare(comm, __file__, [str(OUT)])
     assert spare is not None
-    while not spare.ready():
+    while spare.leader and not spare.ready():
         time.sleep(0.01)
     return spare
 
@@ -51,7 +53,7 @@ def as_spare() -> None:
     if which == "2":
         (OUT / f"doomed.{os.getpid()}").write_text("")  # rank 0 kills it while it waits
     try:
-        comm = wait_to_be_let_in(BRIDGE.pop())
+        comm = wait_to_be_let_in(SPARE_WORLD.pop())
     except SpareDismissed:
         (OUT / f"dismissed.{os.getpid()}").write_text(which)
         raise
@@ -65,23 +67,25 @@ def loop(comm, step, out) -> None:
         rank = comm.Get_rank()
         if step == 4 and rank == 2 and not out.get("spare"):
             die()
-        if rank == 0 and step == 6 and not out.get("spare") and "second" not in out:
-            spare = ready_spare()
-            spare.dismiss()
+        if step == 6 and "second" not in out:
+            spare = ready_spare(comm)
+            spare.dismiss()  # every rank: the leader tells it, every rank frees the spare world
             out["second"] = "dismissed"
-        if rank == 0 and step == 8 and not out.get("spare") and "third" not in out:
-            spare = ready_spare()
-            doomed = list(OUT.glob("doomed.*"))
-            os.kill(int(doomed[0].suffix[1:]), signal.SIGKILL)
-            try:
-                deadline = time.monotonic() + 30
-                while time.monotonic() < deadline:
-                    spare.ready()
-                    time.sleep(0.05)
-                out["third"] = "not found dead"
-            except ProcessFailed as failure:
-                out["third"] = f"found dead: {failure.where}"
-            out["third_closed"] = spare.closed
+        if step == 8 and "third" not in out:
+            spare = ready_spare(comm)
+            if rank == 0:
+                doomed = list(OUT.glob("doomed.*"))
+                os.kill(int(doomed[0].suffix[1:]), signal.SIGKILL)
+                try:
+                    deadline = time.monotonic() + 30
+                    while time.monotonic() < deadline:
+                        spare.ready()
+                        time.sleep(0.05)
+                    out["third"] = "not found dead"
+                except ProcessFailed as failure:
+                    out["third"] = f"found dead: {failure.where}"
+            comm.Barrier()
+            spare.close()
         x = np.full(1, float(rank + 1))
         try:
             with failures_raised(comm, "allreduce"):
@@ -92,7 +96,7 @@ def loop(comm, step, out) -> None:
             comm = healed.comm
             step = min(comm.allgather(step))
             started = time.perf_counter()
-            grown = let_in(comm, out.get("held_spare"))
+            grown = let_in(comm, out["held_spare"])
             assert grown is not None
             free(comm)
             comm = grown.comm
@@ -111,14 +115,12 @@ def loop(comm, step, out) -> None:
 
 
 def main() -> None:
-    if BRIDGE:
+    if SPARE_WORLD:
         as_spare()
         return
     comm = MPI.COMM_WORLD.Dup()
     comm.Set_errhandler(MPI.ERRORS_RETURN)
-    out = {}
-    if comm.Get_rank() == 0:
-        out["held_spare"] = ready_spare()
+    out = {"held_spare": ready_spare(comm)}
     comm.Barrier()
     loop(comm, 0, out)
 

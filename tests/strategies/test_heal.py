@@ -904,16 +904,43 @@ def test_fabric_refuses_replace_naming_the_fix():
 
 
 @pytest.mark.timeout(10)
-def test_the_trainer_refuses_replace_for_a_parameter_server_rule_naming_the_fix():
+def test_the_trainer_refuses_replace_for_zero_naming_the_fix():
     # what the Trainer strategies call first in __init__ (before any collective)
     from lightning_mpi.rules.server import DownpourRule
     from lightning_mpi.rules.sync import SyncRule
+    from lightning_mpi.rules.zero import ZeroRule
     from lightning_mpi.strategies.replacement import refuse_replace_for
 
-    refuse_replace_for(DownpourRule(), "shrink")
+    refuse_replace_for(ZeroRule(), "shrink")
     refuse_replace_for(SyncRule(), "replace")
-    with pytest.raises(ValueError, match=r"not supported for the parameter-server rule 'downpour'.*heal='shrink'"):
-        refuse_replace_for(DownpourRule(), "replace")
+    refuse_replace_for(DownpourRule(), "replace")  # the parameter-server rules replace too
+    with pytest.raises(ValueError, match=r"not supported for ZeRO.*heal='shrink'"):
+        refuse_replace_for(ZeroRule(), "replace")
+
+
+@pytest.mark.timeout(10)
+def test_a_new_rank_takes_no_shard_of_the_center_and_a_share_of_gosgds_weight():
+    from lightning_mpi.rules.gossip import GoSGDRule
+    from lightning_mpi.rules.server import DownpourRule
+    from lightning_mpi.rules.sync import SyncRule
+    from lightning_mpi.strategies.healing_rules import split_for_new_ranks
+
+    kept = {"old_rank": 0, "old_world": 2, "numel": 5, "shard": torch.ones(3), "clock": 7, "ref": torch.ones(6),
+            "clock_at_pull": 6, "interrupted": False, "final_committed": False, "steps": 4, "commits": 1,
+            "momentum": [torch.ones(2)], "skipped_commits": 1}
+    mine, handed = split_for_new_ranks(DownpourRule(), {"healed": kept}, 1)
+    assert mine == {"healed": kept}
+    new = handed["healed"]
+    assert new["joined"] and "shard" not in new and "ref" not in new and new["clock"] is None
+    assert new["steps"] == 4 and new["commits"] == 0 and new["skipped_commits"] == 0
+    assert torch.equal(new["momentum"][0], torch.zeros(2)) and new["old_world"] == 2
+    gossip = {"healed": {"weight": 0.6, "pushes": 3, "rng": (3, (1, 2), None), "drained": False}}
+    mine, handed = split_for_new_ranks(GoSGDRule(), gossip, 2)
+    assert mine["healed"]["weight"] == pytest.approx(0.2) and mine["healed"]["rng"] == (3, (1, 2), None)
+    assert handed == {"healed": {"weight": pytest.approx(0.2), "pushes": 0, "drained": False}}
+    residuals = {"skipped_steps": 0, "local": {"residual": torch.ones(2)}}
+    mine, handed = split_for_new_ranks(SyncRule(), residuals, 1)
+    assert mine is residuals and handed == {"skipped_steps": 0}  # rank 0's residuals stay its own
 
 
 @pytest.mark.timeout(10)
@@ -1028,7 +1055,7 @@ def test_after_a_heal_a_warm_spare_is_waited_for_let_in_or_replaced_by_a_spawn()
     replacing._start = lambda: spawned.append(True)
     replacing._switch = lambda trainer, pending: switched.append(pending)
     grown = Respawned("merged", (2,), 0.01)
-    replacing.spare.let_in = lambda base, rank: let_in.append(base) or (grown if len(let_in) == 1 else None)
+    replacing.spare.let_in = lambda base: let_in.append(base) or (grown if len(let_in) == 1 else None)
     asked = []
     replacing.spare.verdict = lambda rank: asked.append(rank) or 0
 
@@ -1138,36 +1165,75 @@ def test_trainer_replace_spawns_a_rank_that_joins_mid_epoch_and_matches_a_replay
     assert len(lines) == 1 and "training goes on at world size 4" in lines[0], err[-3000:]
 
 
-@pytest.mark.mpi
-@pytest.mark.openmpi_core
-@pytest.mark.timeout(200)
-def test_trainer_replace_with_a_warm_spare_lets_it_in_at_the_next_batch_and_matches_a_replay(tmp_path_factory):
-    """``spares=1`` (W = 3): rank 0 spawned a warm spare at the first batch; launch rank 2 dies at
-    step 1 once the spare waits; the survivors finish step 1 on two ranks and let the spare in at
-    step 2 (no process started after the loss), with rank 2's shard; all three end identical, equal
-    to one process replaying the batches of the ranks alive at each step; rank 0 then spawned a
-    second spare, dismissed at the end."""
-    _, err, out = _heal_launch(tmp_path_factory, "spare", 3, 180, "spare")
-    finals, records = launch_outputs(out)
-    assert sorted(finals["spare"]) == [0, 1, REPLACEMENT], err[-3000:]
-    steps = records["spare"]
-    assert sorted(steps) == list(range(8))  # no step lost, none repeated
-    alive = {0: [0, 1, 2], 1: [0, 1]} | {s: [0, 1, REPLACEMENT] for s in range(2, 8)}
-    for step, entries in steps.items():
-        assert sorted(rank for rank, _ in entries) == alive[step], step
-    (joined,) = [e for rank, e in steps[2] if rank == REPLACEMENT]
-    assert joined["epoch"] == 0 and joined["batch"] == 2 and joined["rank"] == 2  # rank 2's shard, from batch 2
-    ours = [finals["spare"][r] for r in (0, 1, REPLACEMENT)]
+@pytest.fixture(scope="module")
+def spare_healed(tmp_path_factory):
+    """``lightning-mpi --heal -n 3 heal_train.py OUT spare``: three Trainer phases with
+    ``heal="replace", spares=1`` (DOWNPOUR, GoSGD, then the synchronous rule), each losing its last
+    rank (from the second on, the spare let in by the phase before) at step 1 once its warm spare
+    waits, and letting the spare in at step 2."""
+    _, err, out = _heal_launch(tmp_path_factory, "spare", 3, 240, "spare")
+    return (err, *launch_outputs(out))
+
+
+def _spare_phase_checks(finals, records, phase, lost_launch_rank, spare_launch_rank, lockstep=True):
+    """What every spare phase shows: the survivors ran every step once, the lost rank stopped at
+    step 1, the spare ran every step from the one it joined at (step 2 when the ranks run in
+    lockstep; asynchronous rules: the batch after rank 0's heal) with the lost rank's shard; one
+    heal and one let-in, a warm spare's, in a fraction of a second; all end on the same weights."""
+    assert sorted(finals[phase]) == [0, 1, spare_launch_rank], sorted(finals[phase])
+    ran = defaultdict(list)
+    for step, entries in records[phase].items():
+        for rank, _ in entries:
+            ran[rank].append(step)
+    assert sorted(ran[0]) == sorted(ran[1]) == list(range(8)), phase
+    assert sorted(ran[lost_launch_rank]) == [0], phase
+    first = min(ran[spare_launch_rank])
+    assert sorted(ran[spare_launch_rank]) == list(range(first, 8)) and (first == 2 or not lockstep), (phase, first)
+    (joined,) = [e for rank, e in records[phase][first] if rank == spare_launch_rank]
+    assert first < 5 and joined["epoch"] == 0 and joined["batch"] == first and joined["rank"] == 2  # rank 2's shard
+    ours = [finals[phase][r] for r in (0, 1, spare_launch_rank)]
     assert all(result["final"] == ours[0]["final"] for result in ours)  # bitwise identical, the spare too
-    replay = _replay(ours[0]["initial"], [[e["indices"] for _, e in sorted(steps[s])] for s in range(8)])
-    assert _close(ours[0]["final"], replay)
+    for result in ours:
+        assert result["global_step"] == 8 and result["world_size"] == 3
     healed_event, joined_event = ours[0]["history"]
     assert healed_event["lost"] == [2] and healed_event["world_size"] == 2
     assert joined_event["joined"] == [2] and joined_event["spare"] and joined_event["world_size"] == 3
     assert joined_event["seconds"] < 5.0  # from the heal to the let-in: no interpreter started
+    return ours
+
+
+@pytest.mark.mpi
+@pytest.mark.openmpi_core
+@pytest.mark.timeout(300)
+def test_trainer_replace_with_a_warm_spare_lets_it_in_at_the_next_batch_and_matches_a_replay(spare_healed):
+    """The synchronous phase: all three end equal to one process replaying the batches of the ranks
+    alive at each step; rank 0 spawned a second spare after the let-in (dismissed at the end)."""
+    err, finals, records = spare_healed
+    steps = records["spare"]
+    assert sorted(steps) == list(range(8))  # no step lost, none repeated
+    ours = _spare_phase_checks(finals, records, "spare", 14, REPLACEMENT)
+    replay = _replay(ours[0]["initial"], [[e["indices"] for _, e in sorted(steps[s])] for s in range(8)])
+    assert _close(ours[0]["final"], replay)
     assert ours[0]["spares_spawned"] == 2
     lines = [x for x in err.splitlines() if "lightning_mpi: replaced: 1 new rank (2) joined at step 2" in x]
-    assert len(lines) == 1 and "after the heal (a warm spare)" in lines[0], err[-3000:]
+    assert len(lines) == 3 and all("after the heal (a warm spare)" in x for x in lines), err[-3000:]
+
+
+@pytest.mark.mpi
+@pytest.mark.openmpi_core
+@pytest.mark.timeout(300)
+def test_parameter_server_and_gossip_rules_replace_a_lost_rank(spare_healed):
+    """``heal="replace"`` with DOWNPOUR (the center: the survivors' shards, rebuilt over themselves
+    at the heal, are re-cut over the grown run at the let-in with nothing lost; the new rank starts
+    from the center and commits) and GoSGD (rank 0 shares its mixing weight with the new rank, which
+    holds its θ): both finish, every rank on the same weights (the center, the consensus)."""
+    _, finals, records = spare_healed
+    ours = _spare_phase_checks(finals, records, "spare_downpour", 2, 13, lockstep=False)
+    for result in ours:
+        assert result["last_rebuild_lost"] == []  # the let-in's rebuild: every shard from a survivor
+        assert result["commits"] > 0
+    assert ours[2]["commits"] >= 1  # the new rank committed its own work
+    _spare_phase_checks(finals, records, "spare_gosgd", 13, 14, lockstep=False)
 
 
 @pytest.mark.mpi
