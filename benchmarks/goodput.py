@@ -17,9 +17,6 @@ arms a non-zero rank's Python process is SIGKILLed every ``--every`` seconds fro
   survivors heal and go on (``"replace"`` spawns new ranks back up to ``--ranks``). Reported "not
   available in this checkout" when the strategies do not take ``heal`` or the MPI cannot heal
   (MPICH: run from the Open MPI environment, ``./run test-openmpi`` makes ``.venv-ompi``);
-- ``heal_replace_spare``: ``heal="replace", spares=1``: rank 0 keeps a warm spare (a process
-  that imported everything and waits), let in at the batch after a heal; a new spare is spawned
-  after each let-in (it is never the process killed: only ranks that trained are);
 - ``mpi_restarts``: ``lightning-mpi --max-restarts R`` with ``SyncStrategy()``: a lost rank ends
   the job, the launcher relaunches it, ``fit`` resumes from the newest checkpoint;
 - ``ddp_torchrun``: Lightning's ``ddp`` (gloo, CPU) under ``torchrun --max-restarts R``, resuming
@@ -78,7 +75,6 @@ class Arm:
     name: str
     frontend: str  # "mpi" or "ddp"
     heal: str | None = None
-    spares: int = 0
     restarts: bool = False
     faults: bool = False
     baseline: str | None = None  # the arm without faults it is a fraction of
@@ -91,7 +87,6 @@ ARMS: dict[str, Arm] = {
         Arm("mpi_heal", "mpi", heal="shrink"),
         Arm("heal_shrink", "mpi", heal="shrink", faults=True, baseline="mpi_heal"),
         Arm("heal_replace", "mpi", heal="replace", faults=True, baseline="mpi_heal"),
-        Arm("heal_replace_spare", "mpi", heal="replace", spares=1, faults=True, baseline="mpi_heal"),
         Arm("mpi", "mpi"),
         Arm("mpi_restarts", "mpi", restarts=True, faults=True, baseline="mpi"),
         Arm("ddp", "ddp"),
@@ -325,7 +320,6 @@ def kill_tree(seen: dict[int, int], root: int) -> None:
 def command(arm: Arm, s: Settings, out: Path) -> list[str]:
     worker = [str(WORKER), str(out), "--frontend", arm.frontend, "--steps", str(MAX_STEPS), "--batch", str(s.batch)]
     worker += ["--ckpt-every", str(s.ckpt_every)] + (["--heal", arm.heal] if arm.heal else [])
-    worker += ["--spares", str(arm.spares)] if arm.spares else []
     restarts = ["--max-restarts", str(s.max_restarts)] if arm.restarts else []
     if arm.frontend == "ddp":
         return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(s.ranks)] + [

@@ -1,6 +1,6 @@
 """The training job of benchmarks/goodput.py, run by every rank of every arm.
 
-    lightning-mpi -n 3 [--heal] [--max-restarts R] goodput_worker.py OUT --frontend mpi [--heal shrink] [--spares 1]
+    lightning-mpi -n 3 [--heal] [--max-restarts R] goodput_worker.py OUT --frontend mpi [--heal shrink]
     python -m torch.distributed.run --standalone --nproc-per-node 3 [--max-restarts R] \\
         goodput_worker.py OUT --frontend ddp
 
@@ -84,7 +84,6 @@ def main() -> None:
     parser.add_argument("out", type=Path)
     parser.add_argument("--frontend", choices=["mpi", "ddp"], required=True)
     parser.add_argument("--heal", choices=["shrink", "replace"], default=None)
-    parser.add_argument("--spares", type=int, default=0, help="with --heal replace: warm spares (0 or 1)")
     parser.add_argument("--steps", type=int, default=1500)
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--width", type=int, default=256)
@@ -99,8 +98,6 @@ def main() -> None:
         import lightning_mpi
 
         options = {"heal": args.heal} if args.heal else {}
-        if args.spares:
-            options["spares"] = args.spares
         trainer_kwargs: dict = {"strategy": lightning_mpi.SyncStrategy(log_stats=False, **options)}
     else:
         from pytorch_lightning.strategies import DDPStrategy

@@ -51,7 +51,6 @@ from typing import Any
 from lightning_mpi.comm.errors import ErrorChannel
 from lightning_mpi.comm.resources import RunResources, keep_pending
 from lightning_mpi.comm.respawn import JOINED, READY_TAG, Respawned, join_parent, respawn
-from lightning_mpi.comm.spare import SPARE_WORLD, wait_to_be_let_in
 from lightning_mpi.comm.transport import Transport
 from lightning_mpi.comm.ulfm import Healed, free, heal
 
@@ -239,14 +238,10 @@ def join_run(timeout: float | None, serial: int = 0) -> HealedRun | None:
     """In a process spawned by :func:`grow_run` or :func:`start_growth`: join the survivors and
     build the same run (its half of the collectives of :func:`grow_run` / :func:`finish_growth`);
     ``None`` in a process that was not spawned. A process started by :mod:`.spawned` joined
-    already: it tells rank 0 it is ready and waits for the survivors to let it in. A warm spare
-    (:mod:`.spare`) waits until rank 0 lets it in after a loss, or raises
-    :class:`~.spare.SpareDismissed` (the process exits) when it is not needed."""
+    already: it tells rank 0 it is ready and waits for the survivors to let it in."""
     import numpy as np
 
-    if SPARE_WORLD:
-        merged = wait_to_be_let_in(SPARE_WORLD.pop())
-    elif JOINED:
+    if JOINED:
         merged = JOINED.pop()
         merged.Send(np.ones(1, dtype=np.int32), dest=0, tag=READY_TAG)
     else:

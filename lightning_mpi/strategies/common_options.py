@@ -74,23 +74,8 @@ class CommonOptions:
         check=optional(integer(1)),
     )
 
-    spares: int = option(
-        default=0,
-        doc='with `heal="replace"`: warm spares the run keeps ready (0 or 1), processes started ahead that have '
-        "imported everything and wait, idle, so that a lost rank is replaced at the next batch instead of after a "
-        "new process's start-up; each needs a free slot (or `--oversubscribe`). See docs/faults.md.",
-        check=integer(0),
-    )
-
     def __post_init__(self) -> None:
         validate(self)
-        if self.spares > 1:
-            raise ValueError(f"spares={self.spares!r}: at most 1 warm spare is supported; use spares=1 or spares=0")
-        if self.spares and self.heal != "replace":
-            raise ValueError(
-                f"spares={self.spares!r} is only read when lost ranks are replaced: set heal='replace' as well, or "
-                "leave spares=0"
-            )
         if self.min_ranks is not None and self.heal is None:
             raise ValueError(
                 f"min_ranks={self.min_ranks!r} is only read when the run heals: set heal='shrink' or "

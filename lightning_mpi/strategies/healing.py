@@ -119,7 +119,6 @@ class RunHealing:
         self.events = 0
         self.seconds = 0.0
         self.history: list[dict[str, Any]] = []
-        self.last_healed_at = 0.0  # perf_counter at the end of the last heal
         #: the world size to grow back to (``heal="replace"``): the strategy's at construction
         self.start_size = int(getattr(failures, "world_size", 1))
         #: a heal happened and replacements are still to be spawned (``heal="replace"``)
@@ -300,7 +299,6 @@ class RunHealing:
             "redo": missed is _NOTHING,
         }
         self.history.append(event)
-        self.last_healed_at = time.perf_counter()
         self.grow_pending = self.mode == "replace" and transport.size < self.start_size
         if transport.rank == 0:
             lost = ", ".join(map(str, run.healed.lost))

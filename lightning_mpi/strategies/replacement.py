@@ -64,7 +64,6 @@ from lightning_mpi.comm.ulfm import revoke as ulfm_revoke
 from lightning_mpi.rules.zero import ZeroRule
 from lightning_mpi.strategies.healing import RunHealing, remember_healed
 from lightning_mpi.strategies.healing_rules import kept_state, split_for_new_ranks
-from lightning_mpi.strategies.warm_spare import NONE, STARTING, WarmSpare
 
 __all__ = ["HANDOVER_PATH", "REPLACEMENT_REASON", "Handover", "RunReplacing", "refuse_replace", "replacement_shards"]
 
@@ -137,7 +136,6 @@ class _Pending:
     heard: set[int] = field(default_factory=set)
     batches: int = 0  # batches since the spawn (the same count on every survivor)
     ready: bool = False  # every new process said it is ready; let in at the next batch the rule allows
-    spare: bool = False  # a warm spare (spawned ahead); ``started`` is then the heal's time
 
 
 class RunReplacing:
@@ -151,7 +149,6 @@ class RunReplacing:
         sharding: the strategy's :class:`~.sharding.LoaderSharding`.
         adopt: the strategy's ``adopt(state)`` after a heal (ranks, rule, vote, loaders).
         checkpoint_key: where the rule's state goes in a checkpoint dictionary.
-        spares: warm spares rank 0 keeps ready (:mod:`.warm_spare`; 0 or 1).
     """
 
     #: ``True``: the survivors wait for the new processes at the batch after the spawn instead of
@@ -170,7 +167,6 @@ class RunReplacing:
         sharding: Any,
         adopt: Callable[[dict[str, Any] | None], None],
         checkpoint_key: str,
-        spares: int = 0,
     ) -> None:
         self._healing = healing
         self._failures = failures
@@ -182,8 +178,6 @@ class RunReplacing:
         # the script as launched, resolved now (the working directory may change later)
         self.script = os.path.abspath(sys.argv[0]) if sys.argv and sys.argv[0] not in ("", "-c") else ""
         self.argv = list(sys.argv[1:])
-        self.spare = WarmSpare(spares if self.active else 0, self.script, self.argv)
-        self._spare_batches = 0  # batches since a heal while a warm spare is awaited
         self.handover: Handover | None = None
         self._pending: _Pending | None = None  # spawned processes not yet let in
         #: a replacement before its first training batch: Lightning's collectives stay local
@@ -253,60 +247,7 @@ class RunReplacing:
             elif pending.batches % self.poll_every == 1 or self.poll_every == 1:
                 self._poll(trainer, pending)
         elif self._healing.grow_pending:
-            if not (self.spare.wanted and self._from_spare(trainer)):
-                self._start()
-        elif self.spare.wanted and not self.spare.held:
-            failures = self._failures
-            # collective (about a second); a rank lost meanwhile is healed, and the spawn tried again
-            self._healing.between(
-                "spawning a warm spare", lambda: self.spare.keep_ready(failures.base_comm, failures.rank), None
-            )
-
-    def close(self) -> None:
-        """The run ended: a warm spare is told to exit."""
-        self.spare.close()
-
-    def _from_spare(self, trainer: Any) -> bool:
-        """After a heal: replace a lost rank with rank 0's warm spare. ``True`` while that is under
-        way (the spare is let in here, or at a later batch: it is still starting, or the rule has an
-        exchange in flight); ``False`` when there is no spare to take (spawn after the loss)."""
-        healing, failures = self._healing, self._failures
-        bound = self._runner.bound if self._runner.live else None
-        if bound is not None and getattr(bound, "exchange_in_flight", False):
-            return True  # the same batch on every survivor: they run the same schedule
-        self._spare_batches += 1
-        if self._spare_batches > 1 and self._spare_batches % self.poll_every != 1 and self.poll_every != 1:
-            return True  # a spare still starting: ask again in a few batches
-        verdict = healing.between(
-            "waiting for a warm spare",
-            lambda: int(failures.transport.broadcast_object(self.spare.verdict(failures.rank), root=0)),
-            None,
-        )
-        if verdict is None:  # a survivor died meanwhile: healed again; ask at the next batch
-            self._spare_batches = 0
-            return True
-        if verdict == STARTING:
-            return True
-        self._spare_batches = 0
-        if verdict == NONE:
-            self.spare.drop()  # on every survivor: it died, its leader was lost, or it never started
-            return False
-        healed_at = healing.last_healed_at
-        events_before = healing.events
-
-        def let_in() -> Respawned | None:
-            return self.spare.let_in(failures.base_comm)
-
-        grown = healing.between("letting a warm spare in", let_in, None)
-        if healing.events != events_before:  # a survivor died during it: healed again; the spare is given up
-            return True
-        if grown is None:  # the spare died or did not answer: spawn after the loss
-            return False
-        assert isinstance(grown, Respawned)
-        healing.grow_pending = False
-        self._switch(trainer, _Pending(grown, healed_at, time.monotonic(), healing.events, spare=True))
-        healing.grow_pending = healing.start_size > failures.world_size  # more lost than spares
-        return True
+            self._start()
 
     def _start(self) -> None:
         """Spawn the missing ranks (collective over the survivors, about a second); training goes on."""
@@ -422,18 +363,11 @@ class RunReplacing:
         seconds = time.perf_counter() - pending.started
         healing.replaced += len(joined)
         healing.history.append(
-            {
-                "joined": joined,
-                "seconds": seconds,
-                "world_size": transport.size,
-                "attempts": pending.respawned.attempts,
-                "spare": pending.spare,
-            }
+            {"joined": joined, "seconds": seconds, "world_size": transport.size, "attempts": pending.respawned.attempts}
         )
-        since = "the heal (a warm spare)" if pending.spare else "the spawn (training went on meanwhile)"
         self._say(
             f"replaced: {len(joined)} new rank{'s' if len(joined) > 1 else ''} ({', '.join(map(str, joined))}) "
-            f"joined at step {trainer.global_step}, {seconds:.2f} s after {since}; "
+            f"joined at step {trainer.global_step}, {seconds:.2f} s after the spawn (training went on meanwhile); "
             f"training goes on at world size {transport.size}"
         )
 

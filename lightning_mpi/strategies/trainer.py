@@ -194,7 +194,6 @@ def trainer_strategy(api: TrainerAPI, environment_class: type, checkpoint_io_cla
                 self._sharding,
                 self._adopt_healed_run,
                 CHECKPOINT_KEY,
-                spares=self.options.spares,
             )
             self._replacing.join()  # a process spawned to replace a lost rank joins the run here
             self.set_world_ranks()
@@ -494,7 +493,6 @@ def trainer_strategy(api: TrainerAPI, environment_class: type, checkpoint_io_cla
 
         @override
         def teardown(self) -> None:
-            self._replacing.close()  # a warm spare exits
             self._decisions.unscope_hooks()
             self._runner.close()
             self.precision_plugin.__dict__.pop("clip_grad_by_norm", None)  # Lightning's own again

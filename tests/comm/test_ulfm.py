@@ -167,26 +167,3 @@ def test_two_lost_at_once_a_loss_during_a_heal_and_a_replacement_lost_before_it_
         assert sorted(sums) == list(range(12))
         assert all(total == size for total, size in sums.values())
         assert [sums[s][1] for s in range(12)] == [4] * 8 + [3] * 4
-
-
-@pytest.mark.mpi
-@pytest.mark.openmpi_core
-@pytest.mark.timeout(150)
-def test_a_warm_spare_is_let_in_at_once_dismissed_or_found_dead(tmp_path):
-    require_ulfm()
-    err, results, _ = _heal_launch(tmp_path, 3, "ulfm_spare.py", 130)
-    by_name = {("spare" if r.get("spare") else "rank") + str(r["rank"]): r for r in results}
-    assert sorted(by_name) == ["rank0", "rank1", "spare2"], err[-3000:]
-    for name in ("rank0", "rank1"):
-        (event,) = by_name[name]["events"]
-        # rank 2 lost at step 4; the spare, ready since before step 0, is rank 2 at once
-        assert event["step"] == 4 and event["lost"] == [2] and event["size"] == 3 and event["new_ranks"] == [2]
-        assert event["let_in_seconds"] < 5.0  # no interpreter started: a port, an accept, a merge
-    spare = by_name["spare2"]
-    assert spare["which"] == "0" and spare["joined_at"] == 4 and spare["size_at_join"] == 3
-    for result in results:
-        # every step once, on 3 ranks (1 + 2 + 3), the spare's from the step it joined
-        assert {int(s): v for s, v in result["sums"].items()} == {s: [6.0, 3] for s in range(result.get("joined_at", 0), 12)}
-    rank0 = by_name["rank0"]
-    assert rank0["second"] == "dismissed" and [p.read_text() for p in (tmp_path / "out").glob("dismissed.*")] == ["1"]
-    assert rank0["third"].startswith("found dead: a warm spare")

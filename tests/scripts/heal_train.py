@@ -5,10 +5,9 @@ Usage: ``lightning-mpi --heal -n 10 heal_train.py OUT_DIR`` (Open MPI with ULFM;
 the phases 0 to 4 below; ``lightning-mpi --heal -n 5 heal_train.py OUT_DIR auto`` runs only the
 ``mpi_auto`` phases (``auto``: Fabric, W 5 -> 4 -> 3 -> 2, a loss inside a decision's probe, one in
 its redo's switch, one in the exchange; ``auto_replace``: the Trainer with ``heal="replace"``, 2 -> 1 -> 2);
-``lightning-mpi --heal -n 3 heal_train.py OUT_DIR spare`` runs the three ``heal="replace", spares=1``
-Trainer phases (``spare_downpour``, ``spare_gosgd``, ``spare``: DOWNPOUR, GoSGD, the synchronous
-rule; each loses its last rank at step 1 once its warm spare waits, and lets the spare in at the
-next batch; see :func:`_spare_phase`);
+``lightning-mpi --heal -n 3 heal_train.py OUT_DIR replace_rules`` runs two ``heal="replace"``
+Trainer phases (``replace_downpour``, ``replace_gosgd``: DOWNPOUR and GoSGD; each loses its last
+rank at step 1 and lets a replacement in; see :func:`_replace_rule_phase`);
 ``lightning-mpi --heal -n 4 heal_train.py OUT_DIR gosgd`` runs only the two
 asynchronous phases, each a Fabric loop whose last rank dies at Fabric step FABRIC_KILL, and whose
 survivors notice it when they do (no collective while training):
@@ -345,72 +344,35 @@ def replace_phase() -> dict:
     return _trainer_fit(model, strategy, max_steps=REPLACE_STEPS, default_root_dir=OUT / "replace")
 
 
-#: the ``spare`` launch: its phases, and the launch rank each phase's spare records under
-SPARE_PHASES = {"spare_downpour": 13, "spare_gosgd": 14, "spare": REPLACEMENT}
+#: the ``replace_rules`` launch: its phases, and the launch rank each phase's replacement records under
+REPLACE_RULE_PHASES = {"replace_downpour": 13, "replace_gosgd": 14}
 
 
-def _after_the_spare_waits(phase: str) -> Callable[[Any], bool]:
-    """The ``spare`` launch's kill: the last rank at the start of step REPLACE_KILL, once the phase's
-    warm spare is built and waiting (it wrote ``spare_waiting.<phase>``), so that the survivors find
-    it ready."""
-
-    def dies(module) -> bool:
-        trainer = module.trainer
-        if not (module.global_step == REPLACE_KILL and trainer.global_rank == trainer.world_size - 1):
-            return False
-        deadline = time.monotonic() + 90
-        while not (OUT / f"spare_waiting.{phase}").exists() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        time.sleep(0.5)  # its first "ready" is sent right after the mark
-        return True
-
-    return dies
-
-
-def _spare_phase(phase: str, strategy_class: str, again: bool) -> dict:
-    """The Trainer with ``heal="replace", spares=1`` on the three ranks there are. The ranks spawn a
-    warm spare at the first batch; it runs this script from this phase, builds its strategy and waits
-    (marking ``spare_waiting.<phase>``); the last rank dies at the start of step REPLACE_KILL; the
-    survivors heal and let the spare in at the next batch (it records under SPARE_PHASES[phase]).
-    ``again``: the ranks spawn another spare after the let-in (dismissed at the end); only in the last
-    phase, so that no spare of one phase can mark itself waiting in the next."""
-    import lightning_mpi.comm.healing as healing
+def _replace_rule_phase(phase: str, strategy_class: str) -> dict:
+    """The Trainer with ``heal="replace"`` on the three ranks there are: the last rank dies at the
+    start of step REPLACE_KILL; the survivors heal, spawn a replacement at their next batch and wait
+    for it at the one after (``wait_for_join``), where it joins with the lost rank's shard; it runs
+    this script from this phase and records under REPLACE_RULE_PHASES[phase]."""
     import lightning_mpi.lightning as strategies
 
-    if os.environ.get("LIGHTNING_MPI_REPLACEMENT") and healing.SPARE_WORLD:
-        wait = healing.wait_to_be_let_in
-
-        def marked(world):
-            (OUT / f"spare_waiting.{phase}").write_text(str(os.getpid()))
-            return wait(world)
-
-        healing.wait_to_be_let_in = marked
-    model = _trainer_model(phase, f"{phase}_val", _after_the_spare_waits(phase))
-    strategy = getattr(strategies, strategy_class)(heal="replace", spares=1)
-    spare = strategy._replacing.spare
-    if not again:  # one spare in this phase: not after the let-in, on the survivors nor on the spare let in
-        keep_ready = spare.keep_ready
-        let_in_here = bool(os.environ.get("LIGHTNING_MPI_REPLACEMENT")) and RANK == SPARE_PHASES[phase]
-        spare.keep_ready = lambda base, rank: None if spare.spawned or let_in_here else keep_ready(base, rank)
+    dies = lambda m: m.global_step == REPLACE_KILL and m.trainer.global_rank == m.trainer.world_size - 1  # noqa: E731
+    model = _trainer_model(phase, f"{phase}_val", dies)
+    strategy = getattr(strategies, strategy_class)(heal="replace")
+    strategy._replacing.wait_for_join = True
     result = _trainer_fit(model, strategy, max_steps=REPLACE_STEPS, enable_checkpointing=False)
-    result["spares_spawned"] = spare.spawned
     bound = strategy.bound_rule
-    if hasattr(bound, "commits"):  # a parameter-server rule: its commits, the last rebuild (the let-in)
+    if hasattr(bound, "commits"):  # a parameter-server rule: its commits, the last rebuild (the join)
         result["commits"] = bound.commits
         result["last_rebuild_lost"] = None if bound.last_heal is None else bound.last_heal["lost"]
     return result
 
 
-def spare_downpour_phase() -> dict:
-    return _spare_phase("spare_downpour", "DownpourStrategy", again=False)
+def replace_downpour_phase() -> dict:
+    return _replace_rule_phase("replace_downpour", "DownpourStrategy")
 
 
-def spare_gosgd_phase() -> dict:
-    return _spare_phase("spare_gosgd", "GoSGDStrategy", again=False)
-
-
-def spare_phase() -> dict:
-    return _spare_phase("spare", "SyncStrategy", again=True)
+def replace_gosgd_phase() -> dict:
+    return _replace_rule_phase("replace_gosgd", "GoSGDStrategy")
 
 
 def _fabric_loop(
@@ -903,13 +865,13 @@ def main() -> None:
         phases = (("zero", zero_phase), ("zero_trainer", zero_trainer_phase))
     if sys.argv[2:] == ["auto"]:
         phases = (("auto_end", auto_end_phase), ("auto", auto_phase), ("auto_replace", auto_replace_phase))
-    if sys.argv[2:] == ["spare"]:
-        phases = (("spare_downpour", spare_downpour_phase), ("spare_gosgd", spare_gosgd_phase), ("spare", spare_phase))
+    if sys.argv[2:] == ["replace_rules"]:
+        phases = (("replace_downpour", replace_downpour_phase), ("replace_gosgd", replace_gosgd_phase))
     names = [name for name, _ in phases]
     if os.environ.get("LIGHTNING_MPI_REPLACEMENT"):  # a replacement starts at the phase that spawned it
         current = (OUT / "phase").read_text()
-        if current in SPARE_PHASES:
-            RANK = SPARE_PHASES[current]
+        if current in REPLACE_RULE_PHASES:
+            RANK = REPLACE_RULE_PHASES[current]
         else:
             RANK = REPLACEMENT if current in ("replace", "auto_replace") else OUTER_REPLACEMENT + names.index(current)
         phases = phases[names.index(current) :]

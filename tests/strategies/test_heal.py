@@ -63,9 +63,6 @@ FIRST_PHASES = ("topk", "powersgd", "diloco", "streaming", "weights")
         ({"heal": "grow"}, r"heal='grow' is not one of None, 'shrink', 'replace'"),
         ({"heal": "shrink", "min_ranks": 0}, r"min_ranks"),
         ({"min_ranks": 2}, r"min_ranks=2 is only read when the run heals: set heal='shrink'"),
-        ({"spares": 1, "heal": "shrink"}, r"spares=1 is only read when lost ranks are replaced: set heal='replace'"),
-        ({"spares": 2, "heal": "replace"}, r"spares=2: at most 1 warm spare is supported; use spares=1"),
-        ({"spares": -1, "heal": "replace"}, r"spares=-1 is out of range: it must be an integer >= 0"),
     ],
 )
 def test_heal_options_are_checked(kwargs, match):
@@ -74,7 +71,6 @@ def test_heal_options_are_checked(kwargs, match):
     assert CommonOptions(heal="shrink", min_ranks=2).heal == "shrink"
     assert CommonOptions(heal="replace", min_ranks=2).heal == "replace"
     assert CommonOptions().heal is None and CommonOptions().min_ranks is None
-    assert CommonOptions(heal="replace", spares=1).spares == 1 and CommonOptions().spares == 0
 
 
 @pytest.mark.timeout(10)
@@ -1032,58 +1028,6 @@ def test_ready_replacements_wait_for_a_batch_without_an_exchange_in_flight():
 
 
 @pytest.mark.timeout(10)
-def test_after_a_heal_a_warm_spare_is_waited_for_let_in_or_replaced_by_a_spawn():
-    """What the survivors do at each batch after a heal with ``spares=1``, given rank 0's verdict:
-    wait while it starts (asking every ``poll_every`` batches), let it in when ready and no
-    exchange is in flight, spawn after the loss when there is none (or it did not come)."""
-    from types import SimpleNamespace
-
-    from lightning_mpi.comm.respawn import Respawned
-    from lightning_mpi.strategies import warm_spare
-    from lightning_mpi.strategies.replacement import RunReplacing
-
-    verdicts = []
-    transport = SimpleNamespace(broadcast_object=lambda value, root: verdicts.pop(0))
-    failures = SimpleNamespace(rank=0, world_size=2, transport=transport, base_comm="base")
-    bound = SimpleNamespace(exchange_in_flight=False)
-    healing = SimpleNamespace(
-        mode="replace", events=1, grow_pending=True, start_size=3, last_healed_at=0.0, between=lambda w, f, o: f()
-    )
-    replacing = RunReplacing(healing, failures, None, SimpleNamespace(bound=bound, live=True), None, print, "k", spares=1)
-    replacing.poll_every = 4
-    spawned, switched, let_in = [], [], []
-    replacing._start = lambda: spawned.append(True)
-    replacing._switch = lambda trainer, pending: switched.append(pending)
-    grown = Respawned("merged", (2,), 0.01)
-    replacing.spare.let_in = lambda base: let_in.append(base) or (grown if len(let_in) == 1 else None)
-    asked = []
-    replacing.spare.verdict = lambda rank: asked.append(rank) or 0
-
-    verdicts += [warm_spare.STARTING]
-    replacing.at_batch_start(None)  # asked: still starting, so wait (no spawn)
-    for _ in range(3):
-        replacing.at_batch_start(None)  # not asked again before poll_every batches
-    assert len(asked) == 1 and spawned == [] and switched == []
-    bound.exchange_in_flight = True
-    replacing.at_batch_start(None)  # an exchange in flight: not even asked
-    assert len(asked) == 1
-    bound.exchange_in_flight = False
-    verdicts += [warm_spare.READY]
-    replacing.at_batch_start(None)  # the 5th batch since the heal: asked, ready, let in
-    assert len(asked) == 2 and let_in == ["base"] and len(switched) == 1
-    (pending,) = switched
-    assert pending.spare and pending.respawned is grown and spawned == []
-    assert healing.grow_pending is True  # start_size 3 > world_size 2 in this fake: one more to replace
-    verdicts += [warm_spare.READY]
-    replacing.at_batch_start(None)  # ready, but it did not come: spawn after the loss
-    assert let_in == ["base", "base"] and spawned == [True] and len(switched) == 1
-    healing.grow_pending = True
-    verdicts += [warm_spare.NONE]
-    replacing.at_batch_start(None)  # no spare at all: spawn after the loss
-    assert spawned == [True, True]
-
-
-@pytest.mark.timeout(10)
 def test_a_replacement_skips_the_batches_done_once_then_resumes_from_the_handover():
     from torch.utils.data import DistributedSampler
 
@@ -1166,74 +1110,53 @@ def test_trainer_replace_spawns_a_rank_that_joins_mid_epoch_and_matches_a_replay
 
 
 @pytest.fixture(scope="module")
-def spare_healed(tmp_path_factory):
-    """``lightning-mpi --heal -n 3 heal_train.py OUT spare``: three Trainer phases with
-    ``heal="replace", spares=1`` (DOWNPOUR, GoSGD, then the synchronous rule), each losing its last
-    rank (from the second on, the spare let in by the phase before) at step 1 once its warm spare
-    waits, and letting the spare in at step 2."""
-    _, err, out = _heal_launch(tmp_path_factory, "spare", 3, 240, "spare")
+def rules_replaced(tmp_path_factory):
+    """``lightning-mpi --heal -n 3 heal_train.py OUT replace_rules``: two Trainer phases with
+    ``heal="replace"`` (DOWNPOUR, then GoSGD), each losing its last rank (the second: the
+    replacement of the first) at step 1 and letting a replacement in."""
+    _, err, out = _heal_launch(tmp_path_factory, "replace_rules", 3, 300, "replace_rules")
     return (err, *launch_outputs(out))
 
 
-def _spare_phase_checks(finals, records, phase, lost_launch_rank, spare_launch_rank, lockstep=True):
-    """What every spare phase shows: the survivors ran every step once, the lost rank stopped at
-    step 1, the spare ran every step from the one it joined at (step 2 when the ranks run in
-    lockstep; asynchronous rules: the batch after rank 0's heal) with the lost rank's shard; one
-    heal and one let-in, a warm spare's, in a fraction of a second; all end on the same weights."""
-    assert sorted(finals[phase]) == [0, 1, spare_launch_rank], sorted(finals[phase])
+def _replaced_phase_checks(finals, records, phase, lost_launch_rank, new_launch_rank):
+    """The survivors ran every step once, the lost rank stopped at step 1, the replacement ran every
+    step from the one it joined at (in epoch 0, with the lost rank's shard); one heal and one join;
+    all three end on the same weights (the center, the consensus)."""
+    assert sorted(finals[phase]) == [0, 1, new_launch_rank], sorted(finals[phase])
     ran = defaultdict(list)
     for step, entries in records[phase].items():
         for rank, _ in entries:
             ran[rank].append(step)
     assert sorted(ran[0]) == sorted(ran[1]) == list(range(8)), phase
     assert sorted(ran[lost_launch_rank]) == [0], phase
-    first = min(ran[spare_launch_rank])
-    assert sorted(ran[spare_launch_rank]) == list(range(first, 8)) and (first == 2 or not lockstep), (phase, first)
-    (joined,) = [e for rank, e in records[phase][first] if rank == spare_launch_rank]
-    assert first < 5 and joined["epoch"] == 0 and joined["batch"] == first and joined["rank"] == 2  # rank 2's shard
-    ours = [finals[phase][r] for r in (0, 1, spare_launch_rank)]
-    assert all(result["final"] == ours[0]["final"] for result in ours)  # bitwise identical, the spare too
+    first = min(ran[new_launch_rank])
+    assert 2 <= first < 5 and sorted(ran[new_launch_rank]) == list(range(first, 8)), (phase, first)
+    (joined,) = [e for rank, e in records[phase][first] if rank == new_launch_rank]
+    assert joined["epoch"] == 0 and joined["batch"] == first and joined["rank"] == 2  # rank 2's shard
+    ours = [finals[phase][r] for r in (0, 1, new_launch_rank)]
+    assert all(result["final"] == ours[0]["final"] for result in ours)  # bitwise identical, the new rank too
     for result in ours:
         assert result["global_step"] == 8 and result["world_size"] == 3
     healed_event, joined_event = ours[0]["history"]
     assert healed_event["lost"] == [2] and healed_event["world_size"] == 2
-    assert joined_event["joined"] == [2] and joined_event["spare"] and joined_event["world_size"] == 3
-    assert joined_event["seconds"] < 5.0  # from the heal to the let-in: no interpreter started
+    assert joined_event["joined"] == [2] and joined_event["world_size"] == 3
     return ours
 
 
 @pytest.mark.mpi
 @pytest.mark.openmpi_core
-@pytest.mark.timeout(300)
-def test_trainer_replace_with_a_warm_spare_lets_it_in_at_the_next_batch_and_matches_a_replay(spare_healed):
-    """The synchronous phase: all three end equal to one process replaying the batches of the ranks
-    alive at each step; rank 0 spawned a second spare after the let-in (dismissed at the end)."""
-    err, finals, records = spare_healed
-    steps = records["spare"]
-    assert sorted(steps) == list(range(8))  # no step lost, none repeated
-    ours = _spare_phase_checks(finals, records, "spare", 14, REPLACEMENT)
-    replay = _replay(ours[0]["initial"], [[e["indices"] for _, e in sorted(steps[s])] for s in range(8)])
-    assert _close(ours[0]["final"], replay)
-    assert ours[0]["spares_spawned"] == 2
-    lines = [x for x in err.splitlines() if "lightning_mpi: replaced: 1 new rank (2) joined at step 2" in x]
-    assert len(lines) == 3 and all("after the heal (a warm spare)" in x for x in lines), err[-3000:]
-
-
-@pytest.mark.mpi
-@pytest.mark.openmpi_core
-@pytest.mark.timeout(300)
-def test_parameter_server_and_gossip_rules_replace_a_lost_rank(spare_healed):
+@pytest.mark.timeout(360)
+def test_parameter_server_and_gossip_rules_replace_a_lost_rank(rules_replaced):
     """``heal="replace"`` with DOWNPOUR (the center: the survivors' shards, rebuilt over themselves
-    at the heal, are re-cut over the grown run at the let-in with nothing lost; the new rank starts
+    at the heal, are re-cut over the grown run at the join with nothing lost; the new rank starts
     from the center and commits) and GoSGD (rank 0 shares its mixing weight with the new rank, which
     holds its θ): both finish, every rank on the same weights (the center, the consensus)."""
-    _, finals, records = spare_healed
-    ours = _spare_phase_checks(finals, records, "spare_downpour", 2, 13, lockstep=False)
+    _, finals, records = rules_replaced
+    ours = _replaced_phase_checks(finals, records, "replace_downpour", 2, 13)
     for result in ours:
-        assert result["last_rebuild_lost"] == []  # the let-in's rebuild: every shard from a survivor
+        assert result["last_rebuild_lost"] == []  # the join's rebuild: every shard from a survivor
         assert result["commits"] > 0
-    assert ours[2]["commits"] >= 1  # the new rank committed its own work
-    _spare_phase_checks(finals, records, "spare_gosgd", 13, 14, lockstep=False)
+    _replaced_phase_checks(finals, records, "replace_gosgd", 13, 14)
 
 
 @pytest.mark.mpi
