@@ -25,6 +25,9 @@ So has ``mpi_auto`` (a loss in its Streaming DiLoCo arm's final average, one ins
 its redo, one in its arm's exchange, then ``heal="replace"`` under the Trainer; ``-k mpi_auto``).
 So has ZeRO (``shard_optimizer=True`` with Adam, Fabric 5 -> 4 -> 3 then the Trainer 3 -> 2, the lost
 shards rebuilt from the survivors' buddy copies; ``-k zero``).
+``heal="replace"`` with DOWNPOUR and GoSGD under the Trainer has its own 3-rank launch, in the Open
+MPI CI run (``replace_rules``: each loses its last rank and lets a replacement in; the center is
+re-cut over the grown run, GoSGD's rank 0 shares its weight).
 """
 
 from __future__ import annotations
