@@ -206,8 +206,9 @@ def run(name, scenario, train, test):
     callbacks = []
     if scenario == "uneven":
         kwargs.update(max_epochs=2, limit_train_batches=6 + 5 * RANK)
-    if scenario == "turns":
-        callbacks.append(Turns())
+    turns = Turns() if scenario == "turns" else None
+    if turns is not None:
+        callbacks.append(turns)
     if scenario == "stop":
         kwargs.update(max_epochs=50)
         callbacks.append(StopVote())
@@ -228,8 +229,9 @@ def run(name, scenario, train, test):
     seconds = time.perf_counter() - start
     out = {"seconds": seconds, "global_step": trainer.global_step, "stat_keys": sorted(rec.keys),
            "warnings": [str(w.message) for w in caught if "lightning_mpi" in str(w.message)]}
-    if scenario == "turns":
-        out["commits"] = COMM.allgather(callbacks[0].bound.commits)
+    if turns is not None:  # each rank's commits, and the period the rule committed at
+        out["commits"] = COMM.allgather(turns.bound.commits)
+        out["period"] = turns.bound.rule.period
     if scenario == "resume":
         out["seen"] = COMM.allgather(capture.seen)
     bound = getattr(trainer.strategy, "bound_rule", None)

@@ -37,13 +37,13 @@ RESUMED = ["mpi_downpour", "mpi_eamsgd", "mpi_gosgd"]
 #: so the worst-case staleness of turns is exactly what it cannot absorb (0.618 at W = 3, against
 #: 0.87-0.93 free-running); it and the gossip rule (no commits) run free.
 TURNS = ["mpi_aeasgd", "mpi_eamsgd", "mpi_agn", "mpi_adag", "mpi_dynsgd"]
-#: Local steps between commits, the rules' defaults (lightning_mpi/rules/server.py)
-PERIOD = {"mpi_aeasgd": 8, "mpi_eamsgd": 8, "mpi_agn": 3, "mpi_adag": 5, "mpi_dynsgd": 5}
 
 
 def accuracy_run(name):
     """The name a rule's accuracy run has in a launch: "turns/NAME" for TURNS."""
     return f"turns/{name}" if name in TURNS else name
+
+
 #: Allowed gap to one process (same 8 epochs). The target (benchmarks/convergence.py) is 2 points;
 #: the synchronous rules are deterministic here, the asynchronous ones get more room for the
 #: worst-case staleness of turns (measured on 2 cores: W = 3 ADAG 0.918, DynSGD 0.918, AGN
@@ -115,9 +115,9 @@ def test_every_rule_trains_digits(world, single, world2, world3):
             failures.append(f"{name}: {r['acc']:.3f} vs single {single['acc']:.3f}")
     assert not failures, failures
     for name in TURNS:
-        # every rank committed every PERIOD steps, and once more for the steps left at the end
+        # every rank committed every `period` steps (the rule's), and once more for the steps left at the end
         r = results[accuracy_run(name)]
-        expected = -(-r["global_step"] // PERIOD[name])
+        expected = -(-r["global_step"] // r["period"])
         assert r["commits"] == [expected] * world, (name, r["commits"], r["global_step"])
     for name in ASYNC_RULES[:-1]:
         keys = set(results[accuracy_run(name)]["stat_keys"])
