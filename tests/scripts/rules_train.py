@@ -17,6 +17,11 @@ SCENARIO "turns": as "accuracy", but a parameter-server rule's commits (clock ti
 take turns: every rank's k-th commit waits for rank r − 1's k-th, so the interleaving of commits,
 hence the staleness each one sees and the center it reads, is the same in every run and the final
 weights are bitwise reproducible (the free-running order depends on thread timing under load).
+For the gossip rule, "turns" is lockstep: after every local step each rank pushes (same draws of
+its seeded generator as free-running), then every rank receives exactly the pushes addressed to it
+in that step, in order of source rank, and merges them; which peers mix when, and the order of
+merges, are then the same in every run (free-running, a push is merged when its receiver next
+finds it, which depends on the load).
 SCENARIO "stop": a callback asks ``strategy.broadcast`` (rank 0 decides after its 4th batch, like
 Timer) and ``reduce_boolean_decision`` (the last rank decides, like EarlyStopping) every batch;
 every rank must stop well before max_epochs. Also saves and checks a checkpoint's rule state.
@@ -166,7 +171,16 @@ class Capture(pl.Callback):
 class Turns(pl.Callback):
     """For "turns": wrap the bound server rule's ``commit`` so that rank 0 commits, then rank 1, ...,
     then rank W − 1 (a barrier on COMM_WORLD between turns), every ``period`` steps. Every rank
-    runs the same number of steps here (same-sized shards), so every rank calls it equally often."""
+    runs the same number of steps here (same-sized shards), so every rank calls it equally often.
+
+    ``together``: after the round, every rank pulls the center again (it then holds every rank's
+    commit of the round): the round acts as one commit of the W deltas, with staleness r for rank
+    r. For DOWNPOUR, which sums stale deltas as they are: with one pull per commit the turns are its
+    worst case (every rank on a different center; 0.618 at W = 3), and free-running under load its
+    accuracy is a draw of the thread timing (0.716 once at W = 3 with a busy core)."""
+
+    def __init__(self, together=False):
+        self.together = together
 
     def on_train_start(self, trainer, pl_module):
         bound = trainer.strategy.bound_rule
@@ -177,8 +191,37 @@ class Turns(pl.Callback):
                 if turn == RANK:
                     original()
                 COMM.Barrier()
+            if self.together:  # every rank pulls the center holding the whole round's commits
+                center, _ = bound.windows()
+                bound.pull_(center.read(bound.scratch).clone())
+                bound.clock_at_pull += W - 1 - RANK  # the commits after this rank's in the round
 
         bound.commit = commit
+        self.bound = bound
+
+
+class Lockstep(pl.Callback):
+    """For "turns" with the gossip rule: replace the bound rule's ``_advance`` (merge what
+    arrived, push with probability p, reap) by its lockstep form: push with probability p, then
+    (one allreduce of who sent to whom) receive and merge exactly this step's pushes to this rank,
+    in order of source rank. Every rank runs the same number of steps (same-sized shards)."""
+
+    def on_train_start(self, trainer, pl_module):
+        bound = trainer.strategy.bound_rule
+
+        def advance():
+            mailbox = bound.mailbox  # made by the rule's on_train_start, which runs after this one
+            if bound.rng.random() < bound.rule.p:
+                bound._push()
+            sent = np.zeros((W, W), dtype=np.int64)
+            sent[RANK] = mailbox.sent_to
+            COMM.Allreduce(MPI.IN_PLACE, sent, op=MPI.SUM)
+            for source in range(W):
+                for _ in range(int(sent[source, RANK]) - mailbox.received_from[source]):
+                    bound._merge(mailbox._receive_from(source))
+            mailbox.reap()
+
+        bound._advance = advance
         self.bound = bound
 
 
@@ -206,7 +249,9 @@ def run(name, scenario, train, test):
     callbacks = []
     if scenario == "uneven":
         kwargs.update(max_epochs=2, limit_train_batches=6 + 5 * RANK)
-    turns = Turns() if scenario == "turns" else None
+    turns = None
+    if scenario == "turns":
+        turns = Lockstep() if name == "mpi_gosgd" else Turns(together=name == "mpi_downpour")
     if turns is not None:
         callbacks.append(turns)
     if scenario == "stop":
@@ -229,7 +274,7 @@ def run(name, scenario, train, test):
     seconds = time.perf_counter() - start
     out = {"seconds": seconds, "global_step": trainer.global_step, "stat_keys": sorted(rec.keys),
            "warnings": [str(w.message) for w in caught if "lightning_mpi" in str(w.message)]}
-    if turns is not None:  # each rank's commits, and the period the rule committed at
+    if isinstance(turns, Turns):  # each rank's commits, and the period the rule committed at
         out["commits"] = COMM.allgather(turns.bound.commits)
         out["period"] = turns.bound.rule.period
     if scenario == "resume":
