@@ -157,10 +157,15 @@ def split_for_new_ranks(rule: Any, state: dict[str, Any], n: int) -> tuple[dict[
     - a parameter-server rule: as a rank that joined (no shard of the center yet; the survivors'
       shards are re-cut over the grown run: :func:`~lightning_mpi.rules.server_heal.joined_state`);
     - GoSGD: rank 0's mixing weight split evenly between itself and the new ranks, which hold its
-      θ, so Σw and the consensus Σwθ/Σw are unchanged; a new rank keeps its own generator.
+      θ, so Σw and the consensus Σwθ/Σw are unchanged; a new rank keeps its own generator;
+    - ZeRO: as a rank that joined (no optimizer shard of its own: the survivors' shards, the whole
+      state, are resharded over the grown run when the optimizer is sharded again:
+      :meth:`~.optimizer_sharding.OptimizerSharding.attach`).
     """
     handed = {key: value for key, value in state.items() if key != "local"}
     healed = handed.get("healed")
+    if isinstance(handed.get("zero_heal"), dict):
+        handed["zero_heal"] = {"joined": True}
     if isinstance(rule, ServerRule) and isinstance(healed, dict):
         handed["healed"] = joined_state(healed)
     elif isinstance(rule, GoSGDRule) and isinstance(healed, dict):

@@ -47,6 +47,9 @@ class OptimizerSharding:
     def __init__(self, mirror: bool = False) -> None:
         self.bound: BoundZeroRule | None = None
         self.mirror = mirror
+        #: a new rank let in (heal="replace") whose optimizer shard :meth:`attach` rebuilt from the
+        #: survivors' shards: the handover's optimizer state (rank 0's own shard) is not loaded over it
+        self.rebuilt_at_join = False
 
     @property
     def active(self) -> bool:
@@ -61,7 +64,10 @@ class OptimizerSharding:
         over the survivors: the optimizer gets its whole parameters back from the binding before
         (``previous``), the weights are put back whole and the optimizer state is rebuilt from every
         survivor's own shard and mirror (:func:`~lightning_mpi.rules.zero_mirror.rebuild_shards`),
-        then sharded for the new world size.
+        then sharded for the new world size. When new ranks are let in (``heal="replace"``) the
+        same collective runs over survivors and new ranks: a new rank's ``healed_from`` says it
+        joined (it kept nothing, had no binding before, and holds rank 0's weights already); the
+        survivors' shards, the whole state, are resharded over the grown run.
 
         Raises:
             ValueError: several optimizers, or one that is not element-wise (see
@@ -84,16 +90,19 @@ class OptimizerSharding:
         if healed is None:
             self.bound.shard_optimizer(inner[0], mirror=self.mirror)
             return
-        assert previous is not None and previous.sharded is not None, "a heal rebinds a ZeRO rule that sharded"
-        kept = self.bound.transport.allgather_object(healed)
+        joined = bool(healed.get("joined"))  # a new rank let in (heal="replace"): it kept nothing
+        assert joined or (previous is not None and previous.sharded is not None), "a heal rebinds a ZeRO rule"
+        kept = [k for k in self.bound.transport.allgather_object(healed) if not k.get("joined")]
         shards, steps = rebuild_shards(kept)
-        previous.sharded.unshard()
-        if not all(k.get("whole", True) for k in kept):
-            # a step's Allgather was interrupted: every survivor's weights whole again from the pieces
-            write_weights(shards, previous.sharded.originals)
+        if previous is not None and previous.sharded is not None:
+            previous.sharded.unshard()
+            if not all(k.get("whole", True) for k in kept):
+                # a step's Allgather was interrupted: every survivor's weights whole again from the pieces
+                write_weights(shards, previous.sharded.originals)
         self.bound.shard_optimizer(inner[0], mirror=self.mirror)
         self.bound.load_optimizer_state(shards)  # resharded for the new world size, master weights included
         self.bound.optimizer_steps = steps
+        self.rebuilt_at_join = joined
 
     def check_precision(self, precision: Any) -> None:
         """Under ``heal``: refuse a GradScaler (``16-mixed``), naming the fix. It unscales the owner's
@@ -131,6 +140,9 @@ class OptimizerSharding:
         ``optimizer``: through the rule when it is the sharded one, else as a plain optimizer."""
         if self.owns(optimizer):
             assert self.bound is not None
+            if self.rebuilt_at_join:  # the handover's is rank 0's own shard: this rank's is rebuilt already
+                self.rebuilt_at_join = False
+                return
             self.bound.load_optimizer_state(saved)
         else:
             getattr(optimizer, "_optimizer", optimizer).load_state_dict(plain_state(saved))

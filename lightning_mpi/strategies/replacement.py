@@ -61,7 +61,6 @@ from lightning_mpi.comm.respawn import JOIN_TIMEOUT, Respawned
 from lightning_mpi.comm.ulfm import ProcessFailed, process_failure
 from lightning_mpi.comm.ulfm import free as ulfm_free
 from lightning_mpi.comm.ulfm import revoke as ulfm_revoke
-from lightning_mpi.rules.zero import ZeroRule
 from lightning_mpi.strategies.healing import RunHealing, remember_healed
 from lightning_mpi.strategies.healing_rules import kept_state, split_for_new_ranks
 
@@ -97,19 +96,6 @@ def refuse_replace(heal: str | None) -> None:
             "your own training loop where the survivors are, which Fabric does not describe. Use heal='shrink' "
             "with Fabric (the survivors go on), or the Trainer's strategies (lightning_mpi.lightning) for "
             "heal='replace'"
-        )
-
-
-def refuse_replace_for(rule: Any, heal: str | None) -> None:
-    """The Trainer strategies: ``heal="replace"`` is refused for ZeRO, naming what works instead (a
-    new rank would have to take over a shard of the optimizer state and its buddy copy, which is not
-    built yet; ``"shrink"`` rebuilds the optimizer state over the survivors)."""
-    if heal == "replace" and isinstance(rule, ZeroRule):
-        raise ValueError(
-            "heal='replace' is not supported for ZeRO (shard_optimizer=True, mpi_zero) yet: a new rank would have "
-            "to take over a shard of the optimizer state, which is not built yet. Use heal='shrink' (the survivors "
-            "rebuild the optimizer state from their shards and buddy copies and go on), or `lightning-mpi "
-            "--max-restarts` with sharded checkpoints"
         )
 
 

@@ -67,7 +67,7 @@ from lightning_mpi.strategies.healing_rules import heal_after_step, heal_grads, 
 from lightning_mpi.strategies.lightning_api import TrainerAPI
 from lightning_mpi.strategies.optimizer_sharding import OptimizerSharding
 from lightning_mpi.strategies.preemption import PreemptionWatch
-from lightning_mpi.strategies.replacement import REPLACEMENT_REASON, RunReplacing, refuse_replace_for
+from lightning_mpi.strategies.replacement import REPLACEMENT_REASON, RunReplacing
 from lightning_mpi.strategies.resume import AutoResume, resume_checkpoint
 from lightning_mpi.strategies.rule_runner import RuleRunner
 from lightning_mpi.strategies.sharding import LoaderSharding
@@ -143,7 +143,6 @@ def trainer_strategy(api: TrainerAPI, environment_class: type, checkpoint_io_cla
             # Every argument is checked before the environment's first collective (it splits COMM_WORLD).
             rule = check_rule(rule) or SyncRule()
             self.options = CommonOptions(**options)
-            refuse_replace_for(rule, self.options.heal)
             RunHealing.require(self.options.heal)  # the fix named before any collective
             self._aids = ConvergenceAids(
                 self.options.lr_scaling,

@@ -5,9 +5,10 @@ Usage: ``lightning-mpi --heal -n 10 heal_train.py OUT_DIR`` (Open MPI with ULFM;
 the phases 0 to 4 below; ``lightning-mpi --heal -n 5 heal_train.py OUT_DIR auto`` runs only the
 ``mpi_auto`` phases (``auto``: Fabric, W 5 -> 4 -> 3 -> 2, a loss inside a decision's probe, one in
 its redo's switch, one in the exchange; ``auto_replace``: the Trainer with ``heal="replace"``, 2 -> 1 -> 2);
-``lightning-mpi --heal -n 3 heal_train.py OUT_DIR replace_rules`` runs two ``heal="replace"``
-Trainer phases (``replace_downpour``, ``replace_gosgd``: DOWNPOUR and GoSGD; each loses its last
-rank at step 1 and lets a replacement in; see :func:`_replace_rule_phase`);
+``lightning-mpi --heal -n 3 heal_train.py OUT_DIR replace_rules`` runs three ``heal="replace"``
+Trainer phases (``replace_downpour``, ``replace_gosgd``, ``replace_zero``: DOWNPOUR, GoSGD and ZeRO
+with Adam; each loses its last rank at step 1 and lets a replacement in; see
+:func:`_replace_rule_phase`);
 ``lightning-mpi --heal -n 4 heal_train.py OUT_DIR gosgd`` runs only the two
 asynchronous phases, each a Fabric loop whose last rank dies at Fabric step FABRIC_KILL, and whose
 survivors notice it when they do (no collective while training):
@@ -345,10 +346,10 @@ def replace_phase() -> dict:
 
 
 #: the ``replace_rules`` launch: its phases, and the launch rank each phase's replacement records under
-REPLACE_RULE_PHASES = {"replace_downpour": 13, "replace_gosgd": 14}
+REPLACE_RULE_PHASES = {"replace_downpour": 13, "replace_gosgd": 14, "replace_zero": 15}
 
 
-def _replace_rule_phase(phase: str, strategy_class: str) -> dict:
+def _replace_rule_phase(phase: str, strategy_class: str, configure=None, **options) -> dict:
     """The Trainer with ``heal="replace"`` on the three ranks there are: the last rank dies at the
     start of step REPLACE_KILL; the survivors heal, spawn a replacement at their next batch and wait
     for it at the one after (``wait_for_join``), where it joins with the lost rank's shard; it runs
@@ -356,14 +357,16 @@ def _replace_rule_phase(phase: str, strategy_class: str) -> dict:
     import lightning_mpi.lightning as strategies
 
     dies = lambda m: m.global_step == REPLACE_KILL and m.trainer.global_rank == m.trainer.world_size - 1  # noqa: E731
-    model = _trainer_model(phase, f"{phase}_val", dies)
-    strategy = getattr(strategies, strategy_class)(heal="replace")
+    model = _trainer_model(phase, f"{phase}_val", dies, configure=configure)
+    strategy = getattr(strategies, strategy_class)(heal="replace", **options)
     strategy._replacing.wait_for_join = True
     result = _trainer_fit(model, strategy, max_steps=REPLACE_STEPS, enable_checkpointing=False)
     bound = strategy.bound_rule
     if hasattr(bound, "commits"):  # a parameter-server rule: its commits, the last rebuild (the join)
         result["commits"] = bound.commits
         result["last_rebuild_lost"] = None if bound.last_heal is None else bound.last_heal["lost"]
+    if options.get("shard_optimizer"):
+        result["optimizer"] = _whole_optimizer_state(strategy)
     return result
 
 
@@ -373,6 +376,13 @@ def replace_downpour_phase() -> dict:
 
 def replace_gosgd_phase() -> dict:
     return _replace_rule_phase("replace_gosgd", "GoSGDStrategy")
+
+
+def replace_zero_phase() -> dict:
+    """ZeRO with Adam: the survivors rebuild the optimizer state from their shards and buddy copies
+    at the heal (over two), then reshard it over three when the replacement is let in."""
+    adam = lambda module: torch.optim.Adam(module.parameters(), lr=ZERO_LR)  # noqa: E731
+    return _replace_rule_phase("replace_zero", "SyncStrategy", configure=adam, exchange="asa", shard_optimizer=True)
 
 
 def _fabric_loop(
@@ -866,7 +876,11 @@ def main() -> None:
     if sys.argv[2:] == ["auto"]:
         phases = (("auto_end", auto_end_phase), ("auto", auto_phase), ("auto_replace", auto_replace_phase))
     if sys.argv[2:] == ["replace_rules"]:
-        phases = (("replace_downpour", replace_downpour_phase), ("replace_gosgd", replace_gosgd_phase))
+        phases = (
+            ("replace_downpour", replace_downpour_phase),
+            ("replace_gosgd", replace_gosgd_phase),
+            ("replace_zero", replace_zero_phase),
+        )
     names = [name for name, _ in phases]
     if os.environ.get("LIGHTNING_MPI_REPLACEMENT"):  # a replacement starts at the phase that spawned it
         current = (OUT / "phase").read_text()

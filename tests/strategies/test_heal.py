@@ -25,9 +25,10 @@ So has ``mpi_auto`` (a loss in its Streaming DiLoCo arm's final average, one ins
 its redo, one in its arm's exchange, then ``heal="replace"`` under the Trainer; ``-k mpi_auto``).
 So has ZeRO (``shard_optimizer=True`` with Adam, Fabric 5 -> 4 -> 3 then the Trainer 3 -> 2, the lost
 shards rebuilt from the survivors' buddy copies; ``-k zero``).
-``heal="replace"`` with DOWNPOUR and GoSGD under the Trainer has its own 3-rank launch, in the Open
-MPI CI run (``replace_rules``: each loses its last rank and lets a replacement in; the center is
-re-cut over the grown run, GoSGD's rank 0 shares its weight).
+``heal="replace"`` with DOWNPOUR, GoSGD and ZeRO under the Trainer has its own 3-rank launch, in
+the Open MPI CI run (``replace_rules``: each loses its last rank and lets a replacement in; the
+center is re-cut over the grown run, GoSGD's rank 0 shares its weight, ZeRO's optimizer state is
+resharded over the grown run and matches a one-process Adam).
 """
 
 from __future__ import annotations
@@ -903,18 +904,16 @@ def test_fabric_refuses_replace_naming_the_fix():
 
 
 @pytest.mark.timeout(10)
-def test_the_trainer_refuses_replace_for_zero_naming_the_fix():
-    # what the Trainer strategies call first in __init__ (before any collective)
-    from lightning_mpi.rules.server import DownpourRule
-    from lightning_mpi.rules.sync import SyncRule
+def test_a_new_zero_rank_is_handed_no_shard_and_joins_the_rebuild():
+    """rank 0 hands a new ZeRO rank no optimizer shard of its own (it keeps its own for the
+    rebuild); the rebuild over survivors and new ranks leaves the new ones out of the shard set."""
     from lightning_mpi.rules.zero import ZeroRule
-    from lightning_mpi.strategies.replacement import refuse_replace_for
+    from lightning_mpi.strategies.healing_rules import split_for_new_ranks
 
-    refuse_replace_for(ZeroRule(), "shrink")
-    refuse_replace_for(SyncRule(), "replace")
-    refuse_replace_for(DownpourRule(), "replace")  # the parameter-server rules replace too
-    with pytest.raises(ValueError, match=r"not supported for ZeRO.*heal='shrink'"):
-        refuse_replace_for(ZeroRule(), "replace")
+    kept = {"skipped_steps": 2, "zero_heal": {"steps": 5, "whole": True, "own": {"rank": 0}, "mirror": None}}
+    mine, handed = split_for_new_ranks(ZeroRule(), kept, 1)
+    assert mine == kept
+    assert handed == {"skipped_steps": 2, "zero_heal": {"joined": True}}
 
 
 @pytest.mark.timeout(10)
@@ -1114,9 +1113,9 @@ def test_trainer_replace_spawns_a_rank_that_joins_mid_epoch_and_matches_a_replay
 
 @pytest.fixture(scope="module")
 def rules_replaced(tmp_path_factory):
-    """``lightning-mpi --heal -n 3 heal_train.py OUT replace_rules``: two Trainer phases with
-    ``heal="replace"`` (DOWNPOUR, then GoSGD), each losing its last rank (the second: the
-    replacement of the first) at step 1 and letting a replacement in."""
+    """``lightning-mpi --heal -n 3 heal_train.py OUT replace_rules``: three Trainer phases with
+    ``heal="replace"`` (DOWNPOUR, GoSGD, ZeRO with Adam), each losing its last rank (from the
+    second on: the replacement of the one before) at step 1 and letting a replacement in."""
     _, err, out = _heal_launch(tmp_path_factory, "replace_rules", 3, 300, "replace_rules")
     return (err, *launch_outputs(out))
 
@@ -1160,6 +1159,29 @@ def test_parameter_server_and_gossip_rules_replace_a_lost_rank(rules_replaced):
         assert result["last_rebuild_lost"] == []  # the join's rebuild: every shard from a survivor
         assert result["commits"] > 0
     _replaced_phase_checks(finals, records, "replace_gosgd", 13, 14)
+
+
+@pytest.mark.mpi
+@pytest.mark.openmpi_core
+@pytest.mark.timeout(360)
+def test_zero_replaces_a_lost_rank_and_matches_a_one_process_adam(rules_replaced):
+    """``heal="replace"`` with ZeRO (``shard_optimizer=True``, Adam): the survivors rebuild the
+    optimizer state over two at the heal (the lost shard from its buddy copy), and over three when
+    the new rank is let in (it joins with no shard of its own). Every rank ends with the same
+    weights and the same whole Adam state, equal to one process running Adam over the batches of
+    the ranks alive at each step: nothing lost or made up at either rebuild."""
+    _, finals, records = rules_replaced
+    ours = _replaced_phase_checks(finals, records, "replace_zero", 14, 15)
+    assert all(result["optimizer"] == ours[0]["optimizer"] for result in ours)
+    script = _script_module()
+    steps = records["replace_zero"]
+    batches = [[e["indices"] for _, e in sorted(steps[s], key=lambda x: x[1]["rank"])] for s in sorted(steps)]
+    weights, state = _replay_adam(ours[0]["initial"], batches, script.ZERO_LR)
+    assert _close(ours[0]["final"], weights)
+    assert sorted(state) == sorted(ours[0]["optimizer"])
+    for index, entry in state.items():
+        for key, values in entry.items():
+            assert _close([ours[0]["optimizer"][index][key]], [values]), (index, key)
 
 
 @pytest.mark.mpi
