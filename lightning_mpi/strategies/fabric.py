@@ -18,6 +18,9 @@ code, so the rule's lifecycle hangs on the calls that loop makes:
 - ``fabric.all_reduce`` / ``all_gather`` / ``broadcast`` / ``barrier``: over MPI.
 - ``fabric.save`` / ``fabric.load`` with a state dictionary: the rule's state (center, clocks,
   residuals, gossip weights) travels under the ``"lightning_mpi"`` key.
+- ``fabric.strategy.let_in(state)`` (``heal="replace"``), at the top of each iteration with the
+  state dictionary you would save: where ranks spawned to replace lost ones join; a spawned rank's
+  first call fills ``state`` with rank 0's (see :meth:`let_in`).
 - ``fabric.strategy.finish_training()``: a Fabric loop has no ``on_train_end``, so call it on every
   rank after the loop: every rank's module then holds the rule's consensus weights (the center
   for elastic and parameter-server rules, the weighted consensus for gossip, DiLoCo's mean of the
@@ -61,7 +64,7 @@ from lightning_mpi.strategies.healing import RunHealing
 from lightning_mpi.strategies.healing_rules import heal_after_step, heal_grads, heal_train_end
 from lightning_mpi.strategies.lightning_api import FabricAPI
 from lightning_mpi.strategies.optimizer_sharding import OptimizerSharding
-from lightning_mpi.strategies.replacement import refuse_replace
+from lightning_mpi.strategies.replacement import LoopAccess, RunReplacing
 from lightning_mpi.strategies.rule_runner import RuleRunner
 from lightning_mpi.strategies.signatures import check_rule, document_frontend
 from lightning_mpi.strategies.trainer import CHECKPOINT_KEY
@@ -126,7 +129,6 @@ def fabric_strategy(api: FabricAPI, environment_class: type, checkpoint_io_class
             # Every argument is checked before the environment's first collective (it splits COMM_WORLD).
             rule = check_rule(rule) or SyncRule()
             self.options = CommonOptions(**options)
-            refuse_replace(self.options.heal)
             RunHealing.require(self.options.heal)  # the fix named before any collective
             self._aids = ConvergenceAids(
                 self.options.lr_scaling,
@@ -169,7 +171,24 @@ def fabric_strategy(api: FabricAPI, environment_class: type, checkpoint_io_class
             self._backward_sync_control = NoBackwardSync(self._runner)
             self._optimizers: list[Optimizer] = []
             self._steps_seen = 0
+            self._replacing = RunReplacing(
+                self._healing,
+                self._failures,
+                environment,
+                self._runner,
+                None,  # the loop's loaders are the user's
+                self._adopt_healed_run,
+                CHECKPOINT_KEY,
+                LoopAccess(snapshot=self._handover_of, step=lambda _: self._steps_seen, batches_done=lambda _: 0),
+            )
+            self._let_in_called = False
+            self._replacing.join()  # a process spawned to replace a lost rank joins the run here
             self._set_world_ranks()
+            if self._replacing.catching_up:  # ... and takes the survivors' state at once (collective)
+                self._replacing.receive()
+                handed = self._handed()
+                self._steps_seen = int(handed["steps_seen"])
+                self._runner.restore(handed.get(CHECKPOINT_KEY), self.world_size)
 
         # -- what the user reads and sets ----------------------------------------------------------------
         @property
@@ -212,6 +231,63 @@ def fabric_strategy(api: FabricAPI, environment_class: type, checkpoint_io_class
             """The rule's numbers for the last step (``mpi/<rule>/...``, world size > 1) and the
             convergence aids' values: log them with ``fabric.log_dict(fabric.strategy.stats())``."""
             return {**self._runner.stats(self.world_size), **self._aids.stats, **self._healing.stats}
+
+        @_fails_the_run
+        def let_in(self, state: dict[str, Any]) -> bool:
+            """Where ranks spawned to replace lost ones join (``heal="replace"``): call it on every
+            rank at the top of each iteration of the training loop, with the state dictionary you
+            would give ``fabric.save`` (the model, the optimizer, your counters).
+
+            On the survivors it spawns the ranks lost in a heal, and once they are ready lets them
+            in here (the same iteration on every survivor), handing them rank 0's ``state``, the
+            rule's state and rank 0's weights; ``fabric.world_size`` and ``fabric.global_rank`` are
+            then the grown run's. In a spawned rank (your script runs from the top; ``fabric.setup``
+            gives it rank 0's weights, its collectives before this call return at once) the first
+            call fills ``state`` in place as ``fabric.load`` would, and returns ``True``: go on from
+            the counters it holds. Returns ``False`` otherwise. Without ``heal="replace"`` it only
+            returns ``False``.
+            """
+            if self._replacing.catching_up:
+                self._take_handover(state)
+                self._replacing.catching_up = False
+                return True
+            self._let_in_called = True
+            if self._replacing.active:
+                self._healing.between("the error channel", self._failures.check_peers, None)
+                self._replacing.at_batch_start(state)
+            return False
+
+        def _handover_of(self, state: dict[str, Any]) -> dict[str, Any]:
+            """On rank 0 at a let-in: what a new rank takes (:meth:`let_in`): the loop's ``state``
+            as ``fabric.save`` converts it, the bound module's weights, the optimizer steps seen."""
+            return {
+                "state": self._convert_stateful_objects_in_state(api.unwrap_objects(state), filter={}),
+                "module": self._module.state_dict() if self._module is not None else None,
+                "steps_seen": self._steps_seen,
+            }
+
+        def _handed(self) -> dict[str, Any]:
+            handover = self._replacing.handover
+            assert handover is not None, "a new rank receives the handover when it joins"
+            return handover.checkpoint
+
+        def _take_handover(self, state: dict[str, Any]) -> None:
+            """In a new rank: ``state`` filled in place from rank 0's, as ``fabric.load`` fills it (a
+            sharded optimizer keeps the shard rebuilt when it was set up)."""
+            handed = self._handed()["state"]
+            for name, obj in list(state.items()):
+                if name not in handed:
+                    continue
+                inner = api.unwrap_objects(obj)
+                if isinstance(inner, Module):
+                    self.load_module_state_dict(inner, handed[name])
+                elif isinstance(inner, Optimizer):
+                    self._optimizer_sharding.load_into(inner, handed[name])
+                    api.optimizers_to_device([inner], self.root_device)
+                elif callable(getattr(inner, "load_state_dict", None)) and callable(getattr(inner, "state_dict", None)):
+                    inner.load_state_dict(handed[name])
+                else:
+                    state[name] = handed[name]
 
         @contextmanager
         def propagate_errors(self) -> Generator[None, None, None]:
@@ -267,7 +343,10 @@ def fabric_strategy(api: FabricAPI, environment_class: type, checkpoint_io_class
         @_fails_the_run
         def setup_module(self, module: Module) -> Module:
             """Same model everywhere, rank 0's weights, the rule bound and started."""
-            replicas.prepare_module(self.transport, module)
+            if self._replacing.catching_up:  # a new rank: rank 0's weights came with the handover
+                module.load_state_dict(self._handed()["module"])
+            else:
+                replicas.prepare_module(self.transport, module)
             self._optimizers = []  # a new training: the optimizers set up next are its own
             bound = self._runner.bind(self.transport, module, self._aids.rule_to_bind(self.world_size))
             self._module = module
@@ -349,6 +428,13 @@ def fabric_strategy(api: FabricAPI, environment_class: type, checkpoint_io_class
             transport with ``state``. The loop's loaders keep their shards: call
             ``fabric.setup_dataloaders`` again at the next epoch to shard over the survivors."""
             self._set_world_ranks()
+            if self._replacing.active and not self._let_in_called and not self._replacing.catching_up:
+                self._let_in_called = True  # said once
+                api.rank_zero_warn(
+                    "lightning_mpi: heal='replace' lets new ranks in where the training loop calls "
+                    "fabric.strategy.let_in(state) (at the top of each iteration); this loop has not called it, so "
+                    f"training goes on at world size {self.world_size}"
+                )
             if state is not None and self._module is not None:
                 bound = self._runner.rebind(
                     self.transport, self._module, self._aids.rule_to_bind(self.world_size), state
@@ -411,12 +497,16 @@ def fabric_strategy(api: FabricAPI, environment_class: type, checkpoint_io_class
         @_fails_the_run
         def all_reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any | None = "mean") -> Any:
             collectives.check_group(group)
+            if self._replacing.catching_up:  # a new rank before let_in: the survivors are past it
+                return tensor
             return self._healing.operation("all_reduce", lambda: collectives.reduce(self.transport, tensor, reduce_op))
 
         @override
         @_fails_the_run
         def all_gather(self, tensor: Any, group: Any | None = None, sync_grads: bool = False) -> Any:
             collectives.check_group(group)
+            if self._replacing.catching_up:
+                return tensor.unsqueeze(0)
             return self._healing.operation(
                 "all_gather", lambda: collectives.all_gather(self.transport, tensor, sync_grads)
             )
@@ -424,16 +514,22 @@ def fabric_strategy(api: FabricAPI, environment_class: type, checkpoint_io_class
         @override
         @_fails_the_run
         def broadcast(self, obj: Any, src: int = 0) -> Any:
+            if self._replacing.catching_up:
+                return obj
             return self._healing.operation("broadcast", lambda: collectives.broadcast(self.transport, obj, src))
 
         @_fails_the_run
         def _metric_allgather(self, obj: Any) -> list[Any]:
             """torchmetrics' sync (:func:`.collectives.connect_metrics`): every rank's ``obj``."""
+            if self._replacing.catching_up:
+                return [obj]
             return self._healing.operation("a metric's sync", lambda: self.transport.allgather_object(obj))
 
         @override
         @_fails_the_run
         def barrier(self, name: str | None = None) -> None:
+            if self._replacing.catching_up:
+                return
             self._healing.operation("barrier", lambda: collectives.barrier(self.transport))
 
         # -- checkpoints -----------------------------------------------------------------------------------

@@ -41,6 +41,7 @@ class FabricAPI:
     rank_zero_warn: Any
     get_filesystem: Any
     optimizers_to_device: Any
+    unwrap_objects: Any  # Fabric's wrappers of modules, optimizers and loaders, taken off
 
 
 @dataclass(frozen=True)
@@ -79,6 +80,7 @@ def fabric_api(package: str) -> FabricAPI:
         rank_zero_warn=_get(f"{package}.utilities.rank_zero", "rank_zero_warn"),
         get_filesystem=_get(f"{package}.utilities.cloud_io", "get_filesystem"),
         optimizers_to_device=_get(f"{package}.utilities.optimizer", "_optimizers_to_device"),
+        unwrap_objects=_get(f"{package}.wrappers", "_unwrap_objects"),
     )
 
 

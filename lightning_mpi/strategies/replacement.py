@@ -1,8 +1,9 @@
-"""``heal="replace"`` under the Trainer: after a heal, the survivors spawn new processes back up to
-the world size the strategy started with, and each new process joins the run in step.
+"""``heal="replace"``: after a heal, the survivors spawn new processes back up to the world size the
+strategy started with, and each new process joins the run in step.
 
 The survivors, at the start of training batches (:meth:`RunReplacing.at_batch_start`, where every
-survivor is, after the interrupted step was finished on the healed run):
+survivor is, after the interrupted step was finished on the healed run: the Trainer's batch start,
+or ``fabric.strategy.let_in(state)`` at the top of a Fabric loop's iteration):
 
 1. at the first batch after a heal: :func:`~lightning_mpi.comm.healing.start_growth` spawns
    ``python -m lightning_mpi.comm.spawned <script> <arguments>`` (``sys.argv`` as launched) once
@@ -22,8 +23,9 @@ survivor is, after the interrupted step was finished on the healed run):
    survivors + new ranks (:func:`~lightning_mpi.comm.healing.finish_growth`; the survivors keep
    their ranks, the new ones come after), adopt them (ranks, world size, node layout) and broadcast
    rank 0's *handover*: Lightning's own checkpoint dictionary of this moment (``dump_checkpoint``:
-   weights, optimizer and scheduler states, the loops' progress, the callbacks' states) with the
-   rule's kept state in it, and each new rank's shard;
+   weights, optimizer and scheduler states, the loops' progress, the callbacks' states; under
+   Fabric the loop's state dictionary as ``fabric.save`` converts it, and the bound module's
+   weights: :class:`LoopAccess`) with the rule's kept state in it, and each new rank's shard;
 4. bind the rule again with its state, restart the preemption vote, and shard the loaders anew
    from the next epoch, as after a heal. Rank 0 prints one line per replacement.
 
@@ -38,7 +40,14 @@ returns this rank's value: the survivors are past them); the survivors' collecti
 it makes at the same points of its own start-up: the handover in the launcher, the rule's binding
 in ``setup``, the rule's ``on_train_start`` and the vote in ``on_train_start``.
 
-Data in the epoch the replacement joins: it takes the shard of a rank lost this epoch (the same
+Under Fabric a new process takes the handover in the strategy's ``__init__``, right after it was
+let in; ``fabric.setup`` gives its module rank 0's weights (no collective) and binds the rule
+with the handed state (the survivors bind again at the same point), its collectives return at once
+until its first ``let_in(state)``, which fills ``state`` in place as ``fabric.load`` would: the
+loop goes on from the counters in it. The loaders are the user's: a loop that picks its batches
+by ``fabric.global_rank`` and ``fabric.world_size`` follows the grown run at once.
+
+Data in the epoch the replacement joins (the Trainer): it takes the shard of a rank lost this epoch (the same
 sampler, seed and epoch as that rank had: the same samples) and skips the batches of it that the
 epoch went through; the batches that rank missed between its loss and the join are not seen this
 epoch. With more replacements than shards lost this epoch (a heal at an epoch's end, the next
@@ -64,12 +73,29 @@ from lightning_mpi.comm.ulfm import revoke as ulfm_revoke
 from lightning_mpi.strategies.healing import RunHealing, remember_healed
 from lightning_mpi.strategies.healing_rules import kept_state, split_for_new_ranks
 
-__all__ = ["HANDOVER_PATH", "REPLACEMENT_REASON", "Handover", "RunReplacing", "refuse_replace", "replacement_shards"]
+__all__ = ["HANDOVER_PATH", "REPLACEMENT_REASON", "Handover", "LoopAccess", "RunReplacing", "replacement_shards"]
 
 #: The ``ckpt_path`` a replacement's ``fit`` resumes from: the survivors' handover, not a file.
 HANDOVER_PATH = "lightning_mpi:handover"
 #: Why a replacement's ``fit`` resumes (the launcher's reason).
 REPLACEMENT_REASON = "replacement"
+
+
+@dataclass(frozen=True)
+class LoopAccess:
+    """How :class:`RunReplacing` reads the frontend's training loop where new ranks are let in
+    (``at``: the Trainer, or the state dictionary of a Fabric loop):
+
+    - ``snapshot(at)``: on rank 0, the checkpoint dictionary handed over (the rule's kept state is
+      added under the strategy's key);
+    - ``step(at)``: the step reached (for the line rank 0 prints);
+    - ``batches_done(at)``: the batches of this epoch already trained (a new rank skips them in its
+      shard; 0 where the strategy does not shard the loaders).
+    """
+
+    snapshot: Callable[[Any], dict[str, Any]]
+    step: Callable[[Any], int]
+    batches_done: Callable[[Any], int]
 
 
 @dataclass
@@ -86,17 +112,6 @@ class Handover:
     checkpoint: dict[str, Any]
     shards: list[tuple[int, int] | None]
     skip_batches: int
-
-
-def refuse_replace(heal: str | None) -> None:
-    """The Fabric strategies: ``heal="replace"`` is refused, naming what works instead."""
-    if heal == "replace":
-        raise ValueError(
-            "heal='replace' is not supported by the Fabric strategies yet: a new rank would have to resume "
-            "your own training loop where the survivors are, which Fabric does not describe. Use heal='shrink' "
-            "with Fabric (the survivors go on), or the Trainer's strategies (lightning_mpi.lightning) for "
-            "heal='replace'"
-        )
 
 
 def replacement_shards(taken: list[tuple[int, int] | None], missing: int) -> list[tuple[int, int] | None]:
@@ -125,16 +140,18 @@ class _Pending:
 
 
 class RunReplacing:
-    """``heal="replace"`` for one Trainer strategy (module docstring); inert otherwise.
+    """``heal="replace"`` for one strategy (module docstring); inert otherwise.
 
     Args:
         healing: the strategy's :class:`~.healing.RunHealing` (its mode, ``grow_pending``, stats).
         failures: the strategy's :class:`~.failures.RunFailures` (transport, ranks).
         environment: the strategy's MPI cluster environment.
         runner: the strategy's :class:`~.rule_runner.RuleRunner`.
-        sharding: the strategy's :class:`~.sharding.LoaderSharding`.
+        sharding: the strategy's :class:`~.sharding.LoaderSharding` (``None``: the loaders are the
+            user's, as under Fabric).
         adopt: the strategy's ``adopt(state)`` after a heal (ranks, rule, vote, loaders).
         checkpoint_key: where the rule's state goes in a checkpoint dictionary.
+        loop: how the frontend's loop is read at a let-in.
     """
 
     #: ``True``: the survivors wait for the new processes at the batch after the spawn instead of
@@ -153,6 +170,7 @@ class RunReplacing:
         sharding: Any,
         adopt: Callable[[dict[str, Any] | None], None],
         checkpoint_key: str,
+        loop: LoopAccess,
     ) -> None:
         self._healing = healing
         self._failures = failures
@@ -161,6 +179,7 @@ class RunReplacing:
         self._sharding = sharding
         self._adopt = adopt
         self._key = checkpoint_key
+        self._loop = loop
         # the script as launched, resolved now (the working directory may change later)
         self.script = os.path.abspath(sys.argv[0]) if sys.argv and sys.argv[0] not in ("", "-c") else ""
         self.argv = list(sys.argv[1:])
@@ -202,7 +221,7 @@ class RunReplacing:
         handover: Handover = transport.broadcast_object(None, root=0)
         self.handover = handover
         shard = handover.shards[transport.rank - (transport.size - len(handover.shards))]
-        if shard is not None:
+        if shard is not None and self._sharding is not None:
             self._sharding.next_training_shard = (*shard, handover.skip_batches)
         return HANDOVER_PATH
 
@@ -213,12 +232,13 @@ class RunReplacing:
         return self.handover.checkpoint
 
     # -- at every training batch ---------------------------------------------------------------------
-    def at_batch_start(self, trainer: Any) -> None:
+    def at_batch_start(self, at: Any) -> None:
         """A replacement reached the survivors; survivors with ranks to replace spawn them, or let
-        in those spawned that are ready."""
+        in those spawned that are ready. ``at``: the Trainer, or a Fabric loop's state."""
         if self.catching_up:
             self.catching_up = False
-            self._sharding.reshard_next_epoch(trainer)  # as the survivors: every rank anew next epoch
+            if self._sharding is not None:
+                self._sharding.reshard_next_epoch(at)  # as the survivors: every rank anew next epoch
             return
         if not self.active:
             return
@@ -229,9 +249,9 @@ class RunReplacing:
         if pending is not None:
             pending.batches += 1
             if pending.ready:
-                self._let_in(trainer, pending)
+                self._let_in(at, pending)
             elif pending.batches % self.poll_every == 1 or self.poll_every == 1:
-                self._poll(trainer, pending)
+                self._poll(at, pending)
         elif self._healing.grow_pending:
             self._start()
 
@@ -269,7 +289,7 @@ class RunReplacing:
                 raise
             return False
 
-    def _poll(self, trainer: Any, pending: _Pending) -> None:
+    def _poll(self, at: Any, pending: _Pending) -> None:
         """Rank 0 looks whether every new process is ready (its strategy built), and every survivor
         takes its verdict (a small broadcast, every ``poll_every`` batches while they start)."""
         failures = self._failures
@@ -300,9 +320,9 @@ class RunReplacing:
             return
         if decided > 0:
             pending.ready = True
-            self._let_in(trainer, pending)
+            self._let_in(at, pending)
 
-    def _let_in(self, trainer: Any, pending: _Pending) -> None:
+    def _let_in(self, at: Any, pending: _Pending) -> None:
         """Let the ready new processes in, unless the rule has an exchange in flight (Streaming
         DiLoCo's ``overlap_steps``): a new rank could not take part in an exchange started without
         it, so it is let in at the next batch without one (the same batch on every survivor: they
@@ -311,7 +331,7 @@ class RunReplacing:
         if bound is not None and getattr(bound, "exchange_in_flight", False):
             return
         self._pending = None
-        self._switch(trainer, pending)
+        self._switch(at, pending)
 
     def _give_up(self, revoke: bool) -> None:
         pending, self._pending = self._pending, None
@@ -320,7 +340,7 @@ class RunReplacing:
                 ulfm_revoke(pending.respawned.comm)  # the new process waiting to be let in stops
             ulfm_free(pending.respawned.comm)
 
-    def _switch(self, trainer: Any, pending: _Pending) -> None:
+    def _switch(self, at: Any, pending: _Pending) -> None:
         """Every new process is ready: the run grows over them, they take rank 0's handover."""
         healing, failures = self._healing, self._failures
         missing = len(pending.respawned.new_ranks)
@@ -335,14 +355,13 @@ class RunReplacing:
         transport = grown.transport
         handover = None
         if transport.rank == 0:
-            checkpoint = trainer._checkpoint_connector.dump_checkpoint()
+            checkpoint = self._loop.snapshot(at)
             if state is not None:
                 rule = self._runner.rule
                 # rank 0 keeps its own part (residuals) and shares what it shares (GoSGD's weight)
                 state, handed = split_for_new_ranks(rule, state, missing)
                 checkpoint[self._key] = {"rule": type(rule).__name__, "state": handed, "world_size": transport.size}
-            epoch_loop = trainer.fit_loop.epoch_loop
-            handover = Handover(checkpoint, shards, int(epoch_loop.batch_progress.current.completed))
+            handover = Handover(checkpoint, shards, self._loop.batches_done(at))
         transport.broadcast_object(handover, root=0)
         self._adopt(state)
         joined = list(pending.respawned.new_ranks)
@@ -353,12 +372,15 @@ class RunReplacing:
         )
         self._say(
             f"replaced: {len(joined)} new rank{'s' if len(joined) > 1 else ''} ({', '.join(map(str, joined))}) "
-            f"joined at step {trainer.global_step}, {seconds:.2f} s after the spawn (training went on meanwhile); "
+            f"joined at step {self._loop.step(at)}, {seconds:.2f} s after the spawn (training went on meanwhile); "
             f"training goes on at world size {transport.size}"
         )
 
     def _shards(self, missing: int) -> list[tuple[int, int] | None]:
-        """Per new rank, the training shard it takes this epoch (collective over the survivors)."""
+        """Per new rank, the training shard it takes this epoch (collective over the survivors;
+        ``None`` each, without one, where the loaders are the user's)."""
+        if self._sharding is None:
+            return [None] * missing
         return replacement_shards(self._failures.transport.allgather_object(self._sharding.train_shard), missing)
 
     def _say(self, message: str, warn: bool = False) -> None:

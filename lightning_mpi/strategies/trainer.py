@@ -67,7 +67,7 @@ from lightning_mpi.strategies.healing_rules import heal_after_step, heal_grads, 
 from lightning_mpi.strategies.lightning_api import TrainerAPI
 from lightning_mpi.strategies.optimizer_sharding import OptimizerSharding
 from lightning_mpi.strategies.preemption import PreemptionWatch
-from lightning_mpi.strategies.replacement import REPLACEMENT_REASON, RunReplacing
+from lightning_mpi.strategies.replacement import REPLACEMENT_REASON, LoopAccess, RunReplacing
 from lightning_mpi.strategies.resume import AutoResume, resume_checkpoint
 from lightning_mpi.strategies.rule_runner import RuleRunner
 from lightning_mpi.strategies.sharding import LoaderSharding
@@ -75,6 +75,13 @@ from lightning_mpi.strategies.signatures import check_rule, document_frontend
 
 #: Key of the rule's state in a checkpoint dictionary.
 CHECKPOINT_KEY = "lightning_mpi"
+#: ``heal="replace"``: what the survivors hand a new rank at a batch's start, Lightning's own
+#: checkpoint dictionary of that moment, and where the epoch is (a new rank skips those batches)
+TRAINER_LOOP = LoopAccess(
+    snapshot=lambda trainer: trainer._checkpoint_connector.dump_checkpoint(),
+    step=lambda trainer: int(trainer.global_step),
+    batches_done=lambda trainer: int(trainer.fit_loop.epoch_loop.batch_progress.current.completed),
+)
 
 #: The Trainer strategy's own arguments (beside the common options), documented once.
 TRAINER_ARGUMENTS = {
@@ -193,6 +200,7 @@ def trainer_strategy(api: TrainerAPI, environment_class: type, checkpoint_io_cla
                 self._sharding,
                 self._adopt_healed_run,
                 CHECKPOINT_KEY,
+                TRAINER_LOOP,
             )
             self._replacing.join()  # a process spawned to replace a lost rank joins the run here
             self.set_world_ranks()

@@ -5,10 +5,10 @@ Usage: ``lightning-mpi --heal -n 10 heal_train.py OUT_DIR`` (Open MPI with ULFM;
 the phases 0 to 4 below; ``lightning-mpi --heal -n 5 heal_train.py OUT_DIR auto`` runs only the
 ``mpi_auto`` phases (``auto``: Fabric, W 5 -> 4 -> 3 -> 2, a loss inside a decision's probe, one in
 its redo's switch, one in the exchange; ``auto_replace``: the Trainer with ``heal="replace"``, 2 -> 1 -> 2);
-``lightning-mpi --heal -n 3 heal_train.py OUT_DIR replace_rules`` runs three ``heal="replace"``
-Trainer phases (``replace_downpour``, ``replace_gosgd``, ``replace_zero``: DOWNPOUR, GoSGD and ZeRO
-with Adam; each loses its last rank at step 1 and lets a replacement in; see
-:func:`_replace_rule_phase`);
+``lightning-mpi --heal -n 3 heal_train.py OUT_DIR replace_rules`` runs four ``heal="replace"``
+phases (``replace_downpour``, ``replace_gosgd``, ``replace_zero``: the Trainer with DOWNPOUR, GoSGD
+and ZeRO with Adam, see :func:`_replace_rule_phase`; ``replace_fabric``: a Fabric loop with Adam,
+see :func:`replace_fabric_phase`; each loses its last rank at step 1 and lets a replacement in);
 ``lightning-mpi --heal -n 4 heal_train.py OUT_DIR gosgd`` runs only the two
 asynchronous phases, each a Fabric loop whose last rank dies at Fabric step FABRIC_KILL, and whose
 survivors notice it when they do (no collective while training):
@@ -346,7 +346,7 @@ def replace_phase() -> dict:
 
 
 #: the ``replace_rules`` launch: its phases, and the launch rank each phase's replacement records under
-REPLACE_RULE_PHASES = {"replace_downpour": 13, "replace_gosgd": 14, "replace_zero": 15}
+REPLACE_RULE_PHASES = {"replace_downpour": 13, "replace_gosgd": 14, "replace_zero": 15, "replace_fabric": 16}
 
 
 def _replace_rule_phase(phase: str, strategy_class: str, configure=None, **options) -> dict:
@@ -376,6 +376,57 @@ def replace_downpour_phase() -> dict:
 
 def replace_gosgd_phase() -> dict:
     return _replace_rule_phase("replace_gosgd", "GoSGDStrategy")
+
+
+def replace_fabric_phase() -> dict:
+    """A Fabric loop with ``heal="replace"`` and Adam on the three ranks there are, its state in a
+    dictionary (``{"model", "optimizer", "step"}``) given to ``fabric.strategy.let_in`` at the top of
+    each iteration: the last rank dies at step REPLACE_KILL; the survivors heal in that step's
+    exchange, spawn a replacement at the next ``let_in`` and wait for it at the one after
+    (``wait_for_join``); the replacement runs this script from this phase, takes the state there and
+    goes on from its step. Each rank's batch is picked by step, rank and world size."""
+    import lightning as L
+
+    from lightning_mpi.fabric import SyncStrategy as FabricSync
+
+    strategy = FabricSync(heal="replace")
+    strategy._replacing.wait_for_join = True
+    fabric = L.Fabric(strategy=strategy, accelerator="cpu")
+    fabric.launch()
+    net = make_net()
+    initial = weights(net)
+    model, opt = fabric.setup(net, torch.optim.Adam(net.parameters(), lr=ZERO_LR))
+    data = Indexed()
+    state = {"model": model, "optimizer": opt, "step": 0}
+    joined_at = None
+    while state["step"] < REPLACE_STEPS:
+        if fabric.strategy.let_in(state):
+            joined_at = state["step"]
+        step = state["step"]
+        if step == REPLACE_KILL and joined_at is None and fabric.global_rank == fabric.world_size - 1:
+            die()
+        index = [(step * 7 + fabric.global_rank * B + k) % N for k in range(B)]
+        opt.zero_grad()
+        fabric.backward(nn.functional.mse_loss(model(data.x[index]), data.y[index]))
+        opt.step()
+        record(phase="replace_fabric", step=step, epoch=0, batch=step, world=fabric.world_size,
+               rank=fabric.global_rank, indices=index)
+        state["step"] += 1
+    strategy.finish_training()
+    inner = opt.optimizer
+    return {
+        "initial": initial,
+        "final": weights(net),
+        "optimizer": {
+            str(i): {k: v.double().flatten().tolist() for k, v in inner.state[p].items()}
+            for i, p in enumerate(net.parameters())
+        },
+        "history": strategy._healing.history,
+        "stats": {k: v for k, v in strategy.stats().items() if k.startswith("mpi/heal/")},
+        "world_size": fabric.world_size,
+        "global_step": state["step"],
+        "joined_at": joined_at,
+    }
 
 
 def replace_zero_phase() -> dict:
@@ -880,6 +931,7 @@ def main() -> None:
             ("replace_downpour", replace_downpour_phase),
             ("replace_gosgd", replace_gosgd_phase),
             ("replace_zero", replace_zero_phase),
+            ("replace_fabric", replace_fabric_phase),
         )
     names = [name for name, _ in phases]
     if os.environ.get("LIGHTNING_MPI_REPLACEMENT"):  # a replacement starts at the phase that spawned it

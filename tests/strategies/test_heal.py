@@ -894,16 +894,6 @@ def test_fabric_model_averaging_built_after_a_heal_heals_again_then_min_ranks_st
 
 # -- heal="replace" -----------------------------------------------------------------------------------------
 @pytest.mark.timeout(10)
-def test_fabric_refuses_replace_naming_the_fix():
-    # what the Fabric strategies call first in __init__ (before any collective)
-    from lightning_mpi.strategies.replacement import refuse_replace
-
-    refuse_replace("shrink")
-    with pytest.raises(ValueError, match=r"heal='replace' is not supported by the Fabric strategies.*heal='shrink'"):
-        refuse_replace("replace")
-
-
-@pytest.mark.timeout(10)
 def test_a_new_zero_rank_is_handed_no_shard_and_joins_the_rebuild():
     """rank 0 hands a new ZeRO rank no optimizer shard of its own (it keeps its own for the
     rebuild); the rebuild over survivors and new ranks leaves the new ones out of the shard set."""
@@ -1011,7 +1001,7 @@ def test_ready_replacements_wait_for_a_batch_without_an_exchange_in_flight():
     bound = SimpleNamespace(exchange_in_flight=True)
     runner = SimpleNamespace(bound=bound, live=True)
     healing = SimpleNamespace(mode="replace", events=1, grow_pending=False)
-    replacing = RunReplacing(healing, None, None, runner, None, print, "key")
+    replacing = RunReplacing(healing, None, None, runner, None, print, "key", None)
     switched = []
     replacing._switch = lambda trainer, pending: switched.append(pending)
     pending = _Pending(respawned=None, started=0.0, deadline=0.0, events=1, ready=True)
@@ -1113,9 +1103,10 @@ def test_trainer_replace_spawns_a_rank_that_joins_mid_epoch_and_matches_a_replay
 
 @pytest.fixture(scope="module")
 def rules_replaced(tmp_path_factory):
-    """``lightning-mpi --heal -n 3 heal_train.py OUT replace_rules``: three Trainer phases with
-    ``heal="replace"`` (DOWNPOUR, GoSGD, ZeRO with Adam), each losing its last rank (from the
-    second on: the replacement of the one before) at step 1 and letting a replacement in."""
+    """``lightning-mpi --heal -n 3 heal_train.py OUT replace_rules``: four phases with
+    ``heal="replace"`` (the Trainer with DOWNPOUR, GoSGD, ZeRO with Adam; a Fabric loop with Adam),
+    each losing its last rank (from the second on: the replacement of the one before) at step 1
+    and letting a replacement in."""
     _, err, out = _heal_launch(tmp_path_factory, "replace_rules", 3, 300, "replace_rules")
     return (err, *launch_outputs(out))
 
@@ -1159,6 +1150,34 @@ def test_parameter_server_and_gossip_rules_replace_a_lost_rank(rules_replaced):
         assert result["last_rebuild_lost"] == []  # the join's rebuild: every shard from a survivor
         assert result["commits"] > 0
     _replaced_phase_checks(finals, records, "replace_gosgd", 13, 14)
+
+
+@pytest.mark.mpi
+@pytest.mark.openmpi_core
+@pytest.mark.timeout(360)
+def test_a_fabric_loop_lets_a_replacement_in_and_matches_a_one_process_adam(rules_replaced):
+    """``heal="replace"`` under Fabric: the loop gives its state (model, Adam, step counter) to
+    ``fabric.strategy.let_in`` at the top of each iteration. The last rank dies at step 1; the
+    survivors heal in that step's exchange, spawn a replacement at the next ``let_in`` and let it in
+    at the one after. It runs the script from the top, gets rank 0's weights in ``fabric.setup`` and
+    the state (Adam's moments, the step) in ``let_in``, and goes on from that step. Every step ran
+    once on the ranks alive; all three end bitwise identical, weights and Adam state, equal to one
+    process running Adam over the batches of the ranks alive at each step."""
+    _, finals, records = rules_replaced
+    ours = _replaced_phase_checks(finals, records, "replace_fabric", 15, 16)
+    new = finals["replace_fabric"][16]
+    assert new["joined_at"] == min(step for step, entries in records["replace_fabric"].items()
+                                   if any(rank == 16 for rank, _ in entries))
+    assert all(result["optimizer"] == ours[0]["optimizer"] for result in ours)
+    assert ours[0]["stats"]["mpi/heal/replaced"] == 1
+    script = _script_module()
+    steps = records["replace_fabric"]
+    batches = [[e["indices"] for _, e in sorted(steps[s], key=lambda x: x[1]["rank"])] for s in sorted(steps)]
+    weights, state = _replay_adam(ours[0]["initial"], batches, script.ZERO_LR)
+    assert _close(ours[0]["final"], weights)
+    for index, entry in state.items():
+        for key, values in entry.items():
+            assert _close([ours[0]["optimizer"][index][key]], [values]), (index, key)
 
 
 @pytest.mark.mpi
