@@ -14,7 +14,10 @@ arms a non-zero rank's Python process is SIGKILLed every ``--every`` seconds fro
 (a kill that finds no rank training, during a restart, waits for one). Arms:
 
 - ``heal_shrink``, ``heal_replace``: ``lightning-mpi --heal`` with ``SyncStrategy(heal=...)``: the
-  survivors heal and go on (``"replace"`` spawns new ranks back up to ``--ranks``). Reported "not
+  survivors heal and go on (``"replace"`` spawns new ranks back up to ``--ranks``);
+  ``heal_replace_spares``: ``"replace"`` launched with ``--spares`` (``--spares``, default 2: one
+  per kill of the default schedule) ranks that wait, idle, and take a lost rank's place at the
+  batch after the heal (spawning only once they are used up). Reported "not
   available in this checkout" when the strategies do not take ``heal`` or the MPI cannot heal
   (MPICH: run from the Open MPI environment, ``./run test-openmpi`` makes ``.venv-ompi``);
 - ``mpi_restarts``: ``lightning-mpi --max-restarts R`` with ``SyncStrategy()``: a lost rank ends
@@ -78,6 +81,7 @@ class Arm:
     restarts: bool = False
     faults: bool = False
     baseline: str | None = None  # the arm without faults it is a fraction of
+    spares: bool = False  # launched with ``--spares`` (Settings.spares ranks waiting to replace)
 
 
 ARMS: dict[str, Arm] = {
@@ -87,6 +91,7 @@ ARMS: dict[str, Arm] = {
         Arm("mpi_heal", "mpi", heal="shrink"),
         Arm("heal_shrink", "mpi", heal="shrink", faults=True, baseline="mpi_heal"),
         Arm("heal_replace", "mpi", heal="replace", faults=True, baseline="mpi_heal"),
+        Arm("heal_replace_spares", "mpi", heal="replace", faults=True, baseline="mpi_heal", spares=True),
         Arm("mpi", "mpi"),
         Arm("mpi_restarts", "mpi", restarts=True, faults=True, baseline="mpi"),
         Arm("ddp", "ddp"),
@@ -104,6 +109,7 @@ class Settings:
     every: float = 20.0  # seconds between kills
     max_restarts: int = 10
     max_kills: int | None = None  # None: as many as the schedule brings
+    spares: int = 2  # the spare ranks of heal_replace_spares (one per kill of the default schedule)
     timeout: float = 300.0  # seconds from the launch to the first training step
 
 
@@ -327,7 +333,8 @@ def command(arm: Arm, s: Settings, out: Path) -> list[str]:
             *worker,
         ]
     heal = ["--heal"] if arm.heal else []
-    return [sys.executable, "-m", "lightning_mpi", "-n", str(s.ranks), *heal, *restarts, *worker]
+    spares = ["--spares", str(s.spares)] if arm.spares else []
+    return [sys.executable, "-m", "lightning_mpi", "-n", str(s.ranks), *heal, *spares, *restarts, *worker]
 
 
 def run_arm(arm: Arm, s: Settings, out: Path) -> dict:
@@ -479,6 +486,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--ckpt-every", type=int)
     parser.add_argument("--every", type=float, help="seconds between kills")
     parser.add_argument("--max-kills", type=int, help="at most this many kills per arm (default: no limit)")
+    parser.add_argument("--spares", type=int, help="spare ranks of heal_replace_spares (default 2)")
     parser.add_argument("--out", type=Path, default=RESULTS / "goodput.json")
     parser.add_argument("--workdir", type=Path, help="keep each arm's files (logs, checkpoints) in WORKDIR/ARM")
     parser.add_argument("--report", type=Path, help="run nothing: print the table and draw the plot of a saved run")
@@ -490,7 +498,9 @@ def main(argv: list[str] | None = None) -> None:
     signal.signal(signal.SIGTERM, _interrupt)
     s = QUICK if args.quick else Settings()
     overrides = {
-        k: getattr(args, k) for k in ("ranks", "budget", "ckpt_every", "every", "max_kills") if getattr(args, k)
+        k: getattr(args, k)
+        for k in ("ranks", "budget", "ckpt_every", "every", "max_kills", "spares")
+        if getattr(args, k)
     }
     s = Settings(**{**asdict(s), **overrides})
     wanted = args.arms or [a.name for a in ARMS.values() if a.faults]

@@ -51,6 +51,7 @@ from typing import Any
 from lightning_mpi.comm.errors import ErrorChannel
 from lightning_mpi.comm.resources import RunResources, keep_pending
 from lightning_mpi.comm.respawn import JOINED, READY_TAG, Respawned, join_parent, respawn
+from lightning_mpi.comm.spares import is_spare, wait_as_spare
 from lightning_mpi.comm.transport import Transport
 from lightning_mpi.comm.ulfm import Healed, free, heal
 
@@ -238,12 +239,15 @@ def join_run(timeout: float | None, serial: int = 0) -> HealedRun | None:
     """In a process spawned by :func:`grow_run` or :func:`start_growth`: join the survivors and
     build the same run (its half of the collectives of :func:`grow_run` / :func:`finish_growth`);
     ``None`` in a process that was not spawned. A process started by :mod:`.spawned` joined
-    already: it tells rank 0 it is ready and waits for the survivors to let it in."""
+    already: it tells rank 0 it is ready and waits for the survivors to let it in. A spare
+    (:mod:`.spares`) waits until the survivors of a heal call it (or leaves when the job ends)."""
     import numpy as np
 
     if JOINED:
         merged = JOINED.pop()
         merged.Send(np.ones(1, dtype=np.int32), dest=0, tag=READY_TAG)
+    elif is_spare():
+        merged = wait_as_spare()
     else:
         merged = join_parent()
     if merged is None:

@@ -3,7 +3,7 @@
 Usage::
 
     lightning-mpi -n N [--hosts a,b | --hostfile F] [--ppn K] [--mpiexec PATH]
-                  [--env K=V]... [--oversubscribe] [--heal] [--max-restarts R [--min-ranks M]]
+                  [--env K=V]... [--oversubscribe] [--heal [--spares K]] [--max-restarts R [--min-ranks M]]
                   [--resume] [--grace S] [--dry-run] script.py [script args]
     python -m lightning_mpi ...          # the same
 
@@ -28,6 +28,9 @@ What it does, in order:
 5. With ``--max-restarts R``, a job that failed is launched again, up to R times, each time with
    ``LIGHTNING_MPI_RESTART=k`` exported to the ranks (they resume from the newest common
    checkpoint); ``--min-ranks M`` lets a relaunch go on with fewer ranks when hosts were lost.
+6. With ``--heal --spares K``, K more ranks are launched after the N that train, with
+   ``LIGHTNING_MPI_SPARES=K`` exported: they wait, idle, and take the place of lost ranks at once
+   under ``heal="replace"`` (``lightning_mpi.comm.spares``).
 
 Steps 1 to 3 are :func:`_prepare` (the checks live in :mod:`.hosts` and :mod:`.checks`, the command
 in :mod:`.command`, the topology in :mod:`.topology`); step 4 is :func:`.process.run_job`; step 5
@@ -61,7 +64,7 @@ from .checks import (
 )
 from .command import ENV_KEY, FLAVOR_NAMES, Flavor, LaunchSpec, build_command
 from .errors import PROG, LaunchError
-from .healing import HEAL_OUTCOME_ENV, OutcomeDir, healed_exit_code, marked_finished
+from .healing import HEAL_OUTCOME_ENV, SPARES_ENV, OutcomeDir, healed_exit_code, marked_finished
 from .hosts import HostEntry, check_hosts_resolve, parse_host, positive_int, read_hostfile
 from .process import KILL_GRACE_S, run_job
 from .restarts import RESTART_ENV, RESUME_ENV, RestartPolicy, describe_exit, lost_hosts, ranks_left, should_restart
@@ -71,7 +74,7 @@ __all__ = ["USAGE", "build_parser", "main"]
 
 USAGE = (
     "lightning-mpi -n N [--hosts a,b | --hostfile F] [--ppn K] [--mpiexec PATH] "
-    "[--env K=V]... [--oversubscribe] [--heal] [--max-restarts R [--min-ranks M]] [--resume] [--grace S] "
+    "[--env K=V]... [--oversubscribe] [--heal [--spares K]] [--max-restarts R [--min-ranks M]] [--resume] [--grace S] "
     "[--dry-run] script.py [script args]"
 )
 
@@ -134,6 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
             "  lightning-mpi -n 8 --hosts node1,node2 --ppn 4 --env OMP_NUM_THREADS=2 train.py\n"
             "  lightning-mpi -n 8 --hostfile hosts.txt --dry-run train.py\n"
             "  lightning-mpi -n 4 --heal train.py          # Open MPI: survivors heal when a rank dies\n"
+            "  lightning-mpi -n 4 --heal --spares 1 train.py   # and a spare waits to replace one at once\n"
             "  lightning-mpi -n 8 --hostfile hosts.txt --max-restarts 3 --min-ranks 4 train.py"
         ),
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -173,6 +177,14 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="launch with ULFM fault tolerance (Open MPI: --with-ft ulfm), so that the "
         "survivors of a lost rank can heal and go on; MPICH cannot",
+    )
+    parser.add_argument(
+        "--spares",
+        metavar="K",
+        type=_arg_count,
+        default=0,
+        help="with --heal: launch K more ranks that wait, idle, and take the place of lost ones at "
+        "once (heal='replace'; no process to start then); -n counts the training ranks only (default 0)",
     )
     parser.add_argument(
         "--max-restarts",
@@ -244,6 +256,12 @@ def _prepare(args: argparse.Namespace, environ: Mapping[str, str]) -> _Plan:
     assert flavor is not None  # check_mpi_match raised otherwise
     if args.heal:
         check_heal(flavor, launcher)
+    if args.spares and not args.heal:
+        raise LaunchError(
+            f"argument --spares: {args.spares} spare ranks without --heal would only wait; spares take the place "
+            "of lost ranks in a job that heals; fix: add --heal (and heal='replace' to the strategy), or drop --spares"
+        )
+    total = args.nprocs + args.spares  # the spares are the job's last ranks
     oversubscribe, as_root = _open_mpi_permissions(args, flavor, entries, notes)
 
     hosts = tuple(args.hosts or ())
@@ -255,13 +273,15 @@ def _prepare(args: argparse.Namespace, environ: Mapping[str, str]) -> _Plan:
         notes.append(f"hostfile {args.hostfile!r} passed as a host list for {FLAVOR_NAMES[flavor]}")
     try:
         spec = LaunchSpec(
-            nprocs=args.nprocs,
+            nprocs=total,
             script=args.script,
             script_args=tuple(args.script_args),
             hosts=hosts,
             hostfile=hostfile_path,
             ppn=args.ppn,
-            env=tuple(args.env) + (((RESUME_ENV, "1"),) if args.resume else ()),
+            env=tuple(args.env)
+            + (((RESUME_ENV, "1"),) if args.resume else ())
+            + (((SPARES_ENV, str(args.spares)),) if args.spares else ()),
             launcher=launcher,
             oversubscribe=oversubscribe,
             as_root=as_root,
@@ -273,6 +293,8 @@ def _prepare(args: argparse.Namespace, environ: Mapping[str, str]) -> _Plan:
 
     library_name = describe_library(library)
     topology = _topology(spec, flavor, entries, environ, library_name)
+    if args.spares:
+        topology[0] += f"; the last {args.spares} of them spare{'s' if args.spares > 1 else ''}, waiting"
     return _Plan(spec, flavor, command, topology, notes, tuple(entries), library_name)
 
 
@@ -286,7 +308,7 @@ def _open_mpi_permissions(
     if flavor != "openmpi":
         return oversubscribe, False
     if not oversubscribe:
-        why = oversubscribed(args.nprocs, entries, args.ppn, os.cpu_count() or 1)
+        why = oversubscribed(args.nprocs + args.spares, entries, args.ppn, os.cpu_count() or 1)
         if why:
             oversubscribe = True
             notes.append(f"{why}: passing --oversubscribe to Open MPI (hydra oversubscribes by itself)")

@@ -25,11 +25,14 @@ import tempfile
 
 from .restarts import describe_exit
 
-__all__ = ["FINISHED_PREFIX", "HEAL_OUTCOME_ENV", "OutcomeDir", "healed_exit_code", "marked_finished"]
+__all__ = ["FINISHED_PREFIX", "HEAL_OUTCOME_ENV", "SPARES_ENV", "OutcomeDir", "healed_exit_code", "marked_finished"]
 
 #: Exported to the ranks of a ``--heal`` job: the directory where they mark that training finished.
 #: The same name as ``lightning_mpi.comm.ulfm.HEAL_OUTCOME_ENV`` (this package imports nothing of it).
 HEAL_OUTCOME_ENV = "LIGHTNING_MPI_HEAL_OUTCOME"
+#: Exported with ``--spares K``: the job's last K ranks are spares (``lightning_mpi.comm.spares``,
+#: the same name as its ``SPARES_ENV``).
+SPARES_ENV = "LIGHTNING_MPI_SPARES"
 FINISHED_PREFIX = "finished."
 
 

@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from lightning_mpi.comm import spares
+
 
 def rank_device(devices: Sequence[torch.device] | None, local_rank: int) -> torch.device:
     """The device of the rank with ``local_rank`` on its host: ``devices[local_rank % len(devices)]``,
@@ -31,7 +33,9 @@ def device_local_rank(environment: Any, local_rank: int) -> int:
 
 
 #: After a heal, the survivors' communicator stands for ``COMM_WORLD`` in this process: a strategy
-#: built later (a new Trainer or Fabric) spans the survivors, not the ranks that died.
+#: built later (a new Trainer or Fabric) spans the survivors, not the ranks that died. With spares
+#: (``lightning-mpi --spares K``) it is from the start the training ranks' part of ``COMM_WORLD``
+#: (a spare's: the spares') (:mod:`lightning_mpi.comm.spares`).
 _WORLD: list[Any] = []
 
 
@@ -51,6 +55,8 @@ class MPIClusterMixin:
 
     def __init__(self) -> None:
         super().__init__()
+        if not _WORLD and spares.requested():  # the first strategy of the process: the spares step aside
+            _WORLD[:] = [spares.split_off_spares(self._comm_world, spares.requested())]
         if _WORLD:
             self._comm_world = _WORLD[0]
         self.comm: Any = self._comm_world.Dup()
@@ -82,6 +88,7 @@ class MPIClusterMixin:
             self.device_local_rank = self.local_rank()  # type: ignore[attr-defined]  # MPIEnvironment's
         self._comm_world = self.comm = comm
         _WORLD[:] = [comm]
+        spares.training_world(comm)
         self._comm_local = None
         for name in ("world_size", "global_rank", "local_rank"):  # Lightning caches them (lru_cache)
             clear = getattr(getattr(type(self), name, None), "cache_clear", None)

@@ -67,6 +67,7 @@ from typing import Any
 
 from lightning_mpi.comm.healing import HealedRun, finish_growth, join_run, poll_ready, start_growth
 from lightning_mpi.comm.respawn import JOIN_TIMEOUT, Respawned
+from lightning_mpi.comm.spares import call_spares, is_spare, spares_left
 from lightning_mpi.comm.ulfm import ProcessFailed, process_failure
 from lightning_mpi.comm.ulfm import free as ulfm_free
 from lightning_mpi.comm.ulfm import revoke as ulfm_revoke
@@ -137,6 +138,7 @@ class _Pending:
     heard: set[int] = field(default_factory=set)
     batches: int = 0  # batches since the spawn (the same count on every survivor)
     ready: bool = False  # every new process said it is ready; let in at the next batch the rule allows
+    spares: bool = False  # spares launched with the job (ready at once), not processes spawned
 
 
 class RunReplacing:
@@ -195,8 +197,10 @@ class RunReplacing:
     # -- in a replacement ------------------------------------------------------------------------------
     def join(self) -> None:
         """In the strategy's ``__init__``: a process the survivors spawned joins their run (its half
-        of :func:`~lightning_mpi.comm.healing.grow_run` and of the survivors' adoption)."""
-        if not self.active:
+        of :func:`~lightning_mpi.comm.healing.grow_run` and of the survivors' adoption). A spare
+        waits here until it is let in, whatever its own ``heal`` (the training ranks' decides), or
+        leaves when the job ends."""
+        if not self.active and not is_spare():
             return
         run = join_run(self._failures.timeout)
         if run is None:
@@ -254,18 +258,29 @@ class RunReplacing:
                 self._poll(at, pending)
         elif self._healing.grow_pending:
             self._start()
+            if self._pending is not None and self._pending.ready:  # spares: in at once
+                self._let_in(at, self._pending)
 
     def _start(self) -> None:
-        """Spawn the missing ranks (collective over the survivors, about a second); training goes on."""
+        """Let spares in (:mod:`~lightning_mpi.comm.spares`: ready at once) or spawn the missing
+        ranks (collective over the survivors, about a second; training goes on meanwhile)."""
         healing, failures = self._healing, self._failures
         healing.grow_pending = False
         missing = healing.start_size - failures.world_size
         if missing <= 0:
             return
+        started = time.perf_counter()
+        if spares_left():  # spares launched with the job: in at once, no process to start
+            called = healing.between("calling the spares", lambda: call_spares(failures.base_comm, missing), None)
+            if called is None:  # a survivor died meanwhile: healed again; at the next batch
+                return
+            if called.new_ranks:
+                self._pending = _Pending(called, started, time.monotonic(), healing.events, ready=True, spares=True)
+                return
+            ulfm_free(called.comm)  # every spare is gone: spawn instead
         if not self.script or not os.path.isfile(self.script):
             self._say(f"cannot replace the lost ranks: {sys.argv[0]!r} is no script to spawn", warn=True)
             return
-        started = time.perf_counter()
         spawned: Respawned | bool | None = healing.between("the respawn", lambda: self._spawn(missing), None)
         if spawned is None:  # a survivor died meanwhile: healed again; spawn at the next batch
             return
@@ -368,13 +383,25 @@ class RunReplacing:
         seconds = time.perf_counter() - pending.started
         healing.replaced += len(joined)
         healing.history.append(
-            {"joined": joined, "seconds": seconds, "world_size": transport.size, "attempts": pending.respawned.attempts}
+            {
+                "joined": joined,
+                "seconds": seconds,
+                "world_size": transport.size,
+                "attempts": pending.respawned.attempts,
+                "spares": pending.spares,
+            }
+        )
+        source = (
+            f"{seconds:.2f} s after they were called (spares launched with the job)"
+            if pending.spares
+            else f"{seconds:.2f} s after the spawn (training went on meanwhile)"
         )
         self._say(
             f"replaced: {len(joined)} new rank{'s' if len(joined) > 1 else ''} ({', '.join(map(str, joined))}) "
-            f"joined at step {self._loop.step(at)}, {seconds:.2f} s after the spawn (training went on meanwhile); "
-            f"training goes on at world size {transport.size}"
+            f"joined at step {self._loop.step(at)}, {source}; training goes on at world size {transport.size}"
         )
+        # fewer spares than ranks lost: spawn the rest at the next batch
+        healing.grow_pending = healing.mode == "replace" and transport.size < healing.start_size
 
     def _shards(self, missing: int) -> list[tuple[int, int] | None]:
         """Per new rank, the training shard it takes this epoch (collective over the survivors;

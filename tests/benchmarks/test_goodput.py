@@ -75,6 +75,9 @@ def test_commands_name_the_launcher_and_the_arm_options(tmp_path):
     heal = g.command(g.ARMS["heal_replace"], s, tmp_path)
     assert heal[heal.index("--steps") + 1] == str(g.MAX_STEPS)  # the budget stops the job, not max_steps
     assert heal[1:6] == ["-m", "lightning_mpi", "-n", "3", "--heal"] and heal[-2:] == ["--heal", "replace"]
+    assert "--spares" not in heal
+    spares = g.command(g.ARMS["heal_replace_spares"], s, tmp_path)
+    assert spares[1:8] == ["-m", "lightning_mpi", "-n", "3", "--heal", "--spares", "2"]
     restarts = g.command(g.ARMS["mpi_restarts"], s, tmp_path)
     assert "--max-restarts" in restarts and "--heal" not in restarts
     ddp = g.command(g.ARMS["ddp_torchrun"], s, tmp_path)

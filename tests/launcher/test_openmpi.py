@@ -93,6 +93,22 @@ def test_open_mpi_hosts_ppn_and_a_normal_user(capsys, monkeypatch, tmp_path, scr
 
 
 @pytest.mark.timeout(30)
+def test_spares_are_launched_after_the_training_ranks_and_need_heal(capsys, monkeypatch, tmp_path, script):
+    mpirun = fake_open_mpi(tmp_path, monkeypatch)
+    monkeypatch.setattr(os, "cpu_count", lambda: 8)
+    argv = ["-n", "3", "--mpiexec", mpirun, "--heal", "--spares", "2", "--dry-run", script]
+    code, out, err = run_main(capsys, argv)
+    assert code == 0, err
+    command = shlex.split(out)
+    assert command[1:3] == ["-np", "5"]  # 3 training ranks, then 2 spares
+    assert "LIGHTNING_MPI_SPARES=2" in command
+    assert "5 ranks via Open MPI" in err and "the last 2 of them spares, waiting" in err
+    code, out, err = run_main(capsys, ["-n", "3", "--mpiexec", mpirun, "--spares", "1", "--dry-run", script])
+    assert code == 2 and out == ""
+    assert "argument --spares: 1 spare ranks without --heal" in err and "fix: add --heal" in err
+
+
+@pytest.mark.timeout(30)
 def test_heal_refused_where_the_mpi_cannot_heal(capsys, monkeypatch, tmp_path, script):
     hydra = fake_launcher(tmp_path, "mpiexec", "HYDRA build details:\n    Version: 5.0.2")
     monkeypatch.setattr(cli, "check_mpi4py", lambda python=None: "MPICH Version:      5.0.2")

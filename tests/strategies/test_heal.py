@@ -709,12 +709,15 @@ def launch_outputs(out):
     return finals, records
 
 
-def _heal_launch(tmp_path_factory, name: str, ranks: int, timeout: float, *script_args) -> tuple[str, str, Path]:
-    """``lightning-mpi --heal -n RANKS heal_train.py OUT SCRIPT_ARGS`` under ULFM (skipped without it),
-    which must exit 0: (its stdout, its stderr, OUT)."""
+def _heal_launch(
+    tmp_path_factory, name: str, ranks: int, timeout: float, *script_args, spares: int = 0
+) -> tuple[str, str, Path]:
+    """``lightning-mpi --heal -n RANKS [--spares SPARES] heal_train.py OUT SCRIPT_ARGS`` under ULFM
+    (skipped without it), which must exit 0: (its stdout, its stderr, OUT)."""
     require_ulfm()
     out = tmp_path_factory.mktemp(name)
-    args = [sys.executable, "-m", "lightning_mpi", "-n", ranks, "--heal", "--grace", 3, SCRIPT, out, *script_args]
+    extra = ["--spares", spares] if spares else []
+    args = [sys.executable, "-m", "lightning_mpi", "-n", ranks, "--heal", *extra, "--grace", 3, SCRIPT, out, *script_args]
     code, printed, err = finish(launch(args, REPO), timeout)
     assert code == 0, err[-6000:]
     return printed, err, out
@@ -1103,11 +1106,12 @@ def test_trainer_replace_spawns_a_rank_that_joins_mid_epoch_and_matches_a_replay
 
 @pytest.fixture(scope="module")
 def rules_replaced(tmp_path_factory):
-    """``lightning-mpi --heal -n 3 heal_train.py OUT replace_rules``: four phases with
+    """``lightning-mpi --heal -n 3 --spares 1 heal_train.py OUT replace_rules``: four phases with
     ``heal="replace"`` (the Trainer with DOWNPOUR, GoSGD, ZeRO with Adam; a Fabric loop with Adam),
     each losing its last rank (from the second on: the replacement of the one before) at step 1
-    and letting a replacement in."""
-    _, err, out = _heal_launch(tmp_path_factory, "replace_rules", 3, 300, "replace_rules")
+    and letting a replacement in: in the first phase the spare (launch rank 3), which waited from
+    the start, in the others a process spawned after the loss."""
+    _, err, out = _heal_launch(tmp_path_factory, "replace_rules", 3, 300, "replace_rules", spares=1)
     return (err, *launch_outputs(out))
 
 
@@ -1144,12 +1148,31 @@ def test_parameter_server_and_gossip_rules_replace_a_lost_rank(rules_replaced):
     at the heal, are re-cut over the grown run at the join with nothing lost; the new rank starts
     from the center and commits) and GoSGD (rank 0 shares its mixing weight with the new rank, which
     holds its θ): both finish, every rank on the same weights (the center, the consensus)."""
-    _, finals, records = rules_replaced
-    ours = _replaced_phase_checks(finals, records, "replace_downpour", 2, 13)
+    err, finals, records = rules_replaced
+    ours = _replaced_phase_checks(finals, records, "replace_downpour", 2, 3)
     for result in ours:
         assert result["last_rebuild_lost"] == []  # the join's rebuild: every shard from a survivor
         assert result["commits"] > 0
-    _replaced_phase_checks(finals, records, "replace_gosgd", 13, 14)
+    _replaced_phase_checks(finals, records, "replace_gosgd", 3, 14)
+
+
+@pytest.mark.mpi
+@pytest.mark.openmpi_core
+@pytest.mark.timeout(360)
+def test_a_spare_launched_with_the_job_takes_a_lost_ranks_place_at_the_next_batch(rules_replaced):
+    """``--spares 1``: launch rank 3 waited, idle, inside its strategy's construction; when the last
+    training rank died at step 1, the survivors let it in at the very next batch (no process to
+    start: 0.0x s), and the next losses, with no spare left, were replaced by spawned processes.
+    The job exits 0 (the spare, once in, trains and ends as any rank)."""
+    err, finals, records = rules_replaced
+    first = min(step for step, entries in records["replace_downpour"].items() if any(r == 3 for r, _ in entries))
+    assert first == 2  # the batch after the heal's
+    survivor = finals["replace_downpour"][0]
+    healed_event, joined_event = survivor["history"]
+    assert joined_event["spares"] is True and joined_event["seconds"] < 5, joined_event
+    assert finals["replace_gosgd"][0]["history"][1]["spares"] is False  # then spawned: no spare left
+    lines = [x for x in err.splitlines() if "spares launched with the job" in x]
+    assert len(lines) == 1 and "joined at step 2" in lines[0], err[-3000:]
 
 
 @pytest.mark.mpi
