@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from lightning_mpi.comm.respawn import Respawned
-from lightning_mpi.comm.ulfm import heal, process_failure
+from lightning_mpi.comm.ulfm import free, heal, process_failure
 
 __all__ = [
     "SPARES_ENV",
@@ -194,6 +194,7 @@ def _regroup(pool: SparePool, survivor_rank: int, wanted: int) -> Any | None:
 
     spare = survivor_rank < 0
     healed = heal(pool.comm)  # revokes the pool first: the waiting spares wake
+    free(pool.comm)  # revoked: released here, locally
     comm = healed.comm
     roles = comm.allgather((int(spare), survivor_rank, int(wanted)))
     wanted = max(w for _, _, w in roles)  # the survivors' number (a spare says 0)

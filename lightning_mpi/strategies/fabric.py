@@ -249,7 +249,7 @@ def fabric_strategy(api: FabricAPI, environment_class: type, checkpoint_io_class
             """
             if self._replacing.catching_up:
                 self._take_handover(state)
-                self._replacing.catching_up = False
+                self._replacing.at_batch_start(state)  # ends the catch-up; counts this batch as the survivors do
                 return True
             self._let_in_called = True
             if self._replacing.active:

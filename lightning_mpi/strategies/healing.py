@@ -123,6 +123,14 @@ class RunHealing:
         self.start_size = int(getattr(failures, "world_size", 1))
         #: a heal happened and replacements are still to be spawned (``heal="replace"``)
         self.grow_pending = False
+        #: training batches begun on this rank (counted by ``heal="replace"`` at each batch's start,
+        #: the same count on every rank at the same batch: a new rank takes the survivors')
+        self.boundaries = 0
+        #: the batch (a ``boundaries`` count) from which the replacements may be spawned: one past
+        #: the furthest survivor's at the heal, so that a survivor that was a batch behind (it
+        #: took the interrupted operation's result) does not start the spawn, a collective, while
+        #: another is already in the next batch's first operation
+        self.grow_at = 0
         #: ranks spawned that joined (``heal="replace"``)
         self.replaced = 0
 
@@ -269,8 +277,9 @@ class RunHealing:
                 f"fewer than min_ranks={self.min_ranks}: the run stops (`lightning-mpi --max-restarts` relaunches it)",
             ) from error
         # Where is everyone: the operations each completed, and where each noticed.
-        mine = (self.completed, where, failure.error_class, old_rank)
+        mine = (self.completed, where, failure.error_class, old_rank, self.boundaries)
         everyone = transport.allgather_object(mine)
+        self.grow_at = max(entry[4] for entry in everyone) + 1
         counts = [entry[0] for entry in everyone]
         low, high = min(counts), max(counts)
         if high - low > 1:

@@ -107,12 +107,15 @@ class Handover:
       kept state under the strategy's key (as in a checkpoint file);
     - ``shards``: per new rank, the ``(num_replicas, rank)`` of the training shard it takes this
       epoch (``None``: the survivors' loader is not sharded);
-    - ``skip_batches``: the batches of this epoch already trained.
+    - ``skip_batches``: the batches of this epoch already trained;
+    - ``boundaries``: the survivors' count of training batches begun (this one included), which
+      the new rank continues (:attr:`.healing.RunHealing.boundaries`).
     """
 
     checkpoint: dict[str, Any]
     shards: list[tuple[int, int] | None]
     skip_batches: int
+    boundaries: int = 0  # the survivors' count of batches begun, this one included
 
 
 def replacement_shards(taken: list[tuple[int, int] | None], missing: int) -> list[tuple[int, int] | None]:
@@ -224,6 +227,7 @@ class RunReplacing:
         transport = self._failures.transport
         handover: Handover = transport.broadcast_object(None, root=0)
         self.handover = handover
+        self._healing.boundaries = handover.boundaries - 1  # its first batch's start counts the join's
         shard = handover.shards[transport.rank - (transport.size - len(handover.shards))]
         if shard is not None and self._sharding is not None:
             self._sharding.next_training_shard = (*shard, handover.skip_batches)
@@ -239,6 +243,7 @@ class RunReplacing:
     def at_batch_start(self, at: Any) -> None:
         """A replacement reached the survivors; survivors with ranks to replace spawn them, or let
         in those spawned that are ready. ``at``: the Trainer, or a Fabric loop's state."""
+        self._healing.boundaries += 1
         if self.catching_up:
             self.catching_up = False
             if self._sharding is not None:
@@ -256,7 +261,7 @@ class RunReplacing:
                 self._let_in(at, pending)
             elif pending.batches % self.poll_every == 1 or self.poll_every == 1:
                 self._poll(at, pending)
-        elif self._healing.grow_pending:
+        elif self._healing.grow_pending and self._healing.boundaries >= self._healing.grow_at:
             self._start()
             if self._pending is not None and self._pending.ready:  # spares: in at once
                 self._let_in(at, self._pending)
@@ -376,7 +381,7 @@ class RunReplacing:
                 # rank 0 keeps its own part (residuals) and shares what it shares (GoSGD's weight)
                 state, handed = split_for_new_ranks(rule, state, missing)
                 checkpoint[self._key] = {"rule": type(rule).__name__, "state": handed, "world_size": transport.size}
-            handover = Handover(checkpoint, shards, self._loop.batches_done(at))
+            handover = Handover(checkpoint, shards, self._loop.batches_done(at), healing.boundaries)
         transport.broadcast_object(handover, root=0)
         self._adopt(state)
         joined = list(pending.respawned.new_ranks)

@@ -1003,7 +1003,7 @@ def test_ready_replacements_wait_for_a_batch_without_an_exchange_in_flight():
 
     bound = SimpleNamespace(exchange_in_flight=True)
     runner = SimpleNamespace(bound=bound, live=True)
-    healing = SimpleNamespace(mode="replace", events=1, grow_pending=False)
+    healing = SimpleNamespace(mode="replace", events=1, grow_pending=False, boundaries=0, grow_at=0)
     replacing = RunReplacing(healing, None, None, runner, None, print, "key", None)
     switched = []
     replacing._switch = lambda trainer, pending: switched.append(pending)
@@ -1020,6 +1020,26 @@ def test_ready_replacements_wait_for_a_batch_without_an_exchange_in_flight():
     replacing._give_up = lambda revoke: given_up.append(revoke) or setattr(replacing, "_pending", None)
     replacing.at_batch_start(None)
     assert given_up == [True] and switched == [pending]
+
+
+@pytest.mark.timeout(10)
+def test_the_spawn_waits_for_the_batch_after_the_furthest_survivors():
+    """A survivor that was a batch behind at the heal (it took the interrupted operation's result)
+    must not start the spawn, a collective, at the batch the others had begun already: the heal
+    sets ``grow_at`` one past the furthest survivor's count of batches, and the spawn starts there."""
+    from types import SimpleNamespace
+
+    from lightning_mpi.strategies.replacement import RunReplacing
+
+    healing = SimpleNamespace(mode="replace", events=1, grow_pending=True, boundaries=5, grow_at=7)
+    runner = SimpleNamespace(bound=None, live=False)
+    replacing = RunReplacing(healing, None, None, runner, None, print, "key", None)
+    started = []
+    replacing._start = lambda: started.append(healing.boundaries)
+    replacing.at_batch_start(None)  # batch 6: the others had begun it before the heal
+    assert started == []
+    replacing.at_batch_start(None)  # batch 7: every survivor is here
+    assert started == [7]
 
 
 @pytest.mark.timeout(10)
@@ -1670,21 +1690,24 @@ def test_a_survivor_behind_takes_the_result_and_the_others_redo(monkeypatch, cap
         return "redone"
 
     # rank 1 missed the completion of the operation that rank 0 completed (its 6th): takes rank 0's result
-    behind, adopted = _healing(monkeypatch, _FakeTransport(1, [(6, "allreduce", "MPI_ERR_REVOKED", 0)], "rank 0's"))
-    behind.completed = 5
+    # (rank 0 had begun its 4th batch, rank 1 is still in its 3rd)
+    behind, adopted = _healing(monkeypatch, _FakeTransport(1, [(6, "allreduce", "MPI_ERR_REVOKED", 0, 4)], "rank 0's"))
+    behind.completed, behind.boundaries = 5, 3
     assert behind.operation("allreduce", fails_once, take=lambda kept: f"took {kept}") == "took rank 0's"
     assert len(calls) == 1 and behind.completed == 6 and adopted == [None]
+    assert behind.grow_at == 5  # a spawn only from the batch after the furthest survivor's
     assert behind.history[0]["redo"] is False and behind.stats["mpi/heal/events"] == 1.0
     # rank 0, ahead, sends the result it kept and redoes the operation it was in (its 7th)
     calls.clear()
-    transport = _FakeTransport(0, [(5, "allreduce", "MPI_ERR_PROC_FAILED", 1)])
+    transport = _FakeTransport(0, [(5, "allreduce", "MPI_ERR_PROC_FAILED", 1, 3)])
     ahead, _ = _healing(monkeypatch, transport)
-    ahead.completed, ahead._last = 6, "rank 0's"
+    ahead.completed, ahead._last, ahead.boundaries = 6, "rank 0's", 4
     assert ahead.operation("reduce", fails_once) == "redone" and len(calls) == 2 and ahead.completed == 7
+    assert ahead.grow_at == 5
     assert transport.broadcasts == [("rank 0's", 0)]
     assert "lightning_mpi: healed: rank 2 of 3 lost (detected in reduce on rank 0)" in capsys.readouterr().err
     # more than one operation apart: no way back in step
-    far, _ = _healing(monkeypatch, _FakeTransport(1, [(8, "x", "MPI_ERR_REVOKED", 0)]))
+    far, _ = _healing(monkeypatch, _FakeTransport(1, [(8, "x", "MPI_ERR_REVOKED", 0, 0)]))
     far.completed = 5
     with pytest.raises(RankFailedError, match="3 operations apart"):
         far.operation("x", lambda: (_ for _ in ()).throw(ProcessFailed((2,), "x")))
@@ -1720,7 +1743,7 @@ def test_a_heal_during_validation_binds_the_rule_outside_inference_mode(monkeypa
     (DiLoCo's outer state, residuals) must be tensors that training can update in place later."""
     from lightning_mpi.comm.ulfm import ProcessFailed
 
-    healing, _ = _healing(monkeypatch, _FakeTransport(0, [(0, "reduce", "MPI_ERR_REVOKED", 1)]))
+    healing, _ = _healing(monkeypatch, _FakeTransport(0, [(0, "reduce", "MPI_ERR_REVOKED", 1, 0)]))
     modes = []
     healing._adopt = lambda state: modes.append(torch.is_inference_mode_enabled())
     runs = iter([True, False])
@@ -1760,7 +1783,7 @@ def test_a_save_interrupted_by_a_loss_is_redone_and_the_lost_writers_temporary_r
         assert not (tmp_path / ".last.ckpt.a1b2c3d4e5f6.tmp").exists()  # removed before the redo's write
         target.write_bytes(b"the new checkpoint")
 
-    healing, adopted = _healing(monkeypatch, _FakeTransport(0, [(4, "barrier", "MPI_ERR_PROC_FAILED", 1)]))
+    healing, adopted = _healing(monkeypatch, _FakeTransport(0, [(4, "barrier", "MPI_ERR_PROC_FAILED", 1, 0)]))
     healing.completed = 4
     save_through_heals(healing, save, lambda: calls.append("barrier"), target, writes=lambda: True)
     assert calls == ["save", "save", "barrier"] and healing.completed == 5 and adopted == [None]
