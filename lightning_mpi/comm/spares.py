@@ -22,6 +22,10 @@ rank, and waits there. What it and the training ranks share is one communicator,
 4. at the end of the job, rank 0 of the training ranks dismisses the spares still waiting
    (:func:`dismiss_spares`, at exit): each leaves with ``SystemExit(0)``.
 
+A spare waits in the construction of the script's first strategy, so it takes a place only in
+that strategy's run (:func:`spares_left`): a script that builds another (a second ``fit`` with a
+new Trainer) has lost ranks replaced by spawned processes from then on.
+
 A spare costs the job its memory and its start-up at launch time, nothing while it waits. Without
 ``LIGHTNING_MPI_SPARES`` (the default) nothing here runs.
 """
@@ -72,6 +76,9 @@ class SparePool:
 
 
 _POOL: list[SparePool] = []
+#: strategies built in this process (:func:`strategy_built`): a spare waits in its first, so it can
+#: take a place only in the run of the first strategy of the script
+_BUILT = [0]
 #: the communicator the training ranks train over now (set by the strategy's environment, at the
 #: split and after every heal): its rank 0 dismisses the spares at exit
 _TRAINING: list[Any] = []
@@ -126,14 +133,22 @@ def split_off_spares(world: Any, count: int) -> Any:
     return own
 
 
+def strategy_built() -> None:
+    """A strategy was built in this process (its cluster environment counts it)."""
+    _BUILT[0] += 1
+
+
 def is_spare() -> bool:
     """Whether this process is a spare still waiting."""
     return bool(_POOL) and _POOL[0].spare
 
 
 def spares_left() -> int:
-    """The spares still waiting (the same number on every process of the pool)."""
-    return len(_POOL[0].spare_ranks) if _POOL else 0
+    """The spares still waiting that can take a place now (the same number on every training
+    process): 0 once the script built a second strategy, since a spare waits in the construction of
+    the first (let in then, it would run that part of the script; spawned processes replace ranks
+    instead), else every spare still waiting."""
+    return len(_POOL[0].spare_ranks) if _POOL and _BUILT[0] == 1 else 0
 
 
 def wait_as_spare() -> Any:

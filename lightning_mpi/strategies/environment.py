@@ -55,6 +55,7 @@ class MPIClusterMixin:
 
     def __init__(self) -> None:
         super().__init__()
+        spares.strategy_built()
         if not _WORLD and spares.requested():  # the first strategy of the process: the spares step aside
             _WORLD[:] = [spares.split_off_spares(self._comm_world, spares.requested())]
         if _WORLD:

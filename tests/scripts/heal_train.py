@@ -5,10 +5,13 @@ Usage: ``lightning-mpi --heal -n 10 heal_train.py OUT_DIR`` (Open MPI with ULFM;
 the phases 0 to 4 below; ``lightning-mpi --heal -n 5 heal_train.py OUT_DIR auto`` runs only the
 ``mpi_auto`` phases (``auto``: Fabric, W 5 -> 4 -> 3 -> 2, a loss inside a decision's probe, one in
 its redo's switch, one in the exchange; ``auto_replace``: the Trainer with ``heal="replace"``, 2 -> 1 -> 2);
-``lightning-mpi --heal -n 3 heal_train.py OUT_DIR replace_rules`` runs four ``heal="replace"``
-phases (``replace_downpour``, ``replace_gosgd``, ``replace_zero``: the Trainer with DOWNPOUR, GoSGD
-and ZeRO with Adam, see :func:`_replace_rule_phase`; ``replace_fabric``: a Fabric loop with Adam,
-see :func:`replace_fabric_phase`; each loses its last rank at step 1 and lets a replacement in);
+``lightning-mpi --heal -n 3 --spares 2 heal_train.py OUT_DIR replace_rules`` runs six
+``heal="replace"`` phases (``replace_downpour``, ``replace_powersgd``, ``replace_easgd``,
+``replace_gosgd``, ``replace_zero``: the Trainer with DOWNPOUR, PowerSGD, EASGD, GoSGD and ZeRO with
+Adam, see :func:`_replace_rule_phase`; ``replace_fabric``: a Fabric loop with Adam, see
+:func:`replace_fabric_phase`; each loses its last rank at step 1 and lets a replacement in: the
+first spare, launch rank 3, in the first phase, a spawned process in the others; the second spare
+is never used, a spare waiting in the first phase's strategy construction);
 ``lightning-mpi --heal -n 4 heal_train.py OUT_DIR gosgd`` runs only the two
 asynchronous phases, each a Fabric loop whose last rank dies at Fabric step FABRIC_KILL, and whose
 survivors notice it when they do (no collective while training):
@@ -346,7 +349,14 @@ def replace_phase() -> dict:
 
 
 #: the ``replace_rules`` launch: its phases, and the launch rank each phase's replacement records under
-REPLACE_RULE_PHASES = {"replace_downpour": 13, "replace_gosgd": 14, "replace_zero": 15, "replace_fabric": 16}
+REPLACE_RULE_PHASES = {
+    "replace_downpour": 13,
+    "replace_powersgd": 17,
+    "replace_easgd": 18,
+    "replace_gosgd": 14,
+    "replace_zero": 15,
+    "replace_fabric": 16,
+}
 
 
 def _replace_rule_phase(phase: str, strategy_class: str, configure=None, **options) -> dict:
@@ -376,6 +386,14 @@ def replace_downpour_phase() -> dict:
 
 def replace_gosgd_phase() -> dict:
     return _replace_rule_phase("replace_gosgd", "GoSGDStrategy")
+
+
+def replace_powersgd_phase() -> dict:
+    return _replace_rule_phase("replace_powersgd", "PowerSGDStrategy")
+
+
+def replace_easgd_phase() -> dict:
+    return _replace_rule_phase("replace_easgd", "EASGDStrategy")
 
 
 def replace_fabric_phase() -> dict:
@@ -929,6 +947,8 @@ def main() -> None:
     if sys.argv[2:] == ["replace_rules"]:
         phases = (
             ("replace_downpour", replace_downpour_phase),
+            ("replace_powersgd", replace_powersgd_phase),
+            ("replace_easgd", replace_easgd_phase),
             ("replace_gosgd", replace_gosgd_phase),
             ("replace_zero", replace_zero_phase),
             ("replace_fabric", replace_fabric_phase),

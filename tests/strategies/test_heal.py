@@ -25,10 +25,12 @@ So has ``mpi_auto`` (a loss in its Streaming DiLoCo arm's final average, one ins
 its redo, one in its arm's exchange, then ``heal="replace"`` under the Trainer; ``-k mpi_auto``).
 So has ZeRO (``shard_optimizer=True`` with Adam, Fabric 5 -> 4 -> 3 then the Trainer 3 -> 2, the lost
 shards rebuilt from the survivors' buddy copies; ``-k zero``).
-``heal="replace"`` with DOWNPOUR, GoSGD and ZeRO under the Trainer has its own 3-rank launch, in
-the Open MPI CI run (``replace_rules``: each loses its last rank and lets a replacement in; the
-center is re-cut over the grown run, GoSGD's rank 0 shares its weight, ZeRO's optimizer state is
-resharded over the grown run and matches a one-process Adam).
+``heal="replace"`` with DOWNPOUR, PowerSGD, EASGD, GoSGD and ZeRO under the Trainer, and a Fabric
+loop, has its own launch of 3 ranks and 3 spares, in the Open MPI CI run (``replace_rules``: each
+phase loses its last rank and lets a replacement in, a spare in the first three, a spawned process
+in the others; the center is re-cut over the grown run, GoSGD's rank 0 shares its weight, ZeRO's
+optimizer state is resharded over the grown run and matches a one-process Adam, the Fabric loop
+matches one too).
 """
 
 from __future__ import annotations
@@ -1126,12 +1128,13 @@ def test_trainer_replace_spawns_a_rank_that_joins_mid_epoch_and_matches_a_replay
 
 @pytest.fixture(scope="module")
 def rules_replaced(tmp_path_factory):
-    """``lightning-mpi --heal -n 3 --spares 1 heal_train.py OUT replace_rules``: four phases with
-    ``heal="replace"`` (the Trainer with DOWNPOUR, GoSGD, ZeRO with Adam; a Fabric loop with Adam),
-    each losing its last rank (from the second on: the replacement of the one before) at step 1
-    and letting a replacement in: in the first phase the spare (launch rank 3), which waited from
-    the start, in the others a process spawned after the loss."""
-    _, err, out = _heal_launch(tmp_path_factory, "replace_rules", 3, 300, "replace_rules", spares=1)
+    """``lightning-mpi --heal -n 3 --spares 2 heal_train.py OUT replace_rules``: six phases with
+    ``heal="replace"`` (the Trainer with DOWNPOUR, PowerSGD, EASGD, GoSGD, ZeRO with Adam; a Fabric
+    loop with Adam), each losing its last rank (from the second on: the replacement of the one
+    before) at step 1 and letting a replacement in: in the first phase a spare (launch rank 3),
+    which waited from the start, in the others a process spawned after the loss (a spare waits in
+    the first strategy's construction: the second spare is never used, and dismissed at the end)."""
+    _, err, out = _heal_launch(tmp_path_factory, "replace_rules", 3, 360, "replace_rules", spares=2)
     return (err, *launch_outputs(out))
 
 
@@ -1173,24 +1176,39 @@ def test_parameter_server_and_gossip_rules_replace_a_lost_rank(rules_replaced):
     for result in ours:
         assert result["last_rebuild_lost"] == []  # the join's rebuild: every shard from a survivor
         assert result["commits"] > 0
-    _replaced_phase_checks(finals, records, "replace_gosgd", 3, 14)
+    _replaced_phase_checks(finals, records, "replace_gosgd", 18, 14)
+
+
+@pytest.mark.mpi
+@pytest.mark.openmpi_core
+@pytest.mark.timeout(420)
+def test_powersgd_and_easgd_replace_a_lost_rank(rules_replaced):
+    """``heal="replace"`` with PowerSGD (the warm Q's replicated, the new rank's residuals zero) and
+    EASGD (the center replicated): both finish with every rank, the new one too, on the same
+    weights."""
+    _, finals, records = rules_replaced
+    _replaced_phase_checks(finals, records, "replace_powersgd", 3, 17)
+    _replaced_phase_checks(finals, records, "replace_easgd", 17, 18)
 
 
 @pytest.mark.mpi
 @pytest.mark.openmpi_core
 @pytest.mark.timeout(360)
 def test_a_spare_launched_with_the_job_takes_a_lost_ranks_place_at_the_next_batch(rules_replaced):
-    """``--spares 1``: launch rank 3 waited, idle, inside its strategy's construction; when the last
-    training rank died at step 1, the survivors let it in at the very next batch (no process to
-    start: 0.0x s), and the next losses, with no spare left, were replaced by spawned processes.
-    The job exits 0 (the spare, once in, trains and ends as any rank)."""
+    """``--spares 2``: launch ranks 3 and 4 waited, idle, inside the first phase's strategy
+    construction; when the last training rank died at step 1 of that phase, the survivors let the
+    first spare in at the very next batch (no process to start), the other waiting on. The later
+    phases built strategies of their own, so their losses were replaced by spawned processes (a
+    spare let in there would run the first phase's code), and the unused spare was dismissed at
+    the end: the job exits 0."""
     err, finals, records = rules_replaced
     first = min(step for step, entries in records["replace_downpour"].items() if any(r == 3 for r, _ in entries))
     assert first == 2  # the batch after the heal's
-    survivor = finals["replace_downpour"][0]
-    healed_event, joined_event = survivor["history"]
+    healed_event, joined_event = finals["replace_downpour"][0]["history"]
     assert joined_event["spares"] is True and joined_event["seconds"] < 5, joined_event
-    assert finals["replace_gosgd"][0]["history"][1]["spares"] is False  # then spawned: no spare left
+    for phase in ("replace_powersgd", "replace_easgd", "replace_gosgd", "replace_zero", "replace_fabric"):
+        assert finals[phase][0]["history"][1]["spares"] is False, phase  # spawned
+    assert 4 not in finals["replace_downpour"]  # the second spare never trained
     lines = [x for x in err.splitlines() if "spares launched with the job" in x]
     assert len(lines) == 1 and "joined at step 2" in lines[0], err[-3000:]
 
