@@ -431,14 +431,10 @@ def replace_fabric_phase() -> dict:
                rank=fabric.global_rank, indices=index)
         state["step"] += 1
     strategy.finish_training()
-    inner = opt.optimizer
     return {
         "initial": initial,
         "final": weights(net),
-        "optimizer": {
-            str(i): {k: v.double().flatten().tolist() for k, v in inner.state[p].items()}
-            for i, p in enumerate(net.parameters())
-        },
+        "optimizer": _as_lists((i, opt.optimizer.state[p]) for i, p in enumerate(net.parameters())),
         "history": strategy._healing.history,
         "stats": {k: v for k, v in strategy.stats().items() if k.startswith("mpi/heal/")},
         "world_size": fabric.world_size,
@@ -544,10 +540,14 @@ def zero_phase() -> dict:
     }
 
 
+def _as_lists(states) -> dict:
+    """``(parameter index, its optimizer state)`` pairs as JSON: lists of floats by index."""
+    return {str(i): {k: v.double().flatten().tolist() for k, v in entry.items()} for i, entry in states}
+
+
 def _whole_optimizer_state(strategy) -> dict:
     """The ZeRO rule's optimizer state gathered whole (a collective), as lists by parameter index."""
-    full = strategy._runner.bound.gather_optimizer_state()
-    return {str(i): {k: v.double().flatten().tolist() for k, v in entry.items()} for i, entry in full["state"].items()}
+    return _as_lists(strategy._runner.bound.gather_optimizer_state()["state"].items())
 
 
 def zero_trainer_phase() -> dict:

@@ -1232,14 +1232,7 @@ def test_a_fabric_loop_lets_a_replacement_in_and_matches_a_one_process_adam(rule
                                    if any(rank == 16 for rank, _ in entries))
     assert all(result["optimizer"] == ours[0]["optimizer"] for result in ours)
     assert ours[0]["stats"]["mpi/heal/replaced"] == 1
-    script = _script_module()
-    steps = records["replace_fabric"]
-    batches = [[e["indices"] for _, e in sorted(steps[s], key=lambda x: x[1]["rank"])] for s in sorted(steps)]
-    weights, state = _replay_adam(ours[0]["initial"], batches, script.ZERO_LR)
-    assert _close(ours[0]["final"], weights)
-    for index, entry in state.items():
-        for key, values in entry.items():
-            assert _close([ours[0]["optimizer"][index][key]], [values]), (index, key)
+    _assert_one_process_adam(ours[0], records["replace_fabric"], _script_module().ZERO_LR)
 
 
 @pytest.mark.mpi
@@ -1254,15 +1247,7 @@ def test_zero_replaces_a_lost_rank_and_matches_a_one_process_adam(rules_replaced
     _, finals, records = rules_replaced
     ours = _replaced_phase_checks(finals, records, "replace_zero", 14, 15)
     assert all(result["optimizer"] == ours[0]["optimizer"] for result in ours)
-    script = _script_module()
-    steps = records["replace_zero"]
-    batches = [[e["indices"] for _, e in sorted(steps[s], key=lambda x: x[1]["rank"])] for s in sorted(steps)]
-    weights, state = _replay_adam(ours[0]["initial"], batches, script.ZERO_LR)
-    assert _close(ours[0]["final"], weights)
-    assert sorted(state) == sorted(ours[0]["optimizer"])
-    for index, entry in state.items():
-        for key, values in entry.items():
-            assert _close([ours[0]["optimizer"][index][key]], [values]), (index, key)
+    _assert_one_process_adam(ours[0], records["replace_zero"], _script_module().ZERO_LR)
 
 
 @pytest.mark.mpi
@@ -1980,6 +1965,19 @@ def _replay_adam(
     return [p.detach().double().flatten().tolist() for p in net.parameters()], state
 
 
+def _assert_one_process_adam(result: dict, steps: dict, lr: float) -> None:
+    """``result``'s final weights and whole Adam state equal one process running Adam at ``lr`` over
+    the batches of the ranks alive at each step (``steps``: step -> [(launch rank, record)], the
+    batches in order of current rank)."""
+    batches = [[e["indices"] for _, e in sorted(steps[s], key=lambda x: x[1]["rank"])] for s in sorted(steps)]
+    weights, state = _replay_adam(result["initial"], batches, lr)
+    assert _close(result["final"], weights)
+    assert sorted(state) == sorted(result["optimizer"])
+    for index, entry in state.items():
+        for key, values in entry.items():
+            assert _close([result["optimizer"][index][key]], [values]), (index, key)
+
+
 @pytest.fixture(scope="module")
 def zero_healed(tmp_path_factory):
     """``heal_train.py ... zero`` on 5 ranks: its own launch (about 25 s), not in the Open MPI CI run;
@@ -2009,13 +2007,7 @@ def test_zero_heals_from_the_buddy_copies_and_matches_a_replay(zero_healed):
     ours = finals["zero"][0]
     for theirs in finals["zero"].values():  # bitwise identical
         assert theirs["final"] == ours["final"] and theirs["optimizer"] == ours["optimizer"]
-    batches = [[e["indices"] for _, e in sorted(steps[s], key=lambda x: x[1]["rank"])] for s in sorted(steps)]
-    weights, state = _replay_adam(ours["initial"], batches, script.ZERO_LR)
-    assert _close(ours["final"], weights)
-    assert sorted(state) == sorted(ours["optimizer"])
-    for index, entry in state.items():
-        for key, values in entry.items():
-            assert _close([ours["optimizer"][index][key]], [values]), (index, key)
+    _assert_one_process_adam(ours, steps, script.ZERO_LR)
     assert [(e["lost"], e["world_size"], e["where"]) for e in ours["history"]] == [
         ([4], 4, "the exchange"),
         ([1], 3, "the exchange"),
