@@ -20,7 +20,7 @@ code, so the rule's lifecycle hangs on the calls that loop makes:
   residuals, gossip weights) travels under the ``"lightning_mpi"`` key.
 - ``fabric.strategy.let_in(state)`` (``heal="replace"``), at the top of each iteration with the
   state dictionary you would save: where ranks spawned to replace lost ones join; a spawned rank's
-  first call fills ``state`` with rank 0's (see :meth:`let_in`).
+  first call fills ``state`` with rank 0's (see :mod:`.fabric_handover`).
 - ``fabric.strategy.finish_training()``: a Fabric loop has no ``on_train_end``, so call it on every
   rank after the loop: every rank's module then holds the rule's consensus weights (the center
   for elastic and parameter-server rules, the weighted consensus for gossip, DiLoCo's mean of the
@@ -58,6 +58,7 @@ from lightning_mpi.strategies.checkpoint_io import save_through_heals
 from lightning_mpi.strategies.common_options import CommonOptions
 from lightning_mpi.strategies.convergence import ConvergenceAids
 from lightning_mpi.strategies.environment import device_local_rank, rank_device
+from lightning_mpi.strategies.fabric_handover import FabricHandover
 from lightning_mpi.strategies.failures import RunFailures, install_abort_hook
 from lightning_mpi.strategies.flags import check_num_nodes, checked_parallel_devices
 from lightning_mpi.strategies.healing import RunHealing
@@ -179,16 +180,28 @@ def fabric_strategy(api: FabricAPI, environment_class: type, checkpoint_io_class
                 None,  # the loop's loaders are the user's
                 self._adopt_healed_run,
                 CHECKPOINT_KEY,
-                LoopAccess(snapshot=self._handover_of, step=lambda _: self._steps_seen, batches_done=lambda _: 0),
+                LoopAccess(
+                    snapshot=lambda state: self._handover.snapshot(state),
+                    step=lambda _: self._steps_seen,
+                    batches_done=lambda _: 0,
+                ),
             )
-            self._let_in_called = False
+            self._handover = FabricHandover(
+                api,
+                self,
+                self._replacing,
+                self._healing,
+                self._failures,
+                self._optimizer_sharding,
+                CHECKPOINT_KEY,
+                module=lambda: self._module,
+                steps_seen=lambda: self._steps_seen,
+            )
             self._replacing.join()  # a process spawned to replace a lost rank joins the run here
             self._set_world_ranks()
             if self._replacing.catching_up:  # ... and takes the survivors' state at once (collective)
-                self._replacing.receive()
-                handed = self._handed()
-                self._steps_seen = int(handed["steps_seen"])
-                self._runner.restore(handed.get(CHECKPOINT_KEY), self.world_size)
+                self._steps_seen, rule_state = self._handover.receive()
+                self._runner.restore(rule_state, self.world_size)
 
         # -- what the user reads and sets ----------------------------------------------------------------
         @property
@@ -247,47 +260,7 @@ def fabric_strategy(api: FabricAPI, environment_class: type, checkpoint_io_class
             the counters it holds. Returns ``False`` otherwise. Without ``heal="replace"`` it only
             returns ``False``.
             """
-            if self._replacing.catching_up:
-                self._take_handover(state)
-                self._replacing.at_batch_start(state)  # ends the catch-up; counts this batch as the survivors do
-                return True
-            self._let_in_called = True
-            if self._replacing.active:
-                self._healing.between("the error channel", self._failures.check_peers, None)
-                self._replacing.at_batch_start(state)
-            return False
-
-        def _handover_of(self, state: dict[str, Any]) -> dict[str, Any]:
-            """On rank 0 at a let-in: what a new rank takes (:meth:`let_in`): the loop's ``state``
-            as ``fabric.save`` converts it, the bound module's weights, the optimizer steps seen."""
-            return {
-                "state": self._convert_stateful_objects_in_state(api.unwrap_objects(state), filter={}),
-                "module": self._module.state_dict() if self._module is not None else None,
-                "steps_seen": self._steps_seen,
-            }
-
-        def _handed(self) -> dict[str, Any]:
-            handover = self._replacing.handover
-            assert handover is not None, "a new rank receives the handover when it joins"
-            return handover.checkpoint
-
-        def _take_handover(self, state: dict[str, Any]) -> None:
-            """In a new rank: ``state`` filled in place from rank 0's, as ``fabric.load`` fills it (a
-            sharded optimizer keeps the shard rebuilt when it was set up)."""
-            handed = self._handed()["state"]
-            for name, obj in list(state.items()):
-                if name not in handed:
-                    continue
-                inner = api.unwrap_objects(obj)
-                if isinstance(inner, Module):
-                    self.load_module_state_dict(inner, handed[name])
-                elif isinstance(inner, Optimizer):
-                    self._optimizer_sharding.load_into(inner, handed[name])
-                    api.optimizers_to_device([inner], self.root_device)
-                elif callable(getattr(inner, "load_state_dict", None)) and callable(getattr(inner, "state_dict", None)):
-                    inner.load_state_dict(handed[name])
-                else:
-                    state[name] = handed[name]
+            return self._handover.let_in(state)
 
         @contextmanager
         def propagate_errors(self) -> Generator[None, None, None]:
@@ -344,7 +317,7 @@ def fabric_strategy(api: FabricAPI, environment_class: type, checkpoint_io_class
         def setup_module(self, module: Module) -> Module:
             """Same model everywhere, rank 0's weights, the rule bound and started."""
             if self._replacing.catching_up:  # a new rank: rank 0's weights came with the handover
-                module.load_state_dict(self._handed()["module"])
+                module.load_state_dict(self._handover.module_weights())
             else:
                 replicas.prepare_module(self.transport, module)
             self._optimizers = []  # a new training: the optimizers set up next are its own
@@ -428,13 +401,7 @@ def fabric_strategy(api: FabricAPI, environment_class: type, checkpoint_io_class
             transport with ``state``. The loop's loaders keep their shards: call
             ``fabric.setup_dataloaders`` again at the next epoch to shard over the survivors."""
             self._set_world_ranks()
-            if self._replacing.active and not self._let_in_called and not self._replacing.catching_up:
-                self._let_in_called = True  # said once
-                api.rank_zero_warn(
-                    "lightning_mpi: heal='replace' lets new ranks in where the training loop calls "
-                    "fabric.strategy.let_in(state) (at the top of each iteration); this loop has not called it, so "
-                    f"training goes on at world size {self.world_size}"
-                )
+            self._handover.warn_if_never_let_in(self.world_size)
             if state is not None and self._module is not None:
                 bound = self._runner.rebind(
                     self.transport, self._module, self._aids.rule_to_bind(self.world_size), state
