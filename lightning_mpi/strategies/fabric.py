@@ -67,6 +67,7 @@ from lightning_mpi.strategies.lightning_api import FabricAPI
 from lightning_mpi.strategies.optimizer_sharding import OptimizerSharding
 from lightning_mpi.strategies.replacement import LoopAccess, RunReplacing
 from lightning_mpi.strategies.rule_runner import RuleRunner
+from lightning_mpi.strategies.run_collectives import RunCollectives
 from lightning_mpi.strategies.signatures import check_rule, document_frontend
 from lightning_mpi.strategies.trainer import CHECKPOINT_KEY
 
@@ -197,6 +198,7 @@ def fabric_strategy(api: FabricAPI, environment_class: type, checkpoint_io_class
                 module=lambda: self._module,
                 steps_seen=lambda: self._steps_seen,
             )
+            self._collectives = RunCollectives(self._failures, self._healing, self._replacing)
             self._replacing.join()  # a process spawned to replace a lost rank joins the run here
             self._set_world_ranks()
             if self._replacing.catching_up:  # ... and takes the survivors' state at once (collective)
@@ -459,45 +461,31 @@ def fabric_strategy(api: FabricAPI, environment_class: type, checkpoint_io_class
             self._runner.close()
             super().teardown()
 
-        # -- collectives -----------------------------------------------------------------------------------
+        # -- collectives (over MPI: see :mod:`.run_collectives`) ----------------------------------------------
         @override
         @_fails_the_run
         def all_reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any | None = "mean") -> Any:
-            collectives.check_group(group)
-            if self._replacing.catching_up:  # a new rank before let_in: the survivors are past it
-                return tensor
-            return self._healing.operation("all_reduce", lambda: collectives.reduce(self.transport, tensor, reduce_op))
+            return self._collectives.reduce(tensor, group, reduce_op, name="all_reduce")
 
         @override
         @_fails_the_run
         def all_gather(self, tensor: Any, group: Any | None = None, sync_grads: bool = False) -> Any:
-            collectives.check_group(group)
-            if self._replacing.catching_up:
-                return tensor.unsqueeze(0)
-            return self._healing.operation(
-                "all_gather", lambda: collectives.all_gather(self.transport, tensor, sync_grads)
-            )
+            return self._collectives.all_gather(tensor, group, sync_grads)
 
         @override
         @_fails_the_run
         def broadcast(self, obj: Any, src: int = 0) -> Any:
-            if self._replacing.catching_up:
-                return obj
-            return self._healing.operation("broadcast", lambda: collectives.broadcast(self.transport, obj, src))
+            return self._collectives.broadcast(obj, src)
 
         @_fails_the_run
         def _metric_allgather(self, obj: Any) -> list[Any]:
             """torchmetrics' sync (:func:`.collectives.connect_metrics`): every rank's ``obj``."""
-            if self._replacing.catching_up:
-                return [obj]
-            return self._healing.operation("a metric's sync", lambda: self.transport.allgather_object(obj))
+            return self._collectives.allgather_object(obj)
 
         @override
         @_fails_the_run
         def barrier(self, name: str | None = None) -> None:
-            if self._replacing.catching_up:
-                return
-            self._healing.operation("barrier", lambda: collectives.barrier(self.transport))
+            self._collectives.barrier()
 
         # -- checkpoints -----------------------------------------------------------------------------------
         @override

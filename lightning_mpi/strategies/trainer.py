@@ -9,7 +9,8 @@ collaborator                      its job
 ================================  ========================================================
 :class:`.rule_runner.RuleRunner`  bind, pause, checkpoint and close the exchange rule
 :mod:`.replicas`                  the same model and rank 0's weights on every rank
-:mod:`.collectives`               ``reduce``/``all_gather``/``broadcast``/``barrier`` over MPI
+:class:`.run_collectives.RunCollectives`  ``reduce``/``all_gather``/``broadcast``/``barrier`` over MPI,
+                                  through a heal, local while a replacement catches up
 :class:`.failures.RunFailures`    each run's transport; one rank's exception on every rank
 :class:`.convergence.ConvergenceAids`  ``lr_scaling``, ``warmup_steps``, ``momentum_correction``
 :class:`.decisions.StopDecisions`  stop decisions without barriers (asynchronous rules)
@@ -70,6 +71,7 @@ from lightning_mpi.strategies.preemption import PreemptionWatch
 from lightning_mpi.strategies.replacement import REPLACEMENT_REASON, LoopAccess, RunReplacing
 from lightning_mpi.strategies.resume import AutoResume, resume_checkpoint
 from lightning_mpi.strategies.rule_runner import RuleRunner
+from lightning_mpi.strategies.run_collectives import RunCollectives
 from lightning_mpi.strategies.sharding import LoaderSharding
 from lightning_mpi.strategies.signatures import check_rule, document_frontend
 
@@ -202,6 +204,7 @@ def trainer_strategy(api: TrainerAPI, environment_class: type, checkpoint_io_cla
                 CHECKPOINT_KEY,
                 TRAINER_LOOP,
             )
+            self._collectives = RunCollectives(self._failures, self._healing, self._replacing)
             self._replacing.join()  # a process spawned to replace a lost rank joins the run here
             self.set_world_ranks()
 
@@ -506,34 +509,22 @@ def trainer_strategy(api: TrainerAPI, environment_class: type, checkpoint_io_cla
             self._optimizer_sharding.detach()
             super().teardown()
 
-        # -- collectives (Lightning's, and its stop decisions) -------------------------------------------
+        # -- collectives (over MPI: see :mod:`.run_collectives`), and Lightning's stop decisions ----------
         @override
         def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any | None = "mean") -> Any:
-            collectives.check_group(group)
-            if self._replacing.catching_up:  # a replacement's start-up: the survivors are past it
-                return tensor
-            return self._healing.operation("reduce", lambda: collectives.reduce(self.transport, tensor, reduce_op))
+            return self._collectives.reduce(tensor, group, reduce_op)
 
         @override
         def all_gather(self, tensor: torch.Tensor, group: Any | None = None, sync_grads: bool = False) -> torch.Tensor:
-            collectives.check_group(group)
-            if self._replacing.catching_up:
-                return tensor.unsqueeze(0)
-            return self._healing.operation(
-                "all_gather", lambda: collectives.all_gather(self.transport, tensor, sync_grads)
-            )
+            return self._collectives.all_gather(tensor, group, sync_grads)
 
         def _metric_allgather(self, obj: Any) -> list[Any]:
             """torchmetrics' sync (:func:`.collectives.connect_metrics`): every rank's ``obj``."""
-            if self._replacing.catching_up:
-                return [obj]
-            return self._healing.operation("a metric's sync", lambda: self.transport.allgather_object(obj))
+            return self._collectives.allgather_object(obj)
 
         @override
         def barrier(self, name: str | None = None) -> None:
-            if self._replacing.catching_up:
-                return
-            self._healing.operation("barrier", lambda: collectives.barrier(self.transport))
+            self._collectives.barrier()
 
         @override
         def broadcast(self, obj: Any, src: int = 0) -> Any:
@@ -542,9 +533,7 @@ def trainer_strategy(api: TrainerAPI, environment_class: type, checkpoint_io_cla
             board = self._decision_board() if isinstance(obj, bool) else None
             if board is not None:
                 return board.broadcast_flag(obj, src)
-            if self._replacing.catching_up:
-                return obj
-            return self._healing.operation("broadcast", lambda: collectives.broadcast(self.transport, obj, src))
+            return self._collectives.broadcast(obj, src)
 
         @override
         def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
