@@ -59,10 +59,11 @@ from lightning_mpi.strategies.common_options import CommonOptions
 from lightning_mpi.strategies.convergence import ConvergenceAids
 from lightning_mpi.strategies.environment import device_local_rank, rank_device
 from lightning_mpi.strategies.fabric_handover import FabricHandover
+from lightning_mpi.strategies.fabric_step import FabricStep
 from lightning_mpi.strategies.failures import RunFailures, install_abort_hook
 from lightning_mpi.strategies.flags import check_num_nodes, checked_parallel_devices
 from lightning_mpi.strategies.healing import RunHealing
-from lightning_mpi.strategies.healing_rules import heal_after_step, heal_grads, heal_train_end
+from lightning_mpi.strategies.healing_rules import heal_train_end
 from lightning_mpi.strategies.lightning_api import FabricAPI
 from lightning_mpi.strategies.optimizer_sharding import OptimizerSharding
 from lightning_mpi.strategies.replacement import LoopAccess, RunReplacing
@@ -169,10 +170,9 @@ def fabric_strategy(api: FabricAPI, environment_class: type, checkpoint_io_class
             )
             self._module: Module | None = None  # the module the rule is bound to
             self._optimizer_sharding = OptimizerSharding(mirror=self._healing.active)
-            self._exchanged: bool | None = None  # an exchange run early, for clipping (sharded optimizer)
             self._backward_sync_control = NoBackwardSync(self._runner)
             self._optimizers: list[Optimizer] = []
-            self._steps_seen = 0
+            self._step = FabricStep(self._runner, self._healing, self._failures, self._aids)
             self._replacing = RunReplacing(
                 self._healing,
                 self._failures,
@@ -183,7 +183,7 @@ def fabric_strategy(api: FabricAPI, environment_class: type, checkpoint_io_class
                 CHECKPOINT_KEY,
                 LoopAccess(
                     snapshot=lambda state: self._handover.snapshot(state),
-                    step=lambda _: self._steps_seen,
+                    step=lambda _: self._step.steps_seen,
                     batches_done=lambda _: 0,
                 ),
             )
@@ -196,13 +196,13 @@ def fabric_strategy(api: FabricAPI, environment_class: type, checkpoint_io_class
                 self._optimizer_sharding,
                 CHECKPOINT_KEY,
                 module=lambda: self._module,
-                steps_seen=lambda: self._steps_seen,
+                steps_seen=lambda: self._step.steps_seen,
             )
             self._collectives = RunCollectives(self._failures, self._healing, self._replacing)
             self._replacing.join()  # a process spawned to replace a lost rank joins the run here
             self._set_world_ranks()
             if self._replacing.catching_up:  # ... and takes the survivors' state at once (collective)
-                self._steps_seen, rule_state = self._handover.receive()
+                self._step.steps_seen, rule_state = self._handover.receive()
                 self._runner.restore(rule_state, self.world_size)
 
         # -- what the user reads and sets ----------------------------------------------------------------
@@ -361,41 +361,14 @@ def fabric_strategy(api: FabricAPI, environment_class: type, checkpoint_io_class
 
             The convergence aids (``lr_scaling``) change the param groups for the update only.
             """
-            self._healing.between("the error channel", self._failures.check_peers, None)
-            overrides = self._aids.overrides(optimizer, self.world_size, self._steps_seen)
-            bound = self._runner.bound
-            try:
-                with overrides if overrides is not None else nullcontext():
-                    if bound is None:
-                        return super().optimizer_step(optimizer, **kwargs)
-                    # A GradScaler already skips steps with inf gradients and lowers its scale: it must see them.
-                    scaler_handles_inf = getattr(self.precision, "scaler", None) is not None
-                    accepted = self._exchanged if self._exchanged is not None else self._exchange(optimizer)
-                    self._exchanged = None
-                    if not accepted and not scaler_handles_inf:
-                        return None
-                    output = super().optimizer_step(optimizer, **kwargs)
-                    heal_after_step(self._healing, self._runner, optimizer)  # the rule as bound now (a heal rebinds it)
-                    return output
-            finally:
-                self._steps_seen += 1
-                if overrides is not None:
-                    self._aids.record(overrides)
-
-        def _exchange_before_clipping(self, optimizer: Optimizer) -> None:
-            """Run the rule's exchange (``before_step``) now, once, so that clipping sees what the
-            update will use, the averaged gradients, as under ``ddp``; ``optimizer.step()`` then takes
-            its result instead of exchanging again."""
-            if self._runner.bound is not None and self._exchanged is None:
-                self._exchanged = self._exchange(optimizer)
-
-        def _exchange(self, optimizer: Optimizer) -> bool:
-            """The rule's ``before_step``; under ``heal`` redone on the healed run (see :mod:`.healing`)."""
-            bound = self._runner.bound
-            assert bound is not None
-            if not self._healing.active or self._module is None:
-                return bound.before_step(optimizer)
-            return heal_grads(self._healing, self._runner, optimizer, self._module)
+            # A GradScaler already skips steps with inf gradients and lowers its scale: it must see them.
+            return self._step.run(
+                optimizer,
+                self._module,
+                self.world_size,
+                lambda: super(MPIStrategy, self).optimizer_step(optimizer, **kwargs),
+                scaler_handles_inf=getattr(self.precision, "scaler", None) is not None,
+            )
 
         def _adopt_healed_run(self, state: dict[str, Any] | None) -> None:
             """After a heal (collective over the survivors): ranks and world size as the healed run
@@ -423,7 +396,7 @@ def fabric_strategy(api: FabricAPI, environment_class: type, checkpoint_io_class
         ) -> torch.Tensor:
             """Fabric's clipping, after the exchange; a sharded optimizer clips by the global norm over
             the shards."""
-            self._exchange_before_clipping(optimizer)
+            self._step.exchange_before_clipping(optimizer, self._module)
             if not self._optimizer_sharding.owns(optimizer):
                 norm: torch.Tensor = super().clip_gradients_norm(
                     module, optimizer, max_norm, norm_type, error_if_nonfinite
@@ -436,7 +409,7 @@ def fabric_strategy(api: FabricAPI, environment_class: type, checkpoint_io_class
         @_fails_the_run
         def clip_gradients_value(self, module: Module, optimizer: Optimizer, clip_val: float) -> None:
             """Fabric's clipping by value, after the exchange (element-wise: shards clip alike)."""
-            self._exchange_before_clipping(optimizer)
+            self._step.exchange_before_clipping(optimizer, self._module)
             super().clip_gradients_value(module, optimizer, clip_val)
 
         @_fails_the_run
