@@ -48,16 +48,15 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_mpi.checkpoint.sharded import is_sharded_checkpoint, save_sharded
 from lightning_mpi.comm.transport import Transport
 from lightning_mpi.options import check_one
 from lightning_mpi.rules.base import BoundRule, Rule
 from lightning_mpi.rules.sync import SyncRule
 from lightning_mpi.strategies import collectives, replicas
-from lightning_mpi.strategies.checkpoint_io import save_through_heals
 from lightning_mpi.strategies.common_options import CommonOptions
 from lightning_mpi.strategies.convergence import ConvergenceAids
 from lightning_mpi.strategies.environment import device_local_rank, rank_device
+from lightning_mpi.strategies.fabric_checkpoints import FabricCheckpoints
 from lightning_mpi.strategies.fabric_handover import FabricHandover
 from lightning_mpi.strategies.fabric_step import FabricStep
 from lightning_mpi.strategies.failures import RunFailures, install_abort_hook
@@ -67,10 +66,9 @@ from lightning_mpi.strategies.healing_rules import heal_train_end
 from lightning_mpi.strategies.lightning_api import FabricAPI
 from lightning_mpi.strategies.optimizer_sharding import OptimizerSharding
 from lightning_mpi.strategies.replacement import LoopAccess, RunReplacing
-from lightning_mpi.strategies.rule_runner import RuleRunner
+from lightning_mpi.strategies.rule_runner import CHECKPOINT_KEY, RuleRunner
 from lightning_mpi.strategies.run_collectives import RunCollectives
 from lightning_mpi.strategies.signatures import check_rule, document_frontend
-from lightning_mpi.strategies.trainer import CHECKPOINT_KEY
 
 _Method = TypeVar("_Method", bound=Callable[..., Any])
 
@@ -199,6 +197,7 @@ def fabric_strategy(api: FabricAPI, environment_class: type, checkpoint_io_class
                 steps_seen=lambda: self._step.steps_seen,
             )
             self._collectives = RunCollectives(self._failures, self._healing, self._replacing)
+            self._checkpoints = FabricCheckpoints(self, self._runner, self._optimizer_sharding, self._healing)
             self._replacing.join()  # a process spawned to replace a lost rank joins the run here
             self._set_world_ranks()
             if self._replacing.catching_up:  # ... and takes the survivors' state at once (collective)
@@ -475,18 +474,13 @@ def fabric_strategy(api: FabricAPI, environment_class: type, checkpoint_io_class
             the consensus weights and no rule state: save before it to resume training. Under
             ``heal`` a rank lost during the save makes the survivors heal and save again
             (:func:`.checkpoint_io.save_through_heals`)."""
-
-            def save() -> None:
-                entry = self._runner.checkpoint(self.world_size)  # the rule as bound now (a heal rebinds it)
-                full = state if entry is None else {**state, CHECKPOINT_KEY: entry}
-                if self._optimizer_sharding.active:  # every rank writes its optimizer shard; nothing is gathered
-                    converted = self._convert_stateful_objects_in_state(full, filter=filter or {})
-                    save_sharded(path, converted, self.transport)
-                else:
-                    super(MPIStrategy, self).save_checkpoint(path, full, storage_options=storage_options, filter=filter)
-
-            save_through_heals(
-                self._healing, save, lambda: collectives.barrier(self.transport), path, lambda: self.is_global_zero
+            self._checkpoints.save(
+                path,
+                state,
+                filter,
+                lambda full: super(MPIStrategy, self).save_checkpoint(
+                    path, full, storage_options=storage_options, filter=filter
+                ),
             )
 
         @override
@@ -508,19 +502,13 @@ def fabric_strategy(api: FabricAPI, environment_class: type, checkpoint_io_class
             bare module or optimizer restores only that object. The file holds the rule's own objects,
             so it is read with ``weights_only=False`` unless you say otherwise.
             """
-            # A sharded checkpoint's optimizer entries hold every rank's shard: each optimizer is
-            # loaded here (through the rule when it is sharded), the rest as Fabric loads it.
-            optimizers = {}
-            if isinstance(state, dict) and is_sharded_checkpoint(path):
-                optimizers = {name: obj for name, obj in state.items() if isinstance(obj, Optimizer)}
-                state = {name: obj for name, obj in state.items() if name not in optimizers}
-            remainder: dict[str, Any] = super().load_checkpoint(
-                path, state=state, strict=strict, weights_only=False if weights_only is None else weights_only
+            return self._checkpoints.load(
+                path,
+                state,
+                lambda rest: super(MPIStrategy, self).load_checkpoint(
+                    path, state=rest, strict=strict, weights_only=False if weights_only is None else weights_only
+                ),
             )
-            for name, optimizer in optimizers.items():
-                self._optimizer_sharding.load_into(optimizer, remainder.pop(name))
-            self._runner.restore(remainder.pop(CHECKPOINT_KEY, None), self.world_size)
-            return remainder
 
     document_frontend(MPIStrategy, FABRIC_ARGUMENTS)
     return MPIStrategy

@@ -19,6 +19,9 @@ from lightning_mpi.comm.resources import keep_pending
 from lightning_mpi.comm.transport import Transport
 from lightning_mpi.rules.base import BoundRule, Rule
 
+#: Key of the rule's state in a checkpoint dictionary (what :meth:`RuleRunner.checkpoint` returns).
+CHECKPOINT_KEY = "lightning_mpi"
+
 
 class RuleRunner:
     """Binds, pauses, checkpoints and closes one rule (module docstring).

@@ -70,13 +70,11 @@ from lightning_mpi.strategies.optimizer_sharding import OptimizerSharding
 from lightning_mpi.strategies.preemption import PreemptionWatch
 from lightning_mpi.strategies.replacement import REPLACEMENT_REASON, LoopAccess, RunReplacing
 from lightning_mpi.strategies.resume import AutoResume, resume_checkpoint
-from lightning_mpi.strategies.rule_runner import RuleRunner
+from lightning_mpi.strategies.rule_runner import CHECKPOINT_KEY, RuleRunner
 from lightning_mpi.strategies.run_collectives import RunCollectives
 from lightning_mpi.strategies.sharding import LoaderSharding
 from lightning_mpi.strategies.signatures import check_rule, document_frontend
 
-#: Key of the rule's state in a checkpoint dictionary.
-CHECKPOINT_KEY = "lightning_mpi"
 #: ``heal="replace"``: what the survivors hand a new rank at a batch's start, Lightning's own
 #: checkpoint dictionary of that moment, and where the epoch is (a new rank skips those batches)
 TRAINER_LOOP = LoopAccess(
