@@ -59,15 +59,15 @@ from lightning_mpi.strategies.environment import device_local_rank, rank_device
 from lightning_mpi.strategies.fabric_checkpoints import FabricCheckpoints
 from lightning_mpi.strategies.fabric_handover import FabricHandover
 from lightning_mpi.strategies.fabric_step import FabricStep
-from lightning_mpi.strategies.failures import RunFailures, install_abort_hook
+from lightning_mpi.strategies.failures import install_abort_hook
 from lightning_mpi.strategies.flags import check_num_nodes, checked_parallel_devices
 from lightning_mpi.strategies.healing import RunHealing
 from lightning_mpi.strategies.healing_rules import heal_train_end
 from lightning_mpi.strategies.lightning_api import FabricAPI
-from lightning_mpi.strategies.optimizer_sharding import OptimizerSharding
 from lightning_mpi.strategies.replacement import LoopAccess, RunReplacing
 from lightning_mpi.strategies.rule_runner import CHECKPOINT_KEY, RuleRunner
 from lightning_mpi.strategies.run_collectives import RunCollectives
+from lightning_mpi.strategies.run_parts import wire_run
 from lightning_mpi.strategies.signatures import check_rule, document_frontend
 
 _Method = TypeVar("_Method", bound=Callable[..., Any])
@@ -147,27 +147,12 @@ def fabric_strategy(api: FabricAPI, environment_class: type, checkpoint_io_class
                 checkpoint_io=checkpoint_io if checkpoint_io is not None else checkpoint_io_class(),
                 precision=precision,
             )
-            self._runner = RuleRunner(rule)
-            self._failures = RunFailures(
-                environment.comm,
-                self.global_rank,
-                self.world_size,
-                self.options.collective_timeout,
-                self.options.abort_on_exception,
-                on_abandon=self._runner.abandon,
+            self._parts = wire_run(
+                rule, self.options, environment, self.global_rank, self.world_size, self._adopt_healed_run
             )
-            self._healing = RunHealing(
-                self.options.heal,
-                self.options.min_ranks,
-                self._failures,
-                environment,
-                bound=lambda: self._runner.bound if self._runner.live else None,
-                adopt=self._adopt_healed_run,
-                abandon=self._runner.abandon,
-                rule_name=rule.name,
-            )
+            self._runner, self._failures, self._healing = self._parts.runner, self._parts.failures, self._parts.healing
+            self._optimizer_sharding = self._parts.optimizer_sharding
             self._module: Module | None = None  # the module the rule is bound to
-            self._optimizer_sharding = OptimizerSharding(mirror=self._healing.active)
             self._backward_sync_control = NoBackwardSync(self._runner)
             self._optimizers: list[Optimizer] = []
             self._step = FabricStep(self._runner, self._healing, self._failures, self._aids)
@@ -376,12 +361,7 @@ def fabric_strategy(api: FabricAPI, environment_class: type, checkpoint_io_class
             ``fabric.setup_dataloaders`` again at the next epoch to shard over the survivors."""
             self._set_world_ranks()
             self._handover.warn_if_never_let_in(self.world_size)
-            if state is not None and self._module is not None:
-                bound = self._runner.rebind(
-                    self.transport, self._module, self._aids.rule_to_bind(self.world_size), state
-                )
-                if self._optimizer_sharding.active:  # ZeRO: the optimizer state rebuilt from shards and mirrors
-                    self._optimizer_sharding.attach(bound, self._optimizers)
+            self._parts.rebind(state, self._module, self._aids.rule_to_bind(self.world_size), self._optimizers)
 
         @override
         @_fails_the_run

@@ -8,6 +8,7 @@ Lightning method it overrides has one job and calls the collaborator that does i
 collaborator                      its job
 ================================  ========================================================
 :class:`.rule_runner.RuleRunner`  bind, pause, checkpoint and close the exchange rule
+:func:`.run_parts.wire_run`       the rule runner, failures, healing and ZeRO sharding, wired together
 :mod:`.replicas`                  the same model and rank 0's weights on every rank
 :class:`.run_collectives.RunCollectives`  ``reduce``/``all_gather``/``broadcast``/``barrier`` over MPI,
                                   through a heal, local while a replacement catches up
@@ -66,12 +67,12 @@ from lightning_mpi.strategies.flags import check_num_nodes, checked_parallel_dev
 from lightning_mpi.strategies.healing import RunHealing
 from lightning_mpi.strategies.healing_rules import heal_after_step, heal_grads, heal_train_end
 from lightning_mpi.strategies.lightning_api import TrainerAPI
-from lightning_mpi.strategies.optimizer_sharding import OptimizerSharding
 from lightning_mpi.strategies.preemption import PreemptionWatch
 from lightning_mpi.strategies.replacement import REPLACEMENT_REASON, LoopAccess, RunReplacing
 from lightning_mpi.strategies.resume import AutoResume, resume_checkpoint
-from lightning_mpi.strategies.rule_runner import CHECKPOINT_KEY, RuleRunner
+from lightning_mpi.strategies.rule_runner import CHECKPOINT_KEY
 from lightning_mpi.strategies.run_collectives import RunCollectives
+from lightning_mpi.strategies.run_parts import wire_run
 from lightning_mpi.strategies.sharding import LoaderSharding
 from lightning_mpi.strategies.signatures import check_rule, document_frontend
 
@@ -168,29 +169,14 @@ def trainer_strategy(api: TrainerAPI, environment_class: type, checkpoint_io_cla
                 precision_plugin=precision_plugin,
             )
             self.log_stats = log_stats
-            self._runner = RuleRunner(rule)
-            self._failures = RunFailures(
-                environment.comm,
-                self.global_rank,
-                self.world_size,
-                self.options.collective_timeout,
-                self.options.abort_on_exception,
-                on_abandon=self._runner.abandon,
+            self._parts = wire_run(
+                rule, self.options, environment, self.global_rank, self.world_size, self._adopt_healed_run
             )
-            self._healing = RunHealing(
-                self.options.heal,
-                self.options.min_ranks,
-                self._failures,
-                environment,
-                bound=lambda: self._runner.bound if self._runner.live else None,
-                adopt=self._adopt_healed_run,
-                abandon=self._runner.abandon,
-                rule_name=rule.name,
-            )
+            self._runner, self._failures, self._healing = self._parts.runner, self._parts.failures, self._parts.healing
+            self._optimizer_sharding = self._parts.optimizer_sharding
             self._decisions = StopDecisions(api.Callback)
             self._preemption = PreemptionWatch()
             self._sharding = LoaderSharding(api)
-            self._optimizer_sharding = OptimizerSharding(mirror=self._healing.active)
             self._steps_seen = 0  # optimizer steps without a trainer to count them
             self._replacing = RunReplacing(
                 self._healing,
@@ -460,10 +446,7 @@ def trainer_strategy(api: TrainerAPI, environment_class: type, checkpoint_io_cla
             on the new transport with ``state``, the vote restarted, the loaders sharded anew from
             the next epoch (see :mod:`.healing`)."""
             self.set_world_ranks()
-            if state is not None and self.model is not None:
-                bound = self._runner.rebind(self.transport, self.model, self._aids.rule_to_bind(self.world_size), state)
-                if self._optimizer_sharding.active:  # ZeRO: the optimizer state rebuilt from shards and mirrors
-                    self._optimizer_sharding.attach(bound, self.optimizers)
+            self._parts.rebind(state, self.model, self._aids.rule_to_bind(self.world_size), self.optimizers)
             self._preemption.restart(self.transport)
             trainer = getattr(self.lightning_module, "_trainer", None) if self._lightning_module is not None else None
             if trainer is not None:
