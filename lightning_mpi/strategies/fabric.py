@@ -349,7 +349,7 @@ def fabric_strategy(api: FabricAPI, environment_class: type, checkpoint_io_class
             return self._step.run(
                 optimizer,
                 self._module,
-                self.world_size,
+                lambda: self.world_size,
                 lambda: super(MPIStrategy, self).optimizer_step(optimizer, **kwargs),
                 scaler_handles_inf=getattr(self.precision, "scaler", None) is not None,
             )

@@ -50,15 +50,15 @@ class FabricStep:
         self,
         optimizer: Optimizer,
         module: Module | None,
-        world_size: int,
+        world_size: Callable[[], int],
         update: Callable[[], Any],
         scaler_handles_inf: bool,
     ) -> Any:
         """The rule's exchange, ``update()`` (Fabric's ``optimizer_step``), then ``after_step``;
-        ``module`` is the one the rule is bound to. Returns ``update()``'s result, or ``None`` for a
-        skipped update."""
+        ``module`` is the one the rule is bound to; ``world_size()`` is read after a heal here.
+        Returns ``update()``'s result, or ``None`` for a skipped update."""
         self._healing.between("the error channel", self._failures.check_peers, None)
-        overrides = self._aids.overrides(optimizer, world_size, self.steps_seen)
+        overrides = self._aids.overrides(optimizer, world_size(), self.steps_seen)
         bound = self._runner.bound
         try:
             with overrides if overrides is not None else nullcontext():
