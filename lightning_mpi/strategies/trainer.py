@@ -21,6 +21,8 @@ collaborator                      its job
 :class:`.optimizer_sharding.OptimizerSharding`  ZeRO's optimizer shard, global-norm clipping, sharded files
 :class:`.healing.RunHealing`      ``heal="shrink"``: the survivors of a dead rank go on training
 :class:`.replacement.RunReplacing`  ``heal="replace"``: new ranks spawned, joining mid-epoch
+:class:`.trainer_step.TrainerStep`  backward, the rule's exchange, the update, ``after_step``
+:class:`.trainer_checkpoints.TrainerCheckpoints`  the rule's state in checkpoints, sharded saves, handovers
 ================================  ========================================================
 
 The lifecycle, top to bottom:
@@ -43,21 +45,18 @@ The lifecycle, top to bottom:
 from __future__ import annotations
 
 from collections.abc import Callable, Generator
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 import torch
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_mpi.checkpoint.sharded import save_sharded
 from lightning_mpi.comm.transport import Transport
-from lightning_mpi.lr_scaling import StepOverrides
 from lightning_mpi.options import check_one
 from lightning_mpi.rules.base import BoundRule, Rule
 from lightning_mpi.rules.sync import SyncRule
 from lightning_mpi.strategies import collectives, replicas
-from lightning_mpi.strategies.checkpoint_io import save_through_heals
 from lightning_mpi.strategies.common_options import CommonOptions
 from lightning_mpi.strategies.convergence import ConvergenceAids
 from lightning_mpi.strategies.decisions import StopDecisions
@@ -65,7 +64,7 @@ from lightning_mpi.strategies.environment import device_local_rank, rank_device
 from lightning_mpi.strategies.failures import RunFailures, install_abort_hook
 from lightning_mpi.strategies.flags import check_num_nodes, checked_parallel_devices
 from lightning_mpi.strategies.healing import RunHealing
-from lightning_mpi.strategies.healing_rules import heal_after_step, heal_grads, heal_train_end
+from lightning_mpi.strategies.healing_rules import heal_train_end
 from lightning_mpi.strategies.lightning_api import TrainerAPI
 from lightning_mpi.strategies.preemption import PreemptionWatch
 from lightning_mpi.strategies.replacement import REPLACEMENT_REASON, LoopAccess, RunReplacing
@@ -75,6 +74,8 @@ from lightning_mpi.strategies.run_collectives import RunCollectives
 from lightning_mpi.strategies.run_parts import wire_run
 from lightning_mpi.strategies.sharding import LoaderSharding
 from lightning_mpi.strategies.signatures import check_rule, document_frontend
+from lightning_mpi.strategies.trainer_checkpoints import TrainerCheckpoints
+from lightning_mpi.strategies.trainer_step import TrainerStep
 
 #: ``heal="replace"``: what the survivors hand a new rank at a batch's start, Lightning's own
 #: checkpoint dictionary of that moment, and where the epoch is (a new rank skips those batches)
@@ -113,10 +114,6 @@ class _InProcessLauncher:
 
     def kill(self, signum: Any) -> None:
         """Nothing to kill: this launcher starts no process."""
-
-
-class _SkipStep(Exception):
-    """Raised from inside the optimizer closure to abandon a step before the update runs."""
 
 
 def trainer_strategy(api: TrainerAPI, environment_class: type, checkpoint_io_class: type) -> type:
@@ -177,7 +174,7 @@ def trainer_strategy(api: TrainerAPI, environment_class: type, checkpoint_io_cla
             self._decisions = StopDecisions(api.Callback)
             self._preemption = PreemptionWatch()
             self._sharding = LoaderSharding(api)
-            self._steps_seen = 0  # optimizer steps without a trainer to count them
+            self._step = TrainerStep(self._runner, self._healing, self._failures, self._aids)
             self._replacing = RunReplacing(
                 self._healing,
                 self._failures,
@@ -189,6 +186,14 @@ def trainer_strategy(api: TrainerAPI, environment_class: type, checkpoint_io_cla
                 TRAINER_LOOP,
             )
             self._collectives = RunCollectives(self._failures, self._healing, self._replacing)
+            self._checkpoints = TrainerCheckpoints(
+                self,
+                self._runner,
+                self._optimizer_sharding,
+                self._healing,
+                self._replacing,
+                api.fabric.optimizers_to_device,
+            )
             self._replacing.join()  # a process spawned to replace a lost rank joins the run here
             self.set_world_ranks()
 
@@ -369,65 +374,22 @@ def trainer_strategy(api: TrainerAPI, environment_class: type, checkpoint_io_cla
         def optimizer_step(
             self, optimizer: Optimizer, closure: Callable[[], Any], model: Any | None = None, **kwargs: Any
         ) -> Any:
-            # The aids wrap the whole ``optimizer.step`` (LBFGS reads its lr before it calls the
-            # closure) and are lifted while the closure runs (SGD/Adam call it first, then read the lr),
-            # so only the update sees them; ``with`` puts the user's values back on every exit: a
-            # finished step, a skipped one (``_SkipStep``) or an exception.
-            self._healing.between("the error channel", self._failures.check_peers, None)
-            overrides = self._aids.overrides(optimizer, self.world_size, self._optimizer_step_count())
-            try:
-                with overrides if overrides is not None else nullcontext():
-                    output = self._exchange_and_step(optimizer, closure, overrides, model, **kwargs)
-            finally:
-                self._steps_seen += 1
-            if overrides is not None:
-                self._aids.record(overrides)
+            # A GradScaler (16-mixed) already skips steps with inf gradients and lowers its scale: it must see them.
+            output = self._step.run(
+                optimizer,
+                closure,
+                lambda wrapped: super(MPIStrategy, self).optimizer_step(optimizer, wrapped, model, **kwargs),
+                self.model,
+                lambda: self.world_size,
+                self._optimizer_step_count,
+                scaler_handles_inf=getattr(self.precision_plugin, "scaler", None) is not None,
+            )
             self._log_stats()
             return output
 
         def _optimizer_step_count(self) -> int:
             trainer = getattr(self._lightning_module, "_trainer", None) if self._lightning_module is not None else None
-            return int(trainer.global_step) if trainer is not None else self._steps_seen
-
-        def _exchange_and_step(
-            self,
-            optimizer: Optimizer,
-            closure: Callable[[], Any],
-            overrides: StepOverrides | None,
-            model: Any | None = None,
-            **kwargs: Any,
-        ) -> Any:
-            """Backward (the closure), the rule's exchange, the update, the rule's ``after_step``."""
-            lift = overrides.wrap_closure if overrides is not None else (lambda f: f)
-            bound = self._runner.bound
-            if bound is None:
-                return super().optimizer_step(optimizer, lift(closure), model, **kwargs)
-            # A GradScaler (16-mixed) already skips steps with inf gradients and lowers its scale; it
-            # must see them, so with a scaler the step is not abandoned here.
-            scaler_handles_inf = getattr(self.precision_plugin, "scaler", None) is not None
-
-            def closure_then_exchange() -> Any:
-                result = closure()
-                if not self._exchange(optimizer) and not scaler_handles_inf:
-                    raise _SkipStep
-                return result
-
-            try:
-                # backward and the exchange see the user's values; the update sees the aids
-                output = super().optimizer_step(optimizer, lift(closure_then_exchange), model, **kwargs)
-            except _SkipStep:
-                return None
-            heal_after_step(self._healing, self._runner, optimizer)  # the rule as bound now (a heal rebinds it)
-            return output
-
-        def _exchange(self, optimizer: Optimizer) -> bool:
-            """The rule's ``before_step``; under ``heal`` redone on the healed run (see :mod:`.healing`)."""
-            if not self._healing.active:
-                bound = self._runner.bound
-                assert bound is not None
-                return bound.before_step(optimizer)
-            assert self.model is not None
-            return heal_grads(self._healing, self._runner, optimizer, self.model)
+            return int(trainer.global_step) if trainer is not None else self._step.steps_seen
 
         def _log_stats(self) -> None:
             """Rank 0 logs :meth:`stats` every ``log_every_n_steps``."""
@@ -547,24 +509,11 @@ def trainer_strategy(api: TrainerAPI, environment_class: type, checkpoint_io_cla
             Under ``heal`` a rank lost during the save (rank 0 in its write included) makes the
             survivors heal and save again (:func:`.checkpoint_io.save_through_heals`).
             """
-
-            def save() -> None:
-                entry = self._runner.checkpoint(self.world_size)  # the rule as bound now (a heal rebinds it)
-                if entry is not None:
-                    checkpoint[CHECKPOINT_KEY] = entry
-                if self._optimizer_sharding.active:  # every rank writes its optimizer shard; nothing is gathered
-                    # and 1/W of the weights, which the Allgather made equal on every rank (buffers: rank 0's)
-                    params = {f"state_dict/{name}" for name, _ in self.lightning_module.named_parameters()}
-                    save_sharded(filepath, checkpoint, self.transport, spread=params)
-                else:
-                    super(MPIStrategy, self).save_checkpoint(checkpoint, filepath, storage_options)
-
-            save_through_heals(self._healing, save, self._save_barrier, filepath, lambda: self.is_global_zero)
-
-        def _save_barrier(self) -> None:
-            """The barrier that ends a save under ``heal`` (local while a replacement catches up)."""
-            if not self._replacing.catching_up:
-                collectives.barrier(self.transport)
+            self._checkpoints.save(
+                checkpoint,
+                filepath,
+                lambda: super(MPIStrategy, self).save_checkpoint(checkpoint, filepath, storage_options),
+            )
 
         @override
         def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
@@ -577,26 +526,19 @@ def trainer_strategy(api: TrainerAPI, environment_class: type, checkpoint_io_cla
         @override
         def load_optimizer_state_dict(self, checkpoint: Any) -> None:
             """Each optimizer's saved state; a sharded optimizer takes a sharded save at any world size."""
-            # as Lightning's own: the states there are, in order
-            for optimizer, saved in zip(self.optimizers, checkpoint["optimizer_states"], strict=False):
-                self._optimizer_sharding.load_into(optimizer, saved)
-                api.fabric.optimizers_to_device([optimizer], self.root_device)
+            self._checkpoints.load_optimizer_states(checkpoint)
 
         @override
         def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
             """Every rank reads the checkpoint; the rule's state is restored when the rule is bound.
             The file holds the rule's own objects, so it is read with ``weights_only=False`` unless
             you say otherwise."""
-            handed = self._replacing.checkpoint(checkpoint_path)  # heal="replace": the survivors' state
-            checkpoint: dict[str, Any] = (
-                handed
-                if handed is not None
-                else super().load_checkpoint(
+            return self._checkpoints.load(
+                checkpoint_path,
+                lambda: super(MPIStrategy, self).load_checkpoint(
                     checkpoint_path, weights_only=False if weights_only is None else weights_only
-                )
+                ),
             )
-            self._runner.restore(checkpoint.get(CHECKPOINT_KEY), self.world_size)
-            return checkpoint
 
     document_frontend(MPIStrategy, TRAINER_ARGUMENTS)
     return MPIStrategy
