@@ -28,6 +28,14 @@ Under the strategy's ``heal`` (``shard_optimizer(optimizer, mirror=True)``) each
 exact copy of one other rank's shard, so that a heal loses no optimizer state
 (:mod:`lightning_mpi.rules.zero_mirror`); the reduce-scatter then starts in ``before_step`` rather
 than during backward.
+
+Beside this module: :mod:`~lightning_mpi.rules.zero_layout` (the buckets and chunks),
+:mod:`~lightning_mpi.rules.zero_bucket` (one bucket's reduce-scatter and Allgather),
+:mod:`~lightning_mpi.rules.zero_schedule` (when the buckets go, staging, MPI progress),
+:mod:`~lightning_mpi.rules.zero_norm` (the global gradient norm: the step-skip test and clipping),
+:mod:`~lightning_mpi.rules.zero_optimizer` (the optimizer over this rank's pieces),
+:mod:`~lightning_mpi.rules.zero_state` (the shard format of checkpoints) and
+:mod:`~lightning_mpi.rules.zero_mirror` (the buddy copies under ``heal``).
 """
 
 from __future__ import annotations
@@ -43,9 +51,6 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_mpi.comm.codecs import get_codec
-from lightning_mpi.comm.engine import ExchangeScheduler
-from lightning_mpi.comm.progress import ProgressThread
-from lightning_mpi.comm.shard_exchange import Staging, StagingPool
 from lightning_mpi.comm.transport import Transport
 from lightning_mpi.options import integer, option, options_class, with_default
 from lightning_mpi.rules.base import BoundRule, Rule
@@ -53,7 +58,9 @@ from lightning_mpi.rules.buckets import SegmentedBuckets
 from lightning_mpi.rules.zero_bucket import ShardBucket
 from lightning_mpi.rules.zero_layout import ParamSpec, plan_buckets
 from lightning_mpi.rules.zero_mirror import MirrorShard
+from lightning_mpi.rules.zero_norm import ShardGradNorm
 from lightning_mpi.rules.zero_optimizer import ShardedOptimizer, check_elementwise
+from lightning_mpi.rules.zero_schedule import BucketSchedule
 from lightning_mpi.rules.zero_state import consolidate
 
 
@@ -110,29 +117,17 @@ class BoundZeroRule(BoundRule):
         for plan in plans:
             for member in plan.members:
                 self._buckets_of.setdefault(member, []).append(plan.index)
-        self._pools: dict[tuple[torch.dtype, torch.device], StagingPool] = {}
-        for b in self.buckets:
-            key = (b.plan.dtype, b.plan.device)
-            largest = max(x.plan.chunk for x in self.buckets if (x.plan.dtype, x.plan.device) == key)
-            if key not in self._pools:
-                self._pools[key] = StagingPool(transport.size, largest, self.codec, rule.inflight_buckets, *key)
-        self.progress = ExchangeScheduler(
-            transport.timeout,
-            transport.rank,
-            transport.size,
-            watch=transport.watch,
-            on_driver_error=transport.report_thread_failure,
+        self.schedule = BucketSchedule(
+            transport,
+            self.buckets,
+            self.codec,
+            rule.inflight_buckets,
+            progress_thread=rule.overlap and rule.progress_thread,
+            # mirrored (heal): the exchange starts in before_step, from gradients that a redo after a
+            # heal can put back (stage 2 would free them during backward)
+            hooks_launch=lambda: self.sync_enabled and not self.mirrored,
         )
-        self.driver: ProgressThread | None = None
-        if rule.overlap and rule.progress_thread and transport.size > 1:
-            self.driver = ProgressThread(
-                self.progress.try_poll,
-                2e-4,
-                "ZeroRule(progress_thread=True)",
-                running=False,
-                remedy=", or pass progress_thread=False",
-                on_error=transport.report_thread_failure,
-            )
+        self.norm = ShardGradNorm(transport, self.buckets)
         self.sharded: ShardedOptimizer | None = None
         #: the buddy copy of rank (r + 1) % W's shard, under ``heal`` (:mod:`~lightning_mpi.rules.zero_mirror`)
         self.mirror: MirrorShard | None = None
@@ -146,18 +141,16 @@ class BoundZeroRule(BoundRule):
         self._step_hook: Any = None
         self.skipped_steps = 0
         self.exchange_count = 0
-        self.hook_launches = 0
-        self._next = 0  # buckets launch in index order (see _launch_ready): the next one to go
-        self._replayed = False
-        self._norm_sq: tuple[float, tuple[int, ...]] | None = None  # global sum of squares, grad versions
         self._seconds = 0.0
         self._last: dict[str, float] = {}
         self._closed = False
-        self._hooks = []
         if rule.overlap:
-            for param_index, buckets in self._buckets_of.items():
-                hook = self._make_hook([self.buckets[b] for b in buckets])
-                self._hooks.append(self.params[param_index].register_post_accumulate_grad_hook(hook))
+            self.schedule.hook_params(self.params, self._buckets_of)
+
+    @property
+    def hook_launches(self) -> int:
+        """Buckets whose reduce-scatter started from the gradient hooks (during backward)."""
+        return self.schedule.hook_launches
 
     # -- the optimizer ---------------------------------------------------------------------------
     def shard_optimizer(self, optimizer: Optimizer, mirror: bool = False) -> Optimizer:
@@ -224,53 +217,7 @@ class BoundZeroRule(BoundRule):
                 "put the model on its device and dtype first, then bind the rule and shard the optimizer"
             )
 
-    # -- reduce-scatter ---------------------------------------------------------------------------
-    def _make_hook(self, buckets: list[ShardBucket]):
-        def on_grad_ready(_param: Tensor) -> None:
-            if not self.sync_enabled or self.mirrored:
-                # mirrored (heal): the exchange starts in before_step, from gradients that a redo
-                # after a heal can put back (stage 2 would free them during backward)
-                return
-            if any(bucket.launched for bucket in buckets):
-                self._replayed = True  # a second backward before the step: redone in before_step
-                return
-            for bucket in buckets:
-                bucket.ready += 1
-            self._launch_ready()
-            self.progress.poll()  # MPICH moves data only inside MPI calls
-
-        return on_grad_ready
-
-    def _launch_ready(self) -> None:
-        """Launch ready buckets in index order. Waiting for a staging slot cannot deadlock then: the
-        rank that launched the fewest buckets waits only for buckets every rank has launched."""
-        while self._next < len(self.buckets) and self.buckets[self._next].ready == len(
-            self.buckets[self._next].members
-        ):
-            self._launch(self.buckets[self._next], accumulate=False)
-            self.hook_launches += 1
-            self._next += 1
-
-    def _slot(self, bucket: ShardBucket) -> tuple[Staging, StagingPool]:
-        pool = self._pools[(bucket.plan.dtype, bucket.plan.device)]
-        slot = pool.acquire()
-        while slot is None:
-            self.progress.wait_for(pool.has_free)
-            slot = pool.acquire()
-        return slot, pool
-
-    def _launch(self, bucket: ShardBucket, accumulate: bool) -> None:
-        slot, pool = self._slot(bucket)
-        if self.driver is not None:
-            self.driver.start()
-        bucket.launched = True
-        self.progress.start(bucket.reduce_steps(slot, accumulate, pool.release))
-
-    def _finish(self) -> None:
-        self.progress.wait_all()
-        if self.driver is not None:
-            self.driver.pause()
-
+    # -- reduce-scatter (scheduled by :mod:`~lightning_mpi.rules.zero_schedule`) -------------------
     def before_step(self, optimizer: Optimizer) -> bool:
         """Reduce-scatter every bucket not yet launched, wait for all, hand the optimizer its
         gradient pieces, and agree on the global gradient norm (one 8-byte Allreduce): a step whose
@@ -279,25 +226,13 @@ class BoundZeroRule(BoundRule):
         self._require(optimizer)
         begin = time.perf_counter()
         self.exchange_count += 1
-        for bucket in self.buckets[self._next :]:
-            if not bucket.launched:
-                self._launch(bucket, accumulate=False)
-        self._finish()
-        if self._replayed:  # gradients that arrived after their bucket left: add their mean
-            for bucket in self.buckets:
-                self._launch(bucket, accumulate=True)
-            self._finish()
-        for bucket in self.buckets:
-            bucket.ready, bucket.launched = 0, False
-        self._next, self._replayed = 0, False
+        self.schedule.reduce_scatter_rest()
         self._taken.clear()
         for tensor, grad in self._piece_grads:
             tensor.grad = grad
         if self.mirror is not None:  # this rank's averaged chunks to the rank that mirrors it (1/W of the bytes)
             self.mirror.exchange(self.team, [b.grad for b in self.buckets])
-        # per-bucket norms in the gradients' dtype (no float64 copy of the shard), summed in float64
-        total = self._global_sum(lambda g: torch.linalg.vector_norm(g).double().square(), "sum")
-        self._norm_sq = (total, self._grad_versions())
+        total = self.norm.agree()  # the global sum of squares (:mod:`~lightning_mpi.rules.zero_norm`)
         self._seconds += time.perf_counter() - begin
         finite = math.isfinite(total)
         if not finite:
@@ -312,21 +247,6 @@ class BoundZeroRule(BoundRule):
             )
         return finite
 
-    def _grad_versions(self) -> tuple[int, ...]:
-        return tuple(b.grad._version for b in self.buckets)
-
-    def _global_sum(self, local, op: str) -> float:
-        """``op`` ("sum" or "max") over ranks of ``local(grad)`` summed (or maxed) over this rank's buckets."""
-        values = [local(b.grad) for b in self.buckets]
-        acc = torch.zeros((), dtype=torch.float64)
-        for v in values:
-            v = v.to("cpu", torch.float64)
-            acc = acc + v if op == "sum" else torch.maximum(acc, v)
-        flag = acc.reshape(1).clone()
-        if self.transport.size > 1:
-            self.transport.allreduce_(flag, op)
-        return float(flag.item())
-
     # -- clipping --------------------------------------------------------------------------------
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False) -> Tensor:
         """``torch.nn.utils.clip_grad_norm_`` over the whole model, sharded: the norm is global.
@@ -334,39 +254,16 @@ class BoundZeroRule(BoundRule):
         Call between ``before_step`` and ``optimizer.step()`` on every rank (a collective, unless
         ``norm_type`` is 2 and the gradients are unchanged since ``before_step``). Returns the total
         norm, as torch's does."""
-        norm_type = float(norm_type)
-        if not (norm_type > 0):
-            raise ValueError(f"norm_type={norm_type!r} must be > 0 (or inf)")
-        if norm_type == 2.0 and self._norm_sq is not None and self._norm_sq[1] == self._grad_versions():
-            total = math.sqrt(self._norm_sq[0]) if self._norm_sq[0] >= 0 else float("nan")
-        elif math.isinf(norm_type):
-            total = self._global_sum(lambda g: g.abs().max() if g.numel() else g.new_zeros(()), "max")
-        else:
-            total = self._global_sum(lambda g: torch.linalg.vector_norm(g, norm_type).double() ** norm_type, "sum")
-            total = total ** (1.0 / norm_type)
-        if error_if_nonfinite and not math.isfinite(total):
-            raise RuntimeError(
-                f"The total norm of order {norm_type} for gradients from the sharded optimizer is non-finite, so it "
-                "cannot be clipped. To disable this error and scale the gradients by the non-finite norm anyway, "
-                "set `error_if_nonfinite=False`"
-            )
-        coefficient = min(max_norm / (total + 1e-6), 1.0) if math.isfinite(total) else max_norm / (total + 1e-6)
-        for bucket in self.buckets:
-            bucket.grad.mul_(coefficient)
+        coefficient, total = self.norm.clip_(max_norm, norm_type, error_if_nonfinite)
         if self.mirror is not None:
             self.mirror.scale(coefficient)
-        return torch.tensor(total, dtype=torch.float32)
+        return total
 
     # -- allgather ---------------------------------------------------------------------------------
     def after_step(self, optimizer: Optimizer, exact: bool = False) -> None:
         """Allgather every bucket's stepped chunk into the parameters (a few buckets at once)."""
         begin = time.perf_counter()
-        for bucket in self.buckets:
-            if self.transport.size == 1 and bucket.master is None:
-                continue  # the optimizer stepped the parameters themselves: nothing to share
-            slot, pool = self._slot(bucket)
-            self.progress.start(bucket.gather_steps(slot, pool.release, exact=exact))
-        self.progress.wait_all()
+        self.schedule.gather(exact)
         self.whole = True
         self._seconds += time.perf_counter() - begin
         self._last = {
@@ -467,20 +364,9 @@ class BoundZeroRule(BoundRule):
         if self._closed:
             return
         self._closed = True
-        for handle in self._hooks:
-            handle.remove()
-        self._hooks = []
+        self.schedule.close()
         if self._step_hook is not None:
             self._step_hook.remove()
             self._step_hook = None
-        if self.transport.abandoned:
-            self.progress.abandon()
-        else:
-            self._finish()
-        if self.driver is not None:
-            self.driver.close()
-            self.driver = None
         if self.team is not self.transport:
             self.team.free()
-        for pool in self._pools.values():
-            pool.drop()
