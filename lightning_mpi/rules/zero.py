@@ -101,8 +101,8 @@ class BoundZeroRule(BoundRule):
         specs = [ParamSpec.of(p) for p in self.params]
         plans = plan_buckets(specs, transport.size, max(1, int(rule.bucket_mb * 2**20)))
         # One communicator for every bucket's exchanges: non-blocking collectives must start in the
-        # same order on every rank, and buckets start strictly in index order (_launch_ready), so
-        # one suffices where SyncRule, whose hooks start buckets as they become ready, needs one per
+        # same order on every rank, and buckets start strictly in index order (zero_schedule), so one
+        # suffices where SyncRule, whose hooks start buckets as they become ready, needs one per
         # bucket (MPICH has a few thousand communicator ids; a 10 GB model has 2,500 buckets).
         self.team = transport.dup() if transport.size > 1 else transport
         last_bucket = {seg.param: plan.index for plan in plans for seg in plan.segments}  # buckets go in order
