@@ -16,7 +16,7 @@ collaborator                      its job
 :class:`.convergence.ConvergenceAids`  ``lr_scaling``, ``warmup_steps``, ``momentum_correction``
 :class:`.decisions.StopDecisions`  stop decisions without barriers (asynchronous rules)
 :class:`.preemption.PreemptionWatch`  a consistent checkpoint on SIGTERM/SIGUSR1, exit 0
-:class:`.resume.AutoResume`       ``fit`` resumes by itself after a restart
+:func:`.trainer_launch.trainer_launcher`  each stage run here; ``fit`` resumes by itself after a restart
 :class:`.sharding.LoaderSharding`  every loader sharded over the ranks
 :class:`.optimizer_sharding.OptimizerSharding`  ZeRO's optimizer shard, global-norm clipping, sharded files
 :class:`.healing.RunHealing`      ``heal="shrink"``: the survivors of a dead rank go on training
@@ -61,20 +61,20 @@ from lightning_mpi.strategies.common_options import CommonOptions
 from lightning_mpi.strategies.convergence import ConvergenceAids
 from lightning_mpi.strategies.decisions import StopDecisions
 from lightning_mpi.strategies.environment import device_local_rank, rank_device
-from lightning_mpi.strategies.failures import RunFailures, install_abort_hook
+from lightning_mpi.strategies.failures import install_abort_hook
 from lightning_mpi.strategies.flags import check_num_nodes, checked_parallel_devices
 from lightning_mpi.strategies.healing import RunHealing
 from lightning_mpi.strategies.healing_rules import heal_train_end
 from lightning_mpi.strategies.lightning_api import TrainerAPI
 from lightning_mpi.strategies.preemption import PreemptionWatch
-from lightning_mpi.strategies.replacement import REPLACEMENT_REASON, LoopAccess, RunReplacing
-from lightning_mpi.strategies.resume import AutoResume, resume_checkpoint
+from lightning_mpi.strategies.replacement import LoopAccess, RunReplacing
 from lightning_mpi.strategies.rule_runner import CHECKPOINT_KEY
 from lightning_mpi.strategies.run_collectives import RunCollectives
 from lightning_mpi.strategies.run_parts import wire_run
 from lightning_mpi.strategies.sharding import LoaderSharding
 from lightning_mpi.strategies.signatures import check_rule, document_frontend
 from lightning_mpi.strategies.trainer_checkpoints import TrainerCheckpoints
+from lightning_mpi.strategies.trainer_launch import trainer_launcher
 from lightning_mpi.strategies.trainer_step import TrainerStep
 
 #: ``heal="replace"``: what the survivors hand a new rank at a batch's start, Lightning's own
@@ -95,25 +95,6 @@ TRAINER_ARGUMENTS = {
     "checkpoint_io": "as for any Lightning strategy; by default checkpoint files are written atomically.",
     "precision_plugin": "as for any Lightning strategy; normally left to the Trainer.",
 }
-
-
-class _InProcessLauncher:
-    """Lightning's launcher slot, used to run ``fit``/``validate``/``test``/``predict`` inside
-    :meth:`~.failures.RunFailures.propagate_errors` in this process (``mpiexec`` started the
-    ranks): a failure is posted before Lightning's ``on_exception`` hooks run, so that callbacks
-    that make collectives there (a checkpoint on exception) start on fresh communicators everywhere."""
-
-    is_interactive_compatible = True
-
-    def __init__(self, failures: RunFailures) -> None:
-        self._failures = failures
-
-    def launch(self, function: Callable[..., Any], *args: Any, trainer: Any | None = None, **kwargs: Any) -> Any:
-        with self._failures.propagate_errors():
-            return function(*args, **kwargs)
-
-    def kill(self, signum: Any) -> None:
-        """Nothing to kill: this launcher starts no process."""
 
 
 def trainer_strategy(api: TrainerAPI, environment_class: type, checkpoint_io_class: type) -> type:
@@ -278,17 +259,8 @@ def trainer_strategy(api: TrainerAPI, environment_class: type, checkpoint_io_cla
 
         @override
         def _configure_launcher(self) -> None:
-            self._launcher = AutoResume(
-                _InProcessLauncher(self._failures),
-                api.TrainerFn.FITTING,
-                self._resume_from,
-                forced=self._replacing.resume_reason,
-            )
-
-        def _resume_from(self, trainer: Any, reason: str) -> str | None:
-            if reason == REPLACEMENT_REASON:
-                return self._replacing.receive()  # the survivors' state (collective)
-            return resume_checkpoint(trainer, self.transport, self.global_rank, self.world_size, reason)
+            # every stage inside propagate_errors; fit resumed after a restart, or from a replacement's handover
+            self._launcher = trainer_launcher(self, self._failures, self._replacing, api.TrainerFn.FITTING)
 
         @override
         def setup_environment(self) -> None:
