@@ -17,8 +17,10 @@ from benchmarks import ttq_report  # noqa: E402
 from benchmarks.ttq_report import (  # noqa: E402
     aggregate,
     effective_speedup,
+    effective_speedup_fit,
     headline_arms,
     markdown,
+    monotone_curve,
     summarize,
     time_to_reach,
 )
@@ -134,6 +136,25 @@ def test_effective_speedup_averages_the_local_runs_and_flags_a_lower_bound():
         effective_speedup(3.0, [], budget=10.0)
 
 
+def test_the_monotone_fit_pools_the_local_runs_and_undoes_the_first_dips_bias():
+    # one noisy local run: a dip to 3.0 at 10 s, back to 3.6, then a steady fall
+    noisy = [(0.0, 5.0), (5.0, 4.0), (10.0, 3.0), (15.0, 3.6), (20.0, 3.4), (25.0, 3.2), (30.0, 2.6)]
+    fit = monotone_curve([noisy])
+    assert [t for t, _ in fit] == [t for t, _ in noisy]
+    assert all(a >= b for (_, a), (_, b) in zip(fit, fit[1:], strict=False))  # never rises
+    assert fit[2][1] == fit[3][1] == fit[4][1] == pytest.approx((3.0 + 3.6 + 3.4) / 3)  # the rise pooled
+    assert fit[0][1] == 5.0 and fit[-1][1] == 2.6  # points already in order are kept
+    # the raw first crossing of 3.2 lands in the dip (9 s); the fit's is after it
+    assert effective_speedup(3.2, [noisy], budget=10.0) == (pytest.approx(0.9), False)
+    fitted, bound = effective_speedup_fit(3.2, [noisy], budget=10.0)
+    assert fitted == pytest.approx(2.5) and not bound
+    # two runs are one fit of their pooled points (not an average of two fits)
+    other = [(0.0, 5.0), (10.0, 3.4), (20.0, 3.2), (30.0, 3.0)]
+    assert monotone_curve([noisy, other]) == monotone_curve([noisy + other])
+    with pytest.raises(ValueError, match="local"):
+        effective_speedup_fit(3.0, [], budget=10.0)
+
+
 def test_aggregate_gives_mean_spread_and_count():
     assert aggregate([]) is None
     assert aggregate([2.0]) == {"mean": 2.0, "min": 2.0, "max": 2.0, "std": 0.0, "n": 1}
@@ -181,7 +202,8 @@ def test_summary_gives_effective_speedups_their_spread_and_the_ratio_to_each_pee
     text = markdown({"args": {"budget": 10.0, "peer_factor": 1.0, "batch": 16}, "created": "now", "total_seconds": 60,
                      "load": {"hosts:2:1gbit": "1.00 1.00 1.00"}, "summary": {"hosts:2:1gbit": s}})
     assert "| mpi_x | 3.250 [3.000, 3.500] (2 runs) (1 run(s) failed) | 1.75 [1.50, 2.00] (2 runs) |" in text
-    assert "| mpi_y | 1.000 | ≥ 3.00 |" in text and "x ddp_fp16 (≤ 4.0)" in text and "| mpi_x | 3.50 |" in text
+    assert x["speedup_fit_runs"]["n"] == 2 and x["speedup_fit"] == pytest.approx(1.75)  # monotone local: the same
+    assert "| mpi_y | 1.000 | ≥ 3.00 | ≥ 3.00 |" in text and "x ddp_fp16 (≤ 4.0)" in text and "| mpi_x | 3.50 |" in text
 
 
 def test_a_later_run_adds_its_runs_to_an_earlier_report():
