@@ -264,8 +264,8 @@ def markdown(report: dict) -> str:
                          f"effective speedup = (time local needs to reach the arm's loss in T) / T, ideal {world}; "
                          "'fit': read off one monotone fit of every local point instead of each raw curve")
         lines += [f"| arm | loss in T | effective speedup (ideal {world}) | fit | time to ddp's best (s) "
-                  f"| steps (rank 0) | samples/s (x local) | steps/s (x local) | ≤ {LONG_PEER} at 3T | ≤ at {factor:g}T "
-                  f"| peak bytes/exchange | same weights on every rank |",
+                  f"| steps (rank 0) | samples/s (x local) | steps/s (x local) | ≤ {LONG_PEER} at 3T "
+                  f"| ≤ at {factor:g}T | peak bytes/exchange | same weights on every rank |",
                   "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         if local:
             lines.append(f"| local (1 process, no exchange) | {_spread(local['loss_T_runs'])} | 1 (by definition) "
