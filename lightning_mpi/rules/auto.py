@@ -3,7 +3,8 @@
 The rule measures, on every rank, the compute time of a step (:class:`~.link_probe.StepClock`) and
 the link (:class:`~.link_probe.LinkProbe`: a tiny Allreduce for the latency, one of 1 MiB for the
 bandwidth), times a dry run of every every-step arm the link does not rule out (one fp16 ASA
-exchange of the gradient size; one PowerSGD step on copies of the real gradients), agrees the
+exchange of the gradient size; one PowerSGD step on copies of the real gradients; again at a
+later decision only where the link moved past a factor 2 since), agrees the
 numbers over the ranks (their maxima), and picks an arm with :func:`~.auto_choice.choose`:
 every-step ASA with an fp16 wire where what it adds to a step hides behind backward, PowerSGD
 in the middle, and where neither does, Streaming DiLoCo at its defaults, with the period its
@@ -67,6 +68,7 @@ from lightning_mpi.rules.auto_choice import (
     Sizes,
     choose,
     default_plan,
+    still_valid,
 )
 from lightning_mpi.rules.auto_heal import agree_after_heal
 from lightning_mpi.rules.auto_measure import DecisionProbe
@@ -186,6 +188,7 @@ class BoundAuto(BoundRule):
         # to measure or exchange (a plain every-step rule is a no-op there).
         self.choice = default_plan(self.sizes) if transport.size > 1 else Choice("sync", "fp16")
         self.inner: BoundRule = arm_rule(self.choice).bind(transport, self.params)
+        self._quiet(self.inner)
         self.steps = 0
         self.next_decision = PROBE_STEPS
         self.decisions = 0
@@ -305,7 +308,7 @@ class BoundAuto(BoundRule):
         if observed is not None:
             self.observed[self.choice.arm] = (observed, bandwidth)
         # an observation counts while the link is within a factor 2 of the one it was made on
-        valid = {arm: seconds for arm, (seconds, seen) in self.observed.items() if 0.5 <= bandwidth / seen <= 2.0}
+        valid = {arm: seconds for arm, (seconds, seen) in self.observed.items() if still_valid(seen, bandwidth)}
         choice, self.reason = choose(
             self.measured.step_seconds,
             self.measured.link,
@@ -343,12 +346,21 @@ class BoundAuto(BoundRule):
         self.held.clear()
         self._announce(choice)
 
+    @staticmethod
+    def _quiet(arm: BoundRule) -> None:
+        """An every-step arm does not warn that its exchange is slow: this rule measures that and
+        switches (its own decisions say why)."""
+        warning = getattr(arm, "exposed_warning", None)
+        if warning is not None:
+            warning.disarm()
+
     def _bind(self, choice: Choice) -> None:
         """Close the arm in use and bind ``choice``'s (collective: an arm's binding duplicates the
         communicator)."""
         enabled = self.inner.sync_enabled
         self.inner.close()
         self.inner = arm_rule(choice).bind(self.transport, self.params)
+        self._quiet(self.inner)
         self.inner.sync_enabled = enabled
         if self._heal_snapshots and hasattr(self.inner, "heal_snapshots"):
             self.inner.heal_snapshots = True

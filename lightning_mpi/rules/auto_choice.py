@@ -157,6 +157,12 @@ def streaming_plan(step_seconds: float, link: Link, sizes: Sizes) -> Choice:
     return replace(plan, overlap_steps=max(plan.overlap_steps, min(tau, plan.period // plan.fragments - 1)))
 
 
+def still_valid(seen_bandwidth: float, bandwidth: float) -> bool:
+    """Whether an arm's cost observed on a link of ``seen_bandwidth`` still counts on one of
+    ``bandwidth``: within a factor 2 (a link that moved more is timed again)."""
+    return 0.5 <= bandwidth / max(seen_bandwidth, 1e-12) <= 2.0
+
+
 def worth_timing(arm: str, step_seconds: float, link: Link, sizes: Sizes, tolerance: float) -> bool:
     """Whether the link leaves ``arm`` a chance: its predicted cost is within the band that
     :func:`choose` keeps (the link part is a lower bound of what it costs), so that a dry run

@@ -3,8 +3,9 @@ the ranks, so that every rank decides from the same numbers:
 
 - the link: a probe Allreduce of up to ``PROBE_NUMEL`` floats, timed (:class:`~.link_probe.LinkProbe`),
   with the compute of a step as the rule's step clock measured it;
-- the cost of each every-step arm that is not in use and that the link does not rule out
-  (:func:`~.auto_choice.worth_timing`): one dry run of its exchange on the real gradient sizes
+- the cost of each every-step arm that is not in use, that the link does not rule out
+  (:func:`~.auto_choice.worth_timing`) and that was not timed yet on a link like this one
+  (:func:`~.auto_choice.still_valid`): one dry run of its exchange on the real gradient sizes
   (ASA fp16 on zeros; PowerSGD's whole step on copies of this rank's gradients), the slowest
   rank's time, turned into what it would add to a step (:func:`~.auto_choice.dry_run_exposed`);
 - where the arm in use exchanges every step, what its own steps showed: the median seconds its
@@ -30,7 +31,7 @@ from lightning_mpi.comm.collectives import ASAWorkspace, asa_mean_steps
 from lightning_mpi.comm.engine import ExchangeScheduler
 from lightning_mpi.comm.transport import Transport
 from lightning_mpi.rules import auto_choice
-from lightning_mpi.rules.auto_choice import EVERY_STEP_ARMS, Sizes, worth_timing
+from lightning_mpi.rules.auto_choice import EVERY_STEP_ARMS, Sizes, still_valid, worth_timing
 from lightning_mpi.rules.link_probe import LinkProbe, Measurement
 from lightning_mpi.rules.powersgd import PowerSGDRule
 
@@ -76,6 +77,12 @@ class DecisionProbe:
         step, link = measured.step_seconds, measured.link
         for arm in EVERY_STEP_ARMS:
             if arm == arm_in_use or not worth_timing(arm, step, link, self.sizes, self.tolerance):
+                continue
+            if arm in observed and still_valid(observed[arm][1], link.bandwidth):
+                # Timed already on a link like this one (agreed values: every rank skips it alike).
+                # A dry run costs about a step or two (ASA of the whole gradient; PowerSGD on copies
+                # of it), at every decision; on shared memory they cost mpi_auto 5-15% of
+                # mpi_streaming_diloco's steps in 30 s when re-run every 100 steps.
                 continue
             seconds = self.sync_seconds() if arm == "sync" else self.powersgd_seconds()
             agreed = torch.tensor([seconds], dtype=torch.float64)

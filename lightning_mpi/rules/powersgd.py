@@ -53,6 +53,7 @@ from lightning_mpi.comm.ulfm import ProcessFailed
 from lightning_mpi.options import integer, number, option, options_class
 from lightning_mpi.rules.base import BoundRule
 from lightning_mpi.rules.buckets import Buckets
+from lightning_mpi.rules.exposed_warning import ExposedExchangeWarning
 from lightning_mpi.rules.powersgd_bucket import PowerSGDBucket
 from lightning_mpi.rules.powersgd_math import (  # noqa: F401  (the math, re-exported beside the rule)
     compression_rank,
@@ -133,6 +134,9 @@ class BoundPowerSGD(BoundRule):
         self._last: dict[str, float] = {}
         self._seconds = 0.0
         self._hook_failure: ProcessFailed | None = None  # a dead rank noticed by a gradient hook
+        self.exposed_warning = ExposedExchangeWarning(
+            f"the every-step PowerSGD exchange (rank {rule.rank})", transport.rank, transport.size
+        )
         #: set by a healing strategy (``heal="shrink"``): keep this rank's state as it was before each
         #: exchange (:meth:`heal_state`), since committing buckets one by one changes it part-way
         self.heal_snapshots = False
@@ -226,6 +230,7 @@ class BoundPowerSGD(BoundRule):
             failure, self._hook_failure = self._hook_failure, None
             raise failure
         begin = time.perf_counter()
+        self.exposed_warning.wait_begins()
         if self.heal_snapshots:
             # residuals and warm Q's change only in the commits below (the launches in backward
             # leave them alone), so this is the state from which an interrupted exchange is redone
@@ -270,7 +275,11 @@ class BoundPowerSGD(BoundRule):
                 stacklevel=2,
             )
         self._snapshot_stats(wanted, compressing, time.perf_counter() - begin)
+        self.exposed_warning.wait_ends()
         return ok
+
+    def after_step(self, optimizer: Optimizer) -> None:
+        self.exposed_warning.step_ends()
 
     def _snapshot_stats(self, wanted: set[int], compressing: bool, seconds: float) -> None:
         world = self.transport.size

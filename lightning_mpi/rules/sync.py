@@ -29,6 +29,7 @@ from lightning_mpi.options import option, options_class
 from lightning_mpi.rules.base import BoundRule, all_finite, grads_finite
 from lightning_mpi.rules.bucket_exchanger import BucketExchanger
 from lightning_mpi.rules.buckets import SegmentedBuckets
+from lightning_mpi.rules.exposed_warning import ExposedExchangeWarning
 from lightning_mpi.rules.zero import ZeroRule
 
 
@@ -121,6 +122,12 @@ class BoundSync(BoundRule):
         self._hook_failure: ProcessFailed | None = None  # a dead rank noticed by a gradient hook
         if rule.overlap and rule.average == "gradients" and transport.size > 1:
             self._attach_hooks()
+        wire = getattr(rule, "codec", rule.wire)
+        self.exposed_warning = ExposedExchangeWarning(
+            f"the every-step {rule.exchange} exchange (wire={wire})", transport.rank, transport.size
+        )
+        if rule.average != "gradients":  # exchanged after the step: no wait before it to time
+            self.exposed_warning.disarm()
 
     def make_exchanger(self, transport: Transport, rule: SyncRule) -> BucketExchanger:
         """The exchanger for this rule's buckets; subclasses return their own (compressed rules)."""
@@ -182,6 +189,7 @@ class BoundSync(BoundRule):
         if self._hook_failure is not None:
             failure, self._hook_failure = self._hook_failure, None
             raise failure
+        self.exposed_warning.wait_begins()
         if self.rule.average == "gradients":
             members = {id(p) for g in optimizer.param_groups for p in g["params"]}
             buckets = [b for b in self.buckets if any(id(t) in members for t in b.tensors)]
@@ -232,10 +240,12 @@ class BoundSync(BoundRule):
             )
         if self.rule.average == "gradients":
             self._snapshot_stats()
+        self.exposed_warning.wait_ends()
         return finite
 
     # -- weights ---------------------------------------------------------------------------------
     def after_step(self, optimizer: Optimizer) -> None:
+        self.exposed_warning.step_ends()
         if self.transport.size == 1 or self.rule.average == "gradients":
             return
         for bucket in self.buckets:

@@ -175,3 +175,30 @@ def test_on_one_rank_the_rule_is_a_plain_every_step_rule_and_round_trips():
     bound.on_train_end()
     bound.close()
     fresh.close()
+
+
+def test_a_decision_times_an_arm_again_only_where_the_link_moved_past_a_factor_2():
+    """DecisionProbe.dry_runs on a stand-in transport: an arm timed on a link like this one keeps
+    its observed cost (the dry runs cost mpi_auto steps at every decision); one whose link moved
+    more than a factor 2 is timed again. Its inputs are agreed values, so every rank skips alike."""
+    from types import SimpleNamespace
+
+    from lightning_mpi.rules.auto_choice import still_valid
+    from lightning_mpi.rules.auto_measure import DecisionProbe
+    from lightning_mpi.rules.link_probe import Measurement
+
+    probe = DecisionProbe(SimpleNamespace(size=2, allreduce_=lambda t, op="sum": t), [], MODEL, tolerance=0.1)
+    timed = []
+    probe.sync_seconds = lambda: timed.append("sync") or 2.0 * STEP
+    probe.powersgd_seconds = lambda: timed.append("powersgd") or 1.3 * STEP
+    fast = mbit(10_000)
+    observed: dict = {}
+    probe.dry_runs(Measurement(STEP, fast), "streaming", observed)
+    assert timed == ["sync", "powersgd"] and set(observed) == {"sync", "powersgd"}
+    first = dict(observed)
+    probe.dry_runs(Measurement(STEP, mbit(6_000)), "streaming", observed)  # within a factor 2: kept
+    assert timed == ["sync", "powersgd"] and observed == first
+    probe.dry_runs(Measurement(STEP, mbit(30_000)), "streaming", observed)  # moved past it: timed again
+    assert timed == ["sync", "powersgd"] * 2 and observed["sync"][1] == mbit(30_000).bandwidth
+    assert still_valid(100.0, 199.0) and still_valid(100.0, 51.0)
+    assert not still_valid(100.0, 201.0) and not still_valid(100.0, 49.0)

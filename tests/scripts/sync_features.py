@@ -96,6 +96,39 @@ result["inf_on_rank0"] = {
 }
 bound.close()
 
+# The slow-exchange warning (rules/exposed_warning.py), from rank 0's own clock: where the other
+# ranks reach the exchange 20 ms late every step, rank 0 waits 20 ms for a step it computes in no
+# time and warns; where rank 0 itself computes 20 ms and the others wait for it, it does not.
+import time  # noqa: E402
+
+from lightning_mpi.rules.exposed_warning import WARMUP, WINDOW  # noqa: E402
+from lightning_mpi.rules.powersgd import PowerSGDRule  # noqa: E402
+
+
+def slow_exchange_warnings(rule, late_rank_0: bool) -> int:
+    """Runs WARMUP + WINDOW steps of ``rule`` with one side 20 ms late; the warnings rank 0 gave."""
+    weight = nn.Parameter(torch.zeros(8, 8))
+    bound = rule.bind(Transport(COMM.Dup()), [weight])
+    optimizer = torch.optim.SGD([weight], lr=0.1)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for _ in range(WARMUP + WINDOW):
+            if (RANK == 0) == late_rank_0:
+                time.sleep(0.02)
+            weight.grad = torch.ones(8, 8)
+            bound.before_step(optimizer)
+            optimizer.step()
+            bound.after_step(optimizer)
+    bound.close()
+    return sum("process fewer samples per second" in str(w.message) for w in seen)
+
+
+result["slow_exchange"] = {
+    "asa16, others late": slow_exchange_warnings(SyncRule(exchange="asa", wire="fp16", overlap=False), False),
+    "asa16, rank 0 late": slow_exchange_warnings(SyncRule(exchange="asa", wire="fp16", overlap=False), True),
+    "powersgd, others late": slow_exchange_warnings(PowerSGDRule(), False),
+}
+
 strategy.barrier()
 all_results = COMM.gather(result)
 if RANK == 0:

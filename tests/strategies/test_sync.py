@@ -96,6 +96,10 @@ def test_logging_metrics_collectives_and_overflow_skip(world, tmp_path):
         assert r["inf_on_rank0"]["accepted"] is False
         assert r["inf_on_rank0"]["grad_finite"] is False
         assert r["inf_on_rank0"]["grad0"] == pytest.approx((world + 1) / 2)
+    # rank 0 warns once where it waits longer for the exchange than W - 1 steps' compute; no other rank warns
+    assert per_rank[0]["slow_exchange"] == {"asa16, others late": 1, "asa16, rank 0 late": 0,
+                                            "powersgd, others late": 1}
+    assert all(sum(r["slow_exchange"].values()) == 0 for r in per_rank[1:])
 
 
 def test_registered_names_map_to_sync_strategy():
