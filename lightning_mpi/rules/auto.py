@@ -14,7 +14,8 @@ own ``period="auto"`` picks where the exchange needs a longer one to hide::
                        step 12, so local steps: the first is not timed, the next 4 are
     after step 5       measure, agree, choose; switch to the chosen arm (none where the
                        choice is the defaults' plan: nothing is exchanged for the switch)
-    6 steps after a switch, and every measure_every steps otherwise
+    6 steps after a switch, and every measure_every steps otherwise (more rarely where
+    the link probe would cost more than 1% of the steps between two: a slow link)
                        measure again (and take the arm's own exposed time per step);
                        switch when the choice changed (hysteresis in auto_choice)
 
@@ -71,7 +72,7 @@ from lightning_mpi.rules.auto_choice import (
     still_valid,
 )
 from lightning_mpi.rules.auto_heal import agree_after_heal
-from lightning_mpi.rules.auto_measure import DecisionProbe
+from lightning_mpi.rules.auto_measure import DecisionProbe, measure_interval
 from lightning_mpi.rules.base import BoundRule, Rule
 from lightning_mpi.rules.diloco import DiLoCoRule
 from lightning_mpi.rules.link_model import Link
@@ -131,8 +132,8 @@ class AutoRule(Rule):
     measure_every: int = option(
         default=100,
         doc="steps between measurements after the first decision (≥ 0; 0: decide once, after step 5, and once "
-        "after each heal); after a "
-        "switch the next one comes within 6 steps, so that the new arm's own cost is seen early.",
+        "after each heal), more where the link probe would cost more than 1% of their compute (a slow link); after "
+        "a switch the next one comes within 6 steps, so that the new arm's own cost is seen early.",
         check=integer(0),
     )
     tolerance: float = option(
@@ -320,6 +321,8 @@ class BoundAuto(BoundRule):
         )
         self.decisions += 1
         every = self.rule.measure_every
+        if self.assumed is None:  # the probe's cost, from the agreed link: a slow link is probed more rarely
+            every = measure_interval(every, self.measured, self.transport.size, self.sizes.numel)
         if choice != self.choice:
             self._switch(choice, optimizer)
             every = min(every, CONFIRM_STEPS) if every > 0 else 0

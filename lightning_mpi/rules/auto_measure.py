@@ -16,6 +16,7 @@ The training's parameters, gradients and state are untouched.
 
 from __future__ import annotations
 
+import math
 import time
 import warnings
 from collections.abc import Iterable, Sequence
@@ -32,11 +33,40 @@ from lightning_mpi.comm.engine import ExchangeScheduler
 from lightning_mpi.comm.transport import Transport
 from lightning_mpi.rules import auto_choice
 from lightning_mpi.rules.auto_choice import EVERY_STEP_ARMS, Sizes, still_valid, worth_timing
+from lightning_mpi.rules.link_model import Link
 from lightning_mpi.rules.link_probe import LinkProbe, Measurement
 from lightning_mpi.rules.powersgd import PowerSGDRule
 
 #: Values of the bandwidth probe (fp32): 1 MiB, a few ms on 1 Gbit/s, 80 ms on 100 Mbit/s.
 PROBE_NUMEL = 1 << 18
+#: The most a later decision's link probe may cost, as a share of the compute of the steps since
+#: the one before: on a slow link the decisions come more rarely than ``measure_every``. At
+#: 100 Mbit/s the probe (three 1 MiB Allreduces and a barrier) took about 0.25 s, four steps,
+#: every 100 steps, and ``mpi_auto`` made 6-9% fewer steps than ``mpi_streaming_diloco`` with
+#: the same plan (docs/performance.md).
+MEASURE_SHARE = 0.01
+#: A probe cheaper than this never defers a decision (it is within a step's jitter; and on a fast
+#: link a tiny model's steps are so short that 1% of them would defer every decision).
+CHEAP_PROBE_SECONDS = 0.01
+
+
+def probe_seconds(link: Link, world: int, numel: int, repeat_below: float = 0.25) -> float:
+    """What the link probe of :meth:`DecisionProbe.measure` costs on ``link``: a tiny Allreduce and
+    one of ``min(numel, PROBE_NUMEL)`` floats, each run three times where it takes under
+    ``repeat_below`` seconds (as :class:`~.link_probe.LinkProbe` does)."""
+    nbytes = 2 * (world - 1) / max(1, world) * min(numel, PROBE_NUMEL) * 4
+    return sum(t * (1 if t >= repeat_below else 3) for t in (link.seconds(4.0), link.seconds(nbytes)))
+
+
+def measure_interval(measure_every: int, measured: Measurement, world: int, numel: int) -> int:
+    """Steps from a decision that kept its arm to the next: ``measure_every``, or more where the
+    link probe would cost more than :data:`MEASURE_SHARE` of their compute (and more than
+    :data:`CHEAP_PROBE_SECONDS`). Every input is agreed
+    over the ranks, so every rank decides at the same step."""
+    cost = probe_seconds(measured.link, world, numel)
+    if measure_every <= 0 or cost < CHEAP_PROBE_SECONDS:
+        return measure_every
+    return max(measure_every, math.ceil(cost / (MEASURE_SHARE * max(measured.step_seconds, 1e-9))))
 
 
 class DecisionProbe:

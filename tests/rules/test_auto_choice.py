@@ -202,3 +202,25 @@ def test_a_decision_times_an_arm_again_only_where_the_link_moved_past_a_factor_2
     assert timed == ["sync", "powersgd"] * 2 and observed["sync"][1] == mbit(30_000).bandwidth
     assert still_valid(100.0, 199.0) and still_valid(100.0, 51.0)
     assert not still_valid(100.0, 201.0) and not still_valid(100.0, 49.0)
+
+
+def test_a_slow_link_is_probed_more_rarely_so_that_probing_costs_at_most_1_percent():
+    from lightning_mpi.rules.auto_measure import PROBE_NUMEL, measure_interval, probe_seconds
+    from lightning_mpi.rules.link_probe import Measurement
+
+    numel = MODEL.numel
+    # 100 Mbit/s: the 1 MiB probe takes ~84 ms, under 0.25 s, so three runs: ~0.25 s in all
+    slow = mbit(100)
+    assert probe_seconds(slow, 2, numel) == pytest.approx(3 * slow.seconds(4.0) + 3 * slow.seconds(PROBE_NUMEL * 4))
+    every = measure_interval(100, Measurement(0.067, slow), 2, numel)
+    assert every > 300 and probe_seconds(slow, 2, numel) <= 0.01 * 0.067 * every
+    # 1 Gbit/s and faster: the probe is cheap, measure_every stands; 0 still means "decide once"
+    assert measure_interval(100, Measurement(0.067, mbit(1_000)), 2, numel) == 100
+    assert measure_interval(100, Measurement(0.067, mbit(10_000)), 2, numel) == 100
+    assert measure_interval(0, Measurement(0.067, slow), 2, numel) == 0
+    # a probe under 10 ms never defers, however short the steps (a tiny model on shared memory)
+    assert measure_interval(6, Measurement(0.0005, mbit(10_000, latency_ms=0.05)), 2, 1000) == 6
+    # a probe that takes 0.25 s or more runs once; a small model's probe is smaller
+    crawl = mbit(10)
+    assert probe_seconds(crawl, 2, numel) == pytest.approx(3 * crawl.seconds(4.0) + crawl.seconds(PROBE_NUMEL * 4))
+    assert probe_seconds(slow, 2, 1000) < probe_seconds(slow, 2, numel)
