@@ -76,6 +76,17 @@ from lightning_mpi.rules.diloco_math import (  # noqa: F401  (the math, re-expor
 )
 from lightning_mpi.rules.link_model import hidden_schedule
 from lightning_mpi.rules.link_probe import LinkProbe, Measurement, StepClock
+from lightning_mpi.rules.outer_checkpoint import (
+    load_fragment,
+    load_healed_residuals,
+    load_residuals,
+    load_schedule,
+    load_sent,
+    reset_residuals,
+    save_fragment,
+    save_residuals,
+    save_schedule,
+)
 from lightning_mpi.rules.outer_fragment import OuterFragment
 from lightning_mpi.rules.outer_warning import SlowExchangeWarning
 from lightning_mpi.rules.replica_state import ReplicaState
@@ -347,32 +358,19 @@ class BoundDiLoCo(BoundLocalStepRule):
             self.team.free()
             self.team = self.transport
 
-    # -- checkpoints ----------------------------------------------------------------------------------
+    # -- checkpoints (the format and its parts: :mod:`.outer_checkpoint`) -----------------------------
     def state_dict(self) -> dict[str, Any]:
         """Collective: completes an exchange in flight (its mean Δ is saved and used at its due
         step after a resume), and gathers every rank's local weights, optimizer state and residuals."""
         self._wait()
-        fragments = []
-        for fragment in self.fragments:
-            n = fragment.numel
-            buffer = self.outer.state.get(fragment.theta_global, {}).get("momentum_buffer")
-            fragments.append(
-                {
-                    "theta_global": fragment.theta_global[:n].clone(),
-                    "momentum": None if buffer is None else buffer[:n].clone(),
-                    "arrived": fragment.delta[:n].clone() if fragment.status == "arrived" else None,
-                    "due": fragment.due,
-                    "started": fragment.started,
-                }
-            )
-        residuals = [None if f.residual is None else f.residual.clone() for f in self.fragments]
-        owner = [None if f.owner_residual is None else f.owner_residual.clone() for f in self.fragments]
+        fragments = [save_fragment(fragment, self.outer) for fragment in self.fragments]
+        residuals = save_residuals(self.fragments)
         ranks = self.replicas.gather()
         if self.transport.size > 1:
-            extras = self.transport.allgather_object({"residuals": residuals, "owner_residuals": owner})
+            extras = self.transport.allgather_object(residuals)
             ranks = [{**r, **e} for r, e in zip(ranks, extras, strict=True)]
         else:
-            ranks[0].update(residuals=residuals, owner_residuals=owner)
+            ranks[0].update(residuals)
         return {
             "steps": self.steps,
             "outer_steps": self.outer_steps,
@@ -392,25 +390,14 @@ class BoundDiLoCo(BoundLocalStepRule):
         fragments = []
         residuals = []
         for index, fragment in enumerate(self.fragments):
-            n = fragment.numel
-            buffer = self.outer.state.get(fragment.theta_global, {}).get("momentum_buffer")
             running = fragment.status in ("running", "restart")
             if running and index not in self._sent:
                 raise LookupError(
                     f"{self.rule.name}: an exchange was in flight and its start was not kept (heal_snapshots off)"
                 )
             delta, residual = self._sent[index] if running else (fragment.delta, fragment.residual)
-            fragments.append(
-                {
-                    "theta_global": fragment.theta_global[:n].clone(),
-                    "momentum": None if buffer is None else buffer[:n].clone(),
-                    "arrived": fragment.delta[:n].clone() if fragment.status == "arrived" else None,
-                    "sent": delta[:n].clone() if running else None,
-                    "due": fragment.due,
-                    "started": fragment.started,
-                }
-            )
-            residuals.append(None if residual is None else residual[:n].clone())
+            fragments.append(save_fragment(fragment, self.outer, healing=True, sent=delta if running else None))
+            residuals.append(None if residual is None else residual[: fragment.numel].clone())
         return {
             "steps": self.steps,
             "outer_steps": self.outer_steps,
@@ -421,12 +408,7 @@ class BoundDiLoCo(BoundLocalStepRule):
         }
 
     def _schedule(self) -> dict[str, Any]:
-        return {
-            "period": self.period,
-            "overlap_steps": self.overlap_steps,
-            "offsets": list(self.offsets),
-            "measured": None if self.measured is None else self.measured.as_dict(),
-        }
+        return save_schedule(self.period, self.overlap_steps, self.offsets, self.measured)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if len(state["fragments"]) != len(self.fragments):
@@ -436,26 +418,11 @@ class BoundDiLoCo(BoundLocalStepRule):
             )
         self.steps = int(state["steps"])
         self.outer_steps = int(state.get("outer_steps", 0))
-        schedule = state.get("schedule")
-        if schedule is not None and schedule["period"] is not None:  # the period the saved run chose
-            self.period, self.overlap_steps = int(schedule["period"]), int(schedule["overlap_steps"])
-            self.offsets = [int(o) for o in schedule["offsets"]]
-            measured = schedule.get("measured")
-            self.measured = None if measured is None else Measurement.from_dict(measured)
+        chosen = load_schedule(state.get("schedule"))
+        if chosen is not None:  # the period the saved run chose
+            self.period, self.overlap_steps, self.offsets, self.measured = chosen
         for fragment, saved in zip(self.fragments, state["fragments"], strict=True):
-            n = fragment.numel
-            fragment.theta_global.zero_()
-            fragment.theta_global[:n].copy_(saved["theta_global"])
-            if saved["momentum"] is not None:
-                buffer = torch.zeros_like(fragment.theta_global)
-                buffer[:n].copy_(saved["momentum"])
-                self.outer.state[fragment.theta_global] = {"momentum_buffer": buffer}
-            fragment.started, fragment.due = int(saved["started"]), int(saved["due"])
-            fragment.status = "idle"
-            if saved["arrived"] is not None:
-                fragment.delta.zero_()
-                fragment.delta[:n].copy_(saved["arrived"])
-                fragment.status = "arrived"
+            load_fragment(fragment, self.outer, saved)
         self._sent.clear()
         if "local" in state:  # a heal: this rank's own part; its local weights are the module's
             self._load_healed(state)
@@ -468,12 +435,7 @@ class BoundDiLoCo(BoundLocalStepRule):
             if not same_world:  # residuals and local weights of other ranks do not map onto these
                 fragment.local.push(fragment.theta_global)
                 continue
-            mine = state["ranks"][self.transport.rank]
-            for name in ("residual", "owner_residual"):
-                saved = mine[f"{name}s"][index]
-                target = getattr(fragment, name)
-                if target is not None and saved is not None:
-                    target.copy_(saved)
+            load_residuals(fragment, index, state["ranks"][self.transport.rank])
         self._loaded = True
 
     def _load_healed(self, state: dict[str, Any]) -> None:
@@ -481,17 +443,8 @@ class BoundDiLoCo(BoundLocalStepRule):
         mine = state["local"]
         self.guard.skipped_steps = int(mine.get("skipped_steps", 0))
         for index, (fragment, saved) in enumerate(zip(self.fragments, state["fragments"], strict=True)):
-            n = fragment.numel
-            if fragment.residual is not None:
-                fragment.residual.zero_()
-                if mine["residuals"][index] is not None:
-                    fragment.residual[:n].copy_(mine["residuals"][index])
-            if fragment.owner_residual is not None:
-                fragment.owner_residual.zero_()
-            if saved.get("sent") is not None:
-                fragment.delta.zero_()
-                fragment.delta[:n].copy_(saved["sent"])
-                fragment.status = "restart"  # started by the next hook: one exchange in flight at a time
+            load_healed_residuals(fragment, mine["residuals"][index])
+            if load_sent(fragment, saved):  # what the restarted exchange starts from, kept as _start keeps it
                 residual = None if fragment.residual is None else fragment.residual.clone()
                 self._sent[index] = (fragment.delta.clone(), residual)
         self._loaded = True
@@ -508,10 +461,7 @@ class BoundDiLoCo(BoundLocalStepRule):
                 "it in at a step with none (lightning_mpi.strategies.replacement)"
             )
         for fragment in self.fragments:
-            if fragment.residual is not None:
-                fragment.residual.zero_()
-            if fragment.owner_residual is not None:
-                fragment.owner_residual.zero_()
+            reset_residuals(fragment)
             fragment.local.push(fragment.theta_global)
         self._loaded = True
 
