@@ -78,16 +78,14 @@ from lightning_mpi.rules.link_model import hidden_schedule
 from lightning_mpi.rules.link_probe import LinkProbe, Measurement, StepClock
 from lightning_mpi.rules.outer_checkpoint import (
     load_fragment,
-    load_healed_residuals,
     load_residuals,
     load_schedule,
-    load_sent,
-    reset_residuals,
     save_fragment,
     save_residuals,
     save_schedule,
 )
 from lightning_mpi.rules.outer_fragment import OuterFragment
+from lightning_mpi.rules.outer_heal import ExchangeSnapshots, heal_fragments, join, load_healed
 from lightning_mpi.rules.outer_warning import SlowExchangeWarning
 from lightning_mpi.rules.replica_state import ReplicaState
 
@@ -210,7 +208,7 @@ class BoundDiLoCo(BoundLocalStepRule):
         #: set by a healing strategy (``heal="shrink"``): each exchange keeps the Δ and residual it
         #: started from, so that one in flight when a rank dies can be started again (heal_state)
         self.heal_snapshots = False
-        self._sent: dict[int, tuple[Tensor, Tensor | None]] = {}
+        self.snapshots = ExchangeSnapshots()
         #: a blocking exchange that costs more than the steps between two: warns once, rank 0
         self.slow_warning = SlowExchangeWarning(f"mpi_{rule.name}", transport.rank, rule.wire)
         self._loaded = False
@@ -288,8 +286,7 @@ class BoundDiLoCo(BoundLocalStepRule):
         torch.sub(fragment.theta_global, fragment.local.pull(), out=fragment.delta)
         fragment.status, fragment.started, fragment.due = "running", self.steps, self.steps + self.overlap_steps
         if self.heal_snapshots:  # what the exchange starts from (it changes Δ and the residual in place)
-            residual = None if fragment.residual is None else fragment.residual.clone()
-            self._sent[index] = (fragment.delta.clone(), residual)
+            self.snapshots.keep(index, fragment)
         self.progress.start(fragment.mean_steps(self.team))
         if self.driver is not None:
             self.driver.start()
@@ -306,7 +303,7 @@ class BoundDiLoCo(BoundLocalStepRule):
             for fragment in self.fragments:
                 if fragment.status == "running":
                     fragment.status = "arrived"
-            self._sent.clear()
+            self.snapshots.clear()
 
     def _restart(self) -> None:
         """Start again, on this binding's communicator, the exchanges that were in flight when a
@@ -387,17 +384,7 @@ class BoundDiLoCo(BoundLocalStepRule):
         an exchange in flight is kept as the Δ (and residual) it started from, and started again
         over the survivors. This rank's own: its feedback residuals (owned-chunk residuals are cut
         anew for the new world size and start at zero) and, in the module, its local weights."""
-        fragments = []
-        residuals = []
-        for index, fragment in enumerate(self.fragments):
-            running = fragment.status in ("running", "restart")
-            if running and index not in self._sent:
-                raise LookupError(
-                    f"{self.rule.name}: an exchange was in flight and its start was not kept (heal_snapshots off)"
-                )
-            delta, residual = self._sent[index] if running else (fragment.delta, fragment.residual)
-            fragments.append(save_fragment(fragment, self.outer, healing=True, sent=delta if running else None))
-            residuals.append(None if residual is None else residual[: fragment.numel].clone())
+        fragments, residuals = heal_fragments(self.fragments, self.outer, self.snapshots, self.rule.name)
         return {
             "steps": self.steps,
             "outer_steps": self.outer_steps,
@@ -423,7 +410,7 @@ class BoundDiLoCo(BoundLocalStepRule):
             self.period, self.overlap_steps, self.offsets, self.measured = chosen
         for fragment, saved in zip(self.fragments, state["fragments"], strict=True):
             load_fragment(fragment, self.outer, saved)
-        self._sent.clear()
+        self.snapshots.clear()
         if "local" in state:  # a heal: this rank's own part; its local weights are the module's
             self._load_healed(state)
             return
@@ -439,14 +426,11 @@ class BoundDiLoCo(BoundLocalStepRule):
         self._loaded = True
 
     def _load_healed(self, state: dict[str, Any]) -> None:
-        """The rest of :meth:`heal_state`: this rank's residuals, and the exchanges to start again."""
+        """The rest of :meth:`heal_state`: this rank's residuals, and the exchanges to start again
+        (:func:`.outer_heal.load_healed`)."""
         mine = state["local"]
         self.guard.skipped_steps = int(mine.get("skipped_steps", 0))
-        for index, (fragment, saved) in enumerate(zip(self.fragments, state["fragments"], strict=True)):
-            load_healed_residuals(fragment, mine["residuals"][index])
-            if load_sent(fragment, saved):  # what the restarted exchange starts from, kept as _start keeps it
-                residual = None if fragment.residual is None else fragment.residual.clone()
-                self._sent[index] = (fragment.delta.clone(), residual)
+        load_healed(self.fragments, state["fragments"], mine["residuals"], self.snapshots)
         self._loaded = True
 
     def _load_joined(self, state: dict[str, Any]) -> None:
@@ -455,14 +439,7 @@ class BoundDiLoCo(BoundLocalStepRule):
         weights start from θ_global (as every rank's do after an outer step, and as a resume at
         another world size does), its residuals at zero. The survivors let it in only while no
         exchange is in flight (:attr:`exchange_in_flight`): it could not join one started without it."""
-        if any(saved.get("sent") is not None for saved in state["fragments"]):
-            raise ValueError(
-                "lightning_mpi: a new rank cannot join while a DiLoCo exchange is in flight; the survivors let "
-                "it in at a step with none (lightning_mpi.strategies.replacement)"
-            )
-        for fragment in self.fragments:
-            reset_residuals(fragment)
-            fragment.local.push(fragment.theta_global)
+        join(self.fragments, state["fragments"])
         self._loaded = True
 
     @property

@@ -20,7 +20,8 @@ here (the rule decides when, and runs the collectives; everything here is local 
 Each fragment's entry holds θ_global and the outer momentum buffer (unpadded), the mean Δ when
 it has ``arrived`` (applied at its ``due`` step after a resume, as the uninterrupted run would),
 and the step its last exchange ``started``. Padding is not saved: buffers are padded for the
-world size, which a resume or a heal may change, and padding is always zero.
+world size, which a resume or a heal may change, and padding is always zero. What only a heal
+needs (an exchange in flight, a rank that joins) is :mod:`.outer_heal`.
 """
 
 from __future__ import annotations
@@ -88,37 +89,6 @@ def load_residuals(fragment: OuterFragment, index: int, mine: dict[str, Any]) ->
         target = getattr(fragment, name)
         if target is not None and saved is not None:
             target.copy_(saved)
-
-
-def load_healed_residuals(fragment: OuterFragment, residual: Tensor | None) -> None:
-    """After a heal: this rank's residual (saved unpadded) is kept; the owned-chunk residual
-    starts at zero, since the chunks are cut anew for the new world size."""
-    if fragment.residual is not None:
-        fragment.residual.zero_()
-        if residual is not None:
-            fragment.residual[: fragment.numel].copy_(residual)
-    if fragment.owner_residual is not None:
-        fragment.owner_residual.zero_()
-
-
-def reset_residuals(fragment: OuterFragment) -> None:
-    """Both residuals at zero: a rank with no feedback of its own (one that joins a healed run)."""
-    if fragment.residual is not None:
-        fragment.residual.zero_()
-    if fragment.owner_residual is not None:
-        fragment.owner_residual.zero_()
-
-
-def load_sent(fragment: OuterFragment, saved: dict[str, Any]) -> bool:
-    """After a heal: put the Δ that an exchange in flight started from back into the fragment,
-    with status ``restart`` (the rule starts it again at its next hook, so that one exchange is
-    in flight at a time). Returns whether there was one."""
-    if saved.get("sent") is None:
-        return False
-    fragment.delta.zero_()
-    fragment.delta[: fragment.numel].copy_(saved["sent"])
-    fragment.status = "restart"
-    return True
 
 
 def save_schedule(
