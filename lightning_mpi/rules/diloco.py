@@ -74,8 +74,7 @@ from lightning_mpi.rules.diloco_math import (  # noqa: F401  (the math, re-expor
     pseudo_gradient,
     starts_at,
 )
-from lightning_mpi.rules.link_model import hidden_schedule
-from lightning_mpi.rules.link_probe import LinkProbe, Measurement, StepClock
+from lightning_mpi.rules.link_probe import Measurement, StepClock
 from lightning_mpi.rules.outer_checkpoint import (
     load_fragment,
     load_residuals,
@@ -86,23 +85,9 @@ from lightning_mpi.rules.outer_checkpoint import (
 )
 from lightning_mpi.rules.outer_fragment import OuterFragment
 from lightning_mpi.rules.outer_heal import ExchangeSnapshots, heal_fragments, join, load_healed
+from lightning_mpi.rules.outer_period import AUTO_PROBE_STEPS, check_period, choose_period
 from lightning_mpi.rules.outer_warning import SlowExchangeWarning
 from lightning_mpi.rules.replica_state import ReplicaState
-
-#: wire formats of the pseudo-gradient
-
-
-#: Inner steps timed before ``period="auto"`` decides (the first step, which warms caches and
-#: allocators, is not timed).
-AUTO_PROBE_STEPS = 4
-
-
-def _period(name: str, value: Any) -> int | str:
-    if value == "auto":
-        return value
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f'{name}={value!r} is out of range: it must be an integer >= 1 or "auto"')
-    return value
 
 
 @options_class
@@ -115,7 +100,7 @@ class OuterOptions(Rule):
         '`"auto"`: the smallest period whose exchange, after the wire format, hides behind that many steps, from '
         "the compute time of a step and the link measured in the first steps (agreed by every rank; saved in "
         "checkpoints).",
-        check=_period,
+        check=check_period,
     )
     outer_lr: float = option(
         default=0.7,
@@ -254,19 +239,10 @@ class BoundDiLoCo(BoundLocalStepRule):
         self.clock.resume()
 
     def _choose_period(self) -> None:
-        """``period="auto"``: time the real exchange of the largest fragment (Δ = 0, which leaves
-        the error-feedback residuals at zero), agree with the other ranks, fix the schedule."""
-        largest = max(self.fragments, key=lambda f: f.bytes_per_exchange)
-        largest.delta.zero_()
-
-        def exchange() -> None:
-            self.progress.start(largest.mean_steps(self.team))
-            self.progress.wait_all()
-
+        """``period="auto"``: measure the step and the link, agree with the other ranks, fix the
+        schedule from here (:func:`.outer_period.choose_period`)."""
         step = self.clock.seconds() or 1e-3
-        self.measured = LinkProbe(self.team).measure(step, exchange, largest.bytes_per_exchange)
-        link_seconds = self.measured.link.seconds(largest.bytes_per_exchange)
-        period, tau = hidden_schedule(link_seconds, self.measured.step_seconds, len(self.fragments), self.overlap_steps)
+        self.measured, period, tau = choose_period(self.fragments, self.team, self.progress, step, self.overlap_steps)
         self._set_schedule(period, tau, start=self.steps)
 
     def _set_schedule(self, period: int, overlap_steps: int, start: int) -> None:
