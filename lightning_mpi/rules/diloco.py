@@ -50,10 +50,9 @@ exchange overlapped with ``overlap_steps`` inner steps, the result mixed in with
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -63,8 +62,8 @@ from lightning_mpi.comm.codecs import get_codec
 from lightning_mpi.comm.engine import ExchangeScheduler
 from lightning_mpi.comm.progress import ProgressThread
 from lightning_mpi.comm.transport import Transport
-from lightning_mpi.options import integer, number, option, options_class
-from lightning_mpi.rules.base import BoundLocalStepRule, Rule
+from lightning_mpi.options import options_class
+from lightning_mpi.rules.base import BoundLocalStepRule
 from lightning_mpi.rules.diloco_math import (  # noqa: F401  (the math, re-exported beside the rule)
     averages_at,
     last_start,
@@ -85,44 +84,10 @@ from lightning_mpi.rules.outer_checkpoint import (
 )
 from lightning_mpi.rules.outer_fragment import OuterFragment
 from lightning_mpi.rules.outer_heal import ExchangeSnapshots, heal_fragments, join, load_healed
-from lightning_mpi.rules.outer_period import AUTO_PROBE_STEPS, check_period, choose_period
+from lightning_mpi.rules.outer_options import OuterOptions
+from lightning_mpi.rules.outer_period import AUTO_PROBE_STEPS, choose_period
 from lightning_mpi.rules.outer_warning import SlowExchangeWarning
 from lightning_mpi.rules.replica_state import ReplicaState
-
-
-@options_class
-class OuterOptions(Rule):
-    """The options DiLoCo and Streaming DiLoCo share: the outer step and how Δ travels."""
-
-    period: int | Literal["auto"] = option(
-        default=50,
-        doc="H, inner steps between outer steps (≥ 1); the paper's 500 is made for runs of tens of thousands of steps. "
-        '`"auto"`: the smallest period whose exchange, after the wire format, hides behind that many steps, from '
-        "the compute time of a step and the link measured in the first steps (agreed by every rank; saved in "
-        "checkpoints).",
-        check=check_period,
-    )
-    outer_lr: float = option(
-        default=0.7,
-        doc="outer learning rate (> 0); the paper's 0.7.",
-        check=number(0.0, math.inf, low_open=True, high_open=True),
-    )
-    outer_momentum: float = option(
-        default=0.9,
-        doc="outer Nesterov momentum in [0, 1); 0 is plain SGD, and `outer_lr=1, outer_momentum=0` is periodic "
-        "model averaging.",
-        check=number(0.0, 1.0, high_open=True),
-    )
-    wire: Literal["fp32", "bf16", "int8", "int4"] = option(
-        default="fp32",
-        doc='how Δ travels: `"fp32"` (one Allreduce), `"bf16"`, `"int8"` or `"int4"` (ASA with error feedback).',
-    )
-    outer_warmup: int = option(
-        default=1,
-        doc="the first outer steps of each fragment that average the replicas (θ_global ← mean θᵢ: outer lr 1, "
-        "no momentum) before the Nesterov steps start; keeps a short run's first outer steps from overshooting.",
-        check=integer(0),
-    )
 
 
 # -- the rule ---------------------------------------------------------------------------------------
