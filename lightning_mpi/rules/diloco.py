@@ -50,10 +50,9 @@ exchange overlapped with ``overlap_steps`` inner steps, the result mixed in with
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -63,8 +62,8 @@ from lightning_mpi.comm.codecs import get_codec
 from lightning_mpi.comm.engine import ExchangeScheduler
 from lightning_mpi.comm.progress import ProgressThread
 from lightning_mpi.comm.transport import Transport
-from lightning_mpi.options import integer, number, option, options_class
-from lightning_mpi.rules.base import BoundLocalStepRule, Rule
+from lightning_mpi.options import options_class
+from lightning_mpi.rules.base import BoundLocalStepRule
 from lightning_mpi.rules.diloco_math import (  # noqa: F401  (the math, re-exported beside the rule)
     averages_at,
     last_start,
@@ -74,61 +73,21 @@ from lightning_mpi.rules.diloco_math import (  # noqa: F401  (the math, re-expor
     pseudo_gradient,
     starts_at,
 )
-from lightning_mpi.rules.link_model import hidden_schedule
-from lightning_mpi.rules.link_probe import LinkProbe, Measurement, StepClock
+from lightning_mpi.rules.link_probe import Measurement, StepClock
+from lightning_mpi.rules.outer_checkpoint import (
+    load_fragment,
+    load_residuals,
+    load_schedule,
+    save_fragment,
+    save_residuals,
+    save_schedule,
+)
 from lightning_mpi.rules.outer_fragment import OuterFragment
+from lightning_mpi.rules.outer_heal import ExchangeSnapshots, heal_fragments, join, load_healed
+from lightning_mpi.rules.outer_options import OuterOptions
+from lightning_mpi.rules.outer_period import AUTO_PROBE_STEPS, choose_period
 from lightning_mpi.rules.outer_warning import SlowExchangeWarning
 from lightning_mpi.rules.replica_state import ReplicaState
-
-#: wire formats of the pseudo-gradient
-
-
-#: Inner steps timed before ``period="auto"`` decides (the first step, which warms caches and
-#: allocators, is not timed).
-AUTO_PROBE_STEPS = 4
-
-
-def _period(name: str, value: Any) -> int | str:
-    if value == "auto":
-        return value
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f'{name}={value!r} is out of range: it must be an integer >= 1 or "auto"')
-    return value
-
-
-@options_class
-class OuterOptions(Rule):
-    """The options DiLoCo and Streaming DiLoCo share: the outer step and how Δ travels."""
-
-    period: int | Literal["auto"] = option(
-        default=50,
-        doc="H, inner steps between outer steps (≥ 1); the paper's 500 is made for runs of tens of thousands of steps. "
-        '`"auto"`: the smallest period whose exchange, after the wire format, hides behind that many steps, from '
-        "the compute time of a step and the link measured in the first steps (agreed by every rank; saved in "
-        "checkpoints).",
-        check=_period,
-    )
-    outer_lr: float = option(
-        default=0.7,
-        doc="outer learning rate (> 0); the paper's 0.7.",
-        check=number(0.0, math.inf, low_open=True, high_open=True),
-    )
-    outer_momentum: float = option(
-        default=0.9,
-        doc="outer Nesterov momentum in [0, 1); 0 is plain SGD, and `outer_lr=1, outer_momentum=0` is periodic "
-        "model averaging.",
-        check=number(0.0, 1.0, high_open=True),
-    )
-    wire: Literal["fp32", "bf16", "int8", "int4"] = option(
-        default="fp32",
-        doc='how Δ travels: `"fp32"` (one Allreduce), `"bf16"`, `"int8"` or `"int4"` (ASA with error feedback).',
-    )
-    outer_warmup: int = option(
-        default=1,
-        doc="the first outer steps of each fragment that average the replicas (θ_global ← mean θᵢ: outer lr 1, "
-        "no momentum) before the Nesterov steps start; keeps a short run's first outer steps from overshooting.",
-        check=integer(0),
-    )
 
 
 # -- the rule ---------------------------------------------------------------------------------------
@@ -199,7 +158,7 @@ class BoundDiLoCo(BoundLocalStepRule):
         #: set by a healing strategy (``heal="shrink"``): each exchange keeps the Δ and residual it
         #: started from, so that one in flight when a rank dies can be started again (heal_state)
         self.heal_snapshots = False
-        self._sent: dict[int, tuple[Tensor, Tensor | None]] = {}
+        self.snapshots = ExchangeSnapshots()
         #: a blocking exchange that costs more than the steps between two: warns once, rank 0
         self.slow_warning = SlowExchangeWarning(f"mpi_{rule.name}", transport.rank, rule.wire)
         self._loaded = False
@@ -245,19 +204,10 @@ class BoundDiLoCo(BoundLocalStepRule):
         self.clock.resume()
 
     def _choose_period(self) -> None:
-        """``period="auto"``: time the real exchange of the largest fragment (Δ = 0, which leaves
-        the error-feedback residuals at zero), agree with the other ranks, fix the schedule."""
-        largest = max(self.fragments, key=lambda f: f.bytes_per_exchange)
-        largest.delta.zero_()
-
-        def exchange() -> None:
-            self.progress.start(largest.mean_steps(self.team))
-            self.progress.wait_all()
-
+        """``period="auto"``: measure the step and the link, agree with the other ranks, fix the
+        schedule from here (:func:`.outer_period.choose_period`)."""
         step = self.clock.seconds() or 1e-3
-        self.measured = LinkProbe(self.team).measure(step, exchange, largest.bytes_per_exchange)
-        link_seconds = self.measured.link.seconds(largest.bytes_per_exchange)
-        period, tau = hidden_schedule(link_seconds, self.measured.step_seconds, len(self.fragments), self.overlap_steps)
+        self.measured, period, tau = choose_period(self.fragments, self.team, self.progress, step, self.overlap_steps)
         self._set_schedule(period, tau, start=self.steps)
 
     def _set_schedule(self, period: int, overlap_steps: int, start: int) -> None:
@@ -277,8 +227,7 @@ class BoundDiLoCo(BoundLocalStepRule):
         torch.sub(fragment.theta_global, fragment.local.pull(), out=fragment.delta)
         fragment.status, fragment.started, fragment.due = "running", self.steps, self.steps + self.overlap_steps
         if self.heal_snapshots:  # what the exchange starts from (it changes Δ and the residual in place)
-            residual = None if fragment.residual is None else fragment.residual.clone()
-            self._sent[index] = (fragment.delta.clone(), residual)
+            self.snapshots.keep(index, fragment)
         self.progress.start(fragment.mean_steps(self.team))
         if self.driver is not None:
             self.driver.start()
@@ -295,7 +244,7 @@ class BoundDiLoCo(BoundLocalStepRule):
             for fragment in self.fragments:
                 if fragment.status == "running":
                     fragment.status = "arrived"
-            self._sent.clear()
+            self.snapshots.clear()
 
     def _restart(self) -> None:
         """Start again, on this binding's communicator, the exchanges that were in flight when a
@@ -347,32 +296,19 @@ class BoundDiLoCo(BoundLocalStepRule):
             self.team.free()
             self.team = self.transport
 
-    # -- checkpoints ----------------------------------------------------------------------------------
+    # -- checkpoints (the format and its parts: :mod:`.outer_checkpoint`) -----------------------------
     def state_dict(self) -> dict[str, Any]:
         """Collective: completes an exchange in flight (its mean Δ is saved and used at its due
         step after a resume), and gathers every rank's local weights, optimizer state and residuals."""
         self._wait()
-        fragments = []
-        for fragment in self.fragments:
-            n = fragment.numel
-            buffer = self.outer.state.get(fragment.theta_global, {}).get("momentum_buffer")
-            fragments.append(
-                {
-                    "theta_global": fragment.theta_global[:n].clone(),
-                    "momentum": None if buffer is None else buffer[:n].clone(),
-                    "arrived": fragment.delta[:n].clone() if fragment.status == "arrived" else None,
-                    "due": fragment.due,
-                    "started": fragment.started,
-                }
-            )
-        residuals = [None if f.residual is None else f.residual.clone() for f in self.fragments]
-        owner = [None if f.owner_residual is None else f.owner_residual.clone() for f in self.fragments]
+        fragments = [save_fragment(fragment, self.outer) for fragment in self.fragments]
+        residuals = save_residuals(self.fragments)
         ranks = self.replicas.gather()
         if self.transport.size > 1:
-            extras = self.transport.allgather_object({"residuals": residuals, "owner_residuals": owner})
+            extras = self.transport.allgather_object(residuals)
             ranks = [{**r, **e} for r, e in zip(ranks, extras, strict=True)]
         else:
-            ranks[0].update(residuals=residuals, owner_residuals=owner)
+            ranks[0].update(residuals)
         return {
             "steps": self.steps,
             "outer_steps": self.outer_steps,
@@ -389,28 +325,7 @@ class BoundDiLoCo(BoundLocalStepRule):
         an exchange in flight is kept as the Δ (and residual) it started from, and started again
         over the survivors. This rank's own: its feedback residuals (owned-chunk residuals are cut
         anew for the new world size and start at zero) and, in the module, its local weights."""
-        fragments = []
-        residuals = []
-        for index, fragment in enumerate(self.fragments):
-            n = fragment.numel
-            buffer = self.outer.state.get(fragment.theta_global, {}).get("momentum_buffer")
-            running = fragment.status in ("running", "restart")
-            if running and index not in self._sent:
-                raise LookupError(
-                    f"{self.rule.name}: an exchange was in flight and its start was not kept (heal_snapshots off)"
-                )
-            delta, residual = self._sent[index] if running else (fragment.delta, fragment.residual)
-            fragments.append(
-                {
-                    "theta_global": fragment.theta_global[:n].clone(),
-                    "momentum": None if buffer is None else buffer[:n].clone(),
-                    "arrived": fragment.delta[:n].clone() if fragment.status == "arrived" else None,
-                    "sent": delta[:n].clone() if running else None,
-                    "due": fragment.due,
-                    "started": fragment.started,
-                }
-            )
-            residuals.append(None if residual is None else residual[:n].clone())
+        fragments, residuals = heal_fragments(self.fragments, self.outer, self.snapshots, self.rule.name)
         return {
             "steps": self.steps,
             "outer_steps": self.outer_steps,
@@ -421,12 +336,7 @@ class BoundDiLoCo(BoundLocalStepRule):
         }
 
     def _schedule(self) -> dict[str, Any]:
-        return {
-            "period": self.period,
-            "overlap_steps": self.overlap_steps,
-            "offsets": list(self.offsets),
-            "measured": None if self.measured is None else self.measured.as_dict(),
-        }
+        return save_schedule(self.period, self.overlap_steps, self.offsets, self.measured)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if len(state["fragments"]) != len(self.fragments):
@@ -436,27 +346,12 @@ class BoundDiLoCo(BoundLocalStepRule):
             )
         self.steps = int(state["steps"])
         self.outer_steps = int(state.get("outer_steps", 0))
-        schedule = state.get("schedule")
-        if schedule is not None and schedule["period"] is not None:  # the period the saved run chose
-            self.period, self.overlap_steps = int(schedule["period"]), int(schedule["overlap_steps"])
-            self.offsets = [int(o) for o in schedule["offsets"]]
-            measured = schedule.get("measured")
-            self.measured = None if measured is None else Measurement.from_dict(measured)
+        chosen = load_schedule(state.get("schedule"))
+        if chosen is not None:  # the period the saved run chose
+            self.period, self.overlap_steps, self.offsets, self.measured = chosen
         for fragment, saved in zip(self.fragments, state["fragments"], strict=True):
-            n = fragment.numel
-            fragment.theta_global.zero_()
-            fragment.theta_global[:n].copy_(saved["theta_global"])
-            if saved["momentum"] is not None:
-                buffer = torch.zeros_like(fragment.theta_global)
-                buffer[:n].copy_(saved["momentum"])
-                self.outer.state[fragment.theta_global] = {"momentum_buffer": buffer}
-            fragment.started, fragment.due = int(saved["started"]), int(saved["due"])
-            fragment.status = "idle"
-            if saved["arrived"] is not None:
-                fragment.delta.zero_()
-                fragment.delta[:n].copy_(saved["arrived"])
-                fragment.status = "arrived"
-        self._sent.clear()
+            load_fragment(fragment, self.outer, saved)
+        self.snapshots.clear()
         if "local" in state:  # a heal: this rank's own part; its local weights are the module's
             self._load_healed(state)
             return
@@ -468,32 +363,15 @@ class BoundDiLoCo(BoundLocalStepRule):
             if not same_world:  # residuals and local weights of other ranks do not map onto these
                 fragment.local.push(fragment.theta_global)
                 continue
-            mine = state["ranks"][self.transport.rank]
-            for name in ("residual", "owner_residual"):
-                saved = mine[f"{name}s"][index]
-                target = getattr(fragment, name)
-                if target is not None and saved is not None:
-                    target.copy_(saved)
+            load_residuals(fragment, index, state["ranks"][self.transport.rank])
         self._loaded = True
 
     def _load_healed(self, state: dict[str, Any]) -> None:
-        """The rest of :meth:`heal_state`: this rank's residuals, and the exchanges to start again."""
+        """The rest of :meth:`heal_state`: this rank's residuals, and the exchanges to start again
+        (:func:`.outer_heal.load_healed`)."""
         mine = state["local"]
         self.guard.skipped_steps = int(mine.get("skipped_steps", 0))
-        for index, (fragment, saved) in enumerate(zip(self.fragments, state["fragments"], strict=True)):
-            n = fragment.numel
-            if fragment.residual is not None:
-                fragment.residual.zero_()
-                if mine["residuals"][index] is not None:
-                    fragment.residual[:n].copy_(mine["residuals"][index])
-            if fragment.owner_residual is not None:
-                fragment.owner_residual.zero_()
-            if saved.get("sent") is not None:
-                fragment.delta.zero_()
-                fragment.delta[:n].copy_(saved["sent"])
-                fragment.status = "restart"  # started by the next hook: one exchange in flight at a time
-                residual = None if fragment.residual is None else fragment.residual.clone()
-                self._sent[index] = (fragment.delta.clone(), residual)
+        load_healed(self.fragments, state["fragments"], mine["residuals"], self.snapshots)
         self._loaded = True
 
     def _load_joined(self, state: dict[str, Any]) -> None:
@@ -502,17 +380,7 @@ class BoundDiLoCo(BoundLocalStepRule):
         weights start from θ_global (as every rank's do after an outer step, and as a resume at
         another world size does), its residuals at zero. The survivors let it in only while no
         exchange is in flight (:attr:`exchange_in_flight`): it could not join one started without it."""
-        if any(saved.get("sent") is not None for saved in state["fragments"]):
-            raise ValueError(
-                "lightning_mpi: a new rank cannot join while a DiLoCo exchange is in flight; the survivors let "
-                "it in at a step with none (lightning_mpi.strategies.replacement)"
-            )
-        for fragment in self.fragments:
-            if fragment.residual is not None:
-                fragment.residual.zero_()
-            if fragment.owner_residual is not None:
-                fragment.owner_residual.zero_()
-            fragment.local.push(fragment.theta_global)
+        join(self.fragments, state["fragments"])
         self._loaded = True
 
     @property
