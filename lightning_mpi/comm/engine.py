@@ -20,8 +20,9 @@ import threading
 from collections.abc import Callable, Generator
 from typing import Any
 
+from lightning_mpi.comm.progress import ProgressThread
 from lightning_mpi.comm.resources import keep_pending
-from lightning_mpi.comm.transport import wait_request
+from lightning_mpi.comm.transport import Transport, wait_request
 
 Exchange = Generator[Any, None, Any]
 
@@ -152,3 +153,26 @@ class ExchangeScheduler:
     def __len__(self) -> int:
         with self._lock:
             return len(self._active)
+
+
+def watched_scheduler(
+    transport: Transport, progress_thread: bool, who: str, remedy: str
+) -> tuple[ExchangeScheduler, ProgressThread | None]:
+    """An :class:`ExchangeScheduler` over ``transport`` that raises when another rank failed and is
+    told at once when its driver fails, and, with ``progress_thread`` on more than one rank, a
+    paused :class:`~lightning_mpi.comm.progress.ProgressThread` that polls it every 0.2 ms (start it
+    while exchanges are in flight); the thread's failure is reported on ``transport``. ``who`` and
+    ``remedy`` name the option in the ``MPI_THREAD_MULTIPLE`` error."""
+    scheduler = ExchangeScheduler(
+        transport.timeout,
+        transport.rank,
+        transport.size,
+        watch=transport.watch,
+        on_driver_error=transport.report_thread_failure,
+    )
+    if not progress_thread or transport.size <= 1:
+        return scheduler, None
+    driver = ProgressThread(
+        scheduler.try_poll, 2e-4, who, running=False, remedy=remedy, on_error=transport.report_thread_failure
+    )
+    return scheduler, driver

@@ -24,8 +24,7 @@ from lightning_mpi.comm.collectives import (
     hierarchical_mean_steps,
     segments,
 )
-from lightning_mpi.comm.engine import Exchange, ExchangeScheduler
-from lightning_mpi.comm.progress import ProgressThread
+from lightning_mpi.comm.engine import Exchange, watched_scheduler
 from lightning_mpi.comm.transport import Transport
 
 
@@ -49,24 +48,10 @@ class BucketExchanger:
         self.exchange = exchange
         self.codec = get_codec(wire)
         self.segment_numel = max(1, int(segment_mb * 2**20) // 4)
-        self.progress = ExchangeScheduler(
-            transport.timeout,
-            transport.rank,
-            transport.size,
-            watch=transport.watch,
-            on_driver_error=transport.report_thread_failure,
+        # The driver polls only while exchanges are in flight: started by start(), paused by finish().
+        self.progress, self.driver = watched_scheduler(
+            transport, progress_thread, "SyncRule(progress_thread=True)", ", or pass progress_thread=False"
         )
-        self.driver: ProgressThread | None = None
-        if progress_thread and transport.size > 1:
-            # Polls only while exchanges are in flight: started by start(), paused by finish().
-            self.driver = ProgressThread(
-                self.progress.try_poll,
-                2e-4,
-                "SyncRule(progress_thread=True)",
-                running=False,
-                remedy=", or pass progress_thread=False",
-                on_error=transport.report_thread_failure,
-            )
         self._workspaces: dict[tuple[int, int], ASAWorkspace] = {}
         self._slots: dict[int, tuple[Transport | None, list[Tensor], list[Transport]]] = {}  # by id(bucket)
         self.local: Transport | None = None

@@ -30,8 +30,7 @@ import torch
 from torch import Tensor
 
 from lightning_mpi.comm.codecs import Codec
-from lightning_mpi.comm.engine import ExchangeScheduler
-from lightning_mpi.comm.progress import ProgressThread
+from lightning_mpi.comm.engine import watched_scheduler
 from lightning_mpi.comm.shard_exchange import Staging, StagingPool
 from lightning_mpi.comm.transport import Transport
 from lightning_mpi.rules.zero_bucket import ShardBucket
@@ -68,23 +67,9 @@ class BucketSchedule:
             largest = max(x.plan.chunk for x in buckets if (x.plan.dtype, x.plan.device) == key)
             if key not in self._pools:
                 self._pools[key] = StagingPool(transport.size, largest, codec, inflight_buckets, *key)
-        self.progress = ExchangeScheduler(
-            transport.timeout,
-            transport.rank,
-            transport.size,
-            watch=transport.watch,
-            on_driver_error=transport.report_thread_failure,
+        self.progress, self.driver = watched_scheduler(
+            transport, progress_thread, "ZeroRule(progress_thread=True)", ", or pass progress_thread=False"
         )
-        self.driver: ProgressThread | None = None
-        if progress_thread and transport.size > 1:
-            self.driver = ProgressThread(
-                self.progress.try_poll,
-                2e-4,
-                "ZeroRule(progress_thread=True)",
-                running=False,
-                remedy=", or pass progress_thread=False",
-                on_error=transport.report_thread_failure,
-            )
         #: buckets started from the gradient hooks (not at the step)
         self.hook_launches = 0
         self._next = 0  # buckets launch in index order: the next one to go
