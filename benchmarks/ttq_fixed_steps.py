@@ -65,7 +65,7 @@ def fixed_steps(arm: str, steps: int, marks: list[int], data: Path) -> dict | No
     from mpi4py import MPI
 
     from benchmarks import ttq_task
-    from benchmarks.ttq_worker import trainer_kwargs
+    from benchmarks.ttq_worker import QUIET_TRAINER, train_loader, trainer_kwargs
 
     torch.set_num_threads(1)
     rank = MPI.COMM_WORLD.Get_rank()
@@ -75,8 +75,6 @@ def fixed_steps(arm: str, steps: int, marks: list[int], data: Path) -> dict | No
     MPI.COMM_WORLD.Barrier()
     train_text, held_text, _ = ttq_task.load_texts(cfg, data)
     held = ttq_task.held_out_batch(held_text, cfg)
-    loader = torch.utils.data.DataLoader(ttq_task.train_dataset(train_text, cfg), batch_size=16, shuffle=True,
-                                         drop_last=True)
 
     class Marks(pl.Callback):
         def __init__(self) -> None:
@@ -89,11 +87,9 @@ def fixed_steps(arm: str, steps: int, marks: list[int], data: Path) -> dict | No
                 self.snapshots[len(self.times)] = [p.detach().clone() for p in module.parameters()]
 
     recorder = Marks()
-    trainer = pl.Trainer(accelerator="cpu", max_steps=steps, logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                         limit_val_batches=0, callbacks=[recorder], **trainer_kwargs(arm))
+    trainer = pl.Trainer(max_steps=steps, callbacks=[recorder], **QUIET_TRAINER, **trainer_kwargs(arm))
     module = ttq_task.make_module(cfg)
-    trainer.fit(module, loader)
+    trainer.fit(module, train_loader(train_text, cfg, 16))
     if rank != 0:
         return None
     gaps = [b - a for a, b in zip(recorder.times[10:], recorder.times[11:], strict=False)]

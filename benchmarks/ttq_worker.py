@@ -60,6 +60,21 @@ def exchange_bytes(stats: dict) -> float | None:
     return max(found) if found else None
 
 
+#: Trainer arguments of every arm: CPU, nothing logged, saved, shown or validated
+QUIET_TRAINER = {"accelerator": "cpu", "logger": False, "enable_checkpointing": False, "enable_progress_bar": False,
+                 "enable_model_summary": False, "num_sanity_val_steps": 0, "limit_val_batches": 0}
+
+
+def train_loader(train_text, cfg, batch: int):
+    """The training windows, shuffled, in batches of ``batch`` (the Trainer shards them over ranks)."""
+    import torch
+
+    from benchmarks import ttq_task
+
+    return torch.utils.data.DataLoader(ttq_task.train_dataset(train_text, cfg), batch_size=batch, shuffle=True,
+                                       drop_last=True)
+
+
 def trainer_kwargs(arm: str) -> dict:
     """Strategy (and layout) Trainer arguments for ``arm``."""
     from benchmarks import ddp_peers
@@ -165,15 +180,11 @@ def run(spec: dict) -> None:
                                           file=stacks)
     cfg = ttq_task.TaskConfig(**spec["task"])
     train_text, held_text, digest = ttq_task.load_texts(cfg, Path(spec["data"]))
-    loader = torch.utils.data.DataLoader(ttq_task.train_dataset(train_text, cfg), batch_size=spec["batch"],
-                                         shuffle=True, drop_last=True)
     module = ttq_task.make_module(cfg)
     clock = make_clock(spec, rank)
     clock.report("starting")
-    trainer = pl.Trainer(accelerator="cpu", max_epochs=10_000, logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                         limit_val_batches=0, callbacks=[clock], **trainer_kwargs(spec["arm"]))
-    trainer.fit(module, loader)
+    trainer = pl.Trainer(max_epochs=10_000, callbacks=[clock], **QUIET_TRAINER, **trainer_kwargs(spec["arm"]))
+    trainer.fit(module, train_loader(train_text, cfg, spec["batch"]))
     if stacks is not None:
         import faulthandler
 
