@@ -78,8 +78,12 @@ class ExchangeScheduler:
             self._raise_driver_error()
             self._poll()
 
-    def try_poll(self) -> None:
+    def try_poll(self, on_idle: Callable[[], None] | None = None) -> None:
         """For the driver thread: :meth:`poll` unless another thread holds the engine right now.
+
+        ``on_idle``, when given, runs (under the engine's lock) when nothing is left in flight
+        after the poll: a driver pauses itself there, and since :meth:`start` takes the same lock,
+        a training thread that starts an exchange and then the driver cannot be overtaken by it.
 
         Never raises: an error is kept and raised in the training thread's next call, and handed
         to ``on_driver_error`` at once (the strategies post it to the other ranks)."""
@@ -88,6 +92,8 @@ class ExchangeScheduler:
         try:
             if self._error is None:
                 self._poll()
+            if on_idle is not None and not self._active:
+                on_idle()
         except BaseException as error:  # noqa: BLE001  handed over, not swallowed
             self._error = error
             if self._on_driver_error is not None:

@@ -89,6 +89,9 @@ from lightning_mpi.rules.outer_period import AUTO_PROBE_STEPS, choose_period
 from lightning_mpi.rules.outer_warning import SlowExchangeWarning
 from lightning_mpi.rules.replica_state import ReplicaState
 
+#: seconds between the progress thread's polls while an outer exchange is in flight
+POLL_SECONDS = 2e-4
+
 
 # -- the rule ---------------------------------------------------------------------------------------
 @options_class
@@ -148,10 +151,9 @@ class BoundDiLoCo(BoundLocalStepRule):
         self.progress = ExchangeScheduler(transport.timeout, transport.rank, transport.size)
         self.driver: ProgressThread | None = None
         if (overlap_steps > 0 or (self.period is None and len(groups) > 1)) and transport.size > 1:
-            # MPICH moves a non-blocking exchange only inside MPI calls: poll while one is in flight.
-            self.driver = ProgressThread(
-                self.progress.try_poll, 2e-4, f"{rule.name} (overlap_steps > 0)", running=False
-            )
+            # MPICH moves a non-blocking exchange only inside MPI calls: poll while one is in flight,
+            # and stop once it has arrived (waking for nothing costs the training thread the GIL).
+            self.driver = ProgressThread(self._drive, POLL_SECONDS, f"{rule.name} (overlap_steps > 0)", running=False)
         self.steps = 0
         self.outer_steps = 0
         self.peak_exchange_bytes = 0
@@ -164,6 +166,14 @@ class BoundDiLoCo(BoundLocalStepRule):
         self._loaded = False
         self._seconds = 0.0
         self._bytes = 0
+
+    def _drive(self) -> None:
+        """The progress thread's poll: move the exchange in flight; pause once none is."""
+        self.progress.try_poll(on_idle=self._pause_driver)
+
+    def _pause_driver(self) -> None:
+        if self.driver is not None:
+            self.driver.pause()
 
     # -- hooks --------------------------------------------------------------------------------------
     def on_train_start(self) -> None:

@@ -110,3 +110,32 @@ def test_a_probing_thread_frees_its_private_communicator_through_the_run(MPI):
     assert thread.alive and run.counts()[1] == 1
     thread.close()
     assert not thread.alive and run.counts()[1] == 0 and live_handles() == before
+
+
+def test_try_poll_calls_on_idle_only_once_nothing_is_in_flight():
+    """A driver pauses itself in ``on_idle``: not while an exchange is in flight, and under the
+    engine's lock, so a ``start`` from the training thread cannot slip between the check and it."""
+    progress, log, first, second = ExchangeScheduler(timeout=5), [], Request(), Request()
+    idle: list[bool] = []
+    starters: list[threading.Thread] = []
+
+    def on_idle() -> None:
+        # under the lock: another thread cannot start an exchange now
+        starter = threading.Thread(target=progress.start, args=(two_phase([], Request(), Request()),))
+        starter.start()
+        starter.join(timeout=0.2)
+        idle.append(starter.is_alive())
+        starters.append(starter)
+
+    progress.start(two_phase(log, first, second))
+    progress.try_poll(on_idle=on_idle)
+    assert idle == [], "an exchange is in flight"
+    first.done = True
+    progress.try_poll(on_idle=on_idle)
+    assert log == ["sent", "summed"] and idle == [], "the Allgather is in flight"
+    second.done = True
+    progress.try_poll(on_idle=on_idle)
+    assert log == ["sent", "summed", "done"]
+    assert idle == [True], "on_idle runs once the exchange is done, with the engine locked"
+    starters[0].join(timeout=5)
+    assert len(progress) == 1  # the exchange the other thread started once the lock was free
