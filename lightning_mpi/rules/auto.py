@@ -25,9 +25,9 @@ same holds for what a decision runs: which collectives, and how many, follow fro
 only (the arm in use, the agreed measurements), never from a rank's own clock or state, since a
 rank that joined one Allreduce more than the others would hang them all (issue 25).
 
-The arms are the existing rules, held by composition: :class:`BoundAuto` holds the bound rule
-of the arm in use and delegates every hook to it. A switch happens in ``after_step``, where
-every rank is, after the update:
+The arms are the existing rules, held by composition (:mod:`.auto_arms`): :class:`BoundAuto`
+holds the bound rule of the arm in use and delegates every hook to it. A switch happens in
+``after_step``, where every rank is, after the update:
 
 - leaving Streaming DiLoCo: its ``on_train_end`` averages the replicas (what is in flight and
   the steps since each fragment's last exchange) and leaves that mean, θ_global, identical on
@@ -47,9 +47,10 @@ measurements (link probe, dry runs, step time) over the new world size, at the s
 furthest survivor's, or at the step of a decision that the loss interrupted
 (:mod:`.auto_heal`): every survivor ends each heal with the same arm and the same schedule.
 
-Checkpoints carry the arm in use, its own state and the decision's inputs; a resumed run binds the
-same arm and loads its state, so it continues exactly as the arm would. Later decisions depend on
-fresh timings (``assume`` makes them reproducible, for tests and what-if runs).
+Checkpoints carry the arm in use, its own state and the decision's inputs (:mod:`.auto_checkpoint`);
+a resumed run binds the same arm and loads its state, so it continues exactly as the arm would.
+Later decisions depend on fresh timings (``assume`` makes them reproducible, for tests and
+what-if runs: :mod:`.auto_assume`).
 """
 
 from __future__ import annotations
@@ -64,6 +65,9 @@ from torch.optim import Optimizer
 
 from lightning_mpi.comm.transport import Transport
 from lightning_mpi.options import integer, number, option, options_class
+from lightning_mpi.rules.auto_arms import LOCAL_STEP_ARMS, average_optimizer_state, bind_arm
+from lightning_mpi.rules.auto_assume import parse_assumed
+from lightning_mpi.rules.auto_checkpoint import load_counters, save_counters
 from lightning_mpi.rules.auto_choice import (
     Choice,
     Sizes,
@@ -71,15 +75,11 @@ from lightning_mpi.rules.auto_choice import (
     default_plan,
     still_valid,
 )
-from lightning_mpi.rules.auto_heal import agree_after_heal
+from lightning_mpi.rules.auto_heal import plan_after_heal
 from lightning_mpi.rules.auto_measure import DecisionProbe, measure_interval
+from lightning_mpi.rules.auto_report import announcement, decision_stats
 from lightning_mpi.rules.base import BoundRule, Rule
-from lightning_mpi.rules.diloco import DiLoCoRule
-from lightning_mpi.rules.link_model import Link
 from lightning_mpi.rules.link_probe import Measurement, StepClock
-from lightning_mpi.rules.powersgd import PowerSGDRule
-from lightning_mpi.rules.streaming_diloco import StreamingDiLoCoRule
-from lightning_mpi.rules.sync import SyncRule
 
 #: Steps before the first decision; the first is not timed (caches, allocators warm up).
 PROBE_STEPS = 5
@@ -87,33 +87,6 @@ PROBE_STEPS = 5
 #: (PowerSGD's matrix products, Python's overhead per bucket) is seen soon, not ``measure_every``
 #: steps later.
 CONFIRM_STEPS = 6
-#: The arms whose ranks step on their own between exchanges.
-LOCAL_STEP_ARMS = ("probing", "streaming")
-ARM_CODES = {"probing": -1.0, "sync": 0.0, "powersgd": 1.0, "streaming": 2.0}
-WIRE_BITS = {"": 0.0, "fp32": 32.0, "fp16": 16.0, "bf16": 16.0, "int8": 8.0, "int4": 4.0}
-
-
-def parse_assumed(text: str) -> list[Measurement]:
-    """``"step_ms,mbit_per_s,latency_ms;..."`` -> one :class:`Measurement` per decision.
-
-    Raises:
-        ValueError: naming ``assume``, when an entry is not three positive numbers.
-    """
-    found = []
-    for entry in filter(None, (e.strip() for e in text.split(";"))):
-        try:
-            step_ms, mbit, latency_ms = (float(v) for v in entry.split(","))
-        except ValueError:
-            step_ms = mbit = latency_ms = -1.0
-        if min(step_ms, mbit, latency_ms) <= 0:
-            raise ValueError(
-                f"assume={text!r}: each entry must be 'step_ms,mbit_per_s,latency_ms' with positive numbers, "
-                f"';'-separated (e.g. '50,1000,0.1;50,100,0.5'); got {entry!r}"
-            )
-        found.append(Measurement(step_ms / 1e3, Link(mbit * 1e6 / 8, latency_ms / 1e3)))
-    if not found:
-        raise ValueError(f"assume={text!r} holds no measurement: pass e.g. '50,1000,0.1' or None")
-    return found
 
 
 @options_class
@@ -155,24 +128,6 @@ class AutoRule(Rule):
         return BoundAuto(self, transport, params)
 
 
-def arm_rule(choice: Choice) -> Rule:
-    """The rule that trains ``choice``."""
-    if choice.arm == "sync":
-        return SyncRule(exchange="asa", wire="bf16" if choice.wire == "bf16" else "fp16")
-    if choice.arm == "powersgd":
-        return PowerSGDRule()
-    if choice.arm == "streaming":
-        return StreamingDiLoCoRule(
-            period=choice.period,
-            fragments=choice.fragments,
-            overlap_steps=choice.overlap_steps,
-            wire=choice.wire,  # type: ignore[arg-type]  # auto_choice picks among the allowed wires
-        )
-    # "probing", the first steps' arm of checkpoints written before the first steps ran Streaming
-    # DiLoCo: local steps; the switch averages the weights once (outer lr 1, no momentum), 4-bit
-    return DiLoCoRule(period=10**9, outer_lr=1.0, outer_momentum=0.0, wire="int4")
-
-
 class BoundAuto(BoundRule):
     """The running ``mpi_auto``: the bound rule of the arm in use, and the decisions (module docstring)."""
 
@@ -188,8 +143,7 @@ class BoundAuto(BoundRule):
         # the first decision), so where the decision keeps it nothing is switched. One rank: nothing
         # to measure or exchange (a plain every-step rule is a no-op there).
         self.choice = default_plan(self.sizes) if transport.size > 1 else Choice("sync", "fp16")
-        self.inner: BoundRule = arm_rule(self.choice).bind(transport, self.params)
-        self._quiet(self.inner)
+        self.inner: BoundRule = bind_arm(self.choice, transport, self.params)
         self.steps = 0
         self.next_decision = PROBE_STEPS
         self.decisions = 0
@@ -338,7 +292,7 @@ class BoundAuto(BoundRule):
         if previous.arm in LOCAL_STEP_ARMS:
             self.inner.on_train_end()  # every rank now holds θ_global
             if choice.arm in ("sync", "powersgd"):  # a local-step arm keeps each rank's own state
-                self._average_optimizer_state(optimizer)
+                average_optimizer_state(self.transport, self.params, optimizer)
         self._bind(choice)
         self.inner.on_train_start()
         replicas = getattr(self.inner, "replicas", None)
@@ -349,21 +303,12 @@ class BoundAuto(BoundRule):
         self.held.clear()
         self._announce(choice)
 
-    @staticmethod
-    def _quiet(arm: BoundRule) -> None:
-        """An every-step arm does not warn that its exchange is slow: this rule measures that and
-        switches (its own decisions say why)."""
-        warning = getattr(arm, "exposed_warning", None)
-        if warning is not None:
-            warning.disarm()
-
     def _bind(self, choice: Choice) -> None:
         """Close the arm in use and bind ``choice``'s (collective: an arm's binding duplicates the
         communicator)."""
         enabled = self.inner.sync_enabled
         self.inner.close()
-        self.inner = arm_rule(choice).bind(self.transport, self.params)
-        self._quiet(self.inner)
+        self.inner = bind_arm(choice, self.transport, self.params)
         self.inner.sync_enabled = enabled
         if self._heal_snapshots and hasattr(self.inner, "heal_snapshots"):
             self.inner.heal_snapshots = True
@@ -372,48 +317,12 @@ class BoundAuto(BoundRule):
     def _announce(self, choice: Choice) -> None:
         """Rank 0's one line for a decision that changed the arm (and for the first decision)."""
         if self.transport.rank == 0:
-            link = self.measured.link if self.measured is not None else None
-            seen = "" if link is None else f"; link {link.bandwidth * 8 / 1e6:.0f} Mbit/s, {link.latency * 1e3:.2f} ms"
-            step = "" if self.measured is None else f", step {self.measured.step_seconds * 1e3:.0f} ms"
-            print(
-                f"lightning_mpi: mpi_auto after step {self.steps}: {choice.describe()} ({self.reason}{seen}{step})",
-                flush=True,
-            )
-
-    def _average_optimizer_state(self, optimizer: Optimizer) -> None:
-        """Average the inner optimizer's per-parameter float state over the ranks (it differed
-        between them while each stepped on its own).
-
-        The entries averaged are agreed first: a rank holds no state for a parameter it never
-        stepped (its gradient was always None there, or its own steps were all rejected), so
-        each rank's own entries could differ in number, and one Allreduce per entry would then
-        not match between ranks. Entries that every rank holds are averaged, in one order on
-        every rank; any other stays each rank's own."""
-        size = self.transport.size
-        if size == 1:
-            return
-        entries: dict[tuple[int, str], Tensor] = {}
-        for index, param in enumerate(self.params):
-            for key, value in optimizer.state.get(param, {}).items():
-                if isinstance(value, Tensor) and value.is_floating_point() and value.shape == param.shape:
-                    entries[(index, str(key))] = value
-        held = self.transport.allgather_object(sorted(entries))
-        everywhere = set(held[0]).intersection(*held[1:])
-        for entry in sorted(everywhere):
-            self.transport.allreduce_(entries[entry]).div_(size)
+            print(announcement(self.steps, choice, self.reason, self.measured), flush=True)
 
     # -- checkpoints and logs -------------------------------------------------------------------------
     def counters(self) -> dict[str, Any]:
-        """The decisions' state, without the arm's (read on this rank alone)."""
-        return {
-            "choice": self.choice.as_dict(),
-            "steps": self.steps,
-            "next_decision": self.next_decision,
-            "decisions": self.decisions,
-            "switches": self.switches,
-            "measured": None if self.measured is None else self.measured.as_dict(),
-            "observed": {arm: list(seen) for arm, seen in self.observed.items()},
-        }
+        """The decisions' state, without the arm's (read on this rank alone; :mod:`.auto_checkpoint`)."""
+        return save_counters(self)
 
     def state_dict(self) -> dict[str, Any]:
         return {**self.counters(), "inner": self.inner.state_dict()}
@@ -428,62 +337,31 @@ class BoundAuto(BoundRule):
         if choice != self.choice:
             self._bind(choice)
         self.inner.load_state_dict(state["inner"])
-        self._load_counters(state)
-
-    def _load_counters(self, state: dict[str, Any]) -> None:
-        self.steps = int(state["steps"])
-        self.next_decision = int(state["next_decision"])
-        self.decisions = int(state["decisions"])
-        self.switches = int(state["switches"])
-        measured = state.get("measured")
-        self.measured = None if measured is None else Measurement.from_dict(measured)
-        self.observed = {arm: (float(s), float(b)) for arm, (s, b) in state.get("observed", {}).items()}
+        load_counters(self, state)
 
     def _load_healed(self, state: dict[str, Any]) -> None:
         """Bind on the healed run what this survivor kept (``heal="shrink"``/``"replace"``;
-        collective): the survivors agree on the arm, the count of decisions and the step of the next
-        decision (:func:`~.auto_heal.agree_after_heal`); this rank loads its arm's kept state
-        (``"inner"``, its own part under ``"local"``) where it kept the agreed arm (else it was inside
-        the decision that switched, and takes that decision's result from a survivor that completed
-        it). What was observed of the arms' costs is dropped: the world size changed."""
-        mine = (int(state["decisions"]), int(state["steps"]), bool(state.get("deciding")), state["choice"])
-        everyone = self.transport.allgather_object(mine) if self.transport.size > 1 else [mine]
-        source, decisions, next_decision = agree_after_heal([entry[:3] for entry in everyone], PROBE_STEPS)
-        choice = Choice.from_dict(everyone[source][3])
-        if choice != self.choice:
-            self._bind(choice)
-        if Choice.from_dict(state["choice"]) == choice:
-            inner = dict(state["inner"])
-            if "local" in state:
-                inner["local"] = state["local"]
-            self.inner.load_state_dict(inner)
-        self._load_counters(state)
-        self.decisions, self.next_decision, self.observed = decisions, next_decision, {}
+        collective): the arm, the count of decisions and the step of the next decision the survivors
+        agree on, and this rank's kept state of that arm where it kept it
+        (:func:`~.auto_heal.plan_after_heal`). What was observed of the arms' costs is dropped: the
+        world size changed."""
+        plan = plan_after_heal(self.transport, state, PROBE_STEPS)
+        if plan.choice != self.choice:
+            self._bind(plan.choice)
+        if plan.arm_state is not None:
+            self.inner.load_state_dict(plan.arm_state)
+        load_counters(self, state)
+        self.decisions, self.next_decision, self.observed = plan.decisions, plan.next_decision, {}
         self._announce_next = True
 
     def take_decision(self, counters: dict[str, Any]) -> None:
         """A survivor inside a decision that another completed takes its outcome (``counters``, the
         other's after it); the schedule agreed at the heal stays, the observations stay dropped."""
         next_decision = self.next_decision
-        self._load_counters(counters)
+        load_counters(self, counters)
         self.next_decision, self.observed = next_decision, {}
 
     def stats(self) -> dict[str, float]:
-        mine = {
-            "arm": ARM_CODES[self.choice.arm],
-            "wire_bits": WIRE_BITS.get(self.choice.wire, 0.0),
-            "fragments": float(self.choice.fragments),
-            "period": float(self.choice.period),
-            "overlap_steps": float(self.choice.overlap_steps),
-            "switches": float(self.switches),
-            "decisions": float(self.decisions),
-            "observed_exposed_share": self._observed_share,
-        }
-        if self.measured is not None:
-            mine.update(
-                step_seconds=self.measured.step_seconds,
-                link_bandwidth=self.measured.link.bandwidth,
-                link_latency=self.measured.link.latency,
-            )
+        mine = decision_stats(self.choice, self.switches, self.decisions, self._observed_share, self.measured)
         inner = {k: v for k, v in self.inner.stats().items() if k not in mine}
         return {**inner, **mine}

@@ -1,5 +1,7 @@
 """How ``mpi_auto``'s survivors agree, after a heal, on the arm they bind and on the step of their
-next decision: a pure function of what each survivor kept (no MPI; :mod:`.auto` gathers it).
+next decision: :func:`agree_after_heal`, a pure function of what each survivor kept (no MPI), and
+:func:`plan_after_heal`, which gathers that over the healed run and says what this survivor binds
+and loads (:meth:`~.auto.BoundAuto.load_state_dict` applies it).
 
 Each survivor kept, at the moment it noticed the loss, ``(decisions, steps, deciding)``: the
 decisions it completed, the steps it counted, and whether it was inside a decision (then what it
@@ -25,6 +27,11 @@ old world size; the dry runs time them again), so that every input of the next c
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from lightning_mpi.comm.transport import Transport
+from lightning_mpi.rules.auto_choice import Choice
 
 
 def agree_after_heal(kept: Sequence[tuple[int, int, bool]], probe_steps: int) -> tuple[int, int, int]:
@@ -48,3 +55,35 @@ def agree_after_heal(kept: Sequence[tuple[int, int, bool]], probe_steps: int) ->
     source = next(i for i, (decisions, _, deciding) in enumerate(kept) if decisions == top and not deciding)
     furthest = max(steps for _, steps, _ in kept)
     return source, top, max(furthest + 1, probe_steps if top == 0 else 0)
+
+
+@dataclass(frozen=True)
+class HealedPlan:
+    """What one survivor binds and schedules on the healed run (:func:`plan_after_heal`)."""
+
+    #: the arm every survivor binds
+    choice: Choice
+    #: the count of decisions every survivor takes
+    decisions: int
+    #: the step of the next decision, the same on every survivor
+    next_decision: int
+    #: this survivor's kept state of that arm (its own part under ``"local"``); ``None`` where it
+    #: kept another arm: it was inside the decision that switched, and takes that decision's result
+    #: from a survivor that completed it
+    arm_state: dict[str, Any] | None
+
+
+def plan_after_heal(transport: Transport, kept: dict[str, Any], probe_steps: int) -> HealedPlan:
+    """Collective over the healed run (``transport``): every survivor's ``kept`` state (what
+    ``mpi_auto`` kept through the heal: its decisions' counters, ``"deciding"``, its arm's state
+    under ``"inner"`` and ``"local"``) gathered and agreed with :func:`agree_after_heal`."""
+    mine = (int(kept["decisions"]), int(kept["steps"]), bool(kept.get("deciding")), kept["choice"])
+    everyone = transport.allgather_object(mine) if transport.size > 1 else [mine]
+    source, decisions, next_decision = agree_after_heal([entry[:3] for entry in everyone], probe_steps)
+    choice = Choice.from_dict(everyone[source][3])
+    arm_state = None
+    if Choice.from_dict(kept["choice"]) == choice:
+        arm_state = dict(kept["inner"])
+        if "local" in kept:
+            arm_state["local"] = kept["local"]
+    return HealedPlan(choice, decisions, next_decision, arm_state)

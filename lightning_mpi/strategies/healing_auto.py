@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from lightning_mpi.rules.auto import BoundAuto
+from lightning_mpi.rules.auto_arms import optimizer_float_state
 from lightning_mpi.rules.auto_choice import Choice
 from lightning_mpi.rules.base import BoundRule
 from lightning_mpi.rules.diloco import BoundDiLoCo
@@ -77,25 +78,16 @@ def auto_train_end(healing: Any, runner: Any) -> None:
         runner.bound.on_train_end()
 
 
-def _float_state(params: list[torch.Tensor], optimizer: Any) -> dict[tuple[int, str], torch.Tensor]:
-    """The optimizer's per-parameter float state (what a switch averages), by parameter and key."""
-    found = {}
-    for index, p in enumerate(params):
-        for key, value in optimizer.state.get(p, {}).items():
-            if isinstance(value, torch.Tensor) and value.is_floating_point() and value.shape == p.shape:
-                found[(index, str(key))] = value
-    return found
-
-
 def _write_back(
     params: list[torch.Tensor],
     optimizer: Any,
     weights: list[torch.Tensor],
     float_state: dict[tuple[int, str], torch.Tensor],
 ) -> None:
-    """Copy ``weights`` into ``params`` and ``float_state`` (:func:`_float_state`'s keys) into the
-    optimizer's state, where it holds that entry."""
-    mine = _float_state(params, optimizer)
+    """Copy ``weights`` into ``params`` and ``float_state`` (keyed as
+    :func:`~lightning_mpi.rules.auto_arms.optimizer_float_state` keys it) into the optimizer's
+    state, where it holds that entry."""
+    mine = optimizer_float_state(params, optimizer)
     with torch.no_grad():
         for p, value in zip(params, weights, strict=True):
             p.copy_(value)
@@ -116,7 +108,7 @@ def auto_decision(healing: Any, runner: Any, optimizer: Any) -> None:
     params = list(auto.params)
     snapshot = {**auto_kept_state(auto), "deciding": True}
     weights = [p.detach().clone() for p in params]
-    moments = {key: t.detach().clone() for key, t in _float_state(params, optimizer).items()}
+    moments = {key: t.detach().clone() for key, t in optimizer_float_state(params, optimizer).items()}
     collective = [True]
     attempts = [0]
 
@@ -134,7 +126,7 @@ def auto_decision(healing: Any, runner: Any, optimizer: Any) -> None:
         bound = runner.bound
         if bound.choice == Choice.from_dict(snapshot["choice"]):
             return bound.counters(), None, None, None
-        state = _float_state(params, optimizer)
+        state = optimizer_float_state(params, optimizer)
         return (
             bound.counters(),
             kept_state(bound.inner),

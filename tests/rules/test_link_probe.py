@@ -3,12 +3,10 @@ says (issue 25: a rank that decided from its own timing how often to time an exc
 job). One rank's view of a 2-rank job, the other rank scripted; on ranks: tests/strategies/test_auto.py."""
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 
-from lightning_mpi.rules.auto import BoundAuto
+from lightning_mpi.rules.auto_arms import average_optimizer_state
 from lightning_mpi.rules.link_probe import LinkProbe
 
 
@@ -69,7 +67,7 @@ def test_optimizer_state_averaged_only_where_every_rank_holds_it():
     for p in params:  # as one step with gradients of ones leaves it
         optimizer.state[p]["momentum_buffer"] = torch.ones_like(p)
     link = OtherRank(peer_entries=[(0, "momentum_buffer")])
-    BoundAuto._average_optimizer_state(SimpleNamespace(transport=link, params=params), optimizer)  # type: ignore[arg-type]
+    average_optimizer_state(link, params, optimizer)  # type: ignore[arg-type]
     assert link.calls == ["allgather", "allreduce3"]
     assert torch.equal(optimizer.state[params[0]]["momentum_buffer"], torch.full((3,), 0.5))  # the fake sum: own 1, / 2
     assert torch.equal(optimizer.state[params[1]]["momentum_buffer"], torch.ones(2))  # left as this rank's own
