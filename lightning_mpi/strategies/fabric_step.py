@@ -5,8 +5,8 @@ The Fabric strategy's ``optimizer_step`` calls :meth:`FabricStep.run`, which:
 1. looks for another rank's failure first (under ``heal``: heals here);
 2. applies the convergence aids' param-group overrides (``lr_scaling``, warm-up) around the
    update, and records what they applied;
-3. runs the rule's exchange (``before_step``; under ``heal`` redone on the healed run by
-   :func:`~.healing_rules.heal_grads`), unless clipping already ran it this step
+3. runs the rule's exchange (:func:`~.healing_rules.exchange_grads`: ``before_step``, under
+   ``heal`` redone on the healed run), unless clipping already ran it this step
    (:meth:`FabricStep.exchange_before_clipping`: clipping must see the averaged gradients, as under
    ``ddp``);
 4. skips the update when the exchange rejected it (non-finite gradients), unless a GradScaler
@@ -30,7 +30,7 @@ from torch.optim import Optimizer
 from lightning_mpi.strategies.convergence import ConvergenceAids
 from lightning_mpi.strategies.failures import RunFailures
 from lightning_mpi.strategies.healing import RunHealing
-from lightning_mpi.strategies.healing_rules import heal_after_step, heal_grads
+from lightning_mpi.strategies.healing_rules import exchange_grads, heal_after_step
 from lightning_mpi.strategies.rule_runner import RuleRunner
 
 
@@ -64,7 +64,9 @@ class FabricStep:
             with overrides if overrides is not None else nullcontext():
                 if bound is None:
                     return update()
-                accepted = self._exchanged if self._exchanged is not None else self._exchange(optimizer, module)
+                accepted = self._exchanged
+                if accepted is None:
+                    accepted = exchange_grads(self._healing, self._runner, optimizer, module)
                 self._exchanged = None
                 if not accepted and not scaler_handles_inf:
                     return None
@@ -81,12 +83,4 @@ class FabricStep:
         update will use, the averaged gradients, as under ``ddp``; :meth:`run` then takes its
         result instead of exchanging again."""
         if self._runner.bound is not None and self._exchanged is None:
-            self._exchanged = self._exchange(optimizer, module)
-
-    def _exchange(self, optimizer: Optimizer, module: Module | None) -> bool:
-        """The rule's ``before_step``; under ``heal`` redone on the healed run (see :mod:`.healing`)."""
-        bound = self._runner.bound
-        assert bound is not None
-        if not self._healing.active or module is None:
-            return bound.before_step(optimizer)
-        return heal_grads(self._healing, self._runner, optimizer, module)
+            self._exchanged = exchange_grads(self._healing, self._runner, optimizer, module)

@@ -175,6 +175,23 @@ def split_for_new_ranks(rule: Any, state: dict[str, Any], n: int) -> tuple[dict[
     return state, handed
 
 
+def exchange_grads(healing: Any, runner: Any, optimizer: Any, module: torch.nn.Module | None) -> bool:
+    """The bound rule's exchange of one optimizer step, as the Fabric and Trainer strategies run it
+    (after backward, before the update): under ``heal`` (``healing.active``) a healing operation on
+    ``module``'s gradients, redone on the healed run (:func:`heal_grads`); otherwise, or where no
+    module is given, the rule's own ``before_step``. ``runner.bound`` must be a bound rule.
+
+    Returns whether the update goes on (False: the exchange rejected this step, its gradients are
+    not finite). ``module`` is the one the rule is bound to; a strategy binds its rule to a module,
+    so ``None`` does not come with a bound rule (the fallback only keeps a missing module from
+    reaching :func:`heal_grads`)."""
+    bound = runner.bound
+    assert bound is not None
+    if not healing.active or module is None:
+        return bound.before_step(optimizer)
+    return heal_grads(healing, runner, optimizer, module)
+
+
 def heal_grads(healing: Any, runner: Any, optimizer: Any, module: torch.nn.Module) -> bool:
     """The rule's exchange (``before_step``) as a healing operation: this rank's own gradients are
     kept before it, put back before a redo (an interrupted exchange may have averaged some

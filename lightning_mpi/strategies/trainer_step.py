@@ -1,8 +1,8 @@
 """One optimizer step of the Trainer with the rule: backward, the exchange, the update, ``after_step``.
 
 Lightning runs backward inside the optimizer's closure, so :meth:`TrainerStep.run` wraps the
-closure: after backward the rule exchanges (``before_step``; under ``heal`` redone on the healed run
-by :func:`~.healing_rules.heal_grads`), and an exchange that rejects the step (non-finite
+closure: after backward the rule exchanges (:func:`~.healing_rules.exchange_grads`: ``before_step``,
+under ``heal`` redone on the healed run), and an exchange that rejects the step (non-finite
 gradients) abandons it before the update on every rank, unless a GradScaler handles inf gradients
 itself (it must see them). After the update, ``after_step`` (:func:`~.healing_rules.heal_after_step`).
 Lightning calls it only on steps that update, so gradient accumulation exchanges once per update.
@@ -27,7 +27,7 @@ from lightning_mpi.lr_scaling import StepOverrides
 from lightning_mpi.strategies.convergence import ConvergenceAids
 from lightning_mpi.strategies.failures import RunFailures
 from lightning_mpi.strategies.healing import RunHealing
-from lightning_mpi.strategies.healing_rules import heal_after_step, heal_grads
+from lightning_mpi.strategies.healing_rules import exchange_grads, heal_after_step
 from lightning_mpi.strategies.rule_runner import RuleRunner
 
 #: Lightning's ``optimizer_step`` with a given closure (the strategy's base class does the update).
@@ -91,7 +91,8 @@ class TrainerStep:
 
         def closure_then_exchange() -> Any:
             result = closure()
-            if not self._exchange(optimizer, module) and not scaler_handles_inf:
+            accepted = exchange_grads(self._healing, self._runner, optimizer, module)
+            if not accepted and not scaler_handles_inf:
                 raise _SkipStep
             return result
 
@@ -102,12 +103,3 @@ class TrainerStep:
             return None
         heal_after_step(self._healing, self._runner, optimizer)  # the rule as bound now (a heal rebinds it)
         return output
-
-    def _exchange(self, optimizer: Optimizer, module: Module | None) -> bool:
-        """The rule's ``before_step``; under ``heal`` redone on the healed run (see :mod:`.healing`)."""
-        if not self._healing.active:
-            bound = self._runner.bound
-            assert bound is not None
-            return bound.before_step(optimizer)
-        assert module is not None
-        return heal_grads(self._healing, self._runner, optimizer, module)
