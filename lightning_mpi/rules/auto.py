@@ -289,6 +289,12 @@ class BoundAuto(BoundRule):
     def _switch(self, choice: Choice, optimizer: Optimizer) -> None:
         """Hand over to ``choice``'s rule at this step (every rank is here; see the module docstring)."""
         previous = self.choice
+        if self._reschedule(previous, choice):
+            self.choice = choice
+            self.switches += 1
+            self.held.clear()
+            self._announce(choice)
+            return
         if previous.arm in LOCAL_STEP_ARMS:
             self.inner.on_train_end()  # every rank now holds θ_global
             if choice.arm in ("sync", "powersgd"):  # a local-step arm keeps each rank's own state
@@ -302,6 +308,17 @@ class BoundAuto(BoundRule):
         self.switches += 1
         self.held.clear()
         self._announce(choice)
+
+    def _reschedule(self, previous: Choice, choice: Choice) -> bool:
+        """Streaming DiLoCo to Streaming DiLoCo with the same wire and fragments, before the arm's
+        first exchange (the first decision): its new period and τ are set in place, with no
+        averaging and no new binding (:meth:`.BoundDiLoCo.reschedule`); same on every rank."""
+        same = previous.arm == choice.arm == "streaming" and (previous.wire, previous.fragments) == (
+            choice.wire,
+            choice.fragments,
+        )
+        reschedule = getattr(self.inner, "reschedule", None)
+        return same and reschedule is not None and bool(reschedule(choice.period, choice.overlap_steps))
 
     def _bind(self, choice: Choice) -> None:
         """Close the arm in use and bind ``choice``'s (collective: an arm's binding duplicates the

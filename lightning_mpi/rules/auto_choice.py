@@ -206,7 +206,8 @@ def choose(
     ``current`` is the arm in use (None: none yet) and ``observed`` the exposed seconds per step
     seen for the every-step arms on this link, in a dry run or while they ran (see the module
     docstring); an arm observed is judged by that, not by the link. At the ``first`` decision
-    an every-step arm enters at ``tolerance`` (no arm was chosen yet, so no hysteresis).
+    an every-step arm enters at ``tolerance`` and Streaming DiLoCo's plan is taken as computed
+    (no arm was chosen yet, so no hysteresis).
     """
     observed = observed or {}
     if world_alone(sizes):
@@ -226,10 +227,13 @@ def choose(
             return Choice(arm, wire), f"exposed {', '.join(costs)} of a step (enter ≤ {enter:.0%})"
     plan = streaming_plan(step_seconds, link, sizes)
     why = f"exposed {', '.join(costs)} of a step: too slow for every-step exchanges"
-    if current is not None and current.arm == "streaming" and _similar(current, plan):
+    if current is not None and current.arm == "streaming":
         if current == plan:
             return current, why + "; the plan in use hides its exchanges"
-        return current, why + f"; the plan in use is close to the new one ({plan.describe()})"
+        # Not at the first decision: the defaults' plan was not chosen, and moving to one that
+        # differs in period or τ alone costs nothing before its first exchange (it is rescheduled).
+        if not first and _similar(current, plan):
+            return current, why + f"; the plan in use is close to the new one ({plan.describe()})"
     return plan, why
 
 

@@ -220,6 +220,21 @@ class BoundDiLoCo(BoundLocalStepRule):
         self.measured, period, tau = choose_period(self.fragments, self.team, self.progress, step, self.overlap_steps)
         self._set_schedule(period, tau, start=self.steps)
 
+    def reschedule(self, period: int, overlap_steps: int) -> bool:
+        """Train on with ``period`` and τ = ``overlap_steps`` exactly as if bound with them, where that
+        is possible: before the first exchange has started (the schedule counts from step 0), with a
+        fixed period, τ < period // fragments, and the progress thread that τ > 0 needs on several
+        ranks. Returns whether it did (else nothing changed: bind anew)."""
+        fragments = len(self.fragments)
+        started = self.outer_steps > 0 or any(f.started or f.status != "idle" for f in self.fragments)
+        needs_driver = overlap_steps > 0 and self.transport.size > 1 and self.driver is None
+        if started or self.period is None or needs_driver or not 0 <= overlap_steps < period // fragments:
+            return False
+        if self.steps >= min(self.offsets_for(period)):  # its first exchange would be behind us
+            return False
+        self._set_schedule(period, overlap_steps, start=0)
+        return True
+
     def _set_schedule(self, period: int, overlap_steps: int, start: int) -> None:
         self.period, self.overlap_steps = period, overlap_steps
         self.offsets = [start + offset for offset in self.offsets_for(period)]

@@ -55,11 +55,16 @@ def test_streaming_gets_its_defaults_with_the_period_raised_where_the_exchange_n
     assert streaming_plan(STEP, mbit(10), Sizes.of([(100, 50), (100,)], world=2)).fragments == 2
 
 
-def test_the_first_decision_keeps_the_defaults_plan_it_started_with():
+def test_the_first_decision_takes_the_streaming_plan_as_computed_and_later_ones_keep_a_close_one():
     start = default_plan(MODEL)
-    # 100 Mbit/s: the plan differs only in τ (and the period is the same): nothing to switch
-    kept, _ = choose(STEP, mbit(100), MODEL, current=start, observed={"powersgd": 0.6 * STEP}, first=True)
-    assert kept == start
+    # 100 Mbit/s: the plan differs from the defaults' only in τ: the first decision takes it (the
+    # arm reschedules in place before its first exchange), a later one keeps the plan in use
+    observed = {"powersgd": 0.6 * STEP}
+    taken, _ = choose(STEP, mbit(100), MODEL, current=start, observed=observed, first=True)
+    assert taken == streaming_plan(STEP, mbit(100), MODEL) and taken.overlap_steps > start.overlap_steps
+    assert (taken.wire, taken.fragments, taken.period) == (start.wire, start.fragments, start.period)
+    kept, why = choose(STEP, mbit(100), MODEL, current=start, observed=observed)
+    assert kept == start and "close to the new one" in why
     # a fast link with a cheap every-step arm: entered at the tolerance (no hysteresis yet)
     fast = {"sync": 0.08 * STEP, "powersgd": 0.5 * STEP}
     assert choose(STEP, mbit(10_000), MODEL, current=start, observed=fast, first=True)[0].arm == "sync"

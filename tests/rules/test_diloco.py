@@ -1,5 +1,6 @@
 """DiLoCo and Streaming DiLoCo rules (lightning_mpi.rules.diloco, .streaming_diloco, .outer_fragment): the math
 against hand computation, and the rules on one rank against a hand-written DiLoCo loop."""
+
 from __future__ import annotations
 
 import pytest
@@ -79,8 +80,10 @@ def test_fragments_are_contiguous_nonempty_and_balanced():
 def test_peak_bytes_per_exchange_are_a_fragment_of_diloco(wire):
     codec, world, fragments = get_codec(wire), 4, 4
     params = [p for layer in [nn.Linear(64, 64) for _ in range(4)] for p in layer.parameters()]
-    groups = [[p for p, g in zip(params, split_fragments([p.numel() for p in params], fragments)) if g == k]
-              for k in range(fragments)]
+    groups = [
+        [p for p, g in zip(params, split_fragments([p.numel() for p in params], fragments)) if g == k]
+        for k in range(fragments)
+    ]
     whole = OuterFragment(params, world, codec).bytes_per_exchange
     peak = max(OuterFragment(group, world, codec).bytes_per_exchange for group in groups)
     headers = 2 * (world - 1) * (codec.wire_numel(0) * torch.empty((), dtype=codec.wire_dtype).element_size())
@@ -176,6 +179,47 @@ def test_streaming_with_one_fragment_no_overlap_no_mixing_is_diloco_on_one_rank(
     rule = StreamingDiLoCoRule(period=3, fragments=1, overlap_steps=0, mix_alpha=0.0, wire="int8")
     _train(rule.bind(_self_transport(), list(b.parameters())), b, 8)
     assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+
+
+def _steps(bound, net, steps, seed=0):
+    torch.manual_seed(seed)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.5)
+    for _ in range(steps):
+        opt.zero_grad()
+        net(torch.randn(6, 3)).pow(2).mean().backward()
+        assert bound.before_step(opt)
+        opt.step()
+        bound.after_step(opt)
+
+
+def test_a_reschedule_before_the_first_exchange_trains_as_if_bound_with_the_new_schedule():
+    """mpi_auto's first decision: same wire and fragments, another period and τ, set in place."""
+    torch.manual_seed(3)
+    nets = [nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2)) for _ in range(2)]
+    nets[1].load_state_dict(nets[0].state_dict())
+    moved = StreamingDiLoCoRule(period=8, fragments=2, overlap_steps=1).bind(
+        _self_transport(), list(nets[0].parameters())
+    )
+    fresh = StreamingDiLoCoRule(period=12, fragments=2, overlap_steps=3).bind(
+        _self_transport(), list(nets[1].parameters())
+    )
+    for bound in (moved, fresh):
+        bound.on_train_start()
+    _steps(moved, nets[0], 2)
+    assert moved.reschedule(12, 3)
+    assert (moved.period, moved.overlap_steps, moved.offsets) == (fresh.period, fresh.overlap_steps, fresh.offsets)
+    _steps(moved, nets[0], 28, seed=1)
+    torch.manual_seed(0)  # the first 2 steps of the fresh binding, with the same data
+    _steps(fresh, nets[1], 2)
+    _steps(fresh, nets[1], 28, seed=1)
+    assert moved.outer_steps == fresh.outer_steps > 0
+    assert all(torch.equal(p, q) for p, q in zip(nets[0].parameters(), nets[1].parameters()))
+    # after an exchange started, or with τ out of range, it refuses and changes nothing
+    assert not moved.reschedule(16, 1) and moved.period == 12
+    late = StreamingDiLoCoRule(period=8, fragments=2).bind(_self_transport(), list(nn.Linear(3, 2).parameters()))
+    assert not late.reschedule(8, 4) and late.overlap_steps == 1
+    for bound in (moved, fresh, late):
+        bound.close()
 
 
 def test_a_model_with_fewer_tensors_than_fragments_gets_one_fragment_per_tensor():
