@@ -35,7 +35,10 @@ holds the bound rule of the arm in use and delegates every hook to it. A switch 
   moments), which differed between ranks, is averaged, so every rank continues from the same
   state (Streaming DiLoCo keeps each rank's own, as it does between its exchanges);
 - leaving an every-step arm: weights and optimizer state are already identical on every rank;
-- the new arm is bound to the same parameters and started (``on_train_start``).
+- the new arm is bound to the same parameters and started (``on_train_start``);
+- except from Streaming DiLoCo to a plan of it that differs only in period and τ, before its
+  first exchange (the first decision, at step 5): that is set in place
+  (:meth:`~.diloco.BoundDiLoCo.reschedule`), as if the arm had been bound with it.
 
 Healing (``heal="shrink"``, and the survivors of ``heal="replace"``): a survivor keeps its decisions'
 state and the arm's own (through the arm's heal support, :mod:`lightning_mpi.strategies.healing_rules`);
