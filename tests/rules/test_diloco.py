@@ -121,16 +121,22 @@ def _self_transport():
     return Transport(MPI.COMM_SELF)
 
 
-def _train(bound, net, steps, seed=0):
+def _steps(bound, net, steps, seed=0):
+    """``steps`` inner steps through the rule's hooks (a fresh SGD optimizer, random data from ``seed``)."""
     torch.manual_seed(seed)
     opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.5)
-    bound.on_train_start()
     for _ in range(steps):
         opt.zero_grad()
         net(torch.randn(6, 3)).pow(2).mean().backward()
         assert bound.before_step(opt)
         opt.step()
         bound.after_step(opt)
+
+
+def _train(bound, net, steps, seed=0):
+    """A whole run: start, :func:`_steps`, end, close."""
+    bound.on_train_start()
+    _steps(bound, net, steps, seed)
     bound.on_train_end()
     bound.close()
 
@@ -179,17 +185,6 @@ def test_streaming_with_one_fragment_no_overlap_no_mixing_is_diloco_on_one_rank(
     rule = StreamingDiLoCoRule(period=3, fragments=1, overlap_steps=0, mix_alpha=0.0, wire="int8")
     _train(rule.bind(_self_transport(), list(b.parameters())), b, 8)
     assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
-
-
-def _steps(bound, net, steps, seed=0):
-    torch.manual_seed(seed)
-    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.5)
-    for _ in range(steps):
-        opt.zero_grad()
-        net(torch.randn(6, 3)).pow(2).mean().backward()
-        assert bound.before_step(opt)
-        opt.step()
-        bound.after_step(opt)
 
 
 def test_a_reschedule_before_the_first_exchange_trains_as_if_bound_with_the_new_schedule():
