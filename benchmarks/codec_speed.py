@@ -352,7 +352,7 @@ def cuda_impls() -> tuple[list[Impl], str]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sizes", type=float, nargs="+", default=[1, 6.3, 25], help="millions of floats")
-    ap.add_argument("--codecs", nargs="+", default=[*ROW_CODECS, "topk"], choices=[*ROW_CODECS, "bf16", "topk"])
+    ap.add_argument("--codecs", nargs="+", default=[*ROW_CODECS, "topk"], choices=[*ROW_CODECS, "int4", "bf16", "topk"])
     ap.add_argument("--world", type=int, default=2, help="ranks simulated by the loopback transport")
     ap.add_argument("--repeat", type=int, default=7)
     ap.add_argument("--baseline", help="directory with older codecs.py, collectives.py, sparse.py")

@@ -87,6 +87,13 @@ class Codec:
         """Write the decoded rows of ``src`` into float ``dst`` (``[rows, chunk]``)."""
         dst.copy_(src)
 
+    def encode_decoded(self, src: Tensor, dst: Tensor, decoded: Tensor) -> None:
+        """:meth:`encode` ``src`` into ``dst`` and leave ``decode(dst)`` in ``decoded`` (``[rows,
+        chunk]`` float, not ``src``): what the receivers will see, for error feedback. Here the two
+        calls; a codec that can take the decoded values from its own encoding overrides it."""
+        self.encode(src, dst)
+        self.decode(dst, decoded)
+
 
 @dataclass(frozen=True)
 class HalfCodec(Codec):
@@ -227,20 +234,41 @@ class Int8Codec(Codec):
             kernels = cuda_kernels(src)
             if kernels is not None and kernels.int8_encode(self, src, dst):
                 return
+        self._encode_into(src, dst, None)
+
+    def encode_decoded(self, src: Tensor, dst: Tensor, decoded: Tensor) -> None:
+        """Encode, with the decoded rows taken from the encoding's own rounded values instead of
+        read back from the wire: ``t = 2**23 + q`` is computed in ``decoded``, then ``(t - 2**23 +
+        m) · 2**s`` there, the same exact operations as :meth:`decode` on the same ``q`` (so the
+        same bits), one pass where decoding the wire takes two or four."""
+        if decoded.dtype != torch.float32:  # the 2**23 trick rounds in float32 only
+            super().encode_decoded(src, dst, decoded)
+            return
+        self._encode_into(src, dst, decoded)
+
+    def _encode_into(self, src: Tensor, dst: Tensor, decoded: Tensor | None) -> None:
+        """Encode ``src`` into ``dst``, rounding in ``decoded`` (left decoded) or in scratch."""
         rows, chunk = src.shape
         if src.dtype != torch.float32:  # float64 buckets: quantize their float32 rounding
             src = src.to(torch.float32)
         header = dst[:, :8].view(torch.int32)
         m, s, inv, offset = self._grid(src)
-        t = _scratch(src)
+        t = _scratch(src) if decoded is None else decoded
         torch.mul(src, inv, out=t)
         t.add_(offset)  # 2**23 + round(x * 2**-s - m): one rounding, ties to even
         # Non-finite rows give NaN bits here: harmless, their header decodes the row to NaN.
+        self._write_levels(t, dst)
+        header[:, 0:1].copy_(m)
+        header[:, 1:2].copy_(s)
+        if decoded is not None:  # t - 2**23 = q exactly; q + m exact; times a power of two
+            decoded.sub_(_MAGIC).add_(m).mul_(self._scale_of(s))
+
+    def _write_levels(self, t: Tensor, dst: Tensor) -> None:
+        """Write the levels ``q`` held in ``t = 2**23 + q`` (``[rows, chunk]``) after the header."""
+        chunk = t.shape[1]
         dst[:, 8 : 8 + chunk].copy_(t.view(torch.int32))  # int32 -> uint8 keeps the low byte: q
         if dst.shape[1] > 8 + chunk:
             dst[:, 8 + chunk :].zero_()
-        header[:, 0:1].copy_(m)
-        header[:, 1:2].copy_(s)
 
     def decode(self, src: Tensor, dst: Tensor) -> None:
         chunk = dst.shape[1]
@@ -269,16 +297,13 @@ class Int4Codec(Int8Codec):
         return 8 + _ceil4(-(-chunk // 2))
 
     def encode(self, src: Tensor, dst: Tensor) -> None:
-        rows, chunk = src.shape
-        if src.dtype != torch.float32:
-            src = src.to(torch.float32)
+        self._encode_into(src, dst, None)
+
+    def _write_levels(self, t: Tensor, dst: Tensor) -> None:
+        """Pack the levels ``q`` held in ``t = 2**23 + q`` two per byte, low nibble first."""
+        rows, chunk = t.shape
         nbytes = -(-chunk // 2)
-        header = dst[:, :8].view(torch.int32)
-        m, s, inv, offset = self._grid(src)
-        t = _scratch(src)
-        torch.mul(src, inv, out=t)
-        t.add_(offset)  # 2**23 + q, as in Int8Codec.encode
-        q = _buffer("int4.q", (rows, 2 * nbytes), torch.uint8, src.device)
+        q = _buffer("int4.q", (rows, 2 * nbytes), torch.uint8, t.device)
         q[:, :chunk].copy_(t.view(torch.int32))  # the low byte of the bits: q in 0..15
         if chunk % 2:
             q[:, chunk:].zero_()
@@ -288,8 +313,6 @@ class Int4Codec(Int8Codec):
         packed.bitwise_or_(pairs[:, :, 0])
         if dst.shape[1] > 8 + nbytes:
             dst[:, 8 + nbytes :].zero_()
-        header[:, 0:1].copy_(m)
-        header[:, 1:2].copy_(s)
 
     def decode(self, src: Tensor, dst: Tensor) -> None:
         rows, chunk = dst.shape

@@ -92,12 +92,12 @@ def encode_with_feedback_(codec: Codec, rows: Tensor, wire: Tensor, residual: Te
         kernels = cuda_kernels(rows)
         if kernels is not None and kernels.int8_encode(codec, rows, wire, residual, scratch):
             return
-    if residual is not None:
-        rows.add_(residual)
-    codec.encode(rows, wire)
-    if residual is not None:
-        codec.decode(wire, scratch)
-        torch.sub(rows, scratch, out=residual)
+    if residual is None:
+        codec.encode(rows, wire)
+        return
+    rows.add_(residual)
+    codec.encode_decoded(rows, wire, scratch)
+    torch.sub(rows, scratch, out=residual)
 
 
 def _others(world: int, rank: int) -> list[tuple[int, int]]:

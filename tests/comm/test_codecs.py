@@ -99,7 +99,7 @@ def test_bad_ratio_raises_naming_it(bad):
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("codec", [INT8, ONEBIT, FP16], ids=lambda c: c.name)
+@pytest.mark.parametrize("codec", [INT8, get_codec("int4"), ONEBIT, FP16], ids=lambda c: c.name)
 def test_error_feedback_conserves_mass_exactly(codec):
     # Gradients on a dyadic grid: sums stay exact, so any difference is lost mass, not rounding.
     gen = torch.Generator().manual_seed(2)
@@ -118,6 +118,33 @@ def test_error_feedback_conserves_mass_exactly(codec):
         sent += decoded.double()
     assert torch.equal(sent + residual.double(), given)
     assert residual.abs().max() < 4  # feedback keeps the residual bounded
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("shape", ODD, ids=str)
+@pytest.mark.parametrize("name", ["int8", "int4", "fp16", "onebit"])
+def test_encode_decoded_gives_the_bits_that_decoding_the_wire_gives(name, shape):
+    # Error feedback takes the decoded rows from the encoding itself; the receivers decode the
+    # wire: both must agree to the last bit, or feedback would lose (or invent) mass.
+    codec = get_codec(name)
+    gen = torch.Generator().manual_seed(shape[1])
+    x = torch.randn(shape, generator=gen) * torch.logspace(-8, 8, shape[0]).unsqueeze(1)
+    if shape[0] >= 3:
+        x[1] = -3.5  # a constant row: its value travels in the header
+        x[2, -1] = float("nan")  # a non-finite row decodes to NaN
+    wire = torch.empty(shape[0], codec.wire_numel(shape[1]), dtype=codec.wire_dtype)
+    decoded = torch.full(shape, 7.0)
+    codec.encode_decoded(x, wire, decoded)
+    want_wire = torch.empty_like(wire)
+    codec.encode(x, want_wire)
+    want = torch.empty(shape)
+    codec.decode(want_wire, want)
+    assert torch.equal(wire, want_wire)
+    assert torch.equal(decoded.isnan(), want.isnan())
+    assert torch.equal(decoded.nan_to_num(), want.nan_to_num())
+    wide = torch.empty(shape, dtype=torch.float64)  # a float64 bucket's scratch: decoded from the wire
+    codec.encode_decoded(x, wire, wide)
+    assert torch.equal(wide.isnan(), want.isnan()) and torch.equal(wide.nan_to_num(), want.double().nan_to_num())
 
 
 @pytest.mark.timeout(60)
