@@ -50,7 +50,7 @@ from lightning_mpi.comm.errors import RankFailedError
 from lightning_mpi.comm.healing import HealedRun, heal_run
 from lightning_mpi.comm.ulfm import HEAL_ATTEMPTS, ProcessFailed, mark_finished, process_failure, require_heal
 from lightning_mpi.rules.base import BoundRule
-from lightning_mpi.strategies.healing_rules import kept_state
+from lightning_mpi.strategies.healing_state import kept_state
 
 _T = TypeVar("_T")
 

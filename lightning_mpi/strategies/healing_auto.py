@@ -16,7 +16,8 @@ from lightning_mpi.rules.auto_arms import optimizer_float_state
 from lightning_mpi.rules.auto_choice import Choice
 from lightning_mpi.rules.base import BoundRule
 from lightning_mpi.rules.diloco import BoundDiLoCo
-from lightning_mpi.strategies.healing_rules import heal_after_step, heal_grads, heal_outer_end, kept_state
+from lightning_mpi.strategies.healing_rules import heal_after_step, heal_grads, heal_outer_end
+from lightning_mpi.strategies.healing_state import kept_state
 
 
 class _ArmRunner:

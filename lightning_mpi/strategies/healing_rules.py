@@ -1,6 +1,6 @@
 """What each rule keeps through a heal, and the rule's hooks as healing operations
-(:mod:`.healing`): which rules heal, how their state is carried to the survivors' binding, and
-how an interrupted exchange is put back and redone.
+(:mod:`.healing`): which rules heal, how their state is carried to the survivors' binding
+(:mod:`.healing_state`), and how an interrupted exchange is put back and redone (here).
 
 A rule that says itself what it keeps has a ``heal_state()`` (read on this rank alone; what
 ``load_state_dict`` of the new binding takes, with this rank's own part under ``"local"``) and a
@@ -94,85 +94,16 @@ import torch
 
 from lightning_mpi.rules.auto import BoundAuto
 from lightning_mpi.rules.averaging import BoundModelAveraging, averages_at
-from lightning_mpi.rules.base import BoundRule
 from lightning_mpi.rules.diloco import BoundDiLoCo
-from lightning_mpi.rules.easgd import BoundEASGD
-from lightning_mpi.rules.gossip import BoundGoSGD, GoSGDRule
-from lightning_mpi.rules.server_base import BoundServerRule, ServerRule
-from lightning_mpi.rules.server_heal import joined_state
+from lightning_mpi.rules.gossip import BoundGoSGD
+from lightning_mpi.rules.server_base import BoundServerRule
 from lightning_mpi.rules.sync import BoundSync
 from lightning_mpi.rules.zero import BoundZeroRule
-
-#: Rules whose ranks step on their own gradients and exchange in ``after_step`` every ``period``
-#: steps, with a state that each rank holds whole (``state_dict`` makes no collective): whether
-#: an ``after_step`` exchanged, from the state before it and the rule after it.
-_LOCAL_STEP_RULES: dict[type, Callable[[Any, dict[str, Any]], bool]] = {
-    BoundModelAveraging: lambda bound, before: bound.averages != before["averages"],
-    BoundEASGD: lambda bound, before: (
-        bound.transport.size > 1 and bound.steps != before["steps"] and bound.steps % bound.rule.period == 0
-    ),
-    # DiLoCo and Streaming DiLoCo: an exchange completed when an outer step was made
-    BoundDiLoCo: lambda bound, before: bound.outer_steps != before["outer_steps"],
-}
-
+from lightning_mpi.strategies.healing_state import LOCAL_STEP_RULES, local_state
 
 #: Rules whose ranks are not in step while training (no collective): a loss they notice heals
 #: between operations, and their ``on_train_end`` is a healing operation.
 _ONE_SIDED = (BoundGoSGD, BoundServerRule)
-
-
-def _local_state(bound: Any) -> dict[str, Any]:
-    """The bound rule's state read on this rank alone: its ``heal_state()`` where it has one (a
-    ``state_dict()`` that gathers would need the other ranks), else its ``state_dict()``."""
-    heal_state = getattr(bound, "heal_state", None)
-    state: dict[str, Any] = heal_state() if heal_state is not None else bound.state_dict()
-    return state
-
-
-def kept_state(bound: BoundRule | None) -> dict[str, Any] | None:
-    """What the bound rule carries into the healed run (its state, read locally: the other ranks
-    are not reachable any more), ``None`` when no rule is live (nothing to bind again); raises
-    ``LookupError`` naming why for a rule that cannot heal yet."""
-    if bound is None:
-        return None
-    if isinstance(bound, BoundAuto):  # before heal_state: BoundAuto answers for its arm's attributes
-        from lightning_mpi.strategies.healing_auto import auto_kept_state
-
-        return auto_kept_state(bound)
-    if type(bound) is BoundSync:
-        return {"skipped_steps": bound.skipped_steps}
-    if type(bound) in _LOCAL_STEP_RULES or hasattr(bound, "heal_state"):
-        # model averaging: its counters; EASGD: its counter and the center (replicated: every
-        # survivor holds it whole); the weights are the module's. A rule with a heal_state says
-        # itself what it keeps (the table above)
-        return _local_state(bound)
-    raise LookupError(f"{type(bound).__name__} keeps state that is not rebuilt after a heal yet")
-
-
-def split_for_new_ranks(rule: Any, state: dict[str, Any], n: int) -> tuple[dict[str, Any], dict[str, Any]]:
-    """On rank 0 when ``n`` new ranks are let in (``heal="replace"``): the state rank 0 binds the
-    rule again with, and the state each new rank takes (it starts from rank 0's weights):
-
-    - without rank 0's own part (``"local"``: its residuals); a new rank starts with none;
-    - a parameter-server rule: as a rank that joined (no shard of the center yet; the survivors'
-      shards are re-cut over the grown run: :func:`~lightning_mpi.rules.server_heal.joined_state`);
-    - GoSGD: rank 0's mixing weight split evenly between itself and the new ranks, which hold its
-      θ, so Σw and the consensus Σwθ/Σw are unchanged; a new rank keeps its own generator;
-    - ZeRO: as a rank that joined (no optimizer shard of its own: the survivors' shards, the whole
-      state, are resharded over the grown run when the optimizer is sharded again:
-      :meth:`~.optimizer_sharding.OptimizerSharding.attach`).
-    """
-    handed = {key: value for key, value in state.items() if key != "local"}
-    healed = handed.get("healed")
-    if isinstance(handed.get("zero_heal"), dict):
-        handed["zero_heal"] = {"joined": True}
-    if isinstance(rule, ServerRule) and isinstance(healed, dict):
-        handed["healed"] = joined_state(healed)
-    elif isinstance(rule, GoSGDRule) and isinstance(healed, dict):
-        share = float(healed["weight"]) / (n + 1)
-        state = {**state, "healed": {**healed, "weight": share}}
-        handed["healed"] = {"weight": share, "pushes": 0, "drained": bool(healed["drained"])}
-    return state, handed
 
 
 def exchange_grads(healing: Any, runner: Any, optimizer: Any, module: torch.nn.Module | None) -> bool:
@@ -212,7 +143,7 @@ def heal_grads(healing: Any, runner: Any, optimizer: Any, module: torch.nn.Modul
             averages_at(bound.steps + 1, bound.rule.period, bound.rule.sync_warmup_steps) == "gradients"
         )
     else:  # GoSGD's and the parameter server's before_step make no collective (ranks not in step)
-        exchanges = type(bound) not in _LOCAL_STEP_RULES and not isinstance(bound, _ONE_SIDED)
+        exchanges = type(bound) not in LOCAL_STEP_RULES and not isinstance(bound, _ONE_SIDED)
 
     def exchange() -> bool:
         bound = runner.bound
@@ -276,7 +207,7 @@ def heal_after_step(healing: Any, runner: Any, optimizer: Any) -> None:
 
         auto_after_step(healing, runner, optimizer)
         return
-    exchanged = _LOCAL_STEP_RULES.get(type(bound))
+    exchanged = LOCAL_STEP_RULES.get(type(bound))
     averages_weights = type(bound) is BoundSync and bound.rule.average != "gradients"
     if averages_weights:
         exchanged = lambda now, _before: now.transport.size > 1  # noqa: E731  (every step, once W > 1)
@@ -330,17 +261,17 @@ def _redone_from_state(
     counted: Callable[[dict[str, Any]], bool],
 ) -> None:
     """``exchange`` (a rule's hook that changes its state and the tensors ``moving``) as a healing
-    operation: the rule's local state (:func:`_local_state`) is kept before it and put back
+    operation: the rule's local state (:func:`~.healing_state.local_state`) is kept before it and put back
     before a redo, with ``moving`` as they were where ``restore`` (an exchange that may have
     written some of them already); a survivor that missed the completion takes the state and
     ``moving`` of one that completed it, keeping its own part (``"local"``: its residuals, as
     before the exchange: that exchange's compression error on this rank is not fed back).
     ``counted(before)``: whether the exchange went over the wire."""
-    before = _local_state(runner.bound)
+    before = local_state(runner.bound)
     start = [t.detach().clone() for t in moving] if restore else []
 
     def keep(_: None) -> tuple[dict[str, Any], list[torch.Tensor]]:
-        return _local_state(runner.bound), [t.detach().cpu().clone() for t in moving]
+        return local_state(runner.bound), [t.detach().cpu().clone() for t in moving]
 
     def take(kept: tuple[dict[str, Any], list[torch.Tensor]]) -> None:
         state, values = kept

@@ -72,7 +72,7 @@ from lightning_mpi.comm.ulfm import ProcessFailed, process_failure
 from lightning_mpi.comm.ulfm import free as ulfm_free
 from lightning_mpi.comm.ulfm import revoke as ulfm_revoke
 from lightning_mpi.strategies.healing import RunHealing, remember_healed
-from lightning_mpi.strategies.healing_rules import kept_state, split_for_new_ranks
+from lightning_mpi.strategies.healing_state import kept_state, split_for_new_ranks
 
 __all__ = ["HANDOVER_PATH", "REPLACEMENT_REASON", "Handover", "LoopAccess", "RunReplacing", "replacement_shards"]
 

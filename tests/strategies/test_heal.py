@@ -48,7 +48,7 @@ import torch
 from lightning_mpi.comm.errors import RankFailedError
 from lightning_mpi.comm.ulfm import FT_ENV
 from lightning_mpi.strategies.common_options import CommonOptions
-from lightning_mpi.strategies.healing_rules import kept_state
+from lightning_mpi.strategies.healing_state import kept_state
 from tests.launcher.helpers import finish, launch
 from tests.mpi_utils import REPO, mpi_env, mpi_flavor, require_ulfm
 
@@ -903,7 +903,7 @@ def test_a_new_zero_rank_is_handed_no_shard_and_joins_the_rebuild():
     """rank 0 hands a new ZeRO rank no optimizer shard of its own (it keeps its own for the
     rebuild); the rebuild over survivors and new ranks leaves the new ones out of the shard set."""
     from lightning_mpi.rules.zero import ZeroRule
-    from lightning_mpi.strategies.healing_rules import split_for_new_ranks
+    from lightning_mpi.strategies.healing_state import split_for_new_ranks
 
     kept = {"skipped_steps": 2, "zero_heal": {"steps": 5, "whole": True, "own": {"rank": 0}, "mirror": None}}
     mine, handed = split_for_new_ranks(ZeroRule(), kept, 1)
@@ -916,7 +916,7 @@ def test_a_new_rank_takes_no_shard_of_the_center_and_a_share_of_gosgds_weight():
     from lightning_mpi.rules.gossip import GoSGDRule
     from lightning_mpi.rules.server import DownpourRule
     from lightning_mpi.rules.sync import SyncRule
-    from lightning_mpi.strategies.healing_rules import split_for_new_ranks
+    from lightning_mpi.strategies.healing_state import split_for_new_ranks
 
     kept = {"old_rank": 0, "old_world": 2, "numel": 5, "shard": torch.ones(3), "clock": 7, "ref": torch.ones(6),
             "clock_at_pull": 6, "interrupted": False, "final_committed": False, "steps": 4, "commits": 1,
