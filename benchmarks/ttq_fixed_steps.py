@@ -5,7 +5,10 @@ two things: how many steps an arm makes (its exchanges, the machine) and what ea
 (its rule). This script separates them. Every rank trains ``ARM`` (a strategy name or ``local``,
 with ``name:key=value`` overrides as in ``time_to_quality.py``) for exactly ``STEPS`` steps, and
 rank 0 prints one JSON line: the held-out loss of the final weights (for local-step rules the
-replicas' mean, as ``fit`` leaves them), the mean step time past the first 10 steps, and with
+replicas' mean, as ``fit`` leaves them), the mean step time past the first 10 steps, what rank 0's
+process spent per step over the same steps (``user_ms`` and ``sys_ms`` of CPU, every thread
+together, and ``page_faults``: a step that frees and maps its gradients anew pays in the kernel),
+and with
 ``--marks`` the held-out loss of rank 0's own weights at those steps (for ``local``: one
 process's curve by steps, the yardstick)::
 
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import resource
 import sys
 import time
 import warnings
@@ -57,6 +61,19 @@ def raw_steps_per_second(seconds: float = 8.0) -> float:
     return steps / (time.perf_counter() - start)
 
 
+def usage_per_step(usage: list, steps: int) -> dict:
+    """``user_ms``, ``sys_ms`` and ``page_faults`` per step between two ``getrusage`` readings
+    ``steps`` steps apart (nothing when there are not two: a run too short to have them)."""
+    if len(usage) != 2 or steps < 1:
+        return {}
+    first, last = usage
+    return {
+        "user_ms": round(1e3 * (last.ru_utime - first.ru_utime) / steps, 1),
+        "sys_ms": round(1e3 * (last.ru_stime - first.ru_stime) / steps, 1),
+        "page_faults": round((last.ru_minflt + last.ru_majflt - first.ru_minflt - first.ru_majflt) / steps),
+    }
+
+
 def fixed_steps(arm: str, steps: int, marks: list[int], data: Path) -> dict | None:
     """Train ``arm`` for ``steps`` steps on every rank; rank 0's result (None on the others)."""
     warnings.filterwarnings("ignore")
@@ -79,10 +96,13 @@ def fixed_steps(arm: str, steps: int, marks: list[int], data: Path) -> dict | No
     class Marks(pl.Callback):
         def __init__(self) -> None:
             self.times: list[float] = []
+            self.usage: list[resource.struct_rusage] = []
             self.snapshots: dict[int, list] = {}
 
         def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
             self.times.append(time.perf_counter())
+            if len(self.times) in (11, steps):  # the steps step_ms covers
+                self.usage.append(resource.getrusage(resource.RUSAGE_SELF))
             if rank == 0 and len(self.times) in marks:
                 self.snapshots[len(self.times)] = [p.detach().clone() for p in module.parameters()]
 
@@ -94,6 +114,7 @@ def fixed_steps(arm: str, steps: int, marks: list[int], data: Path) -> dict | No
         return None
     gaps = [b - a for a, b in zip(recorder.times[10:], recorder.times[11:], strict=False)]
     result = {"arm": arm, "steps": steps, "step_ms": round(1e3 * sum(gaps) / max(1, len(gaps)), 1),
+              **usage_per_step(recorder.usage, steps - 11),
               "final_loss": round(ttq_task.held_out_loss(module.net, held), 4), "marks": {}}
     with torch.no_grad():
         for step, weights in sorted(recorder.snapshots.items()):
