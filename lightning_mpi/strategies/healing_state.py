@@ -55,7 +55,7 @@ def kept_state(bound: BoundRule | None) -> dict[str, Any] | None:
     if type(bound) in LOCAL_STEP_RULES or hasattr(bound, "heal_state"):
         # model averaging: its counters; EASGD: its counter and the center (replicated: every
         # survivor holds it whole); the weights are the module's. A rule with a heal_state says
-        # itself what it keeps (the table above)
+        # itself what it keeps (the table in healing_rules)
         return local_state(bound)
     raise LookupError(f"{type(bound).__name__} keeps state that is not rebuilt after a heal yet")
 
