@@ -296,9 +296,6 @@ class Int4Codec(Int8Codec):
     def wire_numel(self, chunk: int) -> int:
         return 8 + _ceil4(-(-chunk // 2))
 
-    def encode(self, src: Tensor, dst: Tensor) -> None:
-        self._encode_into(src, dst, None)
-
     def _write_levels(self, t: Tensor, dst: Tensor) -> None:
         """Pack the levels ``q`` held in ``t = 2**23 + q`` two per byte, low nibble first."""
         rows, chunk = t.shape

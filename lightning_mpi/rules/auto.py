@@ -292,21 +292,16 @@ class BoundAuto(BoundRule):
     def _switch(self, choice: Choice, optimizer: Optimizer) -> None:
         """Hand over to ``choice``'s rule at this step (every rank is here; see the module docstring)."""
         previous = self.choice
-        if self._reschedule(previous, choice):
-            self.choice = choice
-            self.switches += 1
-            self.held.clear()
-            self._announce(choice)
-            return
-        if previous.arm in LOCAL_STEP_ARMS:
-            self.inner.on_train_end()  # every rank now holds θ_global
-            if choice.arm in ("sync", "powersgd"):  # a local-step arm keeps each rank's own state
-                average_optimizer_state(self.transport, self.params, optimizer)
-        self._bind(choice)
-        self.inner.on_train_start()
-        replicas = getattr(self.inner, "replicas", None)
-        if replicas is not None:
-            replicas.remember(optimizer)
+        if not self._reschedule(previous, choice):
+            if previous.arm in LOCAL_STEP_ARMS:
+                self.inner.on_train_end()  # every rank now holds θ_global
+                if choice.arm in ("sync", "powersgd"):  # a local-step arm keeps each rank's own state
+                    average_optimizer_state(self.transport, self.params, optimizer)
+            self._bind(choice)
+            self.inner.on_train_start()
+            replicas = getattr(self.inner, "replicas", None)
+            if replicas is not None:
+                replicas.remember(optimizer)
         self.choice = choice
         self.switches += 1
         self.held.clear()
