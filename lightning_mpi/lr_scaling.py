@@ -41,14 +41,6 @@ def check_lr_scaling(lr_scaling: Any) -> None:
         raise ValueError(f"lr_scaling={lr_scaling!r} is not allowed: choose one of {list(LR_SCALINGS)}")
 
 
-def check_warmup_steps(warmup_steps: Any) -> None:
-    """``warmup_steps`` must be an int ≥ 0 (optimizer steps)."""
-    if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
-        raise ValueError(
-            f"warmup_steps={warmup_steps!r} is out of range: it must be an int in [0, inf) (optimizer steps)"
-        )
-
-
 # -- learning rate ----------------------------------------------------------------------------------
 def scale_factor(lr_scaling: str | None, world_size: int) -> float:
     """The full learning-rate factor for ``world_size`` ranks: W (linear), √W (sqrt) or 1 (None)."""

@@ -1,9 +1,13 @@
-"""Flatten tensors into contiguous buckets whose length is a multiple of the world size.
+"""Buffers allocated once and reused every step: buckets of parameters, and scratch space.
 
-A bucket owns one flat buffer that is allocated once and reused every step. ``pack`` copies the
-members' gradients (or values) in, ``unpack`` copies the exchanged result back out. The tail that
-pads the buffer to a multiple of ``world_size`` is zero and stays zero: summing zeros keeps it
-zero, so ASA can cut the buffer into ``world_size`` equal chunks whatever the parameter shapes.
+A bucket flattens tensors into one contiguous buffer whose length is a multiple of the world size.
+``pack`` copies the members' gradients (or values) in, ``unpack`` copies the exchanged result back
+out. The tail that pads the buffer to a multiple of ``world_size`` is zero and stays zero: summing
+zeros keeps it zero, so ASA can cut the buffer into ``world_size`` equal chunks whatever the
+parameter shapes.
+
+:func:`scratch_buffer` is the hot path's working space (the codecs and their CUDA kernels):
+uninitialised tensors kept per (tag, shape, dtype, device), so a step allocates nothing.
 """
 
 from __future__ import annotations
@@ -20,6 +24,20 @@ def padded_numel(numel: int, multiple: int) -> int:
     if multiple < 1:
         raise ValueError(f"multiple={multiple!r} must be >= 1")
     return -(-numel // multiple) * multiple
+
+
+_SCRATCH: dict[tuple, Tensor] = {}
+
+
+def scratch_buffer(tag: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
+    """An uninitialised buffer allocated once per (tag, shape, dtype, device) and reused (hot path).
+
+    Callers of one tag share it, so none may rely on what another left in it."""
+    key = (tag, tuple(shape), dtype, device)
+    buf = _SCRATCH.get(key)
+    if buf is None:
+        buf = _SCRATCH[key] = torch.empty(shape, dtype=dtype, device=device)
+    return buf
 
 
 def buffer_dtype(dtype: torch.dtype) -> torch.dtype:

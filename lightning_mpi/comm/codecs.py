@@ -52,6 +52,9 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
+from lightning_mpi.comm.buffers import scratch_buffer
+from lightning_mpi.comm.cupy_kernels import kernels_for
+
 #: Largest magnitude a scaled fp16 row may reach: 2**14 leaves a factor 4 to fp16's 65504.
 _TARGET_EXPONENT = 14
 
@@ -60,8 +63,6 @@ def cuda_kernels(t: Tensor):
     """The fused cupy kernels for a CUDA tensor (None on CPU, without cupy, or when switched off)."""
     if not t.is_cuda:
         return None
-    from lightning_mpi.comm.cupy_kernels import kernels_for
-
     return kernels_for(t)
 
 
@@ -146,23 +147,9 @@ class HalfCodec(Codec):
             dst.mul_(torch.exp2(-src[:, 0].to(dst.dtype)).unsqueeze(1))
 
 
-_SCRATCH: dict[tuple, Tensor] = {}
-
-
-def _buffer(tag: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
-    """An uninitialised buffer allocated once per (tag, shape, dtype, device) and reused (hot path).
-
-    Callers of one tag share it, so none may rely on what another left in it."""
-    key = (tag, tuple(shape), dtype, device)
-    buf = _SCRATCH.get(key)
-    if buf is None:
-        buf = _SCRATCH[key] = torch.empty(shape, dtype=dtype, device=device)
-    return buf
-
-
 def _scratch(like: Tensor) -> Tensor:
     """A float buffer shaped like ``like``, allocated once per shape and reused (hot path)."""
-    return _buffer("float", tuple(like.shape), like.dtype, like.device)
+    return scratch_buffer("float", tuple(like.shape), like.dtype, like.device)
 
 
 def _ceil4(n: int) -> int:
@@ -300,7 +287,7 @@ class Int4Codec(Int8Codec):
         """Pack the levels ``q`` held in ``t = 2**23 + q`` two per byte, low nibble first."""
         rows, chunk = t.shape
         nbytes = -(-chunk // 2)
-        q = _buffer("int4.q", (rows, 2 * nbytes), torch.uint8, t.device)
+        q = scratch_buffer("int4.q", (rows, 2 * nbytes), torch.uint8, t.device)
         q[:, :chunk].copy_(t.view(torch.int32))  # the low byte of the bits: q in 0..15
         if chunk % 2:
             q[:, chunk:].zero_()
@@ -318,7 +305,7 @@ class Int4Codec(Int8Codec):
         m = header[:, 0:1].to(torch.float32)
         scale = self._scale_of(header[:, 1:2])
         packed = src[:, 8 : 8 + nbytes]
-        q = _buffer("int4.unpacked", (rows, nbytes, 2), torch.uint8, src.device)
+        q = scratch_buffer("int4.unpacked", (rows, nbytes, 2), torch.uint8, src.device)
         torch.bitwise_and(packed, 0x0F, out=q[:, :, 0])
         torch.bitwise_right_shift(packed, 4, out=q[:, :, 1])
         dst.copy_(q.view(rows, 2 * nbytes)[:, :chunk])
@@ -396,19 +383,19 @@ class OneBitCodec(Codec):
         rows, chunk = src.shape
         nbytes = -(-chunk // 8)
         # One byte per value (1: x >= 0), zero-padded to whole bytes, packed 8 to a 64-bit word.
-        flags = _buffer("onebit.flags", (rows, nbytes * 8), torch.bool, src.device)
+        flags = scratch_buffer("onebit.flags", (rows, nbytes * 8), torch.bool, src.device)
         torch.ge(src, 0, out=flags[:, :chunk])
         if chunk % 8:  # shared with other chunk sizes of the same byte count: clear the padding
             flags[:, chunk:].zero_()
-        words = _buffer("onebit.words", (rows, nbytes), torch.int64, src.device)
+        words = scratch_buffer("onebit.words", (rows, nbytes), torch.int64, src.device)
         torch.mul(flags.view(torch.uint8).view(torch.int64), _PACK, out=words)
         words.bitwise_right_shift_(56).bitwise_and_(0xFF)
         dst[:, 8 : 8 + nbytes].copy_(words)
         # Count the set bits with a 256-entry popcount table over the packed bytes.
         _, popcount = _bit_tables(src.device)
-        index = _buffer("onebit.index", (rows, nbytes), torch.int32, src.device)
+        index = scratch_buffer("onebit.index", (rows, nbytes), torch.int32, src.device)
         index.copy_(words)
-        counts = _buffer("onebit.counts", (rows * nbytes,), torch.float32, src.device)
+        counts = scratch_buffer("onebit.counts", (rows * nbytes,), torch.float32, src.device)
         torch.index_select(popcount, 0, index.view(-1), out=counts)
         return counts.view(rows, nbytes).sum(dim=1)
 
@@ -419,14 +406,14 @@ class OneBitCodec(Codec):
         bits, _ = _bit_tables(src.device)
         # table[r * 256 + b] holds the 8 values that byte b decodes to in row r.
         table = torch.where(bits, header[:, 0:1, None], header[:, 1:2, None].neg()).to(dst.dtype).view(rows * 256, 8)
-        index = _buffer("onebit.index", (rows, nbytes), torch.int32, src.device)
+        index = scratch_buffer("onebit.index", (rows, nbytes), torch.int32, src.device)
         index.copy_(src[:, 8 : 8 + nbytes])
         if rows > 1:
             index.add_(torch.arange(0, rows * 256, 256, dtype=torch.int32, device=src.device).unsqueeze(1))
         if chunk % 8 == 0 and dst.is_contiguous():
             torch.index_select(table, 0, index.view(-1), out=dst.view(rows * nbytes, 8))
         else:
-            out = _buffer("onebit.decoded", (rows, nbytes * 8), dst.dtype, src.device)
+            out = scratch_buffer("onebit.decoded", (rows, nbytes * 8), dst.dtype, src.device)
             torch.index_select(table, 0, index.view(-1), out=out.view(rows * nbytes, 8))
             dst.copy_(out[:, :chunk])
 

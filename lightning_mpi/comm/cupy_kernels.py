@@ -46,6 +46,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lightning_mpi.comm.buffers import scratch_buffer
+
 #: ``LIGHTNING_MPI_CUPY=0`` keeps the torch path on CUDA (debugging, or timing torch against cupy).
 ENV_SWITCH = "LIGHTNING_MPI_CUPY"
 
@@ -289,12 +291,10 @@ class Kernels:
     def _row_minmax(self, rows: Tensor, residual: Tensor | None) -> tuple[Tensor, Tensor]:
         """Per-row ``[rows, 1]`` min and max of ``rows`` (after ``rows += residual``); NaN for both
         in a row that holds inf or NaN."""
-        from lightning_mpi.comm.codecs import _buffer
-
         n, chunk = rows.shape
         nblk = -(-chunk // _TILE)
-        lo = _buffer("cupy.lo", (n, nblk), torch.float32, rows.device)
-        hi = _buffer("cupy.hi", (n, nblk), torch.float32, rows.device)
+        lo = scratch_buffer("cupy.lo", (n, nblk), torch.float32, rows.device)
+        hi = scratch_buffer("cupy.hi", (n, nblk), torch.float32, rows.device)
         res_ptr, res_stride = (0, 0) if residual is None else (residual.data_ptr(), residual.stride(0))
         self._launch(
             "row_minmax",
@@ -403,9 +403,7 @@ class Kernels:
             or dst.shape[1] < 8 + nbytes
         ):
             return None
-        from lightning_mpi.comm.codecs import _buffer
-
-        counts = _buffer("cupy.counts", (n,), torch.int32, src.device)
+        counts = scratch_buffer("cupy.counts", (n,), torch.int32, src.device)
         counts.zero_()
         self._launch(
             "onebit_pack",

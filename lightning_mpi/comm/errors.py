@@ -1,6 +1,17 @@
-"""Propagated rank failures: one rank's exception becomes a :class:`RankFailedError` on every other.
+"""Rank failures: what they are, how a dead rank is recognised, and how one rank's exception
+becomes a :class:`RankFailedError` on every other.
 
-An MPI job has no shared notion of "the run failed": a rank that raises stops calling the
+The exceptions: :class:`RankFailedError` (another rank failed), its subclass :class:`ProcessFailed`
+(ranks died, and the survivors can heal), :class:`AbandonedRunError` (a failed run's object was used
+again).
+
+Dead ranks. Under ULFM (:mod:`lightning_mpi.comm.ulfm`, which heals), an operation that involves a
+dead rank fails with an ``MPI.Exception`` of class ``MPI_ERR_PROC_FAILED``, ``MPI_ERR_REVOKED`` or
+``MPI_ERR_PROC_FAILED_PENDING``: :func:`process_failure` and :func:`failures_raised` turn any of
+them into one :class:`ProcessFailed`. A dead rank cannot post its own failure, so the error channel
+below reports a dead rank this way instead.
+
+Telling the others. An MPI job has no shared notion of "the run failed": a rank that raises stops calling the
 collectives the others wait in. An :class:`ErrorChannel` is a private communicator on which a
 failing rank tells every other rank, in one small non-blocking message each, who failed and why.
 Every wait loop of lightning_mpi calls :meth:`ErrorChannel.check` (one ``Iprobe``), so a rank
@@ -23,8 +34,11 @@ its next check and raise.
 from __future__ import annotations
 
 import pickle
+import sys
 import threading
 import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 #: message tags on the channel's private communicator
@@ -33,13 +47,6 @@ ACK_TAG = 2
 
 #: seconds a failing rank keeps driving MPI progress while it waits for the acknowledgements
 LINGER_SECONDS = 5.0
-
-
-def _is_process_failure(error: BaseException) -> bool:
-    """A rank died (ULFM), rather than this rank failed: see :mod:`lightning_mpi.comm.ulfm`."""
-    from lightning_mpi.comm.ulfm import process_failure
-
-    return process_failure(error) is not None
 
 
 def describe(error: BaseException) -> str:
@@ -74,6 +81,103 @@ class AbandonedRunError(RuntimeError):
     (a new ``fit``, or ``fabric.setup`` again) instead."""
 
 
+class ProcessFailed(RankFailedError):
+    """Ranks of a communicator died (ULFM reported ``MPI_ERR_PROC_FAILED``, ``MPI_ERR_REVOKED`` or
+    ``MPI_ERR_PROC_FAILED_PENDING``); the survivors can heal (:func:`~lightning_mpi.comm.ulfm.heal`).
+
+    Attributes:
+        ranks: ranks of the communicator that this process knew to be dead when it raised, in
+            increasing order; ``()`` when another survivor noticed first and revoked the
+            communicator (:attr:`~lightning_mpi.comm.ulfm.Healed.lost` is the agreed answer).
+        where: the operation that failed (``"allreduce"``, ``"progress thread"``, ...).
+        error_class: ``"MPI_ERR_PROC_FAILED"``, ``"MPI_ERR_REVOKED"`` or ``"MPI_ERR_PROC_FAILED_PENDING"``.
+        rank: the first of ``ranks``, ``-1`` when none is known (as :class:`RankFailedError`).
+    """
+
+    def __init__(self, ranks: Sequence[int] = (), where: str = "", error_class: str = "MPI_ERR_PROC_FAILED") -> None:
+        self.ranks = tuple(sorted(ranks))
+        self.where = where
+        self.error_class = error_class
+        super().__init__(self.ranks[0] if self.ranks else -1, error_class)
+        who = f"rank{'s' if len(self.ranks) > 1 else ''} {', '.join(map(str, self.ranks))}" if self.ranks else "a rank"
+        self.args = (
+            f"lightning_mpi: {who} of the communicator died ({error_class}"
+            f"{f' in {where}' if where else ''}); the survivors can heal (lightning_mpi.comm.ulfm.heal)",
+        )
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.ranks, self.where, self.error_class))
+
+
+# -- dead ranks (ULFM) --------------------------------------------------------------------------------
+def _failure_classes() -> dict[int, str]:
+    from mpi4py import MPI
+
+    return {
+        MPI.ERR_PROC_FAILED: "MPI_ERR_PROC_FAILED",
+        MPI.ERR_PROC_FAILED_PENDING: "MPI_ERR_PROC_FAILED_PENDING",
+        MPI.ERR_REVOKED: "MPI_ERR_REVOKED",
+    }
+
+
+def failed_ranks(comm: Any) -> tuple[int, ...]:
+    """Ranks of ``comm`` that this process knows to have died (local: ``Comm.Get_failed``);
+    ``()`` when none is known or the MPI cannot say."""
+    from mpi4py import MPI
+
+    try:
+        failed, group = comm.Get_failed(), comm.Get_group()
+        try:
+            ranks = MPI.Group.Translate_ranks(failed, list(range(failed.Get_size())), group)
+        finally:
+            failed.Free()
+            group.Free()
+    except (MPI.Exception, NotImplementedError, AttributeError):
+        return ()
+    return tuple(sorted(r for r in ranks if r != MPI.UNDEFINED))
+
+
+def process_failure(error: BaseException | None, comm: Any = None, where: str = "") -> ProcessFailed | None:
+    """``error`` (or an exception it was raised from) as a :class:`ProcessFailed` when it reports a
+    dead rank, else ``None``. An ``MPI.Exception`` of class ``MPI_ERR_PROC_FAILED``,
+    ``MPI_ERR_PROC_FAILED_PENDING`` or ``MPI_ERR_REVOKED`` becomes one naming ``comm``'s dead
+    ranks (when ``comm`` is given and this process knows them); a :class:`ProcessFailed` is
+    returned as it is. Walks ``__cause__`` / ``__context__``, so an MPI error that a library
+    wrapped is still recognised."""
+    seen: set[int] = set()
+    classes = _failure_classes() if "mpi4py.MPI" in sys.modules else {}  # no MPI loaded: no MPI error
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, ProcessFailed):
+            return error
+        get_class = getattr(error, "Get_error_class", None)
+        if classes and get_class is not None:
+            error_class = classes.get(get_class())
+            if error_class is not None:
+                return ProcessFailed(failed_ranks(comm) if comm is not None else (), where, error_class)
+        error = error.__cause__ or error.__context__
+    return None
+
+
+@contextmanager
+def failures_raised(comm: Any = None, where: str = "") -> Iterator[None]:
+    """Inside, an MPI error that reports a dead rank raises :class:`ProcessFailed` instead (from
+    the MPI error); other exceptions pass unchanged::
+
+        with failures_raised(comm, "allreduce"):
+            comm.Allreduce(MPI.IN_PLACE, x)
+    """
+    try:
+        yield
+    except ProcessFailed:
+        raise
+    except Exception as error:
+        failed = process_failure(error, comm, where)
+        if failed is None:
+            raise
+        raise failed from error
+
+
 class ErrorChannel:
     """Tells every rank of ``comm`` that one failed (module docstring).
 
@@ -105,7 +209,7 @@ class ErrorChannel:
     def post(self, error: BaseException) -> None:
         """This rank failed with ``error``: tell every other rank (non-blocking). Once per generation;
         from then on every :meth:`check` of this rank raises too."""
-        if _is_process_failure(error):
+        if process_failure(error) is not None:
             return  # a dead rank (ULFM): every survivor learns it from MPI, and the dead cannot be told
         with self._lock:
             if self._posted is not None:
@@ -181,13 +285,11 @@ class ErrorChannel:
         return RankFailedError(self._failure.rank, self._failure.error)
 
     def _probe(self, status: Any, raise_failure: bool) -> bool:
-        """``Iprobe`` for any message; under ULFM a dead rank raises
-        :class:`~lightning_mpi.comm.ulfm.ProcessFailed` (or, while lingering, ends the probing)."""
+        """``Iprobe`` for any message; under ULFM a dead rank raises :class:`ProcessFailed` (or, while
+        lingering, ends the probing)."""
         try:
             return self.comm.Iprobe(source=self.MPI.ANY_SOURCE, tag=self.MPI.ANY_TAG, status=status)
         except self.MPI.Exception as error:
-            from lightning_mpi.comm.ulfm import process_failure
-
             failed = process_failure(error, self.comm, "the error channel")
             if failed is None:
                 raise

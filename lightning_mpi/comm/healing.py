@@ -32,7 +32,7 @@ segments, the preemption vote),        made again when the rule is bound again (
 requests in flight (buckets, votes)    never completed: kept with their buffers.
 =====================================  ==========================================================
 
-A survivor therefore (1) catches :class:`~.ulfm.ProcessFailed`, (2) calls :func:`heal_run` (which
+A survivor therefore (1) catches :class:`~.errors.ProcessFailed`, (2) calls :func:`heal_run` (which
 closes the rule through ``before_release``), (3) rebuilds its node layout and binds its rule on
 ``run.transport`` with the state it kept, and (4) redoes the interrupted exchange. With
 ``heal="replace"`` it then calls :func:`grow_run` (the survivors wait for the new processes'
@@ -158,7 +158,7 @@ def heal_run(
     also: Sequence[Any] = (),
     before_release: Callable[[], None] | None = None,
 ) -> HealedRun:
-    """Heal after :class:`~.ulfm.ProcessFailed`: revoke everything the run made, shrink ``base`` to
+    """Heal after :class:`~.errors.ProcessFailed`: revoke everything the run made, shrink ``base`` to
     the survivors (:func:`~.ulfm.heal`), build a new error channel and transport over the
     survivors' communicator, and release the failed run.
 
@@ -189,7 +189,7 @@ def grow_run(
 
     Collective over ``run.base``. The survivors keep their ranks; the new ranks come after them.
     The previous transport and channel are closed (the survivors' communicator stays, as the
-    parent of the merged one). On :class:`~.ulfm.ProcessFailed` from the spawn (new processes kept
+    parent of the merged one). On :class:`~.errors.ProcessFailed` from the spawn (new processes kept
     dying), ``run`` is still intact: go on without replacements.
     """
     import sys

@@ -27,6 +27,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from lightning_mpi.comm.errors import failures_raised
 from lightning_mpi.comm.resources import RunResources
 
 
@@ -104,8 +105,6 @@ class ProgressThread:
         :meth:`close` frees the duplicate (through ``resources``, a
         :class:`~lightning_mpi.comm.resources.RunResources`, when given)."""
         from mpi4py import MPI  # deferred: importing it initialises MPI (see lightning_mpi.comm)
-
-        from lightning_mpi.comm.ulfm import failures_raised
 
         private = comm.Dup()
         if resources is not None:

@@ -28,7 +28,8 @@ from typing import Any
 
 import numpy as np
 
-from lightning_mpi.comm.ulfm import ProcessFailed, failures_raised, free, process_failure, require_heal, revoke
+from lightning_mpi.comm.errors import ProcessFailed, failures_raised, process_failure
+from lightning_mpi.comm.ulfm import free, require_heal, revoke
 
 __all__ = ["JOINED", "JOIN_TIMEOUT", "READY_TAG", "REPLACEMENT_ENV", "Respawned", "join_parent", "respawn"]
 

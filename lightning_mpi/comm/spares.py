@@ -38,8 +38,9 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from lightning_mpi.comm.errors import process_failure
 from lightning_mpi.comm.respawn import Respawned
-from lightning_mpi.comm.ulfm import free, heal, process_failure
+from lightning_mpi.comm.ulfm import free, heal
 
 __all__ = [
     "SPARES_ENV",

@@ -27,13 +27,6 @@ from lightning_mpi.comm.engine import Exchange
 from lightning_mpi.comm.transport import Transport
 
 
-def check_ratio(ratio: float, name: str = "ratio") -> float:
-    """``ratio`` must be a real number in (0, 1]; raise ``ValueError`` naming ``name`` otherwise."""
-    if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not math.isfinite(ratio) or not 0 < ratio <= 1:
-        raise ValueError(f"{name}={ratio!r} is out of range: it must be a number in (0, 1]")
-    return float(ratio)
-
-
 def topk_count(numel: int, ratio: float) -> int:
     """How many entries of ``numel`` a rank sends at ``ratio`` (at least one, at most all)."""
     return max(1, min(numel, math.ceil(ratio * numel - 1e-9))) if numel else 0

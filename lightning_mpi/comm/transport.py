@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from lightning_mpi.comm.cuda import mpi_is_cuda_aware
-from lightning_mpi.comm.errors import AbandonedRunError
+from lightning_mpi.comm.errors import AbandonedRunError, process_failure
 from lightning_mpi.comm.resources import RunResources, keep_pending
 
 _AS_WORDS = {torch.float16: torch.int16, torch.bfloat16: torch.int16}
@@ -66,13 +66,11 @@ def wait_request(
     the request completes; it raises only if the request cannot complete (a rank never joined).
 
     Under ULFM, an MPI error that reports a dead rank (from ``Test`` or ``watch``) is raised as
-    :class:`~lightning_mpi.comm.ulfm.ProcessFailed` naming the dead ranks of ``comm`` (when given).
+    :class:`~lightning_mpi.comm.errors.ProcessFailed` naming the dead ranks of ``comm`` (when given).
     """
     try:
         _wait_request(request, timeout, what, rank, size, watch, settle)
     except Exception as error:
-        from lightning_mpi.comm.ulfm import process_failure
-
         failed = process_failure(error, comm, what)
         if failed is None or failed is error:
             raise

@@ -7,8 +7,10 @@ What ULFM gives, measured with Open MPI 5.0.11 and mpi4py 4.1 (``tests/comm/test
   within milliseconds of the runtime noticing (about 0.1 s after the kill on one machine): one
   survivor sees ``MPI_ERR_PROC_FAILED``, others ``MPI_ERR_REVOKED`` or ``MPI_ERR_PROC_FAILED_PENDING``
   (an any-source receive or probe), from a blocking call, a ``Test``/``Wait``, or a progress
-  thread's ``Iprobe``. :func:`process_failure` turns any of them into one exception,
-  :class:`ProcessFailed` (a :class:`~lightning_mpi.comm.errors.RankFailedError`).
+  thread's ``Iprobe``. :func:`~lightning_mpi.comm.errors.process_failure` turns any of them into one
+  exception, :class:`~lightning_mpi.comm.errors.ProcessFailed` (a
+  :class:`~lightning_mpi.comm.errors.RankFailedError`); recognising a dead rank is part of
+  :mod:`lightning_mpi.comm.errors`, which this module builds on.
 - ``Revoke`` interrupts every pending and future operation on a communicator on every rank;
   ``Shrink`` builds a communicator of the survivors; ``Agree`` is a fault-tolerant agreement.
   :func:`heal` combines them: revoke, shrink, agree that every survivor got there (or shrink again
@@ -30,14 +32,14 @@ MPI only (mpi4py, loaded on first use): no torch, no Lightning.
 from __future__ import annotations
 
 import os
-import sys
 import time
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from lightning_mpi.comm.errors import RankFailedError
+# Recognising a dead rank lives in comm.errors; these names are also importable from here, where the
+# healing code that catches them has always found them.
+from lightning_mpi.comm.errors import ProcessFailed, failed_ranks, failures_raised, process_failure
 
 __all__ = [
     "HealSupport",
@@ -74,34 +76,6 @@ _FIX = (
 
 class HealUnavailable(RuntimeError):
     """Healing was asked for, but this MPI (or this launch) cannot keep going after a rank died."""
-
-
-class ProcessFailed(RankFailedError):
-    """Ranks of a communicator died (ULFM reported ``MPI_ERR_PROC_FAILED``, ``MPI_ERR_REVOKED`` or
-    ``MPI_ERR_PROC_FAILED_PENDING``); the survivors can :func:`heal`.
-
-    Attributes:
-        ranks: ranks of the communicator that this process knew to be dead when it raised, in
-            increasing order; ``()`` when another survivor noticed first and revoked the
-            communicator (:attr:`Healed.lost` is the agreed answer).
-        where: the operation that failed (``"allreduce"``, ``"progress thread"``, ...).
-        error_class: ``"MPI_ERR_PROC_FAILED"``, ``"MPI_ERR_REVOKED"`` or ``"MPI_ERR_PROC_FAILED_PENDING"``.
-        rank: the first of ``ranks``, ``-1`` when none is known (as :class:`RankFailedError`).
-    """
-
-    def __init__(self, ranks: Sequence[int] = (), where: str = "", error_class: str = "MPI_ERR_PROC_FAILED") -> None:
-        self.ranks = tuple(sorted(ranks))
-        self.where = where
-        self.error_class = error_class
-        super().__init__(self.ranks[0] if self.ranks else -1, error_class)
-        who = f"rank{'s' if len(self.ranks) > 1 else ''} {', '.join(map(str, self.ranks))}" if self.ranks else "a rank"
-        self.args = (
-            f"lightning_mpi: {who} of the communicator died ({error_class}"
-            f"{f' in {where}' if where else ''}); the survivors can heal (lightning_mpi.comm.ulfm.heal)",
-        )
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (type(self), (self.ranks, self.where, self.error_class))
 
 
 # -- can this process heal? ------------------------------------------------------------------------
@@ -146,75 +120,6 @@ def require_heal() -> None:
     support = heal_support()
     if not support.ok:
         raise HealUnavailable(support.reason)
-
-
-# -- detection --------------------------------------------------------------------------------------
-def _failure_classes() -> dict[int, str]:
-    from mpi4py import MPI
-
-    return {
-        MPI.ERR_PROC_FAILED: "MPI_ERR_PROC_FAILED",
-        MPI.ERR_PROC_FAILED_PENDING: "MPI_ERR_PROC_FAILED_PENDING",
-        MPI.ERR_REVOKED: "MPI_ERR_REVOKED",
-    }
-
-
-def failed_ranks(comm: Any) -> tuple[int, ...]:
-    """Ranks of ``comm`` that this process knows to have died (local: ``Comm.Get_failed``);
-    ``()`` when none is known or the MPI cannot say."""
-    from mpi4py import MPI
-
-    try:
-        failed, group = comm.Get_failed(), comm.Get_group()
-        try:
-            ranks = MPI.Group.Translate_ranks(failed, list(range(failed.Get_size())), group)
-        finally:
-            failed.Free()
-            group.Free()
-    except (MPI.Exception, NotImplementedError, AttributeError):
-        return ()
-    return tuple(sorted(r for r in ranks if r != MPI.UNDEFINED))
-
-
-def process_failure(error: BaseException | None, comm: Any = None, where: str = "") -> ProcessFailed | None:
-    """``error`` (or an exception it was raised from) as a :class:`ProcessFailed` when it reports a
-    dead rank, else ``None``. An ``MPI.Exception`` of class ``MPI_ERR_PROC_FAILED``,
-    ``MPI_ERR_PROC_FAILED_PENDING`` or ``MPI_ERR_REVOKED`` becomes one naming ``comm``'s dead
-    ranks (when ``comm`` is given and this process knows them); a :class:`ProcessFailed` is
-    returned as it is. Walks ``__cause__`` / ``__context__``, so an MPI error that a library
-    wrapped is still recognised."""
-    seen: set[int] = set()
-    classes = _failure_classes() if "mpi4py.MPI" in sys.modules else {}  # no MPI loaded: no MPI error
-    while error is not None and id(error) not in seen:
-        seen.add(id(error))
-        if isinstance(error, ProcessFailed):
-            return error
-        get_class = getattr(error, "Get_error_class", None)
-        if classes and get_class is not None:
-            error_class = classes.get(get_class())
-            if error_class is not None:
-                return ProcessFailed(failed_ranks(comm) if comm is not None else (), where, error_class)
-        error = error.__cause__ or error.__context__
-    return None
-
-
-@contextmanager
-def failures_raised(comm: Any = None, where: str = "") -> Iterator[None]:
-    """Inside, an MPI error that reports a dead rank raises :class:`ProcessFailed` instead (from
-    the MPI error); other exceptions pass unchanged::
-
-        with failures_raised(comm, "allreduce"):
-            comm.Allreduce(MPI.IN_PLACE, x)
-    """
-    try:
-        yield
-    except ProcessFailed:
-        raise
-    except Exception as error:
-        failed = process_failure(error, comm, where)
-        if failed is None:
-            raise
-        raise failed from error
 
 
 # -- healing ------------------------------------------------------------------------------------------
@@ -269,19 +174,6 @@ class Healed:
     lost: tuple[int, ...]
     seconds: float
     shrinks: int = 1
-
-    @property
-    def size(self) -> int:
-        return len(self.old_ranks)
-
-    @property
-    def old_to_new(self) -> dict[int, int]:
-        """Old rank -> new rank, for the survivors."""
-        return {old: new for new, old in enumerate(self.old_ranks)}
-
-    def new_rank(self, old: int) -> int | None:
-        """The new rank of old rank ``old``, ``None`` if it was lost."""
-        return self.old_to_new.get(old)
 
 
 def heal(comm: Any, also: Sequence[Any] = (), attempts: int = HEAL_ATTEMPTS) -> Healed:

@@ -69,10 +69,6 @@ class LoaderStats:
     def mean_wait_s(self) -> float:
         return self.total_wait_s / len(self.wait_s) if self.wait_s else 0.0
 
-    @property
-    def max_wait_s(self) -> float:
-        return max(self.wait_s, default=0.0)
-
 
 @dataclass(frozen=True)
 class LoadSpec:

@@ -38,12 +38,6 @@ def is_dense(t: torch.Tensor) -> bool:
     return True
 
 
-def is_expanded(t: torch.Tensor) -> bool:
-    """True when ``t`` repeats memory (a stride 0 over a dimension longer than 1), as
-    ``expand`` does: a copy would be larger than the memory it frees."""
-    return any(st == 0 and s > 1 for s, st in zip(t.shape, t.stride(), strict=True))
-
-
 def layout_of(t: torch.Tensor) -> Layout:
     nbytes = t.numel() * t.element_size()
     if is_dense(t):

@@ -6,7 +6,7 @@ import torch
 
 from lightning_mpi.comm.codecs import BF16, CODECS, FP16, FP32, INT8, ONEBIT, get_codec
 from lightning_mpi.comm.collectives import encode_with_feedback_
-from lightning_mpi.comm.sparse import check_ratio, pack_pairs, scatter_pairs_, topk_count, topk_select
+from lightning_mpi.comm.sparse import pack_pairs, scatter_pairs_, topk_count, topk_select
 
 ODD = [(1, 1), (1, 3), (3, 7), (2, 13), (5, 1001)]
 ROW_CODECS = [FP32, FP16, BF16, INT8, ONEBIT]
@@ -89,13 +89,6 @@ def test_topk_round_trip_odd_sizes(numel, ratio):
     assert torch.equal(out[kept], x[kept])
     if k < numel:  # what was kept is the largest in magnitude
         assert x[kept].abs().min() >= x[~kept].abs().max()
-
-
-@pytest.mark.timeout(60)
-@pytest.mark.parametrize("bad", [0, 0.0, -0.1, 1.5, float("nan"), float("inf"), "0.1", True])
-def test_bad_ratio_raises_naming_it(bad):
-    with pytest.raises(ValueError, match="ratio"):
-        check_ratio(bad)
 
 
 @pytest.mark.timeout(60)

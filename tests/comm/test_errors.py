@@ -1,12 +1,12 @@
 """comm/errors: one rank's failure becomes a RankFailedError on the others; on one rank here, the
 failing rank's own view (posting, the thread hand-over, generations). Three ranks telling each
-other are in test_comm_on_three_ranks.py."""
+other are in test_comm_on_three_ranks.py; dead ranks under ULFM in test_ulfm.py."""
 
 import pickle
 
 import pytest
 
-from lightning_mpi.comm.errors import ErrorChannel, RankFailedError, describe
+from lightning_mpi.comm.errors import ErrorChannel, ProcessFailed, RankFailedError, describe, process_failure
 from lightning_mpi.comm.transport import Transport
 
 
@@ -20,6 +20,35 @@ def test_rank_failed_error_says_who_and_survives_pickling():
     assert "rank 2 failed with ValueError: bad lr" in str(error)
     copy = pickle.loads(pickle.dumps(error))
     assert (copy.rank, copy.error, str(copy)) == (2, "ValueError: bad lr", str(error))
+
+
+@pytest.mark.timeout(10)
+def test_process_failed_is_a_rank_failure_that_names_the_ranks():
+    failed = ProcessFailed((3, 1), "allreduce", "MPI_ERR_PROC_FAILED")
+    assert isinstance(failed, RankFailedError) and failed.ranks == (1, 3) and failed.rank == 1
+    assert str(failed) == (
+        "lightning_mpi: ranks 1, 3 of the communicator died (MPI_ERR_PROC_FAILED in allreduce); "
+        "the survivors can heal (lightning_mpi.comm.ulfm.heal)"
+    )
+    unknown = ProcessFailed((), "a progress thread", "MPI_ERR_REVOKED")
+    assert unknown.rank == -1
+    assert str(unknown).startswith("lightning_mpi: a rank of the communicator died (MPI_ERR_REVOKED")
+    copy = pickle.loads(pickle.dumps(failed))
+    assert (type(copy), copy.ranks, copy.where, str(copy)) == (ProcessFailed, failed.ranks, failed.where, str(failed))
+
+
+@pytest.mark.timeout(10)
+def test_process_failure_finds_a_failure_behind_other_exceptions():
+    failed = ProcessFailed((2,), "x")
+    try:
+        try:
+            raise failed
+        except ProcessFailed as inner:
+            raise RuntimeError("a library wrapped it") from inner
+    except RuntimeError as outer:
+        assert process_failure(outer) is failed
+    assert process_failure(ValueError("not a failure")) is None
+    assert process_failure(None) is None
 
 
 @pytest.fixture

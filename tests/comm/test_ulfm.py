@@ -15,15 +15,13 @@ as a user would launch it, in two launches:
 from __future__ import annotations
 
 import json
-import pickle
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from lightning_mpi.comm.errors import RankFailedError
-from lightning_mpi.comm.ulfm import FT_ENV, HEAL_OUTCOME_ENV, Healed, ProcessFailed, heal_support, process_failure
+from lightning_mpi.comm.ulfm import FT_ENV, HEAL_OUTCOME_ENV, heal_support
 from lightning_mpi.launcher.healing import HEAL_OUTCOME_ENV as LAUNCHER_OUTCOME_ENV
 from tests.launcher.helpers import finish, launch
 from tests.mpi_utils import REPO, mpi_env, mpi_flavor, require_ulfm
@@ -41,42 +39,6 @@ def test_heal_support_names_what_is_missing_and_the_fix():
     assert not no_ft.ok and "launched with fault tolerance on, and this one was not" in no_ft.reason
     for support in (mpich, no_ft):
         assert "fix: run under Open MPI 5 with ULFM: launch with `lightning-mpi --heal" in support.reason
-
-
-@pytest.mark.timeout(10)
-def test_process_failed_is_a_rank_failure_that_names_the_ranks():
-    failed = ProcessFailed((3, 1), "allreduce", "MPI_ERR_PROC_FAILED")
-    assert isinstance(failed, RankFailedError) and failed.ranks == (1, 3) and failed.rank == 1
-    assert str(failed) == (
-        "lightning_mpi: ranks 1, 3 of the communicator died (MPI_ERR_PROC_FAILED in allreduce); "
-        "the survivors can heal (lightning_mpi.comm.ulfm.heal)"
-    )
-    unknown = ProcessFailed((), "a progress thread", "MPI_ERR_REVOKED")
-    assert unknown.rank == -1
-    assert str(unknown).startswith("lightning_mpi: a rank of the communicator died (MPI_ERR_REVOKED")
-    copy = pickle.loads(pickle.dumps(failed))
-    assert (type(copy), copy.ranks, copy.where, str(copy)) == (ProcessFailed, failed.ranks, failed.where, str(failed))
-
-
-@pytest.mark.timeout(10)
-def test_process_failure_finds_a_failure_behind_other_exceptions():
-    failed = ProcessFailed((2,), "x")
-    try:
-        try:
-            raise failed
-        except ProcessFailed as inner:
-            raise RuntimeError("a library wrapped it") from inner
-    except RuntimeError as outer:
-        assert process_failure(outer) is failed
-    assert process_failure(ValueError("not a failure")) is None
-    assert process_failure(None) is None
-
-
-@pytest.mark.timeout(10)
-def test_healed_maps_old_ranks_to_new():
-    healed = Healed(comm=None, old_ranks=(0, 2, 3), lost=(1,), seconds=0.01)
-    assert healed.size == 3 and healed.old_to_new == {0: 0, 2: 1, 3: 2}
-    assert healed.new_rank(3) == 2 and healed.new_rank(1) is None
 
 
 @pytest.mark.timeout(10)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_mpi.offload.tensors import as_bytes, from_bytes, is_dense, is_expanded, layout_of
+from lightning_mpi.offload.tensors import as_bytes, from_bytes, is_dense, layout_of
 
 
 def _round_trip(t: torch.Tensor) -> torch.Tensor:
@@ -36,9 +36,3 @@ def test_a_strided_view_comes_back_equal_and_contiguous():
     assert not is_dense(t)
     back = _round_trip(t)
     assert torch.equal(back, t) and back.is_contiguous()
-
-
-@pytest.mark.timeout(30)
-def test_expanded_tensors_are_recognised():
-    assert is_expanded(torch.randn(3, 1).expand(3, 5))
-    assert not is_expanded(torch.randn(3, 5))
