@@ -6,13 +6,24 @@ name below with that package's registry: ``StrategyRegistry`` for the Trainers
 (``pytorch_lightning``, ``lightning.pytorch``), ``STRATEGY_REGISTRY`` for Fabric
 (``lightning_fabric``, ``lightning.fabric``). So ``Trainer(strategy="mpi_asa16")`` and
 ``Fabric(strategy="mpi_asa16")`` work whichever package the user imports, and in whichever order.
+
+Each Trainer's registry also gets the class paths of lightning_mpi's strategy classes built on the
+other Trainer package (:func:`class_path_names`), as names that refuse with a message naming the
+class to use: a LightningCLI of ``lightning.pytorch`` hands ``--trainer.strategy=lightning_mpi.EASGDStrategy``
+(built on ``pytorch_lightning``) on to its Trainer as a plain string, lower-cased, since jsonargparse
+resolves only subclasses of that Trainer's ``Strategy``. A registry entry is the one supported place
+where lightning_mpi can answer a strategy string: Lightning's own "invalid strategy" error, for any
+other unknown string, has no hook.
 """
 
 from __future__ import annotations
 
 import sys
 import warnings
+from collections.abc import Callable
 from typing import Any
+
+from lightning_mpi.strategies.packages import twin_path
 
 #: name -> (strategy class name, init params, description)
 STRATEGIES: dict[str, tuple[str, dict[str, Any], str]] = {
@@ -88,19 +99,46 @@ TRAINER_PACKAGES = ("pytorch_lightning", "lightning.pytorch")
 FABRIC_PACKAGES = ("lightning_fabric", "lightning.fabric")
 
 
+def class_path_names(package: str) -> dict[str, str]:
+    """For a Trainer package: the lower-cased class path of every lightning_mpi strategy class built on
+    the other Trainer package (``"lightning_mpi.easgdstrategy"`` for ``lightning.pytorch``), each
+    with the message that refuses it there, naming the class built on ``package`` and a name that
+    builds it."""
+    (other,) = (p for p in TRAINER_PACKAGES if p != package)
+    class_names = sorted({class_name for class_name, _, _ in STRATEGIES.values()} | {"MPIStrategy", "AsyncMPIStrategy"})
+    found = {}
+    for class_name in class_names:
+        given, right = twin_path(class_name, other), twin_path(class_name, package)
+        names = [name for name, (class_of_name, _, _) in STRATEGIES.items() if class_of_name == class_name]
+        by_name = f", or the name {names[0]!r}" if names else ""
+        found[given.lower()] = (
+            f"{given.lower()!r} was taken as a strategy name: the class `{given}` is not built on {package}. "
+            f"Use `{right}` (with LightningCLI: --trainer.strategy={right}){by_name}."
+        )
+    return found
+
+
+def _refusal(message: str) -> Callable[..., Any]:
+    """A registry entry's factory that raises ``ValueError(message)`` instead of building a strategy."""
+
+    def refuse(**_: Any) -> Any:
+        raise ValueError(message)
+
+    return refuse
+
+
 def register_strategies(package: str | None = None) -> None:
     """Register every name in :data:`STRATEGIES` with ``package``'s registry (idempotent), or with
     every Lightning package already imported when ``package`` is None.
 
     Also gives ``package`` this process's rank from the MPI launcher's environment (see
     :mod:`.launch_rank`), so that its rank-zero messages before any strategy exists (``No seed
-    found``) print once, and puts a hint in its "invalid strategy" error when the strategy was
-    meant for lightning_mpi (a mistyped ``mpi_*`` name, a class of another package; see
-    :mod:`.connector_hints`).
+    found``) print once, and, for a Trainer, registers the other Trainer package's class paths as
+    names that refuse with the class to use (:func:`class_path_names`).
     """
     # Here, not at the top: ``import lightning_mpi`` imports this module and must stay free of torch
     # and Lightning; the classes are built only once a Lightning package is imported.
-    from lightning_mpi.strategies import build, connector_hints, launch_rank, lightning_api
+    from lightning_mpi.strategies import build, launch_rank, lightning_api
 
     if package is None:
         for imported in TRAINER_PACKAGES + FABRIC_PACKAGES:
@@ -116,9 +154,11 @@ def register_strategies(package: str | None = None) -> None:
             f"package={package!r} is not a Lightning package: choose one of {list(TRAINER_PACKAGES + FABRIC_PACKAGES)}"
         )
     launch_rank.tell_lightning(package)  # rank-zero output before any strategy exists
-    connector_hints.install(package)  # hints in Lightning's "invalid strategy" error
     for name, (class_name, params, description) in STRATEGIES.items():
         registry.register(name, classes[class_name], description=description, override=True, **params)
+    if package in TRAINER_PACKAGES:
+        for path, message in class_path_names(package).items():
+            registry.register(path, _refusal(message), description=message, override=True)
 
 
 def _register_on_import(package: str) -> Any:
