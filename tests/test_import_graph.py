@@ -2,10 +2,11 @@
 cycles, and dependencies that point one way (comm <- rules <- strategies; data, offload and
 launcher use comm at most).
 
-Module-level imports count, ``if TYPE_CHECKING:`` ones included: a cycle that only the type checker
-sees is still two modules that cannot be read, or moved, one without the other. Imports inside
-functions do not count as cycle edges (Python runs them after both modules are loaded), but they
-do count for the layering: a deferred upward import is still an upward dependency.
+Every import statement counts, imports inside functions included: an import deferred into a
+function still makes two modules that cannot be read, or moved, one without the other, and hiding a
+cycle that way is how cycles came back (issue 38). Imports under ``if TYPE_CHECKING:`` are the one
+exception for cycles (they never run; annotations may name a type that depends on the importer);
+for the layering they count too: an upward import is an upward dependency however it is written.
 """
 
 from __future__ import annotations
@@ -18,8 +19,20 @@ from pathlib import Path
 PACKAGE = "lightning_mpi"
 ROOT = Path(__file__).resolve().parent.parent / PACKAGE
 
-#: Packages whose own imports the cycle check skips (none: the whole package is free of cycles).
-CYCLE_CHECK_SKIPS_IMPORTS_FROM: tuple[str, ...] = ()
+#: TEMPORARY: cycles being removed right now (issue 38), each as the set of its modules. Only this
+#: one may be listed, and only while it exists (``test_the_cycles_being_removed_are_still_there``):
+#: empty this set in the change that removes it.
+CYCLES_BEING_REMOVED: frozenset[frozenset[str]] = frozenset(
+    {
+        frozenset(
+            {
+                f"{PACKAGE}.strategies.healing_auto",
+                f"{PACKAGE}.strategies.healing_rules",
+                f"{PACKAGE}.strategies.healing_state",
+            }
+        )
+    }
+)
 
 #: Modules every layer may use: no torch, no MPI, no Lightning (how options are defined and checked).
 FOUNDATION: tuple[str, ...] = (f"{PACKAGE}.options",)
@@ -50,6 +63,8 @@ class Edge:
     imported: str
     line: int
     module_level: bool
+    #: under ``if TYPE_CHECKING:`` (never run)
+    type_checking: bool
 
 
 def module_name(path: Path) -> str:
@@ -69,6 +84,15 @@ def _resolve(importer: str, is_package: bool, node: ast.ImportFrom) -> str:
     base = base if is_package else base[:-1]
     base = base[: len(base) - (node.level - 1)]
     return ".".join([*base, node.module] if node.module else base)
+
+
+def _type_checking(tree: ast.Module) -> set[int]:
+    """ids of the import nodes in the body of an ``if TYPE_CHECKING:`` (or ``typing.TYPE_CHECKING``)."""
+    found: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            found.update(id(child) for statement in node.body for child in ast.walk(statement))
+    return found
 
 
 def _module_level(tree: ast.Module) -> set[int]:
@@ -96,6 +120,7 @@ def edges() -> tuple[Edge, ...]:
     for name, path in known.items():
         tree = ast.parse(path.read_text(), str(path))
         top = _module_level(tree)
+        typing_only = _type_checking(tree)
         for node in ast.walk(tree):
             targets: list[str] = []
             if isinstance(node, ast.Import):
@@ -107,7 +132,7 @@ def edges() -> tuple[Edge, ...]:
                 targets = [f"{source}.{a.name}" if f"{source}.{a.name}" in known else source for a in node.names]
             for target in targets:
                 if target in known and target != name:
-                    found.append(Edge(name, target, node.lineno, id(node) in top))
+                    found.append(Edge(name, target, node.lineno, id(node) in top, id(node) in typing_only))
     return tuple(found)
 
 
@@ -155,6 +180,16 @@ def test_the_graph_is_read():
     found = {(e.importer, e.imported) for e in edges() if e.module_level}
     assert (f"{PACKAGE}.comm.collectives", f"{PACKAGE}.comm.transport") in found
     assert (f"{PACKAGE}.launcher.cli", f"{PACKAGE}.launcher.command") in found  # a relative import
+    inside = {(e.importer, e.imported) for e in edges() if not e.module_level and not e.type_checking}
+    assert (f"{PACKAGE}.strategies.registry", f"{PACKAGE}.strategies.build") in inside  # inside a function
+
+
+def test_type_checking_imports_are_told_apart():
+    source = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import a\nelse:\n    import b\n"
+    tree = ast.parse(source + "def f():\n    import c\n")
+    imports = {node.names[0].name: id(node) for node in ast.walk(tree) if isinstance(node, ast.Import)}
+    assert _type_checking(tree) & set(imports.values()) == {imports["a"]}
+    assert _module_level(tree) & set(imports.values()) == {imports["a"], imports["b"]}
 
 
 def test_cycle_finder_finds_a_cycle():
@@ -162,13 +197,25 @@ def test_cycle_finder_finds_a_cycle():
     assert cycles({"a": {"b"}, "b": set()}) == []
 
 
-def test_no_import_cycles():
+def _run_time_graph() -> dict[str, set[str]]:
+    """Importer -> imported, for every import that can run: module level or inside a function."""
     graph: dict[str, set[str]] = {}
     for edge in edges():
-        if edge.module_level and not any(_in(edge.importer, p) for p in CYCLE_CHECK_SKIPS_IMPORTS_FROM):
+        if not edge.type_checking:
             graph.setdefault(edge.importer, set()).add(edge.imported)
-    found = cycles(graph)
-    assert found == [], f"import cycles (module-level imports, TYPE_CHECKING ones included): {found}"
+    return graph
+
+
+def test_no_import_cycles():
+    found = [cycle for cycle in cycles(_run_time_graph()) if frozenset(cycle) not in CYCLES_BEING_REMOVED]
+    assert found == [], f"import cycles (every import that runs, inside functions too): {found}"
+
+
+def test_the_cycles_being_removed_are_still_there():
+    # When one is gone, drop it from CYCLES_BEING_REMOVED so that it cannot come back unnoticed.
+    found = {frozenset(cycle) for cycle in cycles(_run_time_graph())}
+    gone = CYCLES_BEING_REMOVED - found
+    assert not gone, f"no longer cycles: remove them from CYCLES_BEING_REMOVED: {[sorted(c) for c in gone]}"
 
 
 def test_dependencies_point_one_way():
