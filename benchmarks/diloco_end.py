@@ -48,7 +48,7 @@ def worker(arm: str, first: int, steps: int, batch: int, out: str) -> None:
 
     import lightning_mpi
     from benchmarks.ttq_task import TaskConfig, held_out_batch, held_out_loss, load_texts, make_module, train_dataset
-    from lightning_mpi.rules.diloco_math import averages_at, last_start, outer_step_
+    from lightning_mpi.rules.diloco.outer import averages_at, last_start, outer_step_
 
     comm = MPI.COMM_WORLD
     rank, world = comm.Get_rank(), comm.Get_size()

@@ -42,8 +42,7 @@ def main() -> int:
     from benchmarks import ttq_task
     from benchmarks.ttq_worker import parse_arm
     from lightning_mpi.comm.transport import Transport
-    from lightning_mpi.rules.diloco import DiLoCoRule
-    from lightning_mpi.rules.streaming_diloco import StreamingDiLoCoRule
+    from lightning_mpi.rules.diloco import DiLoCoRule, StreamingDiLoCoRule
 
     rules = {"mpi_diloco": DiLoCoRule, "mpi_streaming_diloco": StreamingDiLoCoRule}
     name, overrides = parse_arm(args.arm)

@@ -1,4 +1,4 @@
-"""What the buddy copy costs that lets ZeRO heal (``heal="shrink"``; ``lightning_mpi/rules/zero_mirror.py``).
+"""What the buddy copy costs that lets ZeRO heal (``heal="shrink"``; ``lightning_mpi/rules/zero/mirror.py``).
 
     OMP_NUM_THREADS=1 flock /tmp/bench.lock python benchmarks/zero_mirror.py --worlds 2 4
 

@@ -58,7 +58,7 @@ _PYTORCH_LIGHTNING_CLASSES = (
     "PrefetchDataModule",
 )
 
-#: Lightning-free names -> the module that defines them.
+#: Lightning-free names -> the module (or rule family package) that exports them.
 _MODULES = {
     "Rule": "lightning_mpi.rules.base",
     "BoundRule": "lightning_mpi.rules.base",
@@ -75,7 +75,7 @@ _MODULES = {
     "AEASGDRule": "lightning_mpi.rules.server",
     "EAMSGDRule": "lightning_mpi.rules.server",
     "DiLoCoRule": "lightning_mpi.rules.diloco",
-    "StreamingDiLoCoRule": "lightning_mpi.rules.streaming_diloco",
+    "StreamingDiLoCoRule": "lightning_mpi.rules.diloco",
     "AutoRule": "lightning_mpi.rules.auto",
     "RankFailedError": "lightning_mpi.comm.errors",
 }

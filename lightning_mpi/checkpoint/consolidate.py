@@ -1,7 +1,7 @@
 """A sharded checkpoint as one plain checkpoint: the form Lightning's rank-0 save would have written.
 
 Every slot's shard states are assembled into torch's optimizer format
-(:func:`lightning_mpi.rules.zero_state.consolidate`); the rest of the checkpoint is rank 0's
+(:func:`lightning_mpi.rules.zero.state.consolidate`); the rest of the checkpoint is rank 0's
 replicated part as it was. The result holds only torch tensors, numbers, strings and whatever the
 user's own checkpoint held, so ``Model.load_from_checkpoint(out)`` and
 ``Trainer.fit(ckpt_path=out)`` under ``ddp`` read it without lightning_mpi installed. This runs in one
@@ -17,7 +17,7 @@ import torch
 
 from lightning_mpi.checkpoint.files import write_atomic
 from lightning_mpi.checkpoint.sharded import load_sharded
-from lightning_mpi.rules.zero_state import consolidate
+from lightning_mpi.rules.zero.state import consolidate
 
 
 def consolidate_checkpoint(directory: Any) -> dict[str, Any]:

@@ -8,7 +8,7 @@ A checkpoint is a directory::
                                         share of the spread tensors
 
 A **slot** is a place in the checkpoint dict that holds a shard state
-(:mod:`lightning_mpi.rules.zero_state`): a top-level value (Fabric's ``{"optimizer": ...}``) or an
+(:mod:`lightning_mpi.rules.zero.state`): a top-level value (Fabric's ``{"optimizer": ...}``) or an
 item of a top-level list (Lightning's ``checkpoint["optimizer_states"][i]``), named ``key`` or
 ``key/i``. Everything else is the same on every rank and rank 0 writes it, except the **spread**
 tensors: tensors of a top-level mapping (Lightning's ``checkpoint["state_dict"]``) that the caller
@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from lightning_mpi.checkpoint.files import make_staging_dir, publish_dir, remove_dir, resolve_dir, write_new_file
-from lightning_mpi.rules.zero_state import is_shard_state
+from lightning_mpi.rules.zero.state import is_shard_state
 
 FORMAT = "lightning_mpi.sharded_checkpoint/2"
 #: formats this version reads (/1: no spread tensors)

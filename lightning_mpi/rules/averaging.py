@@ -19,7 +19,6 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-import torch
 from torch import Tensor
 
 from lightning_mpi.comm.collectives import allreduce_mean_
@@ -27,11 +26,6 @@ from lightning_mpi.comm.transport import Transport
 from lightning_mpi.options import integer, option, options_class
 from lightning_mpi.rules.base import BoundLocalStepRule, Rule
 from lightning_mpi.rules.easgd import FlatParams
-
-
-def model_average(replicas: Sequence[Tensor]) -> Tensor:
-    """The mean of the replicas' flat weights (what one averaging round leaves on every rank)."""
-    return torch.stack(list(replicas)).mean(0)
 
 
 def averages_at(step: int, period: int, sync_warmup_steps: int) -> str:

@@ -9,7 +9,7 @@ of strength α = ηρ. Every ``period`` (τ) local steps:
 
 Both use the *old* θᵢ − θ̃, so worker and center move symmetrically (Zhang et al., Eq. 5–6).
 The asynchronous variants (AEASGD, EAMSGD) use :func:`elastic_difference` against a parameter
-server (see :mod:`lightning_mpi.rules.server`); EAMSGD adds Nesterov momentum δ on the worker
+server (see :mod:`lightning_mpi.rules.server.rules`); EAMSGD adds Nesterov momentum δ on the worker
 (:func:`nesterov_gradient_`, Zhang et al. Algorithm 2).
 
 Defaults, cited: Zhang et al. §5 set β = pα = 0.9, i.e. α = 0.9 / W (``alpha=None`` means

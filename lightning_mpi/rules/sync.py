@@ -27,10 +27,9 @@ from lightning_mpi.comm.transport import Transport
 from lightning_mpi.comm.ulfm import ProcessFailed
 from lightning_mpi.options import option, options_class
 from lightning_mpi.rules.base import BoundRule, all_finite, grads_finite
-from lightning_mpi.rules.bucket_exchanger import BucketExchanger
-from lightning_mpi.rules.buckets import SegmentedBuckets
+from lightning_mpi.rules.buckets import BucketExchanger, SegmentedBuckets
 from lightning_mpi.rules.exposed_warning import ExposedExchangeWarning
-from lightning_mpi.rules.zero import ZeroRule
+from lightning_mpi.rules.zero.rule import ZeroRule
 
 
 @options_class

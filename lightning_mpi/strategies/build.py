@@ -32,12 +32,11 @@ from lightning_mpi.rules.auto import AutoRule
 from lightning_mpi.rules.averaging import ModelAveragingRule
 from lightning_mpi.rules.base import Rule
 from lightning_mpi.rules.compressed import CompressedSyncRule
-from lightning_mpi.rules.diloco import DiLoCoRule
+from lightning_mpi.rules.diloco import DiLoCoRule, StreamingDiLoCoRule
 from lightning_mpi.rules.easgd import EASGDRule
 from lightning_mpi.rules.gossip import GoSGDRule
 from lightning_mpi.rules.powersgd import PowerSGDRule
 from lightning_mpi.rules.server import ADAGRule, AEASGDRule, AGNRule, DownpourRule, DynSGDRule, EAMSGDRule
-from lightning_mpi.rules.streaming_diloco import StreamingDiLoCoRule
 from lightning_mpi.rules.sync import SyncRule
 from lightning_mpi.strategies.checkpoint_io import AtomicWriteMixin
 from lightning_mpi.strategies.environment import MPIClusterMixin

@@ -1,7 +1,7 @@
 """``mpi_auto`` through a heal (:mod:`.healing_rules` dispatches here): its arm's exchanges heal as
 that arm's do (the operations of :mod:`.healing_rules` act on the arm), and its decision is one
 healing operation (:func:`auto_decision`). What the survivors agree on the healed run, and why,
-is in :mod:`lightning_mpi.rules.auto_heal`.
+is in :mod:`lightning_mpi.rules.auto.heal`.
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from typing import Any
 import torch
 
 from lightning_mpi.rules.auto import BoundAuto
-from lightning_mpi.rules.auto_arms import optimizer_float_state
-from lightning_mpi.rules.auto_choice import Choice
+from lightning_mpi.rules.auto.arms import optimizer_float_state
+from lightning_mpi.rules.auto.choice import Choice
 from lightning_mpi.rules.base import BoundRule
 from lightning_mpi.rules.diloco import BoundDiLoCo
 from lightning_mpi.strategies.healing_rules import heal_after_step, heal_grads, heal_outer_end
@@ -86,7 +86,7 @@ def _write_back(
     float_state: dict[tuple[int, str], torch.Tensor],
 ) -> None:
     """Copy ``weights`` into ``params`` and ``float_state`` (keyed as
-    :func:`~lightning_mpi.rules.auto_arms.optimizer_float_state` keys it) into the optimizer's
+    :func:`~lightning_mpi.rules.auto.arms.optimizer_float_state` keys it) into the optimizer's
     state, where it holds that entry."""
     mine = optimizer_float_state(params, optimizer)
     with torch.no_grad():
@@ -141,7 +141,7 @@ def auto_decision(healing: Any, runner: Any, optimizer: Any) -> None:
         bound.take_decision(counters)
         if inner is None:
             return
-        bound.inner.load_state_dict(inner)  # the arm the heal bound is the other's (auto_heal)
+        bound.inner.load_state_dict(inner)  # the arm the heal bound is the other's (rules.auto.heal)
         _write_back(params, optimizer, values, state)
         replicas = getattr(bound.inner, "replicas", None)
         if replicas is not None:

@@ -46,12 +46,12 @@ gossip.BoundGoSGD`)                         pushes, generator; messages in fligh
                                             final drain redone over the survivors
 parameter server: DOWNPOUR, AGN, DynSGD,    ``heal_state()``: this rank's shard of the center
 ADAG, AEASGD, EAMSGD (:class:`~lightning_   (read again once every survivor agreed to heal),
-mpi.rules.server_base.BoundServerRule`)     the center it last pulled and the clock then, the
+mpi.rules.server.base.BoundServerRule`)     the center it last pulled and the clock then, the
                                             clock on old rank 0, counters, momentum. The new
                                             binding rebuilds the center: surviving shards as
                                             kept, a lost shard from the freshest pull (the
                                             highest clock at pull, ties the lowest rank), cut
-                                            anew (:mod:`~lightning_mpi.rules.server_heal`).
+                                            anew (:mod:`~lightning_mpi.rules.server.heal`).
                                             Workers keep their weights; one whose commit was
                                             interrupted restarts from the center. Nothing is
                                             redone while training (a commit is one-sided);
@@ -65,12 +65,12 @@ auto.BoundAuto`)                            measurements; inside a decision, as 
                                             or its outcome taken. The survivors agree on the
                                             arm and re-decide over the new world size
                                             (:mod:`.healing_auto`, :mod:`~lightning_mpi.
-                                            rules.auto_heal`); ``on_train_end`` on a
+                                            rules.auto.heal`); ``on_train_end`` on a
                                             Streaming DiLoCo arm redone as DiLoCo's
 ZeRO: ``mpi_zero``, ``mpi_zero_bf16``,       ``heal_state()``: counters, this rank's optimizer
 ``shard_optimizer=True`` (:class:`~         shard and the mirror of its buddy's ((r + 1) % W,
 lightning_mpi.rules.zero.BoundZeroRule`)    kept while ``heal`` is set: :mod:`~lightning_mpi.
-                                            rules.zero_mirror`), each with its weights, and
+                                            rules.zero.mirror`), each with its weights, and
                                             the optimizer steps taken. The new binding puts
                                             the weights back whole and rebuilds the whole
                                             optimizer state from them, resharded
@@ -96,7 +96,7 @@ from lightning_mpi.rules.auto import BoundAuto
 from lightning_mpi.rules.averaging import BoundModelAveraging, averages_at
 from lightning_mpi.rules.diloco import BoundDiLoCo
 from lightning_mpi.rules.gossip import BoundGoSGD
-from lightning_mpi.rules.server_base import BoundServerRule
+from lightning_mpi.rules.server import BoundServerRule
 from lightning_mpi.rules.sync import BoundSync
 from lightning_mpi.rules.zero import BoundZeroRule
 from lightning_mpi.strategies.healing_state import LOCAL_STEP_RULES, local_state

@@ -15,8 +15,8 @@ from lightning_mpi.rules.base import BoundRule
 from lightning_mpi.rules.diloco import BoundDiLoCo
 from lightning_mpi.rules.easgd import BoundEASGD
 from lightning_mpi.rules.gossip import GoSGDRule
-from lightning_mpi.rules.server_base import ServerRule
-from lightning_mpi.rules.server_heal import joined_state
+from lightning_mpi.rules.server import ServerRule
+from lightning_mpi.rules.server.heal import joined_state
 from lightning_mpi.rules.sync import BoundSync
 
 #: Rules whose ranks step on their own gradients and exchange in ``after_step`` every ``period``
@@ -66,7 +66,7 @@ def split_for_new_ranks(rule: Any, state: dict[str, Any], n: int) -> tuple[dict[
 
     - without rank 0's own part (``"local"``: its residuals); a new rank starts with none;
     - a parameter-server rule: as a rank that joined (no shard of the center yet; the survivors'
-      shards are re-cut over the grown run: :func:`~lightning_mpi.rules.server_heal.joined_state`);
+      shards are re-cut over the grown run: :func:`~lightning_mpi.rules.server.heal.joined_state`);
     - GoSGD: rank 0's mixing weight split evenly between itself and the new ranks, which hold its
       θ, so Σw and the consensus Σwθ/Σw are unchanged; a new rank keeps its own generator;
     - ZeRO: as a rank that joined (no optimizer shard of its own: the survivors' shards, the whole

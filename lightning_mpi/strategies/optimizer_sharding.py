@@ -11,7 +11,7 @@ the strategy must:
   :meth:`load_into`).
 
 Under ``heal`` (``mirror=True``) every rank also keeps its buddy's shard
-(:mod:`lightning_mpi.rules.zero_mirror`), and after a heal :meth:`OptimizerSharding.attach` rebuilds
+(:mod:`lightning_mpi.rules.zero.mirror`), and after a heal :meth:`OptimizerSharding.attach` rebuilds
 the whole optimizer state from the survivors' shards and mirrors and reshards it for the new world
 size (:meth:`OptimizerSharding.attach`).
 
@@ -30,8 +30,8 @@ from torch.optim import Optimizer
 from lightning_mpi.checkpoint.sharded import ShardFiles
 from lightning_mpi.rules.base import BoundRule
 from lightning_mpi.rules.zero import BoundZeroRule
-from lightning_mpi.rules.zero_mirror import rebuild_shards, write_weights
-from lightning_mpi.rules.zero_state import consolidate
+from lightning_mpi.rules.zero.mirror import rebuild_shards, write_weights
+from lightning_mpi.rules.zero.state import consolidate
 
 
 def plain_state(saved: Any) -> Any:
@@ -63,7 +63,7 @@ class OptimizerSharding:
         After a heal (``bound`` holds what the survivors kept: its ``healed_from``), collectively
         over the survivors: the optimizer gets its whole parameters back from the binding before
         (``previous``), the weights are put back whole and the optimizer state is rebuilt from every
-        survivor's own shard and mirror (:func:`~lightning_mpi.rules.zero_mirror.rebuild_shards`),
+        survivor's own shard and mirror (:func:`~lightning_mpi.rules.zero.mirror.rebuild_shards`),
         then sharded for the new world size. When new ranks are let in (``heal="replace"``) the
         same collective runs over survivors and new ranks: a new rank's ``healed_from`` says it
         joined (it kept nothing, had no binding before, and holds rank 0's weights already); the
@@ -71,7 +71,7 @@ class OptimizerSharding:
 
         Raises:
             ValueError: several optimizers, or one that is not element-wise (see
-                :func:`lightning_mpi.rules.zero_optimizer.check_elementwise`).
+                :func:`lightning_mpi.rules.zero.optimizer.check_elementwise`).
             RankFailedError: after a heal, a lost shard has no mirror left, or the survivors are at
                 different optimizer steps.
         """

@@ -12,7 +12,7 @@ import torch
 from lightning_mpi.checkpoint import consolidate_checkpoint, is_sharded_checkpoint, load_sharded, save_sharded
 from lightning_mpi.checkpoint.files import publish_dir, resolve_dir, write_atomic
 from lightning_mpi.checkpoint.sharded import spread_tensors
-from lightning_mpi.rules.zero_state import SHARD_FORMAT
+from lightning_mpi.rules.zero.state import SHARD_FORMAT
 from tests.mpi_utils import REPO, mpi_env
 
 SCRIPTS = REPO / "tests" / "scripts"

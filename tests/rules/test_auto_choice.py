@@ -1,12 +1,12 @@
-"""mpi_auto's decision (lightning_mpi.rules.auto_choice) and options (lightning_mpi.rules.auto): link and
+"""mpi_auto's decision (lightning_mpi.rules.auto.choice) and options (lightning_mpi.rules.auto.rule): link and
 compute -> arm, hysteresis, observed costs, and bad input. The rule on ranks: tests/strategies/test_auto.py."""
 from __future__ import annotations
 
 import pytest
 
-from lightning_mpi.rules.auto import AutoRule, parse_assumed
 from lightning_mpi.comm.codecs import get_codec
-from lightning_mpi.rules.auto_choice import (
+from lightning_mpi.rules.auto import AutoRule
+from lightning_mpi.rules.auto.choice import (
     Choice,
     Sizes,
     choose,
@@ -16,8 +16,10 @@ from lightning_mpi.rules.auto_choice import (
     streaming_plan,
     worth_timing,
 )
-from lightning_mpi.rules.link_model import Link, hidden_schedule
-from lightning_mpi.rules.outer_fragment import exchange_bytes
+from lightning_mpi.rules.diloco.fragments import exchange_bytes
+from lightning_mpi.rules.link import Link
+from lightning_mpi.rules.link.model import hidden_schedule
+from tests.scripts.auto_assumed import parse_assumed
 
 #: the time-to-quality task's model on 2 ranks: 17M values, PowerSGD rank 1 sends ~85 kB
 MODEL = Sizes(numel=17_000_000, tensors=10, powersgd_bytes=85_000, world=2)
@@ -148,7 +150,7 @@ def test_assumed_measurements_and_bad_options_name_themselves():
     assert first.step_seconds == 0.05 and first.link.bandwidth == 125e6 and second.link.latency == 0.001
     for bad in ("50,1000", "a,b,c", "50,0,1", ";"):
         with pytest.raises(ValueError, match="assume="):
-            AutoRule(assume=bad)
+            parse_assumed(bad)
     with pytest.raises(ValueError, match="tolerance="):
         AutoRule(tolerance=1.5)
     with pytest.raises(ValueError, match="measure_every="):
@@ -188,9 +190,9 @@ def test_a_decision_times_an_arm_again_only_where_the_link_moved_past_a_factor_2
     more than a factor 2 is timed again. Its inputs are agreed values, so every rank skips alike."""
     from types import SimpleNamespace
 
-    from lightning_mpi.rules.auto_choice import still_valid
-    from lightning_mpi.rules.auto_measure import DecisionProbe
-    from lightning_mpi.rules.link_probe import Measurement
+    from lightning_mpi.rules.auto.choice import still_valid
+    from lightning_mpi.rules.auto.measure import DecisionProbe
+    from lightning_mpi.rules.link import Measurement
 
     probe = DecisionProbe(SimpleNamespace(size=2, allreduce_=lambda t, op="sum": t), [], MODEL, tolerance=0.1)
     timed = []
@@ -210,8 +212,8 @@ def test_a_decision_times_an_arm_again_only_where_the_link_moved_past_a_factor_2
 
 
 def test_a_slow_link_is_probed_more_rarely_so_that_probing_costs_at_most_1_percent():
-    from lightning_mpi.rules.auto_measure import PROBE_NUMEL, measure_interval, probe_seconds
-    from lightning_mpi.rules.link_probe import Measurement
+    from lightning_mpi.rules.auto.measure import PROBE_NUMEL, measure_interval, probe_seconds
+    from lightning_mpi.rules.link import Measurement
 
     numel = MODEL.numel
     # 100 Mbit/s: the 1 MiB probe takes ~84 ms, under 0.25 s, so three runs: ~0.25 s in all

@@ -1,4 +1,4 @@
-"""DiLoCo and Streaming DiLoCo rules (lightning_mpi.rules.diloco, .streaming_diloco, .outer_fragment): the math
+"""DiLoCo and Streaming DiLoCo rules (lightning_mpi.rules.diloco: .rule, .outer, .streaming, .fragments): the math
 against hand computation, and the rules on one rank against a hand-written DiLoCo loop."""
 
 from __future__ import annotations
@@ -9,8 +9,9 @@ from torch import nn
 
 from lightning_mpi.comm.codecs import FP32, INT4, INT8, get_codec
 from lightning_mpi.comm.collectives import encode_with_feedback_
-from lightning_mpi.rules.diloco import (
-    DiLoCoRule,
+from lightning_mpi.rules.diloco import DiLoCoRule, StreamingDiLoCoRule
+from lightning_mpi.rules.diloco.fragments import OuterFragment, exchange_bytes
+from lightning_mpi.rules.diloco.outer import (
     last_start,
     make_outer_optimizer,
     mix_,
@@ -18,8 +19,7 @@ from lightning_mpi.rules.diloco import (
     pseudo_gradient,
     starts_at,
 )
-from lightning_mpi.rules.outer_fragment import OuterFragment, exchange_bytes
-from lightning_mpi.rules.streaming_diloco import StreamingDiLoCoRule, fragment_offsets, split_fragments
+from lightning_mpi.rules.diloco.streaming import fragment_offsets, split_fragments
 from tests.mpi_utils import REPO
 
 SCRIPTS = REPO / "tests" / "scripts"
@@ -230,8 +230,8 @@ def test_a_blocking_exchange_slower_than_its_steps_warns_once_on_rank_0():
     steps of a few ms: one warning naming the measurement and the fix; none past the bound."""
     import warnings
 
-    from lightning_mpi.rules import diloco as diloco_module
-    from lightning_mpi.rules.outer_warning import WARN_SHARE, SlowExchangeWarning, slow_exchange_message
+    from lightning_mpi.rules.diloco import rule as diloco_module
+    from lightning_mpi.rules.diloco.warning import WARN_SHARE, SlowExchangeWarning, slow_exchange_message
 
     # the measured situations: 1 Gbit/s (0.53 s against 50 steps of 90 ms) stays quiet, 100 Mbit/s warns
     assert slow_exchange_message("mpi_diloco", 0.53, 0.09, 50, "fp32") is None

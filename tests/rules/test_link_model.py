@@ -1,4 +1,4 @@
-"""The link model and period="auto" (lightning_mpi.rules.link_model, .diloco_math.averages_at, the rules'
+"""The link model and period="auto" (lightning_mpi.rules.link.model, .diloco.outer.averages_at, the rules'
 options): pure functions against hand computation, and DiLoCo choosing its period on one rank."""
 from __future__ import annotations
 
@@ -8,9 +8,11 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_mpi.rules.diloco import AUTO_PROBE_STEPS, DiLoCoRule, averages_at
-from lightning_mpi.rules.link_model import Link, exposed_seconds, fit_link, hidden_schedule
-from lightning_mpi.rules.streaming_diloco import StreamingDiLoCoRule
+from lightning_mpi.rules.diloco import DiLoCoRule, StreamingDiLoCoRule
+from lightning_mpi.rules.diloco.outer import averages_at
+from lightning_mpi.rules.diloco.period import AUTO_PROBE_STEPS
+from lightning_mpi.rules.link import Link
+from lightning_mpi.rules.link.model import exposed_seconds, fit_link, hidden_schedule
 from tests.rules.test_diloco import _self_transport
 
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_mpi.rules.auto_arms import average_optimizer_state
-from lightning_mpi.rules.link_probe import LinkProbe
+from lightning_mpi.rules.auto.arms import average_optimizer_state
+from lightning_mpi.rules.link import LinkProbe
 
 
 class OtherRank:

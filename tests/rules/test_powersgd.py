@@ -1,5 +1,5 @@
-"""PowerSGD's math and one bucket on one rank (lightning_mpi.rules.powersgd, .powersgd_math,
-.powersgd_bucket), against torch's powerSGD_hook arithmetic and hand math."""
+"""PowerSGD's math and one bucket on one rank (lightning_mpi.rules.powersgd: .rule, .lowrank,
+.bucket), against torch's powerSGD_hook arithmetic and hand math."""
 from __future__ import annotations
 
 import pytest
@@ -7,14 +7,8 @@ import torch
 from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import _orthogonalize, _should_compress
 
 from lightning_mpi.comm.buffers import make_buckets
-from lightning_mpi.rules.powersgd import (
-    compression_rank,
-    orthogonalize_,
-    power_step,
-    q_seed,
-    random_qs,
-)
-from lightning_mpi.rules.powersgd_bucket import PowerSGDBucket
+from lightning_mpi.rules.powersgd.bucket import PowerSGDBucket
+from lightning_mpi.rules.powersgd.lowrank import compression_rank, orthogonalize_, power_step, q_seed, random_qs
 from tests.mpi_utils import REPO
 
 SCRIPT = REPO / "tests" / "scripts" / "powersgd_train.py"

@@ -16,7 +16,7 @@ from lightning_mpi import (
     GoSGDStrategy,
     ModelAveragingStrategy,
 )
-from lightning_mpi.rules.averaging import ModelAveragingRule, averages_at, model_average
+from lightning_mpi.rules.averaging import ModelAveragingRule, averages_at
 from lightning_mpi.rules.easgd import (
     EASGDRule,
     default_alpha,
@@ -33,7 +33,7 @@ from lightning_mpi.rules.server import (
     DynSGDRule,
     EAMSGDRule,
 )
-from lightning_mpi.rules.server_commits import (
+from lightning_mpi.rules.server.commits import (
     adag_commit,
     adag_scale,
     aeasgd_exchange,
@@ -45,6 +45,11 @@ from lightning_mpi.rules.server_commits import (
 )
 
 T = lambda *v: torch.tensor(v, dtype=torch.float64)  # noqa: E731
+
+
+def model_average(replicas):
+    """The mean of the replicas' flat weights (what one averaging round leaves on every rank)."""
+    return torch.stack(list(replicas)).mean(0)
 
 
 def test_easgd_sync_update_by_hand():

@@ -20,8 +20,8 @@ from lightning_mpi.comm.sparse import (
 )
 from lightning_mpi.comm.transport import Transport
 from lightning_mpi.rules.compressed import CompressedSyncRule
-from lightning_mpi.rules.compressed_exchanger import clip_
-from lightning_mpi.rules.momentum_handoff import compensate_
+from lightning_mpi.rules.compressed.exchanger import clip_
+from lightning_mpi.rules.compressed.momentum_handoff import compensate_
 
 
 def run(steps):
@@ -149,7 +149,7 @@ def test_recipe_defaults_and_bad_input():
 @pytest.mark.timeout(60)
 def test_layerwise_sections_follow_the_bucket_members(self_transport):
     from lightning_mpi.comm.buffers import make_buckets
-    from lightning_mpi.rules.compressed_exchanger import CompressedExchanger
+    from lightning_mpi.rules.compressed.exchanger import CompressedExchanger
 
     tensors = [torch.zeros(300), torch.zeros(7), torch.zeros(5, 10)]
     (bucket,) = make_buckets(tensors, 1, bucket_bytes=None)
@@ -197,7 +197,7 @@ def test_delta16_sends_twice_the_entries_and_keeps_the_rounding(self_transport):
     """With ``"delta16"`` the exchange sends the top ``2k`` of ``v`` in the bytes of ``k`` pairs; what
     the receivers decode is ``v`` rounded to bfloat16, and the rounding stays in the residual."""
     from lightning_mpi.comm.buffers import make_buckets
-    from lightning_mpi.rules.compressed_exchanger import CompressedExchanger
+    from lightning_mpi.rules.compressed.exchanger import CompressedExchanger
 
     gen = torch.Generator().manual_seed(6)
     n, k = 500, 10

@@ -8,9 +8,9 @@ import torch
 
 from lightning_mpi.comm.buffers import make_buckets
 from lightning_mpi.rules.zero import ZeroRule
-from lightning_mpi.rules.zero_layout import ParamSpec, plan_buckets, rank_pieces, shard_numel
-from lightning_mpi.rules.zero_optimizer import ShardedOptimizer, check_elementwise
-from lightning_mpi.rules.zero_state import (
+from lightning_mpi.rules.zero.layout import ParamSpec, plan_buckets, rank_pieces, shard_numel
+from lightning_mpi.rules.zero.optimizer import ShardedOptimizer, check_elementwise
+from lightning_mpi.rules.zero.state import (
     SHARD_FORMAT,
     consolidate,
     gather_range,
@@ -212,8 +212,8 @@ def _simulated_ranks(world: int, bucket_bytes: int | None, steps: int, lr_at=lam
     Adam run alongside)."""
     from types import SimpleNamespace
 
-    from lightning_mpi.rules.zero_layout import bucket_pieces
-    from lightning_mpi.rules.zero_mirror import MirrorShard
+    from lightning_mpi.rules.zero.layout import bucket_pieces
+    from lightning_mpi.rules.zero.mirror import MirrorShard
 
     g = torch.Generator().manual_seed(3)
     shapes = [(5, 3), (7,)]
@@ -260,7 +260,7 @@ def _simulated_ranks(world: int, bucket_bytes: int | None, steps: int, lr_at=lam
 
 @pytest.mark.parametrize("world, bucket_bytes", [(3, None), (4, 24)])
 def test_the_mirror_equals_its_buddys_shard_and_rebuilds_the_whole_state(world, bucket_bytes):
-    from lightning_mpi.rules.zero_mirror import rebuild_shards, write_weights
+    from lightning_mpi.rules.zero.mirror import rebuild_shards, write_weights
 
     ranks, reference, ref_opt = _simulated_ranks(world, bucket_bytes, 4, lr_at=lambda step: 0.01 / (step + 1))
     for r in ranks:  # bit for bit the buddy's state and weights
@@ -291,7 +291,7 @@ def test_the_mirror_equals_its_buddys_shard_and_rebuilds_the_whole_state(world, 
 
 def test_a_shard_lost_with_its_mirror_or_survivors_apart_stop_the_heal():
     from lightning_mpi.comm.errors import RankFailedError
-    from lightning_mpi.rules.zero_mirror import rebuild_shards
+    from lightning_mpi.rules.zero.mirror import rebuild_shards
 
     ranks, _, _ = _simulated_ranks(4, None, 1)
     kept = [{"steps": 1, "own": r.mirror.sharded_state(), "mirror": r.mirror.state()} for r in ranks]

@@ -1,8 +1,8 @@
 """Run on W ranks: ``mpi_auto`` and ``period="auto"`` through the Trainer (rank 0 writes argv[1]).
 
 - ``switches``: ``mpi_auto`` with assumed measurements that force streaming (the defaults) -> sync -> streaming ->
-  sync (decisions after steps 5, 9 and 13); after every step, whether every rank holds the same
-  weights, and the arm in use (the same on every rank);
+  sync (decisions after steps 5, 9 and 13: ``auto_assumed`` patches the rule's measurement in this process);
+  after every step, whether every rank holds the same weights, and the arm in use (the same on every rank);
 - ``resume``: 2 epochs of 10 steps straight (saving after step 10, while Streaming DiLoCo runs)
   against epoch 2 resumed from that checkpoint, per rank, bitwise; the resumed run switches back
   to sync at step 13 as the straight one does;
@@ -13,6 +13,7 @@
 - ``diloco_auto``: ``DiLoCoStrategy(period="auto")`` straight against resumed, bitwise (the
   resumed run keeps the period the checkpoint holds).
 """
+import contextlib
 import hashlib
 import json
 import os
@@ -31,6 +32,7 @@ from mpi4py import MPI  # noqa: E402
 import lightning_mpi  # noqa: E402
 import pytorch_lightning as pl  # noqa: E402
 from tests.quiet_trainer import QUIET  # noqa: E402
+from auto_assumed import assumed  # noqa: E402  (beside this script)
 from tiny_task import dataset, make_net  # noqa: E402  (beside this script)
 
 COMM = MPI.COMM_WORLD
@@ -90,21 +92,23 @@ def run(strategy, steps_per_epoch=16, epochs=1, save_to=None, resume_from=None, 
 def main(out):
     results = {}
     forced = f"{FAST};{SLOW};{FAST}"
-    model, strategy, steps = run(lightning_mpi.AutoStrategy(assume=forced, measure_every=4))
+    with assumed(forced):
+        model, strategy, steps = run(lightning_mpi.AutoStrategy(measure_every=4))
     stats = strategy.bound_rule.stats()
     results["switches"] = {"steps": steps, "switches": stats["switches"], "decisions": stats["decisions"],
                            "identical_end": len(set(COMM.allgather(digest(model)))) == 1}
 
     directory = COMM.bcast(tempfile.mkdtemp() if RANK == 0 else None)
     cases = {
-        "auto": lambda: lightning_mpi.AutoStrategy(assume=forced, measure_every=4),
+        "auto": lambda: lightning_mpi.AutoStrategy(measure_every=4),
         "diloco_auto": lambda: lightning_mpi.DiLoCoStrategy(period="auto", wire="int8"),
     }
     for name, make in cases.items():
         path = os.path.join(directory, f"{name}.ckpt")
-        straight, _, _ = run(make(), steps_per_epoch=10, epochs=2, save_to=path)
-        saved = torch.load(path, weights_only=False)["lightning_mpi"]["state"]
-        resumed, strategy, steps = run(make(), steps_per_epoch=10, epochs=2, resume_from=path)
+        with assumed(forced) if name == "auto" else contextlib.nullcontext():
+            straight, _, _ = run(make(), steps_per_epoch=10, epochs=2, save_to=path)
+            saved = torch.load(path, weights_only=False)["lightning_mpi"]["state"]
+            resumed, strategy, steps = run(make(), steps_per_epoch=10, epochs=2, resume_from=path)
         same = COMM.allgather(digest(straight) == digest(resumed))
         results[f"resume_{name}"] = {
             "equal_on_every_rank": all(same), "identical": len(set(COMM.allgather(digest(resumed)))) == 1,

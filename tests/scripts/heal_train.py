@@ -547,7 +547,11 @@ def _as_lists(states) -> dict:
 
 def _whole_optimizer_state(strategy) -> dict:
     """The ZeRO rule's optimizer state gathered whole (a collective), as lists by parameter index."""
-    return _as_lists(strategy._runner.bound.gather_optimizer_state()["state"].items())
+    from lightning_mpi.rules.zero.state import consolidate
+
+    bound = strategy._runner.bound
+    whole = consolidate(bound.transport.allgather_object(bound.optimizer_state()))
+    return _as_lists(whole["state"].items())
 
 
 def zero_trainer_phase() -> dict:
@@ -617,9 +621,9 @@ def downpour_phase() -> dict:
     rebuild after the heal (what it kept: its shard, its pulled center, the clock then; what came
     out: the center, the clock, who each lost shard was taken from) and the commits it made on the
     healed run (each DOWNPOUR update, its whole Δ)."""
-    import lightning_mpi.rules.server_base as server_base
+    import lightning_mpi.rules.server.base as server_base
     from lightning_mpi.fabric import DownpourStrategy
-    from lightning_mpi.rules.server import BoundDownpour
+    from lightning_mpi.rules.server.rules import BoundDownpour
 
     rebuilds: list = []
     commits: list = []
@@ -796,10 +800,9 @@ def auto_phase() -> dict:
     import lightning as L
 
     from lightning_mpi.fabric import AutoStrategy
-    from lightning_mpi.rules import auto as auto_module
-    from lightning_mpi.rules import auto_choice
-    from lightning_mpi.rules.link_model import Link
-    from lightning_mpi.rules.link_probe import LinkProbe, Measurement
+    from lightning_mpi.rules.auto import choice as auto_choice
+    from lightning_mpi.rules.auto import rule as auto_module
+    from lightning_mpi.rules.link import Link, LinkProbe, Measurement
 
     measure = LinkProbe.measure
     probes = [0]
@@ -878,17 +881,21 @@ def auto_end_phase() -> dict:
 
 def auto_replace_phase() -> dict:
     """``mpi_auto`` under the Trainer with ``heal="replace"`` on the two left by :func:`auto_phase`
-    (``assume``: every-step ASA from the first decision, after step AUTO_DECIDES): launch rank 1
-    dies at the start of step AUTO_REPLACE_KILL; the survivor finishes that step alone, spawns a
-    replacement at the next batch and lets it in at the one after; the replacement takes the rule's
-    state from the handover and both re-decide over two. The replacement enters here (:func:`main`)."""
+    (measurements assumed, auto_assumed.py: every-step ASA from the first decision, after step
+    AUTO_DECIDES): launch rank 1 dies at the start of step AUTO_REPLACE_KILL; the survivor finishes
+    that step alone, spawns a replacement at the next batch and lets it in at the one after; the
+    replacement takes the rule's state from the handover and both re-decide over two. The
+    replacement enters here (:func:`main`)."""
+    from auto_assumed import assumed  # beside this script
+
     from lightning_mpi.lightning import AutoStrategy
 
     dies = lambda m: m.global_step == AUTO_REPLACE_KILL and RANK == 1  # noqa: E731
     model = _trainer_model("auto_replace", "auto_replace_val", dies)
-    strategy = AutoStrategy(heal="replace", assume="50000,1000,0.1")
+    strategy = AutoStrategy(heal="replace")
     strategy._replacing.wait_for_join = True
-    result = _trainer_fit(model, strategy, max_steps=AUTO_REPLACE_STEPS, default_root_dir=OUT / "auto_replace")
+    with assumed("50000,1000,0.1"):
+        result = _trainer_fit(model, strategy, max_steps=AUTO_REPLACE_STEPS, default_root_dir=OUT / "auto_replace")
     bound = strategy._runner.bound
     result["auto"] = {"arm": bound.choice.arm, "decisions": bound.decisions, "steps": bound.steps}
     return result

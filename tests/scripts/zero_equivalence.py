@@ -24,7 +24,7 @@ from mpi4py import MPI  # noqa: E402
 from lightning_mpi.comm.transport import Transport  # noqa: E402
 from lightning_mpi.rules.sync import SyncRule  # noqa: E402
 from lightning_mpi.rules.zero import ZeroRule  # noqa: E402
-from lightning_mpi.rules.zero_state import is_elementwise, state_numel  # noqa: E402
+from lightning_mpi.rules.zero.state import consolidate, is_elementwise, state_numel  # noqa: E402
 
 COMM = MPI.COMM_WORLD
 RANK, W = COMM.Get_rank(), COMM.Get_size()
@@ -48,6 +48,12 @@ class Net(nn.Module):
     def forward(self, x):
         out = self.b(torch.tanh(self.a(x))) * self.scale + self.frozen.sum()
         return out + (out @ self.strided).sum(-1, keepdim=True)
+
+
+def gather_optimizer_state(bound):
+    """The ZeRO rule's whole optimizer state in torch's format, on every rank (a collective that
+    holds every shard on every rank at once: for small models and tests; checkpoints write shards)."""
+    return consolidate(bound.transport.allgather_object(bound.optimizer_state()))
 
 
 def batch(step: int, micro: int = 0):
@@ -144,7 +150,7 @@ def run(make_optimizer, steps=6, clip=None, clip_type=2.0, accumulate=1, wire="f
     rule_a.on_train_end()
     rule_b.on_train_end()
     diff = max((pa - pb).abs().max().item() for pa, pb in zip(model_a.parameters(), model_b.parameters()))
-    full_b = rule_b.gather_optimizer_state()
+    full_b = gather_optimizer_state(rule_b)
     frozen = [i for i, p in enumerate(p for g in opt_a.param_groups for p in g["params"]) if not p.requires_grad]
     state_diff = max_state_diff(opt_a.state_dict(), full_b, frozen)
     held = state_numel(rule_b.optimizer_state())

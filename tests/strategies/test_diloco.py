@@ -8,8 +8,8 @@ import pytest
 
 from lightning_mpi.rules.diloco import (
     DiLoCoRule,
+    StreamingDiLoCoRule,
 )
-from lightning_mpi.rules.streaming_diloco import StreamingDiLoCoRule
 from tests.mpi_utils import REPO, run_mpi
 
 SCRIPTS = REPO / "tests" / "scripts"

@@ -96,7 +96,8 @@ def test_rules_that_cannot_heal_yet_say_so():
         kept_state(object.__new__(BoundRule))
     # the parameter-server rules heal (test_parameter_server_*), but not outside training: their
     # center lives in windows that exist only while they train
-    from lightning_mpi.rules.server import BoundDownpour, DownpourRule
+    from lightning_mpi.rules.server import DownpourRule
+    from lightning_mpi.rules.server.rules import BoundDownpour
 
     server = object.__new__(BoundDownpour)
     server.rule, server.center, server.clock, server.started = DownpourRule(), None, None, False
@@ -115,11 +116,11 @@ def test_rules_that_cannot_heal_yet_say_so():
 
 @pytest.mark.timeout(10)
 def test_a_lost_shard_of_the_center_is_rebuilt_from_the_freshest_pull_and_cut_anew():
-    """The pure part of a parameter server's heal (lightning_mpi.rules.server_heal): the freshest
+    """The pure part of a parameter server's heal (lightning_mpi.rules.server.heal): the freshest
     pull (highest clock at pull, ties to the lowest rank), the center assembled from the surviving
     shards and the chosen pull, the clock, and the shards cut anew for the new world size."""
     from lightning_mpi.comm.window import shard_bounds
-    from lightning_mpi.rules.server_heal import freshest, healed_clock, padded, rebuild_center
+    from lightning_mpi.rules.server.heal import freshest, healed_clock, padded, rebuild_center
 
     # old W = 4, n = 10 padded to 12 (shards of 3); ranks 1 and 3 lost
     assert freshest({0: 7, 2: 9}, [3, 1]) == {1: 2, 3: 2}
@@ -209,8 +210,7 @@ def test_diloco_heal_state_carries_the_outer_state_and_restarts_an_exchange_in_f
     from torch import nn
 
     from lightning_mpi.comm.transport import Transport
-    from lightning_mpi.rules.diloco import DiLoCoRule
-    from lightning_mpi.rules.streaming_diloco import StreamingDiLoCoRule
+    from lightning_mpi.rules.diloco import DiLoCoRule, StreamingDiLoCoRule
 
     if streaming:
         rule = StreamingDiLoCoRule(period=4, fragments=2, overlap_steps=1, mix_alpha=0.5, wire="fp32")
@@ -267,8 +267,7 @@ def test_diloco_final_average_interrupted_midway_is_put_back_and_redone_or_taken
     from torch import nn
 
     from lightning_mpi.comm.transport import Transport
-    from lightning_mpi.rules.diloco import BoundDiLoCo
-    from lightning_mpi.rules.streaming_diloco import StreamingDiLoCoRule
+    from lightning_mpi.rules.diloco import BoundDiLoCo, StreamingDiLoCoRule
     from lightning_mpi.strategies.healing_rules import heal_outer_end
 
     rule = StreamingDiLoCoRule(period=6, fragments=3, overlap_steps=1, mix_alpha=0.5, wire="fp32")
@@ -359,8 +358,9 @@ def test_a_powersgd_survivor_that_took_the_exchange_keeps_the_residual_it_would_
     from types import SimpleNamespace
 
     from lightning_mpi.comm.buffers import make_buckets
-    from lightning_mpi.rules.powersgd import BoundPowerSGD, PowerSGDRule, compression_rank
-    from lightning_mpi.rules.powersgd_bucket import PowerSGDBucket
+    from lightning_mpi.rules.powersgd import BoundPowerSGD, PowerSGDRule
+    from lightning_mpi.rules.powersgd.bucket import PowerSGDBucket
+    from lightning_mpi.rules.powersgd.lowrank import compression_rank
 
     torch.manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(8, 6)), torch.nn.Parameter(torch.randn(8))]
@@ -573,7 +573,7 @@ def _powersgd(grads: dict, residuals: dict, step: int) -> list:
     """PowerSGD at rank 1 (torch's defaults): the first layer's 8 x 6 weight is compressed (M + e,
     one power step from the warm Q, e <- M - M̂; the first Q drawn from seed 0, step 0, bucket 0),
     every other tensor averaged; the Q is kept under the key ``"q"``."""
-    from lightning_mpi.rules.powersgd_math import power_step, q_seed, random_qs
+    from lightning_mpi.rules.powersgd.lowrank import power_step, q_seed, random_qs
 
     ranks = sorted(grads)
     matrices = [grads[r][0] + residuals.get(r, 0.0) for r in ranks]
@@ -605,7 +605,7 @@ def _replay_diloco(
     the mean of the replicas, which is returned. A rank that first appears at a step (a replacement)
     starts its replica from θ_global then (fresh SGD) and takes part from the next exchange started;
     the ranks ``lost_at_end`` are left out of the final average (lost in it)."""
-    from lightning_mpi.rules.diloco_math import (
+    from lightning_mpi.rules.diloco.outer import (
         averages_at,
         last_start,
         make_outer_optimizer,
@@ -613,7 +613,7 @@ def _replay_diloco(
         outer_step_,
         starts_at,
     )
-    from lightning_mpi.rules.streaming_diloco import fragment_offsets, split_fragments
+    from lightning_mpi.rules.diloco.streaming import fragment_offsets, split_fragments
 
     script = _script_module()
     data = script.Indexed()
@@ -957,7 +957,7 @@ def test_a_diloco_replacement_takes_the_outer_state_and_starts_its_replica_from_
     from torch import nn
 
     from lightning_mpi.comm.transport import Transport
-    from lightning_mpi.rules.streaming_diloco import StreamingDiLoCoRule
+    from lightning_mpi.rules.diloco import StreamingDiLoCoRule
 
     rule = StreamingDiLoCoRule(period=4, fragments=2, overlap_steps=1, mix_alpha=0.5, wire="fp32")
     torch.manual_seed(3)
@@ -1344,7 +1344,7 @@ def test_parameter_server_survivors_rebuild_the_center_and_train_on(gosgd_healed
     surviving shard as its host kept it, the lost one from the pulled center of the survivor with
     the highest clock at its pull; the clock from old rank 0. They end identical, on that center
     plus exactly the commits they made on the healed run."""
-    from lightning_mpi.rules.server_heal import freshest
+    from lightning_mpi.rules.server.heal import freshest
 
     err, finals, records, out = gosgd_healed
     size = GOSGD_LAUNCHED
@@ -1502,9 +1502,9 @@ def test_mpi_auto_replacement_takes_its_state_and_decides_with_the_survivor(auto
 
 @pytest.mark.timeout(10)
 def test_mpi_auto_survivors_agree_on_the_arm_and_the_next_decision():
-    """What ``mpi_auto``'s survivors agree after a heal (lightning_mpi.rules.auto_heal), from each
+    """What ``mpi_auto``'s survivors agree after a heal (lightning_mpi.rules.auto.heal), from each
     one's (decisions, steps, inside a decision)."""
-    from lightning_mpi.rules.auto_heal import agree_after_heal
+    from lightning_mpi.rules.auto.heal import agree_after_heal
 
     # nobody in a decision: re-decide at the step after the furthest survivor's (one may be a step behind)
     assert agree_after_heal([(2, 30, False), (2, 29, False)], 5) == (0, 2, 31)
@@ -1527,8 +1527,9 @@ def test_mpi_auto_keeps_its_arm_and_its_state_through_a_heal():
     from torch import nn
 
     from lightning_mpi.comm.transport import Transport
-    from lightning_mpi.rules.auto import PROBE_STEPS, AutoRule
-    from lightning_mpi.rules.auto_choice import default_plan
+    from lightning_mpi.rules.auto import AutoRule
+    from lightning_mpi.rules.auto.choice import default_plan
+    from lightning_mpi.rules.auto.rule import PROBE_STEPS
     from lightning_mpi.rules.diloco import BoundDiLoCo
 
     net = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
@@ -1566,62 +1567,64 @@ def test_an_mpi_auto_survivor_inside_a_decision_another_completed_takes_its_outc
 
     from lightning_mpi.comm.transport import Transport
     from lightning_mpi.rules.auto import AutoRule
-    from lightning_mpi.rules.auto_choice import default_plan
+    from lightning_mpi.rules.auto.choice import default_plan
     from lightning_mpi.strategies import healing_auto
+    from tests.scripts.auto_assumed import assumed
 
-    rule = AutoRule(assume="50,1000,0.1")
+    with assumed("50,1000,0.1"):  # decisions from these numbers, not timed ones
+        rule = AutoRule()
 
-    def survivor(seed: int):
-        torch.manual_seed(0)
-        net = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
-        opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
-        torch.manual_seed(seed)  # each rank its own local steps
-        for _ in range(2):
-            opt.zero_grad()
-            net(torch.randn(5, 3)).pow(2).mean().backward()
-            opt.step()
-        bound = rule.bind(Transport(MPI.COMM_SELF), list(net.parameters()))
-        bound.heal_snapshots = True
-        bound._bind(default_plan(bound.sizes))  # the first steps' arm on more than one rank
-        bound.steps = bound.next_decision = 5
-        return net, opt, SimpleNamespace(bound=bound)
+        def survivor(seed: int):
+            torch.manual_seed(0)
+            net = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
+            opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+            torch.manual_seed(seed)  # each rank its own local steps
+            for _ in range(2):
+                opt.zero_grad()
+                net(torch.randn(5, 3)).pow(2).mean().backward()
+                opt.step()
+            bound = rule.bind(Transport(MPI.COMM_SELF), list(net.parameters()))
+            bound.heal_snapshots = True
+            bound._bind(default_plan(bound.sizes))  # the first steps' arm on more than one rank
+            bound.steps = bound.next_decision = 5
+            return net, opt, SimpleNamespace(bound=bound)
 
-    net_a, opt_a, runner_a = survivor(1)
-    kept: list = []
+        net_a, opt_a, runner_a = survivor(1)
+        kept: list = []
 
-    def completes(where, run, keep, take, before_redo=None, counted=None):
-        kept.append(keep(run()))
+        def completes(where, run, keep, take, before_redo=None, counted=None):
+            kept.append(keep(run()))
 
-    healing_auto.auto_decision(SimpleNamespace(operation=completes), runner_a, opt_a)
-    a = runner_a.bound
-    assert a.choice.arm == "sync" and a.decisions == 1 and a.deciding is None
-    net_b, opt_b, runner_b = survivor(2)
-    theirs = (a.decisions, a.steps, False, a.choice.as_dict())
+        healing_auto.auto_decision(SimpleNamespace(operation=completes), runner_a, opt_a)
+        a = runner_a.bound
+        assert a.choice.arm == "sync" and a.decisions == 1 and a.deciding is None
+        net_b, opt_b, runner_b = survivor(2)
+        theirs = (a.decisions, a.steps, False, a.choice.as_dict())
 
-    def interrupted(where, run, keep, take, before_redo=None, counted=None):
-        runner_b.bound.decide = lambda optimizer: (_ for _ in ()).throw(RuntimeError("a rank died"))
-        with pytest.raises(RuntimeError):
-            run()
-        state = kept_state(runner_b.bound)
-        assert state["deciding"] and state["choice"]["arm"] == "streaming" and state["decisions"] == 0
-        transport = Transport(MPI.COMM_SELF)
-        transport.allgather_object = lambda mine: [mine, theirs]  # the healed run's two survivors
-        transport.size = 2
-        healed = rule.bind(transport, list(net_b.parameters()))
-        healed.load_state_dict(state)  # binds A's arm: binding is collective, every survivor binds the same
-        assert healed.choice == a.choice and healed.next_decision == 6
-        runner_b.bound = healed
-        take(kept[0])
+        def interrupted(where, run, keep, take, before_redo=None, counted=None):
+            runner_b.bound.decide = lambda optimizer: (_ for _ in ()).throw(RuntimeError("a rank died"))
+            with pytest.raises(RuntimeError):
+                run()
+            state = kept_state(runner_b.bound)
+            assert state["deciding"] and state["choice"]["arm"] == "streaming" and state["decisions"] == 0
+            transport = Transport(MPI.COMM_SELF)
+            transport.allgather_object = lambda mine: [mine, theirs]  # the healed run's two survivors
+            transport.size = 2
+            healed = rule.bind(transport, list(net_b.parameters()))
+            healed.load_state_dict(state)  # binds A's arm: binding is collective, every survivor binds the same
+            assert healed.choice == a.choice and healed.next_decision == 6
+            runner_b.bound = healed
+            take(kept[0])
 
-    healing_auto.auto_decision(SimpleNamespace(operation=interrupted), runner_b, opt_b)
-    b = runner_b.bound
-    assert (b.choice, b.decisions, b.switches, b.observed, b.next_decision) == (a.choice, 1, 1, {}, 6)
-    assert all(torch.equal(p, q) for p, q in zip(net_a.parameters(), net_b.parameters(), strict=True))
-    moments = [
-        opt.state[p]["momentum_buffer"] for opt, net in ((opt_a, net_a), (opt_b, net_b)) for p in net.parameters()
-    ]
-    half = len(moments) // 2
-    assert all(torch.equal(x, y) for x, y in zip(moments[:half], moments[half:], strict=True))
+        healing_auto.auto_decision(SimpleNamespace(operation=interrupted), runner_b, opt_b)
+        b = runner_b.bound
+        assert (b.choice, b.decisions, b.switches, b.observed, b.next_decision) == (a.choice, 1, 1, {}, 6)
+        assert all(torch.equal(p, q) for p, q in zip(net_a.parameters(), net_b.parameters(), strict=True))
+        moments = [
+            opt.state[p]["momentum_buffer"] for opt, net in ((opt_a, net_a), (opt_b, net_b)) for p in net.parameters()
+        ]
+        half = len(moments) // 2
+        assert all(torch.equal(x, y) for x, y in zip(moments[:half], moments[half:], strict=True))
 
 
 @pytest.mark.timeout(10)
