@@ -63,8 +63,9 @@ class CommonOptions:
         '`"shrink"`: the survivors of a rank that died heal the run live and go on training on fewer ranks, with '
         "no step lost or repeated. "
         '`"replace"`: the same, then new processes are spawned back up to the starting world size; each takes the '
-        "survivors' weights, optimizer, rule and loop state and trains in step (the Trainer only so far). Open MPI "
-        "with ULFM: launch with `lightning-mpi --heal`; see docs/faults.md for the rules that heal.",
+        "survivors' weights, optimizer, rule and loop state and trains in step (under Fabric, new ranks join where "
+        "the loop calls `fabric.strategy.let_in(state)`). Open MPI with ULFM: launch with `lightning-mpi --heal`; "
+        "see docs/faults.md for the rules that heal.",
         check=_check_heal,
     )
     min_ranks: int | None = option(

@@ -11,7 +11,7 @@ singleton of world size 1.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -46,9 +46,12 @@ class MPIClusterMixin:
     matches a user's own MPI messages), ``local_comm`` (ranks on this host) and ``num_nodes``.
     """
 
+    # MPIEnvironment's, the base this is put on (declared for the type checker only)
     _comm_world: Any
     _comm_local: Any
     _node_rank: int
+    _init_comm_local: Callable[[], None]
+    local_rank: Callable[[], int]
     #: after a heal, the local rank this process had when it chose its device (local ranks may
     #: change, the device does not); ``None`` before any heal
     device_local_rank: int | None = None
@@ -69,7 +72,7 @@ class MPIClusterMixin:
         """Split the node communicator off ``comm`` and count the nodes (collective over ``comm``)."""
         from mpi4py import MPI
 
-        self._init_comm_local()  # type: ignore[attr-defined]  # MPIEnvironment's, the base this is put on
+        self._init_comm_local()
         assert self._comm_local is not None
         self.local_comm = self._comm_local
         self.num_nodes = self.comm.allreduce(self._node_rank, op=MPI.MAX) + 1
@@ -86,7 +89,7 @@ class MPIClusterMixin:
 
         old_local = self._comm_local
         if self.device_local_rank is None:  # this process keeps its device: the model lives there
-            self.device_local_rank = self.local_rank()  # type: ignore[attr-defined]  # MPIEnvironment's
+            self.device_local_rank = self.local_rank()
         self._comm_world = self.comm = comm
         _WORLD[:] = [comm]
         spares.training_world(comm)

@@ -1,9 +1,9 @@
 """The Fabric strategy: ``L.Fabric(strategy="mpi_asa16")`` calls the rule's hooks here.
 
 :func:`fabric_strategy` defines ``MPIStrategy`` on the ``ParallelStrategy`` of one Fabric package
-(``lightning_fabric`` or ``lightning.fabric``; :mod:`.build` calls it once per package), with the
-same collaborators as the Trainer strategy (:mod:`.trainer`). A Fabric loop is the user's own
-code, so the rule's lifecycle hangs on the calls that loop makes:
+(``lightning_fabric`` or ``lightning.fabric``; :mod:`.build` calls it once per package), holding a
+:class:`~.core.StrategyCore` as the Trainer strategy does (:mod:`.trainer`). A Fabric loop is the
+user's own code, so the rule's lifecycle hangs on the calls that loop makes:
 
 - ``fabric.launch()``: nothing to spawn (``mpiexec`` started the ranks); this rank's device is set
   up, and an exception that nobody catches aborts every rank (``sys.excepthook``).
@@ -26,7 +26,7 @@ code, so the rule's lifecycle hangs on the calls that loop makes:
   for elastic and parameter-server rules, the weighted consensus for gossip, DiLoCo's mean of the
   replicas), and the rule's threads and windows are released. Under ``heal`` a rank lost inside it
   heals there and the final exchange is redone over the survivors
-  (:func:`~.healing_rules.heal_train_end`).
+  (:meth:`.core.StrategyCore.end_training`).
 
 When a rank fails. An exception raised inside any of the strategy's calls above (a collective, a
 step, a checkpoint) fails the run on every rank: it is posted to the other ranks, which raise
@@ -39,38 +39,28 @@ rank, or leave it uncaught and every rank is aborted.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Generator
-from contextlib import AbstractContextManager, contextmanager, nullcontext
-from typing import Any, TypeVar
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import torch
 from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_mpi.comm.transport import Transport
-from lightning_mpi.options import check_one
-from lightning_mpi.rules.base import BoundRule, Rule
-from lightning_mpi.rules.sync import SyncRule
+from lightning_mpi.rules.base import Rule
 from lightning_mpi.strategies import collectives, replicas
-from lightning_mpi.strategies.common_options import CommonOptions
-from lightning_mpi.strategies.convergence import ConvergenceAids
-from lightning_mpi.strategies.environment import device_local_rank, rank_device
+from lightning_mpi.strategies.core import CoreAttribute, StrategyCore
 from lightning_mpi.strategies.fabric_checkpoints import FabricCheckpoints
 from lightning_mpi.strategies.fabric_handover import FabricHandover
 from lightning_mpi.strategies.fabric_step import FabricStep
-from lightning_mpi.strategies.failures import install_abort_hook
-from lightning_mpi.strategies.flags import check_num_nodes, checked_parallel_devices
-from lightning_mpi.strategies.healing import RunHealing
-from lightning_mpi.strategies.healing_rules import heal_train_end
 from lightning_mpi.strategies.lightning_api import FabricAPI
-from lightning_mpi.strategies.replacement import LoopAccess, RunReplacing
+from lightning_mpi.strategies.replacement import LoopAccess
 from lightning_mpi.strategies.rule_runner import CHECKPOINT_KEY, RuleRunner
-from lightning_mpi.strategies.run_collectives import RunCollectives
-from lightning_mpi.strategies.run_parts import wire_run
-from lightning_mpi.strategies.signatures import check_rule, document_frontend
+from lightning_mpi.strategies.signatures import document_frontend
 
-_Method = TypeVar("_Method", bound=Callable[..., Any])
+_Arguments = ParamSpec("_Arguments")
+_Result = TypeVar("_Result")
 
 #: The Fabric strategy's own arguments (beside the common options), documented once.
 FABRIC_ARGUMENTS = {
@@ -82,15 +72,17 @@ FABRIC_ARGUMENTS = {
 }
 
 
-def _fails_the_run(method: _Method) -> _Method:
+def _fails_the_run(
+    method: Callable[Concatenate[Any, _Arguments], _Result],
+) -> Callable[Concatenate[Any, _Arguments], _Result]:
     """An exception raised inside ``method`` fails the run on every rank (``propagate_errors``)."""
 
     @functools.wraps(method)
-    def propagating(self: Any, *args: Any, **kwargs: Any) -> Any:
+    def propagating(self: Any, *args: _Arguments.args, **kwargs: _Arguments.kwargs) -> _Result:
         with self.propagate_errors():
             return method(self, *args, **kwargs)
 
-    return propagating  # type: ignore[return-value]  # the same signature as ``method``
+    return propagating
 
 
 def fabric_strategy(api: FabricAPI, environment_class: type, checkpoint_io_class: type) -> type:
@@ -127,99 +119,52 @@ def fabric_strategy(api: FabricAPI, environment_class: type, checkpoint_io_class
             precision: Any | None = None,
             **options: Any,
         ) -> None:
-            # Every argument is checked before the environment's first collective (it splits COMM_WORLD).
-            rule = check_rule(rule) or SyncRule()
-            self.options = CommonOptions(**options)
-            RunHealing.require(self.options.heal)  # the fix named before any collective
-            self._aids = ConvergenceAids(
-                self.options.lr_scaling,
-                self.options.warmup_steps,
-                self.options.momentum_correction,
-                rule,
-                api.rank_zero_info,
-                api.rank_zero_warn,
+            loop = LoopAccess(
+                snapshot=lambda state: self._handover.snapshot(state),
+                step=lambda _: self._step.steps_seen,
+                batches_done=lambda _: 0,
             )
-            environment = environment_class()
+            self._core = StrategyCore(rule, options, api, environment_class, self._adopt_healed_run, loop)
             super().__init__(
                 accelerator=accelerator,
                 parallel_devices=None,
-                cluster_environment=environment,
+                cluster_environment=self._core.environment,
                 checkpoint_io=checkpoint_io if checkpoint_io is not None else checkpoint_io_class(),
                 precision=precision,
             )
-            self._parts = wire_run(
-                rule, self.options, environment, self.global_rank, self.world_size, self._adopt_healed_run
-            )
-            self._runner, self._failures, self._healing = self._parts.runner, self._parts.failures, self._parts.healing
-            self._optimizer_sharding = self._parts.optimizer_sharding
+            core = self._core
             self._module: Module | None = None  # the module the rule is bound to
-            self._backward_sync_control = NoBackwardSync(self._runner)
+            self._backward_sync_control = NoBackwardSync(core.runner)
             self._optimizers: list[Optimizer] = []
-            self._step = FabricStep(self._runner, self._healing, self._failures, self._aids)
-            self._replacing = RunReplacing(
-                self._healing,
-                self._failures,
-                environment,
-                self._runner,
-                None,  # the loop's loaders are the user's
-                self._adopt_healed_run,
-                CHECKPOINT_KEY,
-                LoopAccess(
-                    snapshot=lambda state: self._handover.snapshot(state),
-                    step=lambda _: self._step.steps_seen,
-                    batches_done=lambda _: 0,
-                ),
-            )
+            self._step = FabricStep(core.runner, core.healing, core.failures, core.aids)
             self._handover = FabricHandover(
                 api,
                 self,
-                self._replacing,
-                self._healing,
-                self._failures,
-                self._optimizer_sharding,
+                core.replacing,
+                core.healing,
+                core.failures,
+                core.optimizer_sharding,
                 CHECKPOINT_KEY,
                 module=lambda: self._module,
                 steps_seen=lambda: self._step.steps_seen,
             )
-            self._collectives = RunCollectives(self._failures, self._healing, self._replacing)
-            self._checkpoints = FabricCheckpoints(self, self._runner, self._optimizer_sharding, self._healing)
-            self._replacing.join()  # a process spawned to replace a lost rank joins the run here
+            self._checkpoints = FabricCheckpoints(self, core)
+            core.replacing.join()  # a process spawned to replace a lost rank joins the run here
             self._set_world_ranks()
-            if self._replacing.catching_up:  # ... and takes the survivors' state at once (collective)
+            if core.replacing.catching_up:  # ... and takes the survivors' state at once (collective)
                 self._step.steps_seen, rule_state = self._handover.receive()
-                self._runner.restore(rule_state, self.world_size)
+                core.runner.restore(rule_state, self.world_size)
 
-        # -- what the user reads and sets ----------------------------------------------------------------
-        @property
-        def rule(self) -> Rule:
-            """The rule's hyperparameters."""
-            return self._runner.rule
-
-        @property
-        def bound_rule(self) -> BoundRule | None:
-            """The running rule while training (None before it is bound)."""
-            return self._runner.bound
-
-        @property
-        def transport(self) -> Transport:
-            """The current run's MPI transport (a fresh one after a failed run)."""
-            return self._failures.transport
-
-        @property
-        def collective_timeout(self) -> float | None:
-            return self._failures.timeout
-
-        @collective_timeout.setter
-        def collective_timeout(self, value: float | None) -> None:
-            self._failures.timeout = check_one(CommonOptions, "collective_timeout", value)
-
-        @property
-        def abort_on_exception(self) -> bool:
-            return self._failures.abort_on_exception
-
-        lr_scaling = property(lambda self: self.options.lr_scaling)
-        warmup_steps = property(lambda self: self.options.warmup_steps)
-        momentum_correction = property(lambda self: self.options.momentum_correction)
+        # -- what the user reads and sets (the core's: see :class:`.core.StrategyCore`) ----------------------
+        options = CoreAttribute()
+        rule = CoreAttribute()
+        bound_rule = CoreAttribute()
+        transport = CoreAttribute()
+        collective_timeout = CoreAttribute()
+        abort_on_exception = CoreAttribute()
+        lr_scaling = CoreAttribute()
+        warmup_steps = CoreAttribute()
+        momentum_correction = CoreAttribute()
 
         @property
         def optimizers(self) -> list[Optimizer]:
@@ -229,7 +174,7 @@ def fabric_strategy(api: FabricAPI, environment_class: type, checkpoint_io_class
         def stats(self) -> dict[str, float]:
             """The rule's numbers for the last step (``mpi/<rule>/...``, world size > 1) and the
             convergence aids' values: log them with ``fabric.log_dict(fabric.strategy.stats())``."""
-            return {**self._runner.stats(self.world_size), **self._aids.stats, **self._healing.stats}
+            return self._core.stats()
 
         @_fails_the_run
         def let_in(self, state: dict[str, Any]) -> bool:
@@ -248,22 +193,20 @@ def fabric_strategy(api: FabricAPI, environment_class: type, checkpoint_io_class
             """
             return self._handover.let_in(state)
 
-        @contextmanager
-        def propagate_errors(self) -> Generator[None, None, None]:
+        def propagate_errors(self) -> AbstractContextManager[None]:
             """Run a block whose exceptions fail the run on every rank (see :mod:`.failures`)."""
-            with self._failures.propagate_errors():
-                yield
+            return self._core.propagate_errors()
 
         # -- where this rank lives -----------------------------------------------------------------------
         @property
         @override
         def root_device(self) -> torch.device:
             """Rank ``r`` uses device ``local_rank % devices_on_this_host`` (the CPU without devices)."""
-            return rank_device(self.parallel_devices, device_local_rank(self.cluster_environment, self.local_rank))
+            return self._core.device(self.parallel_devices, self.local_rank)
 
         @property
         def num_nodes(self) -> int:
-            return int(self.cluster_environment.num_nodes)
+            return self._core.num_nodes
 
         @property
         def _num_nodes(self) -> int:
@@ -272,14 +215,12 @@ def fabric_strategy(api: FabricAPI, environment_class: type, checkpoint_io_class
         @_num_nodes.setter
         def _num_nodes(self, value: int) -> None:
             # Fabric assigns its num_nodes flag; MPI decides, and a flag that contradicts it is refused.
-            check_num_nodes(value, self.cluster_environment)
+            self._core.refuse_num_nodes(value)
 
         def _set_world_ranks(self) -> None:
             # Fabric has set parallel_devices from devices= by now: refuse one that MPI contradicts,
             # and keep one device per rank on this host.
-            self.parallel_devices = checked_parallel_devices(
-                self.parallel_devices, self.accelerator, self.cluster_environment
-            )
+            self.parallel_devices = self._core.devices(self.parallel_devices, self.accelerator)
             api.rank_zero_only.rank = self.global_rank
 
         @override
@@ -290,8 +231,7 @@ def fabric_strategy(api: FabricAPI, environment_class: type, checkpoint_io_class
         def setup_environment(self) -> None:
             super().setup_environment()
             self._set_world_ranks()
-            if self.world_size > 1:
-                install_abort_hook(self.global_rank, self.world_size)
+            self._core.abort_when_uncaught()
 
         # -- the model -------------------------------------------------------------------------------------
         @override
@@ -302,26 +242,26 @@ def fabric_strategy(api: FabricAPI, environment_class: type, checkpoint_io_class
         @_fails_the_run
         def setup_module(self, module: Module) -> Module:
             """Same model everywhere, rank 0's weights, the rule bound and started."""
-            if self._replacing.catching_up:  # a new rank: rank 0's weights came with the handover
+            if self._core.replacing.catching_up:  # a new rank: rank 0's weights came with the handover
                 module.load_state_dict(self._handover.module_weights())
             else:
                 replicas.prepare_module(self.transport, module)
             self._optimizers = []  # a new training: the optimizers set up next are its own
-            bound = self._runner.bind(self.transport, module, self._aids.rule_to_bind(self.world_size))
+            bound = self._core.bind(module)
             self._module = module
             bound.on_train_start()
             collectives.connect_metrics(
-                module, lambda: self._healing.distributed(self.world_size), self._metric_allgather
+                module, lambda: self._core.healing.distributed(self.world_size), self._metric_allgather
             )
             return module
 
         @override
         def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
             self._optimizers.append(optimizer)
-            self._aids.announce(self.world_size, self._optimizers)
+            self._core.aids.announce(self.world_size, self._optimizers)
             # a sharded optimizer (shard_optimizer=True) is rebuilt over this rank's shard here
-            self._optimizer_sharding.attach(self._runner.bound, [optimizer])
-            self._optimizer_sharding.check_precision(self.precision)
+            self._core.optimizer_sharding.attach(self._core.bound_rule, [optimizer])
+            self._core.optimizer_sharding.check_precision(self.precision)
             return optimizer
 
         @override
@@ -361,7 +301,7 @@ def fabric_strategy(api: FabricAPI, environment_class: type, checkpoint_io_class
             ``fabric.setup_dataloaders`` again at the next epoch to shard over the survivors."""
             self._set_world_ranks()
             self._handover.warn_if_never_let_in(self.world_size)
-            self._parts.rebind(state, self._module, self._aids.rule_to_bind(self.world_size), self._optimizers)
+            self._core.rebind(state, self._module, self._optimizers)
 
         @override
         @_fails_the_run
@@ -376,13 +316,13 @@ def fabric_strategy(api: FabricAPI, environment_class: type, checkpoint_io_class
             """Fabric's clipping, after the exchange; a sharded optimizer clips by the global norm over
             the shards."""
             self._step.exchange_before_clipping(optimizer, self._module)
-            if not self._optimizer_sharding.owns(optimizer):
+            if not self._core.optimizer_sharding.owns(optimizer):
                 norm: torch.Tensor = super().clip_gradients_norm(
                     module, optimizer, max_norm, norm_type, error_if_nonfinite
                 )
                 return norm
             self.precision.unscale_gradients(optimizer)
-            return self._optimizer_sharding.clip_grad_norm_(max_norm, norm_type, error_if_nonfinite)
+            return self._core.optimizer_sharding.clip_grad_norm_(max_norm, norm_type, error_if_nonfinite)
 
         @override
         @_fails_the_run
@@ -400,44 +340,44 @@ def fabric_strategy(api: FabricAPI, environment_class: type, checkpoint_io_class
             final model (it may be collective). A later ``fabric.setup`` binds the rule afresh.
             Calling it again does nothing.
             """
-            bound = self._runner.bound
-            if bound is None:
+            core = self._core
+            if core.bound_rule is None:
                 return
-            heal_train_end(self._healing, self._runner)  # a heal may rebind the rule
-            self._runner.close()
-            self._runner.bound = None
-            self._optimizer_sharding.detach()
+            core.end_training()  # a heal may rebind the rule
+            core.runner.close()
+            core.runner.bound = None
+            core.optimizer_sharding.detach()
 
         @override
         def teardown(self) -> None:
-            self._runner.close()
+            self._core.runner.close()
             super().teardown()
 
         # -- collectives (over MPI: see :mod:`.run_collectives`) ----------------------------------------------
         @override
         @_fails_the_run
         def all_reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any | None = "mean") -> Any:
-            return self._collectives.reduce(tensor, group, reduce_op, name="all_reduce")
+            return self._core.collectives.reduce(tensor, group, reduce_op, name="all_reduce")
 
         @override
         @_fails_the_run
         def all_gather(self, tensor: Any, group: Any | None = None, sync_grads: bool = False) -> Any:
-            return self._collectives.all_gather(tensor, group, sync_grads)
+            return self._core.collectives.all_gather(tensor, group, sync_grads)
 
         @override
         @_fails_the_run
         def broadcast(self, obj: Any, src: int = 0) -> Any:
-            return self._collectives.broadcast(obj, src)
+            return self._core.collectives.broadcast(obj, src)
 
         @_fails_the_run
         def _metric_allgather(self, obj: Any) -> list[Any]:
             """torchmetrics' sync (:func:`.collectives.connect_metrics`): every rank's ``obj``."""
-            return self._collectives.allgather_object(obj)
+            return self._core.collectives.allgather_object(obj)
 
         @override
         @_fails_the_run
         def barrier(self, name: str | None = None) -> None:
-            self._collectives.barrier()
+            self._core.collectives.barrier()
 
         # -- checkpoints -----------------------------------------------------------------------------------
         @override
@@ -466,10 +406,9 @@ def fabric_strategy(api: FabricAPI, environment_class: type, checkpoint_io_class
         @override
         def get_optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
             """This rank's shard when the optimizer is sharded, else Fabric's."""
-            if self._optimizer_sharding.owns(optimizer):
-                return self._optimizer_sharding.optimizer_state()
-            state: dict[str, Any] = super().get_optimizer_state(optimizer)
-            return state
+            return self._core.optimizer_state(
+                optimizer, lambda: super(MPIStrategy, self).get_optimizer_state(optimizer)
+            )
 
         @override
         @_fails_the_run

@@ -9,7 +9,8 @@ call. The contract:
   file with Fabric's own save, or, with a sharded optimizer (``mpi_zero``), every rank writes its
   shard into a sharded checkpoint (:func:`~lightning_mpi.checkpoint.sharded.save_sharded`) and
   nothing is gathered. Under ``heal`` a rank lost anywhere in it makes the survivors heal and save
-  again (:func:`.checkpoint_io.save_through_heals`). With no rule bound (after
+  again (:meth:`.core.StrategyCore.save_through_heals`; the barrier that ends it stays local while a
+  replacement catches up). With no rule bound (after
   ``finish_training``) the file holds no rule state.
 - load: Fabric's own load, except that in a sharded checkpoint each optimizer of ``state`` is
   loaded from every rank's shard through :class:`~.optimizer_sharding.OptimizerSharding` (at any
@@ -25,40 +26,28 @@ from typing import Any, Protocol
 from torch.optim import Optimizer
 
 from lightning_mpi.checkpoint.sharded import is_sharded_checkpoint, save_sharded
-from lightning_mpi.comm.transport import Transport
-from lightning_mpi.strategies import collectives
-from lightning_mpi.strategies.checkpoint_io import save_through_heals
-from lightning_mpi.strategies.healing import RunHealing
-from lightning_mpi.strategies.optimizer_sharding import OptimizerSharding
-from lightning_mpi.strategies.rule_runner import CHECKPOINT_KEY, RuleRunner
+from lightning_mpi.strategies.core import StrategyCore
+from lightning_mpi.strategies.rule_runner import CHECKPOINT_KEY
 
 
 class CheckpointHost(Protocol):
-    """What the checkpoints use of the Fabric strategy: the current run, and Fabric's conversion of
-    stateful objects (modules, optimizers) to their state dictionaries."""
-
-    @property
-    def transport(self) -> Transport: ...
-
-    @property
-    def world_size(self) -> int: ...
-
-    @property
-    def is_global_zero(self) -> bool: ...
+    """What the checkpoints use of the Fabric strategy: Fabric's conversion of stateful objects
+    (modules, optimizers) to their state dictionaries."""
 
     def _convert_stateful_objects_in_state(self, state: dict[str, Any], filter: dict[str, Any]) -> dict[str, Any]: ...
 
 
 class FabricCheckpoints:
-    """The Fabric strategy's saves and loads (see the module docstring)."""
+    """The Fabric strategy's saves and loads (see the module docstring).
 
-    def __init__(
-        self, host: CheckpointHost, runner: RuleRunner, optimizer_sharding: OptimizerSharding, healing: RunHealing
-    ) -> None:
+    Args:
+        host: the strategy (:class:`CheckpointHost`).
+        core: the strategy's :class:`~.core.StrategyCore` (the rule, the run, heals, ZeRO).
+    """
+
+    def __init__(self, host: CheckpointHost, core: StrategyCore) -> None:
         self._host = host
-        self._runner = runner
-        self._optimizer_sharding = optimizer_sharding
-        self._healing = healing
+        self._core = core
 
     def save(
         self,
@@ -69,20 +58,16 @@ class FabricCheckpoints:
     ) -> None:
         """Save ``state`` and the rule's state to ``path``; ``write(full)`` is Fabric's own save of
         ``full`` (rank 0 writes)."""
-        host = self._host
 
-        def save() -> None:
-            entry = self._runner.checkpoint(host.world_size)  # the rule as bound now (a heal rebinds it)
+        def save(entry: dict[str, Any] | None) -> None:
             full = state if entry is None else {**state, CHECKPOINT_KEY: entry}
-            if self._optimizer_sharding.active:  # every rank writes its optimizer shard; nothing is gathered
-                converted = host._convert_stateful_objects_in_state(full, filter=filter or {})
-                save_sharded(path, converted, host.transport)
+            if self._core.optimizer_sharding.active:  # every rank writes its optimizer shard; nothing is gathered
+                converted = self._host._convert_stateful_objects_in_state(full, filter=filter or {})
+                save_sharded(path, converted, self._core.transport)
             else:
                 write(full)
 
-        save_through_heals(
-            self._healing, save, lambda: collectives.barrier(host.transport), path, lambda: host.is_global_zero
-        )
+        self._core.save_through_heals(path, save)
 
     def load(self, path: Any, state: Any | None, read: Callable[[Any], dict[str, Any]]) -> dict[str, Any]:
         """Load ``path`` into ``state``; ``read(state)`` is Fabric's own load into ``state``. Returns
@@ -95,6 +80,6 @@ class FabricCheckpoints:
             state = {name: obj for name, obj in state.items() if name not in optimizers}
         remainder = read(state)
         for name, optimizer in optimizers.items():
-            self._optimizer_sharding.load_into(optimizer, remainder.pop(name))
-        self._runner.restore(remainder.pop(CHECKPOINT_KEY, None), self._host.world_size)
+            self._core.optimizer_sharding.load_into(optimizer, remainder.pop(name))
+        self._core.runner.restore(remainder.pop(CHECKPOINT_KEY, None), self._core.world_size)
         return remainder

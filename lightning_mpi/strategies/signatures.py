@@ -19,6 +19,10 @@ from lightning_mpi.options import Documented, args_section, documented, paramete
 from lightning_mpi.rules.base import Rule
 from lightning_mpi.strategies.common_options import CommonOptions
 
+#: The class attribute with every argument, documented, in order (read by :func:`strategy_arguments`).
+DOCUMENTED_ARGUMENTS = "_documented_arguments"
+#: What ``inspect.signature`` reads before the code: LightningCLI, ``help()`` and IDEs see it.
+_SIGNATURE = "__signature__"
 #: Common options that only some rules take (listed with the rule's own).
 _RULE_FAMILY = ("momentum_correction",)
 #: Arguments that Lightning fills in: listed last.
@@ -45,7 +49,7 @@ def _with_args(summary: str, arguments: list[Documented]) -> str:
 def document_frontend(cls: type, own: Mapping[str, str]) -> None:
     """Give a frontend's ``MPIStrategy`` its full signature and ``Args:`` section: its own
     arguments (documented in ``own``, by name) and the common options."""
-    init = cls.__init__  # type: ignore[misc]  # the class's own function, made once per package
+    init = vars(cls)["__init__"]  # the class's own function, made once per package
     hints = typing.get_type_hints(init)
     signature = inspect.signature(init)
     mine = [
@@ -65,9 +69,9 @@ def document_frontend(cls: type, own: Mapping[str, str]) -> None:
         + [a for a in mine if a.name in _PLUMBING]
     )
     self_parameter = next(iter(signature.parameters.values()))
-    init.__signature__ = inspect.Signature([self_parameter, *parameters(arguments)])
+    setattr(init, _SIGNATURE, inspect.Signature([self_parameter, *parameters(arguments)]))
     cls.__doc__ = _with_args(_summary(cls.__doc__), arguments)
-    cls._documented_arguments = arguments  # type: ignore[attr-defined]  # read by named_strategy
+    setattr(cls, DOCUMENTED_ARGUMENTS, arguments)
 
 
 def strategy_arguments(rule_class: type[Rule], base: Any) -> list[Documented]:
@@ -78,7 +82,7 @@ def strategy_arguments(rule_class: type[Rule], base: Any) -> list[Documented]:
     names = {o.name for o in rule_options}
     rest = [
         a
-        for a in base._documented_arguments  # set by document_frontend
+        for a in getattr(base, DOCUMENTED_ARGUMENTS)  # set by document_frontend
         if a.name != "rule" and a.name not in names and (a.name != "momentum_correction" or rule_class.asynchronous)
     ]
     return rule_options + rest
@@ -101,7 +105,7 @@ def named_strategy(name: str, rule_class: type[Rule], base: Any, module: str) ->
         rule = rule_class(**{k: v for k, v in kwargs.items() if k in rule_names})
         base.__init__(self, rule=rule, **{k: v for k, v in kwargs.items() if k not in rule_names})
 
-    __init__.__signature__ = signature  # type: ignore[attr-defined]  # inspect (and so LightningCLI) reads it
+    setattr(__init__, _SIGNATURE, signature)
     __init__.__qualname__ = f"{name}.__init__"
     doc = _with_args(_summary(rule_class.__doc__), arguments)
     return type(
@@ -113,6 +117,6 @@ def named_strategy(name: str, rule_class: type[Rule], base: Any, module: str) ->
             "__qualname__": name,
             "__doc__": doc,
             "rule_class": rule_class,
-            "_documented_arguments": arguments,
+            DOCUMENTED_ARGUMENTS: arguments,
         },
     )

@@ -7,27 +7,22 @@ Lightning method it overrides has one job and calls the collaborator that does i
 ================================  ========================================================
 collaborator                      its job
 ================================  ========================================================
-:class:`.rule_runner.RuleRunner`  bind, pause, checkpoint and close the exchange rule
-:func:`.run_parts.wire_run`       the rule runner, failures, healing and ZeRO sharding, wired together
+:class:`.core.StrategyCore`       what both frontends share: the options, the rule runner, failures,
+                                  healing, replacements, ZeRO's optimizer shard, the collectives,
+                                  the convergence aids, and what the user reads and sets
 :mod:`.replicas`                  the same model and rank 0's weights on every rank
-:class:`.run_collectives.RunCollectives`  ``reduce``/``all_gather``/``broadcast``/``barrier`` over MPI,
-                                  through a heal, local while a replacement catches up
-:class:`.failures.RunFailures`    each run's transport; one rank's exception on every rank
-:class:`.convergence.ConvergenceAids`  ``lr_scaling``, ``warmup_steps``, ``momentum_correction``
 :class:`.decisions.StopDecisions`  stop decisions without barriers (asynchronous rules)
 :class:`.preemption.PreemptionWatch`  a consistent checkpoint on SIGTERM/SIGUSR1, exit 0
 :func:`.trainer_launch.trainer_launcher`  each stage run here; ``fit`` resumes by itself after a restart
 :class:`.sharding.LoaderSharding`  every loader sharded over the ranks
-:class:`.optimizer_sharding.OptimizerSharding`  ZeRO's optimizer shard, global-norm clipping, sharded files
-:class:`.healing.RunHealing`      ``heal="shrink"``: the survivors of a dead rank go on training
-:class:`.replacement.RunReplacing`  ``heal="replace"``: new ranks spawned, joining mid-epoch
 :class:`.trainer_step.TrainerStep`  backward, the rule's exchange, the update, ``after_step``
 :class:`.trainer_checkpoints.TrainerCheckpoints`  the rule's state in checkpoints, sharded saves, handovers
 ================================  ========================================================
 
 The lifecycle, top to bottom:
 
-- construction: the options are checked, MPI's ranks and nodes become the cluster environment;
+- construction: the options are checked, MPI's ranks and nodes become the cluster environment
+  (:class:`.core.StrategyCore`);
 - ``setup``: the model on this rank's device, the same model and rank 0's weights everywhere, the
   rule bound to the trainable parameters (when fitting);
 - ``on_train_start``: the rule starts, the aids say what they do, the preemption vote starts;
@@ -52,27 +47,15 @@ import torch
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_mpi.comm.transport import Transport
-from lightning_mpi.options import check_one
-from lightning_mpi.rules.base import BoundRule, Rule
-from lightning_mpi.rules.sync import SyncRule
+from lightning_mpi.rules.base import Rule
 from lightning_mpi.strategies import collectives, replicas
-from lightning_mpi.strategies.common_options import CommonOptions
-from lightning_mpi.strategies.convergence import ConvergenceAids
+from lightning_mpi.strategies.core import CoreAttribute, StrategyCore
 from lightning_mpi.strategies.decisions import StopDecisions
-from lightning_mpi.strategies.environment import device_local_rank, rank_device
-from lightning_mpi.strategies.failures import install_abort_hook
-from lightning_mpi.strategies.flags import check_num_nodes, checked_parallel_devices
-from lightning_mpi.strategies.healing import RunHealing
-from lightning_mpi.strategies.healing_rules import heal_train_end
 from lightning_mpi.strategies.lightning_api import TrainerAPI
 from lightning_mpi.strategies.preemption import PreemptionWatch
-from lightning_mpi.strategies.replacement import LoopAccess, RunReplacing
-from lightning_mpi.strategies.rule_runner import CHECKPOINT_KEY
-from lightning_mpi.strategies.run_collectives import RunCollectives
-from lightning_mpi.strategies.run_parts import wire_run
+from lightning_mpi.strategies.replacement import LoopAccess
 from lightning_mpi.strategies.sharding import LoaderSharding
-from lightning_mpi.strategies.signatures import check_rule, document_frontend
+from lightning_mpi.strategies.signatures import document_frontend
 from lightning_mpi.strategies.trainer_checkpoints import TrainerCheckpoints
 from lightning_mpi.strategies.trainer_launch import trainer_launcher
 from lightning_mpi.strategies.trainer_step import TrainerStep
@@ -126,116 +109,61 @@ def trainer_strategy(api: TrainerAPI, environment_class: type, checkpoint_io_cla
             precision_plugin: Any | None = None,
             **options: Any,
         ) -> None:
-            # Every argument is checked before the environment's first collective (it splits COMM_WORLD).
-            rule = check_rule(rule) or SyncRule()
-            self.options = CommonOptions(**options)
-            RunHealing.require(self.options.heal)  # the fix named before any collective
-            self._aids = ConvergenceAids(
-                self.options.lr_scaling,
-                self.options.warmup_steps,
-                self.options.momentum_correction,
-                rule,
-                api.fabric.rank_zero_info,
-                api.fabric.rank_zero_warn,
+            self._sharding = LoaderSharding(api)
+            self._core = StrategyCore(
+                rule, options, api.fabric, environment_class, self._adopt_healed_run, TRAINER_LOOP, self._sharding
             )
-            environment = environment_class()
             super().__init__(
                 accelerator=accelerator,
                 parallel_devices=None,
-                cluster_environment=environment,
+                cluster_environment=self._core.environment,
                 checkpoint_io=checkpoint_io if checkpoint_io is not None else checkpoint_io_class(),
                 precision_plugin=precision_plugin,
             )
             self.log_stats = log_stats
-            self._parts = wire_run(
-                rule, self.options, environment, self.global_rank, self.world_size, self._adopt_healed_run
-            )
-            self._runner, self._failures, self._healing = self._parts.runner, self._parts.failures, self._parts.healing
-            self._optimizer_sharding = self._parts.optimizer_sharding
             self._decisions = StopDecisions(api.Callback)
             self._preemption = PreemptionWatch()
-            self._sharding = LoaderSharding(api)
-            self._step = TrainerStep(self._runner, self._healing, self._failures, self._aids)
-            self._replacing = RunReplacing(
-                self._healing,
-                self._failures,
-                environment,
-                self._runner,
-                self._sharding,
-                self._adopt_healed_run,
-                CHECKPOINT_KEY,
-                TRAINER_LOOP,
-            )
-            self._collectives = RunCollectives(self._failures, self._healing, self._replacing)
-            self._checkpoints = TrainerCheckpoints(
-                self,
-                self._runner,
-                self._optimizer_sharding,
-                self._healing,
-                self._replacing,
-                api.fabric.optimizers_to_device,
-            )
-            self._replacing.join()  # a process spawned to replace a lost rank joins the run here
+            core = self._core
+            self._step = TrainerStep(core.runner, core.healing, core.failures, core.aids)
+            self._checkpoints = TrainerCheckpoints(self, core, api.fabric.optimizers_to_device)
+            core.replacing.join()  # a process spawned to replace a lost rank joins the run here
             self.set_world_ranks()
 
-        # -- what the user reads and sets ----------------------------------------------------------------
-        @property
-        def rule(self) -> Rule:
-            """The rule's hyperparameters."""
-            return self._runner.rule
-
-        @property
-        def bound_rule(self) -> BoundRule | None:
-            """The running rule while training (None before it is bound; the closed one after)."""
-            return self._runner.bound
-
-        @property
-        def transport(self) -> Transport:
-            """The current run's MPI transport (a fresh one after a failed run)."""
-            return self._failures.transport
-
-        @property
-        def collective_timeout(self) -> float | None:
-            return self._failures.timeout
-
-        @collective_timeout.setter
-        def collective_timeout(self, value: float | None) -> None:
-            self._failures.timeout = check_one(CommonOptions, "collective_timeout", value)
-
-        @property
-        def abort_on_exception(self) -> bool:
-            return self._failures.abort_on_exception
-
-        lr_scaling = property(lambda self: self.options.lr_scaling)
-        warmup_steps = property(lambda self: self.options.warmup_steps)
-        momentum_correction = property(lambda self: self.options.momentum_correction)
+        # -- what the user reads and sets (the core's: see :class:`.core.StrategyCore`) ----------------------
+        options = CoreAttribute()
+        rule = CoreAttribute()
+        bound_rule = CoreAttribute()
+        transport = CoreAttribute()
+        collective_timeout = CoreAttribute()
+        abort_on_exception = CoreAttribute()
+        lr_scaling = CoreAttribute()
+        warmup_steps = CoreAttribute()
+        momentum_correction = CoreAttribute()
 
         def stats(self) -> dict[str, float]:
             """What ``log_stats`` logs: the rule's numbers for the last step (``mpi/<rule>/...``, world
             size > 1) and the convergence aids' values (``mpi/lr_scale``, ``mpi/momentum_*``)."""
-            return {**self._runner.stats(self.world_size), **self._aids.stats, **self._healing.stats}
+            return self._core.stats()
 
-        @contextmanager
-        def propagate_errors(self) -> Generator[None, None, None]:
+        def propagate_errors(self) -> AbstractContextManager[None]:
             """An exception inside fails the run on every rank (see :mod:`.failures`)."""
-            with self._failures.propagate_errors():
-                yield
+            return self._core.propagate_errors()
 
         # -- where this rank lives -----------------------------------------------------------------------
         @property
         @override
         def root_device(self) -> torch.device:
             """Rank ``r`` uses device ``local_rank % devices_on_this_host`` (the CPU without devices)."""
-            return rank_device(self.parallel_devices, device_local_rank(self.cluster_environment, self.local_rank))
+            return self._core.device(self.parallel_devices, self.local_rank)
 
         @property
         def num_nodes(self) -> int:
-            return int(self.cluster_environment.num_nodes)
+            return self._core.num_nodes
 
         @num_nodes.setter
         def num_nodes(self, value: int) -> None:
             # The Trainer assigns its num_nodes flag; MPI decides, and a flag that contradicts it is refused.
-            check_num_nodes(value, self.cluster_environment)
+            self._core.refuse_num_nodes(value)
 
         @property
         @override
@@ -245,28 +173,24 @@ def trainer_strategy(api: TrainerAPI, environment_class: type, checkpoint_io_cla
         @property
         @override
         def is_distributed(self) -> bool:
-            healing = self.__dict__.get("_healing")  # None while Lightning's own __init__ runs
-            return healing.distributed(self.world_size) if healing is not None else self.world_size > 1
+            return self._core.healing.distributed(self.world_size)
 
         def set_world_ranks(self) -> None:
             # Lightning has set parallel_devices from devices= by now: refuse one that MPI contradicts,
             # and keep one device per rank on this host (so trainer.num_devices is true).
-            self.parallel_devices = checked_parallel_devices(
-                self.parallel_devices, self.accelerator, self.cluster_environment
-            )
+            self.parallel_devices = self._core.devices(self.parallel_devices, self.accelerator)
             # Lightning decides "rank zero only" output (progress bar, model summary, warnings) from these.
             api.rank_zero_only.rank = api.fabric.rank_zero_only.rank = self.global_rank
 
         @override
         def _configure_launcher(self) -> None:
             # every stage inside propagate_errors; fit resumed after a restart, or from a replacement's handover
-            self._launcher = trainer_launcher(self, self._failures, self._replacing, api.TrainerFn.FITTING)
+            self._launcher = trainer_launcher(self, self._core.failures, self._core.replacing, api.TrainerFn.FITTING)
 
         @override
         def setup_environment(self) -> None:
             super().setup_environment()
-            if self.world_size > 1:
-                install_abort_hook(self.global_rank, self.world_size)
+            self._core.abort_when_uncaught()
 
         # -- setup -----------------------------------------------------------------------------------------
         @override
@@ -277,7 +201,7 @@ def trainer_strategy(api: TrainerAPI, environment_class: type, checkpoint_io_cla
             model: torch.nn.Module = self.precision_plugin.convert_module(self.model)
             self.model = model
             self.model_to_device()
-            if not self._replacing.catching_up:  # a replacement has the survivors' weights already
+            if not self._core.replacing.catching_up:  # a replacement has the survivors' weights already
                 replicas.prepare_module(self.transport, model)
             fitting = trainer.state.fn == api.TrainerFn.FITTING
             if fitting:
@@ -285,16 +209,17 @@ def trainer_strategy(api: TrainerAPI, environment_class: type, checkpoint_io_cla
             self.setup_precision_plugin()
             if fitting:
                 api.fabric.optimizers_to_device(self.optimizers, self.root_device)
-                bound = self._runner.bind(self.transport, model, self._aids.rule_to_bind(self.world_size))
-                self._optimizer_sharding.attach(bound, self.optimizers)  # shard_optimizer: before any state loads
-                self._optimizer_sharding.check_precision(self.precision_plugin)
-                if self._optimizer_sharding.active:
+                optimizer_sharding = self._core.optimizer_sharding
+                # shard_optimizer: the optimizer rebuilt over this rank's shard, before any state loads
+                optimizer_sharding.attach(self._core.bind(model), self.optimizers)
+                optimizer_sharding.check_precision(self.precision_plugin)
+                if optimizer_sharding.active:
                     # Lightning clips through the precision plugin: by the global norm over the shards
                     self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm
             collectives.connect_metrics(model, lambda: self.is_distributed, self._metric_allgather)
 
         def _clip_grad_by_norm(self, optimizer: Optimizer, clip_val: float) -> None:
-            self._optimizer_sharding.clip_grad_norm_(clip_val)
+            self._core.optimizer_sharding.clip_grad_norm_(clip_val)
 
         @override
         def model_to_device(self) -> None:
@@ -311,10 +236,10 @@ def trainer_strategy(api: TrainerAPI, environment_class: type, checkpoint_io_cla
         @override
         def on_train_start(self) -> None:
             super().on_train_start()
-            bound = self._runner.bound
+            bound = self._core.bound_rule
             if bound is not None:
                 bound.on_train_start()
-            self._aids.announce(self.world_size, self.optimizers)
+            self._core.aids.announce(self.world_size, self.optimizers)
             # Asynchronous rules must not wait for the vote; their checkpoint decisions stay collective.
             self._preemption.start(self.transport, lockstep=not self.rule.asynchronous)
             if self.rule.asynchronous:
@@ -323,7 +248,7 @@ def trainer_strategy(api: TrainerAPI, environment_class: type, checkpoint_io_cla
         @override
         def batch_to_device(self, batch: Any, device: Any | None = None, dataloader_idx: int = 0) -> Any:
             # every batch of every loop: stop within a batch of another rank's failure (or heal)
-            self._healing.between("the error channel", self._failures.check_peers, None)
+            self._core.check_peers()
             return super().batch_to_device(batch, device, dataloader_idx)
 
         @override
@@ -331,15 +256,15 @@ def trainer_strategy(api: TrainerAPI, environment_class: type, checkpoint_io_cla
             super().on_train_batch_start(batch, batch_idx)
             trainer = self.lightning_module.trainer
             self._sharding.reshard_validation_if_pending(trainer)  # a heal during the last validation
-            self._replacing.at_batch_start(trainer)  # heal="replace": new ranks join here
-            if self._healing.between("the preemption vote", self._preemption.requested, False):
+            self._core.replacing.at_batch_start(trainer)  # heal="replace": new ranks join here
+            if self._core.healing.between("the preemption vote", self._preemption.requested, False):
                 self._preempt()
 
         @override
         @contextmanager
         def block_backward_sync(self) -> Generator[None, None, None]:
             """Lightning wraps backward in this while it accumulates gradients."""
-            with self._runner.paused():
+            with self._core.runner.paused():
                 yield
 
         @override
@@ -380,7 +305,7 @@ def trainer_strategy(api: TrainerAPI, environment_class: type, checkpoint_io_cla
             on the new transport with ``state``, the vote restarted, the loaders sharded anew from
             the next epoch (see :mod:`.healing`)."""
             self.set_world_ranks()
-            self._parts.rebind(state, self.model, self._aids.rule_to_bind(self.world_size), self.optimizers)
+            self._core.rebind(state, self.model, self.optimizers)
             self._preemption.restart(self.transport)
             trainer = getattr(self.lightning_module, "_trainer", None) if self._lightning_module is not None else None
             if trainer is not None:
@@ -389,17 +314,15 @@ def trainer_strategy(api: TrainerAPI, environment_class: type, checkpoint_io_cla
         @override
         def on_train_end(self) -> None:
             # drains the votes: a signal at the last batch counts
-            if self._healing.between("the preemption vote", self._preemption.requested_at_end, False):
+            if self._core.healing.between("the preemption vote", self._preemption.requested_at_end, False):
                 self._preempt()
             self._preemption.stop()
-            bound = self._runner.bound
-            if bound is not None:
-                heal_train_end(self._healing, self._runner)  # collective for asynchronous rules: every rank is here
+            self._core.end_training()  # collective for asynchronous rules: every rank is here
             super().on_train_end()
 
         def _preempt(self) -> None:
             """Every rank writes the preemption checkpoint and stops (raises ``Preempted``)."""
-            bound = self._runner.bound
+            bound = self._core.bound_rule
             self._preemption.checkpoint_and_exit(
                 self.lightning_module.trainer,
                 self.global_rank,
@@ -414,32 +337,32 @@ def trainer_strategy(api: TrainerAPI, environment_class: type, checkpoint_io_cla
             Lightning right after."""
             self._preemption.stop()
             super().on_exception(exception)
-            self._failures.fail_run(exception)
+            self._core.failures.fail_run(exception)
 
         @override
         def teardown(self) -> None:
             self._decisions.unscope_hooks()
-            self._runner.close()
+            self._core.runner.close()
             self.precision_plugin.__dict__.pop("clip_grad_by_norm", None)  # Lightning's own again
-            self._optimizer_sharding.detach()
+            self._core.optimizer_sharding.detach()
             super().teardown()
 
         # -- collectives (over MPI: see :mod:`.run_collectives`), and Lightning's stop decisions ----------
         @override
         def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any | None = "mean") -> Any:
-            return self._collectives.reduce(tensor, group, reduce_op)
+            return self._core.collectives.reduce(tensor, group, reduce_op)
 
         @override
         def all_gather(self, tensor: torch.Tensor, group: Any | None = None, sync_grads: bool = False) -> torch.Tensor:
-            return self._collectives.all_gather(tensor, group, sync_grads)
+            return self._core.collectives.all_gather(tensor, group, sync_grads)
 
         def _metric_allgather(self, obj: Any) -> list[Any]:
             """torchmetrics' sync (:func:`.collectives.connect_metrics`): every rank's ``obj``."""
-            return self._collectives.allgather_object(obj)
+            return self._core.collectives.allgather_object(obj)
 
         @override
         def barrier(self, name: str | None = None) -> None:
-            self._collectives.barrier()
+            self._core.collectives.barrier()
 
         @override
         def broadcast(self, obj: Any, src: int = 0) -> Any:
@@ -448,7 +371,7 @@ def trainer_strategy(api: TrainerAPI, environment_class: type, checkpoint_io_cla
             board = self._decision_board() if isinstance(obj, bool) else None
             if board is not None:
                 return board.broadcast_flag(obj, src)
-            return self._collectives.broadcast(obj, src)
+            return self._core.collectives.broadcast(obj, src)
 
         @override
         def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
@@ -458,12 +381,12 @@ def trainer_strategy(api: TrainerAPI, environment_class: type, checkpoint_io_cla
             return bool(super().reduce_boolean_decision(decision, all))
 
         def _decision_board(self) -> Any | None:
-            if self._decisions.board(self._runner.bound) is None:
+            if self._decisions.board(self._core.bound_rule) is None:
                 return None
             # a board read waits for no rank: look for a failure first (under heal, heal here; the
             # healed run's rule has a board of its own)
-            self._healing.between("the error channel", self._failures.check_peers, None)
-            return self._decisions.board(self._runner.bound)
+            self._core.check_peers()
+            return self._decisions.board(self._core.bound_rule)
 
         def collective_decisions(self) -> AbstractContextManager[None]:
             """A scope in which every decision is a collective (see :mod:`.decisions`)."""
@@ -490,10 +413,7 @@ def trainer_strategy(api: TrainerAPI, environment_class: type, checkpoint_io_cla
         @override
         def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
             """This rank's shard when the optimizer is sharded, else Lightning's."""
-            if self._optimizer_sharding.owns(optimizer):
-                return self._optimizer_sharding.optimizer_state()
-            state: dict[str, Any] = super().optimizer_state(optimizer)
-            return state
+            return self._core.optimizer_state(optimizer, lambda: super(MPIStrategy, self).optimizer_state(optimizer))
 
         @override
         def load_optimizer_state_dict(self, checkpoint: Any) -> None:

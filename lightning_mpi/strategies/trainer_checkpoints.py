@@ -9,7 +9,7 @@
   is a directory that every rank writes its optimizer shard and 1/W of the weights into
   (:func:`~lightning_mpi.checkpoint.sharded.save_sharded`). Under ``heal`` a rank lost anywhere in it
   (rank 0 in its write included) makes the survivors heal and save again
-  (:func:`.checkpoint_io.save_through_heals`); the barrier that ends it stays local while a
+  (:meth:`.core.StrategyCore.save_through_heals`); the barrier that ends it stays local while a
   replacement catches up.
 - load: a replacement's ``fit`` reads the survivors' handover instead of a file
   (:meth:`~.replacement.RunReplacing.checkpoint`); every other rank reads the file with
@@ -28,26 +28,12 @@ import torch
 from torch.optim import Optimizer
 
 from lightning_mpi.checkpoint.sharded import save_sharded
-from lightning_mpi.comm.transport import Transport
-from lightning_mpi.strategies import collectives
-from lightning_mpi.strategies.checkpoint_io import save_through_heals
-from lightning_mpi.strategies.healing import RunHealing
-from lightning_mpi.strategies.optimizer_sharding import OptimizerSharding
-from lightning_mpi.strategies.replacement import RunReplacing
-from lightning_mpi.strategies.rule_runner import CHECKPOINT_KEY, RuleRunner
+from lightning_mpi.strategies.core import StrategyCore
+from lightning_mpi.strategies.rule_runner import CHECKPOINT_KEY
 
 
 class CheckpointHost(Protocol):
     """What the checkpoints use of the Trainer strategy (Lightning's own properties)."""
-
-    @property
-    def transport(self) -> Transport: ...
-
-    @property
-    def world_size(self) -> int: ...
-
-    @property
-    def is_global_zero(self) -> bool: ...
 
     @property
     def lightning_module(self) -> Any: ...
@@ -63,59 +49,48 @@ class TrainerCheckpoints:
     """The Trainer strategy's saves and loads (see the module docstring).
 
     Args:
+        host: the strategy (:class:`CheckpointHost`).
+        core: the strategy's :class:`~.core.StrategyCore` (the rule, the run, heals, replacements).
         optimizers_to_device: Lightning's ``optimizers_to_device`` (of the package in use).
     """
 
     def __init__(
         self,
         host: CheckpointHost,
-        runner: RuleRunner,
-        optimizer_sharding: OptimizerSharding,
-        healing: RunHealing,
-        replacing: RunReplacing,
+        core: StrategyCore,
         optimizers_to_device: Callable[[list[Optimizer], torch.device], None],
     ) -> None:
         self._host = host
-        self._runner = runner
-        self._optimizer_sharding = optimizer_sharding
-        self._healing = healing
-        self._replacing = replacing
+        self._core = core
         self._optimizers_to_device = optimizers_to_device
 
     def save(self, checkpoint: dict[str, Any], filepath: Any, write: Callable[[], None]) -> None:
         """Save ``checkpoint`` with the rule's state in it; ``write()`` is Lightning's own save of
         ``checkpoint`` to ``filepath`` (rank 0 writes)."""
-        host = self._host
 
-        def save() -> None:
-            entry = self._runner.checkpoint(host.world_size)  # the rule as bound now (a heal rebinds it)
+        def save(entry: dict[str, Any] | None) -> None:
             if entry is not None:
                 checkpoint[CHECKPOINT_KEY] = entry
-            if self._optimizer_sharding.active:  # every rank writes its optimizer shard; nothing is gathered
+            if self._core.optimizer_sharding.active:  # every rank writes its optimizer shard; nothing is gathered
                 # and 1/W of the weights, which the Allgather made equal on every rank (buffers: rank 0's)
-                params = {f"state_dict/{name}" for name, _ in host.lightning_module.named_parameters()}
-                save_sharded(filepath, checkpoint, host.transport, spread=params)
+                params = {f"state_dict/{name}" for name, _ in self._host.lightning_module.named_parameters()}
+                save_sharded(filepath, checkpoint, self._core.transport, spread=params)
             else:
                 write()
 
-        save_through_heals(self._healing, save, self._save_barrier, filepath, lambda: host.is_global_zero)
-
-    def _save_barrier(self) -> None:
-        """The barrier that ends a save under ``heal`` (local while a replacement catches up)."""
-        if not self._replacing.catching_up:
-            collectives.barrier(self._host.transport)
+        self._core.save_through_heals(filepath, save)
 
     def load_optimizer_states(self, checkpoint: Any) -> None:
         """Each optimizer's saved state; a sharded optimizer takes a sharded save at any world size."""
         # as Lightning's own: the states there are, in order
         for optimizer, saved in zip(self._host.optimizers, checkpoint["optimizer_states"], strict=False):
-            self._optimizer_sharding.load_into(optimizer, saved)
+            self._core.optimizer_sharding.load_into(optimizer, saved)
             self._optimizers_to_device([optimizer], self._host.root_device)
 
     def load(self, checkpoint_path: Any, read: Callable[[], dict[str, Any]]) -> dict[str, Any]:
         """The checkpoint at ``checkpoint_path`` (``read()`` is Lightning's own load of it), or a
         replacement's handover; the rule's state restored from it."""
-        handed = self._replacing.checkpoint(checkpoint_path)  # heal="replace": the survivors' state
+        handed = self._core.replacing.checkpoint(checkpoint_path)  # heal="replace": the survivors' state
         checkpoint = handed if handed is not None else read()
-        self._runner.restore(checkpoint.get(CHECKPOINT_KEY), self._host.world_size)
+        self._core.runner.restore(checkpoint.get(CHECKPOINT_KEY), self._core.world_size)
         return checkpoint

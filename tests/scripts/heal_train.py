@@ -297,7 +297,7 @@ def _trainer_fit(model, strategy, **trainer_args) -> dict:
         "initial": initial,
         "final": weights(model.net),
         "stats": {k: v for k, v in strategy.stats().items() if k.startswith("mpi/heal/")},
-        "history": strategy._healing.history,
+        "history": strategy._core.healing.history,
         "world_size": trainer.world_size,
         "rank": trainer.global_rank,
         "global_step": trainer.global_step,
@@ -343,7 +343,7 @@ def replace_phase() -> dict:
 
     model = _trainer_model("replace", "replace_val", lambda m: m.global_step == REPLACE_KILL and RANK == 3)
     strategy = SyncStrategy(heal="replace")
-    strategy._replacing.wait_for_join = True  # the survivors wait for it: it joins at step REPLACE_KILL + 2
+    strategy._core.replacing.wait_for_join = True  # the survivors wait for it: it joins at step REPLACE_KILL + 2
     # the default ModelCheckpoint writes under default_root_dir
     return _trainer_fit(model, strategy, max_steps=REPLACE_STEPS, default_root_dir=OUT / "replace")
 
@@ -369,7 +369,7 @@ def _replace_rule_phase(phase: str, strategy_class: str, configure=None, **optio
     dies = lambda m: m.global_step == REPLACE_KILL and m.trainer.global_rank == m.trainer.world_size - 1  # noqa: E731
     model = _trainer_model(phase, f"{phase}_val", dies, configure=configure)
     strategy = getattr(strategies, strategy_class)(heal="replace", **options)
-    strategy._replacing.wait_for_join = True
+    strategy._core.replacing.wait_for_join = True
     result = _trainer_fit(model, strategy, max_steps=REPLACE_STEPS, enable_checkpointing=False)
     bound = strategy.bound_rule
     if hasattr(bound, "commits"):  # a parameter-server rule: its commits, the last rebuild (the join)
@@ -408,7 +408,7 @@ def replace_fabric_phase() -> dict:
     from lightning_mpi.fabric import SyncStrategy as FabricSync
 
     strategy = FabricSync(heal="replace")
-    strategy._replacing.wait_for_join = True
+    strategy._core.replacing.wait_for_join = True
     fabric = L.Fabric(strategy=strategy, accelerator="cpu")
     fabric.launch()
     net = make_net()
@@ -435,7 +435,7 @@ def replace_fabric_phase() -> dict:
         "initial": initial,
         "final": weights(net),
         "optimizer": _as_lists((i, opt.optimizer.state[p]) for i, p in enumerate(net.parameters())),
-        "history": strategy._healing.history,
+        "history": strategy._core.healing.history,
         "stats": {k: v for k, v in strategy.stats().items() if k.startswith("mpi/heal/")},
         "world_size": fabric.world_size,
         "global_step": state["step"],
@@ -501,7 +501,7 @@ def _fabric_loop(
         "initial": initial,
         "final": weights(net),
         "stats": {k: v for k, v in strategy.stats().items() if k.startswith("mpi/heal/")},
-        "history": strategy._healing.history,
+        "history": strategy._core.healing.history,
         "world_size": fabric.world_size,
     }
 
@@ -535,7 +535,7 @@ def zero_phase() -> dict:
         "initial": initial,
         "final": weights(net),
         "optimizer": _whole_optimizer_state(strategy),
-        "history": strategy._healing.history,
+        "history": strategy._core.healing.history,
         "world_size": fabric.world_size,
     }
 
@@ -549,7 +549,7 @@ def _whole_optimizer_state(strategy) -> dict:
     """The ZeRO rule's optimizer state gathered whole (a collective), as lists by parameter index."""
     from lightning_mpi.rules.zero.state import consolidate
 
-    bound = strategy._runner.bound
+    bound = strategy._core.runner.bound
     whole = consolidate(bound.transport.allgather_object(bound.optimizer_state()))
     return _as_lists(whole["state"].items())
 
@@ -600,7 +600,7 @@ def gosgd_phase() -> dict:
     from lightning_mpi.fabric import GoSGDStrategy
 
     strategy = GoSGDStrategy(p=GOSGD_P, heal="shrink")
-    runner = strategy._runner
+    runner = strategy._core.runner
     closed: list = []  # the bindings closed, the last being the one that drained
     close = runner.close
 
@@ -721,7 +721,7 @@ def _replace_trainer(phase: str, strategy, kill_step: int) -> dict:
     model = _trainer_model(
         phase, f"{phase}_val", lambda m: m.global_step == kill_step and m.global_rank == m.trainer.world_size - 1
     )
-    strategy._replacing.wait_for_join = True
+    strategy._core.replacing.wait_for_join = True
     return _trainer_fit(model, strategy, max_steps=REPLACE_STEPS, default_root_dir=OUT / phase)
 
 
@@ -840,7 +840,7 @@ def auto_phase() -> dict:
         opt.zero_grad()
         fabric.backward(nn.functional.mse_loss(model(data.x[index]), data.y[index]))
         opt.step()
-        bound = strategy._runner.bound
+        bound = strategy._core.runner.bound
         digest = sum(float(p.double().sum()) * (i + 1) for i, p in enumerate(net.parameters()))
         arm, decisions = bound.choice.arm, bound.decisions
         record(
@@ -858,7 +858,7 @@ def auto_phase() -> dict:
         "initial": initial,
         "final": weights(net),
         "stats": stats,
-        "history": strategy._healing.history,
+        "history": strategy._core.healing.history,
         "world_size": fabric.world_size,
     }
 
@@ -874,7 +874,7 @@ def auto_end_phase() -> dict:
     model = _trainer_model("auto_end", "auto_end_val", _never, dies_in_final_average=AUTO_END_DIES_AT)
     strategy = AutoStrategy(heal="shrink")
     result = _trainer_fit(model, strategy, max_steps=AUTO_END_STEPS, enable_checkpointing=False)
-    bound = strategy._runner.bound
+    bound = strategy._core.runner.bound
     result["auto"] = {"arm": bound.choice.arm, "decisions": bound.decisions, "steps": bound.steps}
     return result
 
@@ -893,10 +893,10 @@ def auto_replace_phase() -> dict:
     dies = lambda m: m.global_step == AUTO_REPLACE_KILL and RANK == 1  # noqa: E731
     model = _trainer_model("auto_replace", "auto_replace_val", dies)
     strategy = AutoStrategy(heal="replace")
-    strategy._replacing.wait_for_join = True
+    strategy._core.replacing.wait_for_join = True
     with assumed("50000,1000,0.1"):
         result = _trainer_fit(model, strategy, max_steps=AUTO_REPLACE_STEPS, default_root_dir=OUT / "auto_replace")
-    bound = strategy._runner.bound
+    bound = strategy._core.runner.bound
     result["auto"] = {"arm": bound.choice.arm, "decisions": bound.decisions, "steps": bound.steps}
     return result
 
