@@ -19,21 +19,6 @@ from pathlib import Path
 PACKAGE = "lightning_mpi"
 ROOT = Path(__file__).resolve().parent.parent / PACKAGE
 
-#: TEMPORARY: cycles being removed right now (issue 38), each as the set of its modules. Only this
-#: one may be listed, and only while it exists (``test_the_cycles_being_removed_are_still_there``):
-#: empty this set in the change that removes it.
-CYCLES_BEING_REMOVED: frozenset[frozenset[str]] = frozenset(
-    {
-        frozenset(
-            {
-                f"{PACKAGE}.strategies.healing_auto",
-                f"{PACKAGE}.strategies.healing_rules",
-                f"{PACKAGE}.strategies.healing_state",
-            }
-        )
-    }
-)
-
 #: Modules every layer may use: no torch, no MPI, no Lightning (how options are defined and checked).
 FOUNDATION: tuple[str, ...] = (f"{PACKAGE}.options",)
 
@@ -207,15 +192,21 @@ def _run_time_graph() -> dict[str, set[str]]:
 
 
 def test_no_import_cycles():
-    found = [cycle for cycle in cycles(_run_time_graph()) if frozenset(cycle) not in CYCLES_BEING_REMOVED]
+    found = cycles(_run_time_graph())
     assert found == [], f"import cycles (every import that runs, inside functions too): {found}"
 
 
-def test_the_cycles_being_removed_are_still_there():
-    # When one is gone, drop it from CYCLES_BEING_REMOVED so that it cannot come back unnoticed.
-    found = {frozenset(cycle) for cycle in cycles(_run_time_graph())}
-    gone = CYCLES_BEING_REMOVED - found
-    assert not gone, f"no longer cycles: remove them from CYCLES_BEING_REMOVED: {[sorted(c) for c in gone]}"
+def test_the_strategies_know_no_rule_but_through_the_contract():
+    # What a strategy needs from a rule is declared on the rule contract (rules.base); the one
+    # list of rules the strategies offer is rules.catalog. No other rule module is imported.
+    allowed = {f"{PACKAGE}.rules.base", f"{PACKAGE}.rules.catalog"}
+    wrong = [
+        f"{edge.importer}:{edge.line} imports {edge.imported}"
+        for edge in edges()
+        if _in(edge.importer, f"{PACKAGE}.strategies") and _in(edge.imported, f"{PACKAGE}.rules")
+        if edge.imported not in allowed
+    ]
+    assert wrong == []
 
 
 def test_dependencies_point_one_way():

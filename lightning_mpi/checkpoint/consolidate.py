@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from lightning_mpi.checkpoint.files import write_atomic
-from lightning_mpi.checkpoint.sharded import load_sharded
+from lightning_mpi.checkpoint.sharded import ShardFiles, load_sharded
 from lightning_mpi.rules.zero.state import consolidate
 
 
@@ -33,9 +33,13 @@ def consolidate_checkpoint(directory: Any) -> dict[str, Any]:
 
 
 def _is_shard_files(value: Any) -> bool:
-    from lightning_mpi.checkpoint.sharded import ShardFiles
-
     return isinstance(value, ShardFiles)
+
+
+def plain_state(saved: Any) -> Any:
+    """``saved`` in torch's optimizer format: the shards of a sharded checkpoint consolidated, anything
+    else as it is."""
+    return consolidate(list(saved)) if _is_shard_files(saved) else saved
 
 
 def consolidate_to_file(directory: Any, out: Any) -> int:

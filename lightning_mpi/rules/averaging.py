@@ -11,6 +11,11 @@ Defaults, cited: Lin et al. use H = 16 for CIFAR and report H ∈ {2..16}; torch
 ``PeriodicModelAverager`` examples use ``period=4``. We take ``period=4`` (small models on few
 steps drift quickly) and ``sync_warmup_steps=0``. (The name says "sync" because every strategy's
 ``warmup_steps`` is the learning-rate warm-up of ``lr_scaling``.)
+
+Healing: a survivor keeps its counters (the checkpoint state); the weights are the module's. The
+warm-up's gradient average is redone with this rank's own gradients put back, or taken from a
+survivor that completed it; a weight average (``after_step``) is redone with the counters before
+it (the weights change only once it completed), or its weights and counters taken.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from torch import Tensor
 from lightning_mpi.comm.collectives import allreduce_mean_
 from lightning_mpi.comm.transport import Transport
 from lightning_mpi.options import integer, option, options_class
-from lightning_mpi.rules.base import BoundLocalStepRule, Rule
+from lightning_mpi.rules.base import BoundLocalStepRule, Execute, Rule, gradient_exchange, redone_from_state
 from lightning_mpi.rules.easgd import FlatParams
 
 
@@ -79,6 +84,23 @@ class BoundModelAveraging(BoundLocalStepRule):
             self._mean_(self.flat.flat)
             self.flat.bucket.unpack_grads()
         return super().before_step(optimizer)
+
+    def healable_before_step(self, optimizer: Any, execute: Execute) -> bool:
+        warm_up = self.transport.size > 1 and (
+            averages_at(self.steps + 1, self.rule.period, self.rule.sync_warmup_steps) == "gradients"
+        )
+        return execute(gradient_exchange(optimizer, collective=warm_up))
+
+    def healable_after_step(self, optimizer: Any, execute: Execute) -> None:
+        execute(
+            redone_from_state(
+                "the weight average",
+                lambda bound: bound.after_step(optimizer),
+                moving=lambda bound: list(bound.params),
+                exchanged=lambda bound, before: bound.averages != before["averages"],
+                restore=False,  # the weights change only once the average completed
+            )
+        )
 
     def _advance(self) -> None:
         """Count one step; every ``period`` steps after warm-up, average the weights (collective)."""

@@ -2,7 +2,7 @@
 
 A :class:`Rule` holds validated hyperparameters and nothing else, so it can be built from the
 command line and pickled. :meth:`Rule.bind` gives the running part, which owns buffers and state.
-Rules know torch and the transport; they know nothing of Lightning: the strategy calls these
+Rules know torch and the transport; they know nothing of Lightning. The strategy calls these
 hooks, in this order, on every rank:
 
 1. ``on_train_start()`` once, after all ranks hold rank 0's initial weights.
@@ -14,6 +14,17 @@ hooks, in this order, on every rank:
 ``state_dict()`` / ``load_state_dict()`` carry what a resumed run needs beyond the module and
 optimizer states; ``stats()`` returns numbers worth logging for the last step.
 
+**Healing is part of the contract.** The strategy runs the three step hooks through
+:meth:`BoundRule.healable_before_step`, :meth:`~BoundRule.healable_after_step` and
+:meth:`~BoundRule.healable_train_end`, which hand it each collective of the hook as an
+:class:`Operation`: what to keep before it, how to put back what an interrupted attempt changed
+and redo it, and how to take its result from a survivor that completed it. Without ``heal`` an
+operation is just run (:class:`RunDirectly`); under ``heal`` the strategy's executor redoes or takes
+it after a rank died. What a rule carries through a heal is :meth:`BoundRule.heal_state` (by
+default its checkpoint state), and what rank 0 hands to ranks let in is
+:meth:`BoundRule.hand_over`. Each rule's docstring says what it keeps and what it redoes; the
+strategy names no rule class.
+
 Every bound rule checks at bind time that its parameters sit on one device
 (:func:`check_single_device`). Rules whose ranks step on their own gradients (elastic, model
 averaging, parameter server, gossip) reject a step whose local gradients hold inf or NaN with a
@@ -23,10 +34,12 @@ the other ranks.
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
-from typing import Any, ClassVar
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar, Generic, Protocol, TypeVar
 
 import torch
 from torch.optim import Optimizer
@@ -132,18 +145,263 @@ class LocalStepGuard:
         return counted
 
 
+T = TypeVar("T")
+
+
+def _nothing(_bound: Any) -> None:
+    return None
+
+
+def _put_nothing_back(_bound: Any, _started: Any) -> None:
+    return None
+
+
+def _sent_as_is(_bound: Any, value: Any) -> Any:
+    return value
+
+
+def _taken_as_is(_bound: Any, sent: Any, _started: Any) -> Any:
+    return sent
+
+
+def _always(_bound: Any, _started: Any) -> bool:
+    return True
+
+
+def never(_bound: Any, _started: Any) -> bool:
+    """``collective`` of an operation that goes over no wire (a local step, a guard)."""
+    return False
+
+
+@dataclass(frozen=True)
+class Operation(Generic[T]):
+    """One part of a rule's hook that involves the other ranks, in the shape a heal can keep, redo or
+    take.
+
+    Every callable receives the binding it acts on: a heal binds the rule anew over the survivors,
+    and a redo or a take acts on that new binding, never on the one that failed. Run without
+    ``heal`` (:class:`RunDirectly`), an operation is ``run(bound)`` and nothing else, so building
+    one costs a few closures and no copy.
+
+    Attributes:
+        where: what it is, for the heal's message ("the exchange").
+        run: the operation itself; reads the binding's transport afresh on every attempt.
+        start: under ``heal`` only, once before the first attempt: what a redo or a take needs of the
+            state before it (``started``).
+        put_back: ``(bound, started)``: restore what an interrupted attempt may have changed, before
+            the operation is redone on the healed run.
+        result: ``(bound, value)``: what a survivor that completed the operation sends (picklable)
+            to one that did not.
+        take: ``(bound, sent, started)``: on a survivor that missed the completion, the result from
+            what was sent.
+        collective: ``(bound, started)``, asked once the operation completed: whether it went over
+            the wire; a hook that exchanged nothing this step is no operation to reconcile.
+        redo: ``False`` for a one-sided step (a gossip push, a commit to a parameter server): after a
+            heal it is not redone, nor taken; the rule rebuilds what it left when it is bound again.
+    """
+
+    where: str
+    run: Callable[[Any], T]
+    start: Callable[[Any], Any] = _nothing
+    put_back: Callable[[Any, Any], None] = _put_nothing_back
+    result: Callable[[Any, T], Any] = _sent_as_is
+    take: Callable[[Any, Any, Any], T] = _taken_as_is
+    collective: Callable[[Any, Any], bool] = _always
+    redo: bool = True
+
+    def on(self, part: Callable[[Any], Any]) -> Operation[T]:
+        """The same operation on ``part(bound)`` (``mpi_auto``'s arm) of the binding it is given."""
+        return dataclasses.replace(
+            self,
+            run=lambda bound: self.run(part(bound)),
+            start=lambda bound: self.start(part(bound)),
+            put_back=lambda bound, started: self.put_back(part(bound), started),
+            result=lambda bound, value: self.result(part(bound), value),
+            take=lambda bound, sent, started: self.take(part(bound), sent, started),
+            collective=lambda bound, started: self.collective(part(bound), started),
+        )
+
+
+class Execute(Protocol):
+    """Runs a rule's operations: directly (:class:`RunDirectly`), or, under ``heal``, the strategy's
+    executor, which redoes or takes them after a rank died."""
+
+    @property
+    def bound(self) -> BoundRule:
+        """The binding operations act on now (a heal binds the rule anew)."""
+        ...
+
+    def __call__(self, operation: Operation[T]) -> T: ...
+
+
+class RunDirectly:
+    """Runs every operation once on ``bound``: a hook without ``heal``."""
+
+    def __init__(self, bound: BoundRule) -> None:
+        self.bound = bound
+
+    def __call__(self, operation: Operation[T]) -> T:
+        return operation.run(self.bound)
+
+
+class RunPart:
+    """Runs the operations of ``part(whole.bound)`` (``mpi_auto``'s arm) through ``whole``'s executor,
+    so that a heal redoes them on the part of the healed binding."""
+
+    def __init__(self, whole: Execute, part: Callable[[Any], BoundRule]) -> None:
+        self._whole = whole
+        self._part = part
+
+    @property
+    def bound(self) -> BoundRule:
+        return self._part(self._whole.bound)
+
+    def __call__(self, operation: Operation[T]) -> T:
+        return self._whole(operation.on(self._part))
+
+
+def _grads(params: Sequence[torch.Tensor]) -> list[torch.Tensor | None]:
+    return [None if p.grad is None else p.grad.detach().clone() for p in params]
+
+
+def gradient_exchange(optimizer: Optimizer, collective: bool = True) -> Operation[bool]:
+    """``before_step`` of a rule that averages gradients, as an operation: this rank's own gradients
+    are kept before it and put back before a redo (an interrupted exchange may have averaged some
+    buckets already); a survivor that completed it sends the exchanged gradients with the state
+    the exchange changes alike on every rank (:meth:`BoundRule.replicated_state`), and one that
+    missed it takes both, and its own feedback as that exchange leaves it
+    (:meth:`BoundRule.took_exchange`). ``collective``: whether it goes over the wire this step."""
+
+    def put_back(bound: BoundRule, own: list[torch.Tensor | None]) -> None:
+        for p, grad in zip(bound.params, own, strict=True):
+            p.grad = None if grad is None else grad.clone()
+
+    def result(bound: BoundRule, accepted: bool) -> tuple[bool, list[torch.Tensor | None], dict[str, Any]]:
+        grads = [None if p.grad is None else p.grad.detach().cpu().clone() for p in bound.params]
+        return accepted, grads, bound.replicated_state()
+
+    def take(bound: BoundRule, sent: tuple[bool, list[torch.Tensor | None], dict[str, Any]], own: Any) -> bool:
+        accepted, grads, replicated = sent
+        for p, grad in zip(bound.params, grads, strict=True):
+            p.grad = None if grad is None else grad.to(p.device)
+        if replicated:
+            bound.load_state_dict(replicated)
+            bound.took_exchange(own)
+        return accepted
+
+    return Operation(
+        "the exchange",
+        lambda bound: bound.before_step(optimizer),
+        start=lambda bound: _grads(bound.params),
+        put_back=put_back,
+        result=result,
+        take=take,
+        collective=lambda _bound, _own: collective,
+    )
+
+
+def redone_from_state(
+    where: str,
+    run: Callable[[Any], None],
+    moving: Callable[[Any], list[torch.Tensor]],
+    exchanged: Callable[[Any, dict[str, Any]], bool],
+    restore: bool,
+) -> Operation[None]:
+    """A hook that changes the rule's state and the tensors ``moving(bound)`` (the weights, and
+    what else it averages), as an operation redone from the rule's :meth:`~BoundRule.heal_state`:
+    that state is kept before it and put back before a redo, with the tensors as they were where
+    ``restore`` (an exchange that may have written some of them already); a survivor that missed
+    the completion takes the state and the tensors of one that completed it, keeping its own part
+    (``"local"``: its residuals as before the exchange, whose compression error on this rank is
+    then not fed back). ``exchanged(bound, before)``: whether it went over the wire, from the
+    binding after it and the state before it."""
+
+    def start(bound: BoundRule) -> tuple[dict[str, Any], list[torch.Tensor]]:
+        return bound.heal_state(), [t.detach().clone() for t in moving(bound)] if restore else []
+
+    def put_back(bound: BoundRule, started: tuple[dict[str, Any], list[torch.Tensor]]) -> None:
+        before, values = started
+        bound.load_state_dict(before)
+        with torch.no_grad():
+            for t, value in zip(moving(bound) if restore else [], values, strict=True):
+                t.copy_(value)
+
+    def result(bound: BoundRule, _: None) -> tuple[dict[str, Any], list[torch.Tensor]]:
+        return bound.heal_state(), [t.detach().cpu().clone() for t in moving(bound)]
+
+    def take(bound: BoundRule, sent: tuple[dict[str, Any], list[torch.Tensor]], started: Any) -> None:
+        state, values = sent
+        before = started[0]
+        if "local" in state and "local" in before:
+            state = {**state, "local": before["local"]}
+        bound.load_state_dict(state)
+        with torch.no_grad():
+            for t, value in zip(moving(bound), values, strict=True):
+                t.copy_(value)
+
+    return Operation(
+        where,
+        run,
+        start=start,
+        put_back=put_back,
+        result=result,
+        take=take,
+        collective=lambda bound, started: exchanged(bound, started[0]),
+    )
+
+
+def one_sided(where: str, run: Callable[[Any], None]) -> Operation[None]:
+    """A step that involves no other rank's participation (a gossip push, a commit to a parameter
+    server): a loss it notices heals, and nothing is redone (the rule settles what it left when it
+    is bound again over the survivors)."""
+    return Operation(where, run, collective=never, redo=False)
+
+
+class OptimizerShards(Protocol):
+    """What a rule that steps only this rank's shard of the optimizer (ZeRO) offers the strategy
+    (:attr:`BoundRule.optimizer_shards`): it takes the user's optimizer, clips by the norm over
+    every rank's shard, and saves and loads this rank's shard."""
+
+    @property
+    def optimizer(self) -> Optimizer | None:
+        """The optimizer it shards, once it took one."""
+        ...
+
+    def take_optimizer(self, optimizer: Optimizer, previous: BoundRule | None) -> bool:
+        """Rebuild ``optimizer`` (the one optimizer of the model) in place over this rank's shard;
+        after a heal (collective) rebuild its state from the survivors' (``previous``: the binding
+        before the heal). Returns whether this rank's shard was rebuilt at a let-in (``heal="replace"``),
+        so that the optimizer state handed over to it is not loaded over it."""
+        ...
+
+    def clip_grad_norm_(
+        self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
+    ) -> torch.Tensor:
+        """``torch.nn.utils.clip_grad_norm_`` over the whole model (collective)."""
+        ...
+
+    def optimizer_state(self) -> dict[str, Any]:
+        """This rank's optimizer shard, for a sharded checkpoint (every rank writes its own)."""
+        ...
+
+    def load_optimizer_state(self, saved: Any) -> None:
+        """Load torch's format, one shard, or every shard of a sharded save (any world size)."""
+        ...
+
+
 class BoundRule:
     """The running part of a rule. The default hooks do nothing, so a rule overrides only what it uses.
 
-    Besides the hooks, three attributes are part of the contract that the strategies rely on
+    Besides the hooks, these attributes are part of the contract that the strategies rely on
     (a rule that has no use for one keeps the default):
 
     - ``sync_enabled``: the strategy sets it to ``False`` while gradients accumulate without an
       update (Lightning's accumulation, Fabric's ``no_backward_sync``); a rule whose gradient
       hooks start exchanges during backward must not start them then.
     - ``training``: ``True`` from ``on_train_start`` until ``on_train_end`` (or an aborted fit).
-    - ``restart_after_heal``: whether a heal starts the new binding (``on_train_start``); by
-      default while ``training``.
+    - ``healing``: the strategy sets it right after binding when it heals lost ranks (``heal``): a
+      rule then keeps, while an exchange is in flight, what that exchange started from, so that
+      :meth:`heal_state` can start it again over the survivors.
     - ``board``: a :class:`~lightning_mpi.comm.window.DecisionBoard` on which stop decisions are
       published one-sidedly while ``training``, or ``None`` when decisions must be collectives.
 
@@ -153,17 +411,13 @@ class BoundRule:
 
     sync_enabled: bool = True
     training: bool = False
+    healing: bool = False
     board: Any | None = None
 
     def __init__(self, transport: Transport, params: Sequence[torch.Tensor]) -> None:
         self.transport = transport
         self.params = list(params)
         check_single_device(self.params)
-
-    @property
-    def restart_after_heal(self) -> bool:
-        """Whether a heal starts the new binding (``on_train_start``, collective): while training."""
-        return self.training
 
     def on_train_start(self) -> None:
         """Called once when training starts, with identical weights on every rank."""
@@ -185,11 +439,71 @@ class BoundRule:
         return {}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore what :meth:`state_dict` returned."""
+        """Restore what :meth:`state_dict` returned, or what :meth:`heal_state` kept."""
 
     def stats(self) -> dict[str, float]:
         """Numbers about the last step (seconds, bytes, counts) for the logger."""
         return {}
+
+    # -- the hooks as a heal runs them (module docstring) ---------------------------------------------
+    def healable_before_step(self, optimizer: Optimizer, execute: Execute) -> bool:
+        """``before_step`` as operations run by ``execute``. By default one operation that goes over
+        no wire (a local guard): after a heal it is redone on the healed binding. A rule that
+        exchanges gradients here returns :func:`gradient_exchange`."""
+        return execute(Operation("the exchange", lambda bound: bound.before_step(optimizer), collective=never))
+
+    def healable_after_step(self, optimizer: Optimizer, execute: Execute) -> None:
+        """``after_step`` as operations run by ``execute``; by default one that goes over no wire."""
+        execute(Operation("the step's end", lambda bound: bound.after_step(optimizer), collective=never))
+
+    def healable_train_end(self, execute: Execute) -> None:
+        """``on_train_end`` as operations run by ``execute``; by default one that goes over no wire."""
+        execute(Operation("the end of training", lambda bound: bound.on_train_end(), collective=never))
+
+    # -- what a heal keeps ----------------------------------------------------------------------------
+    @property
+    def restart_after_heal(self) -> bool:
+        """Whether a heal starts the new binding (``on_train_start``, collective): while training."""
+        return self.training
+
+    def heal_state(self) -> dict[str, Any]:
+        """What this rank carries into the healed run, read on this rank alone (the others may be
+        gone): what the new binding's :meth:`load_state_dict` takes, with this rank's own part
+        (residuals) under ``"local"``. By default the checkpoint state; a rule whose
+        :meth:`state_dict` is collective, or that keeps more through a heal, overrides it. A rule that
+        cannot heal raises ``LookupError`` saying why (the run then fails as without ``heal``)."""
+        return self.state_dict()
+
+    def hand_over(self, kept: dict[str, Any], joining: int) -> tuple[dict[str, Any], dict[str, Any]]:
+        """On rank 0 when ``joining`` new ranks are let in (``heal="replace"``): from what it kept
+        (:meth:`heal_state`), the state rank 0 binds the rule again with, and the state each new
+        rank takes (it starts from rank 0's weights). By default rank 0 keeps all of it and a new
+        rank takes it without rank 0's own part (``"local"``), starting with none of its own."""
+        return kept, {key: value for key, value in kept.items() if key != "local"}
+
+    @property
+    def optimizer_shards(self) -> OptimizerShards | None:
+        """A rule that steps only this rank's shard of the optimizer (ZeRO): what the strategy hands
+        the optimizer to, clips and checkpoints through; ``None`` (the default): the optimizer is
+        the user's, whole."""
+        return None
+
+    @property
+    def exchange_in_flight(self) -> bool:
+        """Whether an exchange was started and has not arrived (a new rank cannot join one started
+        without it: ranks are let in at a step where none is)."""
+        return False
+
+    def replicated_state(self) -> dict[str, Any]:
+        """For a rule that averages gradients (:func:`gradient_exchange`): what every rank holds alike
+        after an exchange and the exchange changes (counters, warm starts), sent with the exchanged
+        gradients to a survivor that missed the exchange's completion. None by default."""
+        return {}
+
+    def took_exchange(self, own_grads: Sequence[torch.Tensor | None]) -> None:
+        """After a heal, this rank took the result of the exchange it was in from a survivor
+        (:func:`gradient_exchange`); ``own_grads`` were its own gradients. A rule with error feedback
+        sets its feedback to what that exchange leaves."""
 
 
 class BoundLocalStepRule(BoundRule):

@@ -16,6 +16,11 @@ Defaults, cited: Zhang et al. §5 set β = pα = 0.9, i.e. α = 0.9 / W (``alpha
 that), and run τ ∈ {1, 4, 16, 64}; we take τ = 4, the shortest that still cuts traffic 4×.
 Their EAMSGD runs use momentum δ = 0.99; dist-keras (Hermans) defaults to 0.9, which we take
 because it is stable with the plain-SGD learning rates users already have.
+
+Healing (synchronous EASGD): a survivor keeps its step count and the center (the checkpoint state;
+replicated: every survivor holds it whole); the weights are the module's. The elastic exchange
+(``after_step``) is redone with the state before it (the weights change only once it completed),
+or its weights and center taken from a survivor that completed it.
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ from torch import Tensor
 from lightning_mpi.comm.buffers import make_buckets
 from lightning_mpi.comm.transport import Transport
 from lightning_mpi.options import integer, number, option, optional, options_class
-from lightning_mpi.rules.base import BoundLocalStepRule, Rule
+from lightning_mpi.rules.base import BoundLocalStepRule, Execute, Rule, redone_from_state
 
 #: The check of every elastic rule's ``alpha``: None, or a number in (0, 1].
 ALPHA = optional(number(0.0, 1.0, low_open=True))
@@ -147,6 +152,20 @@ class BoundEASGD(BoundLocalStepRule):
     def on_train_start(self) -> None:
         if not self._loaded:
             self.center.copy_(self.flat.pull())
+
+    def healable_after_step(self, optimizer: Any, execute: Execute) -> None:
+        period = self.rule.period
+        execute(
+            redone_from_state(
+                "the elastic exchange",
+                lambda bound: bound.after_step(optimizer),
+                moving=lambda bound: list(bound.params),
+                exchanged=lambda bound, before: (
+                    bound.transport.size > 1 and bound.steps != before["steps"] and bound.steps % period == 0
+                ),
+                restore=False,  # the weights change only once the exchange completed
+            )
+        )
 
     def _advance(self) -> None:
         """Count one local step; every ``period`` steps, the elastic exchange (collective)."""

@@ -15,7 +15,7 @@ over workers plus messages in flight, so the weighted mean Σ wᵢθᵢ is the c
 drift towards. At the end of ``fit`` every rank drains the messages addressed to it (counts are
 known from one allreduce) and all take the weighted consensus Σ wᵢθᵢ / Σ wᵢ (one allreduce).
 
-Healing (``heal="shrink"``, :mod:`lightning_mpi.strategies.healing`): a lost rank takes its
+Healing (``heal="shrink"``): a lost rank takes its
 mixing weight wₗ with it, and so do the messages in flight on the failed communicator (they can no
 longer be received, from or to any rank). The survivors bind again on the healed communicator (a
 new mailbox, nothing in flight, no counts) with the θᵢ and wᵢ they hold, and renormalise
@@ -28,7 +28,12 @@ the same way (every survivor that started binds again and starts, whether it was
 draining or had drained), then the drain is redone over the survivors: the messages already
 merged stay merged, the expected counts are those sent on the new communicator, among survivors
 only (a survivor still training pushes on), then the consensus allreduce Σ wᵢθᵢ / Σ wᵢ over the
-survivors (a survivor that missed its completion takes its result from one that did).
+survivors (a survivor that missed its completion takes its result from one that did). What a
+survivor keeps (:meth:`BoundGoSGD.heal_state`): its mixing weight, pushes and generator; a push
+is one-sided, never redone (:meth:`~BoundGoSGD.healable_after_step`); the drain is redone
+(:meth:`~BoundGoSGD.healable_train_end`). A rank let in (``heal="replace"``) takes rank 0's θ and
+an even share of rank 0's mixing weight (:meth:`~BoundGoSGD.hand_over`), so that Σw and the
+consensus are unchanged.
 
 Default, cited: Blot et al. study exchange probabilities between 0.01 and 0.4 and find that
 rare exchanges already keep workers in consensus; we take p = 0.1.
@@ -49,7 +54,7 @@ from lightning_mpi.comm.mailbox import Mailbox
 from lightning_mpi.comm.transport import Transport
 from lightning_mpi.comm.window import DecisionBoard
 from lightning_mpi.options import integer, number, option, options_class
-from lightning_mpi.rules.base import BoundLocalStepRule, Rule
+from lightning_mpi.rules.base import BoundLocalStepRule, Execute, Operation, Rule, one_sided
 from lightning_mpi.rules.easgd import FlatParams
 
 TAG = 7301
@@ -217,6 +222,33 @@ class BoundGoSGD(BoundLocalStepRule):
         self.weight = 1.0 / self.transport.size
         self.drained = True
         self.training = False
+
+    # -- healing (module docstring) -------------------------------------------------------------------
+    def healable_after_step(self, optimizer: Any, execute: Execute) -> None:
+        # a push is one-sided: a loss seen by the mailbox heals here, and nothing is redone
+        execute(one_sided("the gossip", lambda bound: bound.after_step(optimizer)))
+
+    def healable_train_end(self, execute: Execute) -> None:
+        # redone over the survivors (every survivor's new binding started alike), or the consensus
+        # taken from a survivor that completed it
+        execute(
+            Operation(
+                "the gossip drain",
+                lambda bound: bound.on_train_end(),
+                result=lambda bound, _: bound.consensus(),
+                take=lambda bound, theta, _: bound.take_consensus(theta),
+                collective=lambda bound, _: bound.drained and bound.transport.size > 1,
+            )
+        )
+
+    def hand_over(self, kept: dict[str, Any], joining: int) -> tuple[dict[str, Any], dict[str, Any]]:
+        """Rank 0's mixing weight split evenly between itself and the ``joining`` ranks, which hold
+        its θ, so that Σw and the consensus Σwθ/Σw are unchanged; a new rank keeps its own generator."""
+        healed = kept["healed"]
+        share = float(healed["weight"]) / (joining + 1)
+        return {**kept, "healed": {**healed, "weight": share}}, {
+            "healed": {"weight": share, "pushes": 0, "drained": bool(healed["drained"])}
+        }
 
     @property
     def restart_after_heal(self) -> bool:

@@ -10,6 +10,13 @@ optimizer state.
 The exchange is either one ``MPI_Allreduce`` or Theano-MPI's Alltoall-sum-Allgather (ASA), with
 fp32, fp16 or bf16 on the wire. A step whose exchanged gradients contain inf or NaN is skipped on
 every rank (they all see the same values), counted in ``skipped_steps`` and warned about.
+
+Healing (``heal="shrink"``/``"replace"``): a survivor keeps its counters (:meth:`~.BoundRule.heal_state`,
+the checkpoint state). The exchange of ``before_step`` is redone on the healed run with this rank's own
+gradients put back (an interrupted exchange may have averaged some buckets), or its result taken
+from a survivor that completed it (:func:`~.base.gradient_exchange`); the weight average of
+``after_step`` (``average="weights"``/``"weights+momentum"``) is redone from the weights, and the
+optimizer's moments, it started from (:func:`~.base.redone_from_state`).
 """
 
 from __future__ import annotations
@@ -26,7 +33,14 @@ from lightning_mpi.comm.buffers import Bucket, make_buckets
 from lightning_mpi.comm.transport import Transport
 from lightning_mpi.comm.ulfm import ProcessFailed
 from lightning_mpi.options import option, options_class
-from lightning_mpi.rules.base import BoundRule, all_finite, grads_finite
+from lightning_mpi.rules.base import (
+    BoundRule,
+    Execute,
+    all_finite,
+    gradient_exchange,
+    grads_finite,
+    redone_from_state,
+)
 from lightning_mpi.rules.buckets import BucketExchanger, SegmentedBuckets
 from lightning_mpi.rules.exposed_warning import ExposedExchangeWarning
 from lightning_mpi.rules.zero.rule import ZeroRule
@@ -259,18 +273,12 @@ class BoundSync(BoundRule):
         self._snapshot_stats()
 
     def _momentum_buckets(self, optimizer: Optimizer) -> list[Bucket]:
-        """Buckets over the optimizer's per-parameter float state (momentum, Adam moments).
+        """Buckets over the optimizer's per-parameter float state (:func:`float_state`).
 
         Built on first use (the state exists only after the first step) and rebuilt only when
         the set of state tensors changes.
         """
-        tensors = []
-        for p in self.params:
-            state = optimizer.state.get(p, {})
-            for key in sorted(state):
-                value = state[key]
-                if isinstance(value, Tensor) and value.is_floating_point() and value.shape == p.shape:
-                    tensors.append(value)
+        tensors = float_state(self.params, optimizer)
         key = tuple(id(t) for t in tensors)
         if key != self._state_key:
             self.exchanger.release(self._state_buckets)  # every rank is here at the same step
@@ -278,6 +286,26 @@ class BoundSync(BoundRule):
             self._state_key = key
             self.exchanger.prepare(self._state_buckets)  # every rank is here at the same step
         return self._state_buckets
+
+    # -- healing (module docstring) ----------------------------------------------------------------
+    def healable_before_step(self, optimizer: Optimizer, execute: Execute) -> bool:
+        return execute(gradient_exchange(optimizer))
+
+    def healable_after_step(self, optimizer: Optimizer, execute: Execute) -> None:
+        if self.rule.average == "gradients":  # nothing goes over the wire here
+            super().healable_after_step(optimizer, execute)
+            return
+        momentum = self.rule.average == "weights+momentum"
+        execute(
+            redone_from_state(
+                "the weight average",
+                lambda bound: bound.after_step(optimizer),
+                moving=lambda bound: [*bound.params, *(float_state(bound.params, optimizer) if momentum else [])],
+                exchanged=lambda bound, _before: bound.transport.size > 1,
+                # the average writes the weights (and moments) bucket by bucket
+                restore=True,
+            )
+        )
 
     # -- bookkeeping -----------------------------------------------------------------------------
     def close(self) -> None:
@@ -294,3 +322,17 @@ class BoundSync(BoundRule):
 
     def stats(self) -> dict[str, float]:
         return dict(self._last)
+
+
+def float_state(params: Sequence[Tensor], optimizer: Optimizer) -> list[Tensor]:
+    """The optimizer's per-parameter float state of ``params`` (momentum buffers, Adam's moments:
+    tensors shaped like their parameter), in a fixed order: what ``average="weights+momentum"``
+    averages."""
+    found = []
+    for p in params:
+        state = optimizer.state.get(p, {})
+        for key in sorted(state):
+            value = state[key]
+            if isinstance(value, Tensor) and value.is_floating_point() and value.shape == p.shape:
+                found.append(value)
+    return found

@@ -28,16 +28,8 @@ from typing import Any
 
 from lightning_mpi.data.hooks import PrefetchDataHooks
 from lightning_mpi.offload.hooks import LMSOffloadHooks
-from lightning_mpi.rules.auto import AutoRule
-from lightning_mpi.rules.averaging import ModelAveragingRule
 from lightning_mpi.rules.base import Rule
-from lightning_mpi.rules.compressed import CompressedSyncRule
-from lightning_mpi.rules.diloco import DiLoCoRule, StreamingDiLoCoRule
-from lightning_mpi.rules.easgd import EASGDRule
-from lightning_mpi.rules.gossip import GoSGDRule
-from lightning_mpi.rules.powersgd import PowerSGDRule
-from lightning_mpi.rules.server import ADAGRule, AEASGDRule, AGNRule, DownpourRule, DynSGDRule, EAMSGDRule
-from lightning_mpi.rules.sync import SyncRule
+from lightning_mpi.rules.catalog import RULES
 from lightning_mpi.strategies.checkpoint_io import AtomicWriteMixin
 from lightning_mpi.strategies.environment import MPIClusterMixin
 from lightning_mpi.strategies.fabric import fabric_strategy
@@ -54,24 +46,9 @@ EXPORTS = {
     "lightning.fabric": "lightning_mpi.fabric",
 }
 
-#: Strategy class name -> the rule it trains with (its arguments are the rule's options).
-STRATEGY_RULES: dict[str, type[Rule]] = {
-    "SyncStrategy": SyncRule,
-    "CompressedSyncStrategy": CompressedSyncRule,
-    "EASGDStrategy": EASGDRule,
-    "ModelAveragingStrategy": ModelAveragingRule,
-    "DownpourStrategy": DownpourRule,
-    "AGNStrategy": AGNRule,
-    "ADAGStrategy": ADAGRule,
-    "DynSGDStrategy": DynSGDRule,
-    "AEASGDStrategy": AEASGDRule,
-    "EAMSGDStrategy": EAMSGDRule,
-    "GoSGDStrategy": GoSGDRule,
-    "PowerSGDStrategy": PowerSGDRule,
-    "DiLoCoStrategy": DiLoCoRule,
-    "StreamingDiLoCoStrategy": StreamingDiLoCoRule,
-    "AutoStrategy": AutoRule,
-}
+#: Strategy class name -> the rule it trains with (its arguments are the rule's options): ``EASGDRule``
+#: is trained by ``EASGDStrategy``.
+STRATEGY_RULES: dict[str, type[Rule]] = {rule.__name__.removesuffix("Rule") + "Strategy": rule for rule in RULES}
 
 _ASYNC_DOC = """Base of the asynchronous strategies (parameter-server and gossip rules): Lightning's stop
 decisions are answered without per-step barriers, and ``momentum_correction`` is available.

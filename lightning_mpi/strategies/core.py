@@ -30,7 +30,7 @@ from torch.optim import Optimizer
 from lightning_mpi.comm.transport import Transport
 from lightning_mpi.options import check_one
 from lightning_mpi.rules.base import BoundRule, Rule
-from lightning_mpi.rules.sync import SyncRule
+from lightning_mpi.rules.catalog import DEFAULT_RULE
 from lightning_mpi.strategies.checkpoint_io import save_through_heals
 from lightning_mpi.strategies.collectives import barrier
 from lightning_mpi.strategies.common_options import CommonOptions
@@ -39,7 +39,6 @@ from lightning_mpi.strategies.environment import device_local_rank, rank_device
 from lightning_mpi.strategies.failures import RunFailures, install_abort_hook
 from lightning_mpi.strategies.flags import check_num_nodes, checked_parallel_devices
 from lightning_mpi.strategies.healing import RunHealing
-from lightning_mpi.strategies.healing_rules import heal_train_end
 from lightning_mpi.strategies.lightning_api import FabricAPI
 from lightning_mpi.strategies.optimizer_sharding import OptimizerSharding
 from lightning_mpi.strategies.replacement import LoopAccess, RunReplacing
@@ -72,7 +71,7 @@ class StrategyCore:
         loop: LoopAccess,
         loaders: Any | None = None,
     ) -> None:
-        rule = check_rule(rule) or SyncRule()
+        rule = check_rule(rule) or DEFAULT_RULE()
         self._options = CommonOptions(**options)
         RunHealing.require(self.options.heal)  # the fix named before any collective
         self.aids = ConvergenceAids(
@@ -84,7 +83,7 @@ class StrategyCore:
             fabric.rank_zero_warn,
         )
         self.environment = environment_class()  # the first collective: every argument is checked above
-        self.runner = RuleRunner(rule)
+        self.runner = RuleRunner(rule, healing=self.options.heal is not None)
         self.failures = RunFailures(
             self.environment.comm,
             self.global_rank,
@@ -217,7 +216,8 @@ class StrategyCore:
     def end_training(self) -> None:
         """The rule's ``on_train_end``: its consensus weights in the module (collective for the
         asynchronous rules; under ``heal`` redone over the survivors of a loss there)."""
-        heal_train_end(self.healing, self.runner)
+        if self.runner.bound is not None:
+            self.runner.bound.healable_train_end(self.healing)
 
     def optimizer_state(self, optimizer: Optimizer, lightnings: Callable[[], dict[str, Any]]) -> dict[str, Any]:
         """This rank's shard when ``optimizer`` is sharded, else ``lightnings()`` (the frontend's)."""

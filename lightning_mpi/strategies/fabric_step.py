@@ -5,13 +5,14 @@ The Fabric strategy's ``optimizer_step`` calls :meth:`FabricStep.run`, which:
 1. looks for another rank's failure first (under ``heal``: heals here);
 2. applies the convergence aids' param-group overrides (``lr_scaling``, warm-up) around the
    update, and records what they applied;
-3. runs the rule's exchange (:func:`~.healing_rules.exchange_grads`: ``before_step``, under
-   ``heal`` redone on the healed run), unless clipping already ran it this step
+3. runs the rule's exchange (``before_step``, as the operations of
+   :meth:`~lightning_mpi.rules.base.BoundRule.healable_before_step`, which a heal redoes on the
+   healed run), unless clipping already ran it this step
    (:meth:`FabricStep.exchange_before_clipping`: clipping must see the averaged gradients, as under
    ``ddp``);
 4. skips the update when the exchange rejected it (non-finite gradients), unless a GradScaler
    handles inf gradients itself; else updates and runs ``after_step``
-   (:func:`~.healing_rules.heal_after_step`);
+   (the same way);
 5. counts the step in :attr:`FabricStep.steps_seen` on every exit (the aids' schedule and a new
    rank's handover read it).
 
@@ -30,7 +31,6 @@ from torch.optim import Optimizer
 from lightning_mpi.strategies.convergence import ConvergenceAids
 from lightning_mpi.strategies.failures import RunFailures
 from lightning_mpi.strategies.healing import RunHealing
-from lightning_mpi.strategies.healing_rules import exchange_grads, heal_after_step
 from lightning_mpi.strategies.rule_runner import RuleRunner
 
 
@@ -66,12 +66,13 @@ class FabricStep:
                     return update()
                 accepted = self._exchanged
                 if accepted is None:
-                    accepted = exchange_grads(self._healing, self._runner, optimizer, module)
+                    accepted = self._healing.bound.healable_before_step(optimizer, self._healing)
                 self._exchanged = None
                 if not accepted and not scaler_handles_inf:
                     return None
                 output = update()
-                heal_after_step(self._healing, self._runner, optimizer)  # the rule as bound now (a heal rebinds it)
+                # the rule as bound now (a heal rebinds it)
+                self._healing.bound.healable_after_step(optimizer, self._healing)
                 return output
         finally:
             self.steps_seen += 1
@@ -83,4 +84,4 @@ class FabricStep:
         update will use, the averaged gradients, as under ``ddp``; :meth:`run` then takes its
         result instead of exchanging again."""
         if self._runner.bound is not None and self._exchanged is None:
-            self._exchanged = exchange_grads(self._healing, self._runner, optimizer, module)
+            self._exchanged = self._healing.bound.healable_before_step(optimizer, self._healing)

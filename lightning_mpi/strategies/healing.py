@@ -6,16 +6,19 @@ operation once and a dead rank raises ``RankFailedError`` as before. With ``heal
 MPI with ULFM, ``lightning-mpi --heal``), the strategy runs every operation that involves the
 other ranks through it:
 
-- :meth:`RunHealing.operation`: a collective whose interruption can be redone (the rule's exchange
-  ``before_step``, Lightning's ``reduce``/``all_gather``/``broadcast``/``barrier``);
+- :meth:`RunHealing.__call__`: a rule's operation (:class:`~lightning_mpi.rules.base.Operation`:
+  the rule's hooks hand the strategy their collectives in that shape), redone or taken after a heal;
+- :meth:`RunHealing.operation`: a collective of the strategy's own whose interruption can be
+  redone (Lightning's ``reduce``/``all_gather``/``broadcast``/``barrier``);
 - :meth:`RunHealing.between`: a check between operations (the error channel, the preemption vote),
   where nothing is left to redo.
 
 When one of them raises :class:`~lightning_mpi.comm.ulfm.ProcessFailed`, this rank heals, with
 every other survivor, wherever each of them noticed:
 
-1. the rule is asked what it keeps (:func:`.healing_rules.kept_state`); a rule that cannot heal
-   yet raises ``RankFailedError`` saying so (every survivor alike: they run the same rule);
+1. the rule is asked what it keeps (:meth:`~lightning_mpi.rules.base.BoundRule.heal_state`); a rule
+   that cannot heal raises ``RankFailedError`` saying so (every survivor alike: they run the same
+   rule);
 2. :func:`~lightning_mpi.comm.healing.heal_run`: revoke, shrink, agree, a new error channel and
    transport over the survivors, the failed run released (the rule is abandoned first);
 3. with fewer survivors than ``min_ranks``: ``RankFailedError``, as without ``heal``;
@@ -42,15 +45,14 @@ import itertools
 import sys
 import time
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import torch
 
 from lightning_mpi.comm.errors import RankFailedError
 from lightning_mpi.comm.healing import HealedRun, heal_run
 from lightning_mpi.comm.ulfm import HEAL_ATTEMPTS, ProcessFailed, mark_finished, process_failure, require_heal
-from lightning_mpi.rules.base import BoundRule
-from lightning_mpi.strategies.healing_state import kept_state
+from lightning_mpi.rules.base import BoundRule, Operation
 
 _T = TypeVar("_T")
 
@@ -166,6 +168,32 @@ class RunHealing:
         return stats
 
     # -- what the strategy runs through it ------------------------------------------------------------
+    @property
+    def bound(self) -> BoundRule:
+        """The rule as bound now (a heal binds it anew): what its operations act on."""
+        bound = self._bound()
+        assert bound is not None, "a rule's operations run while the rule is bound"
+        return bound
+
+    def __call__(self, operation: Operation[_T]) -> _T:
+        """Run one of the rule's operations on the rule as bound now: once without ``heal``; under
+        ``heal``, redone after a heal (what an interrupted attempt changed put back first), or taken
+        from a survivor that completed it, or, for a one-sided step, left as it is."""
+        if not self.active:
+            return operation.run(self.bound)
+        if not operation.redo:
+            self.between(operation.where, lambda: operation.run(self.bound), None)
+            return cast(_T, None)
+        started = operation.start(self.bound)
+        return self.operation(
+            operation.where,
+            lambda: operation.run(self.bound),
+            keep=lambda value: operation.result(self.bound, value),
+            take=lambda sent: operation.take(self.bound, sent, started),
+            before_redo=lambda: operation.put_back(self.bound, started),
+            counted=lambda: operation.collective(self.bound, started),
+        )
+
     def operation(
         self,
         where: str,
@@ -229,8 +257,9 @@ class RunHealing:
 
     def _heal_outside_inference(self, failure: ProcessFailed, where: str, error: BaseException) -> Any:
         detected = time.perf_counter()
+        bound = self._bound()
         try:
-            state = kept_state(self._bound())
+            state = None if bound is None else bound.heal_state()
         except LookupError as why:
             raise HealNotSupported(self._rule_name, str(why), failure) from error
         old_size = self._failures.world_size

@@ -18,7 +18,7 @@ or ``fabric.strategy.let_in(state)`` at the top of a Fabric loop's iteration):
    within ``JOIN_TIMEOUT`` seconds, is given up and spawned again;
 3. once they are ready, at the first batch where the rule has no exchange in flight (Streaming
    DiLoCo's ``overlap_steps``: a new rank could not take part in it): read what the rule keeps
-   (:func:`.healing_rules.kept_state`) and close it, gather which data shard each survivor trains
+   (:meth:`~lightning_mpi.rules.base.BoundRule.heal_state`) and close it, gather which data shard each survivor trains
    on this epoch, make the run's communicators over
    survivors + new ranks (:func:`~lightning_mpi.comm.healing.finish_growth`; the survivors keep
    their ranks, the new ones come after), adopt them (ranks, world size, node layout) and broadcast
@@ -72,7 +72,6 @@ from lightning_mpi.comm.ulfm import ProcessFailed, process_failure
 from lightning_mpi.comm.ulfm import free as ulfm_free
 from lightning_mpi.comm.ulfm import revoke as ulfm_revoke
 from lightning_mpi.strategies.healing import RunHealing, remember_healed
-from lightning_mpi.strategies.healing_state import kept_state, split_for_new_ranks
 
 __all__ = ["HANDOVER_PATH", "REPLACEMENT_REASON", "Handover", "LoopAccess", "RunReplacing", "replacement_shards"]
 
@@ -159,9 +158,6 @@ class RunReplacing:
         loop: how the frontend's loop is read at a let-in.
     """
 
-    #: ``True``: the survivors wait for the new processes at the batch after the spawn instead of
-    #: training on meanwhile (a deterministic join step, for tests; slower)
-    wait_for_join = False
     #: while new processes start, the survivors ask whether they are ready at the first batch after
     #: the spawn and then every this many batches (each asking is a small collective)
     poll_every = 8
@@ -319,9 +315,6 @@ class RunReplacing:
             if failures.rank == 0:
                 try:
                     mine = 1 if poll_ready(pending.respawned, pending.heard) else 0
-                    while self.wait_for_join and not mine and time.monotonic() < pending.deadline:
-                        time.sleep(0.01)
-                        mine = 1 if poll_ready(pending.respawned, pending.heard) else 0
                 except Exception as error:  # noqa: BLE001  (a new process died: give this spawn up)
                     if process_failure(error) is None:
                         raise
@@ -348,7 +341,7 @@ class RunReplacing:
         it, so it is let in at the next batch without one (the same batch on every survivor: they
         run the same schedule). Nothing is collective here before the switch."""
         bound = self._runner.bound if self._runner.live else None
-        if bound is not None and getattr(bound, "exchange_in_flight", False):
+        if bound is not None and bound.exchange_in_flight:
             return
         self._pending = None
         self._switch(at, pending)
@@ -364,7 +357,8 @@ class RunReplacing:
         """Every new process is ready: the run grows over them, they take rank 0's handover."""
         healing, failures = self._healing, self._failures
         missing = len(pending.respawned.new_ranks)
-        state = kept_state(self._runner.bound if self._runner.live else None)
+        bound = self._runner.bound if self._runner.live else None
+        state = None if bound is None else bound.heal_state()
         shards = self._shards(missing)
         self._runner.close()
         run = HealedRun(failures.base_comm, failures.errors, failures.transport)
@@ -376,11 +370,11 @@ class RunReplacing:
         handover = None
         if transport.rank == 0:
             checkpoint = self._loop.snapshot(at)
-            if state is not None:
-                rule = self._runner.rule
+            if state is not None and bound is not None:
                 # rank 0 keeps its own part (residuals) and shares what it shares (GoSGD's weight)
-                state, handed = split_for_new_ranks(rule, state, missing)
-                checkpoint[self._key] = {"rule": type(rule).__name__, "state": handed, "world_size": transport.size}
+                state, handed = bound.hand_over(state, missing)
+                rule = type(self._runner.rule).__name__
+                checkpoint[self._key] = {"rule": rule, "state": handed, "world_size": transport.size}
             handover = Handover(checkpoint, shards, self._loop.batches_done(at), healing.boundaries)
         transport.broadcast_object(handover, root=0)
         self._adopt(state)

@@ -28,10 +28,13 @@ class RuleRunner:
 
     Args:
         rule: the hyperparameters; :attr:`bound` is their running part while it exists.
+        healing: the strategy heals lost ranks (``heal``): every binding is told so
+            (:attr:`~lightning_mpi.rules.base.BoundRule.healing`).
     """
 
-    def __init__(self, rule: Rule) -> None:
+    def __init__(self, rule: Rule, healing: bool = False) -> None:
         self.rule = rule
+        self.healing = healing
         self.bound: BoundRule | None = None
         self.live = False  # bound and not closed since
         self._pending_state: dict[str, Any] | None = None
@@ -42,6 +45,7 @@ class RuleRunner:
         self.close()
         params = [p for p in module.parameters() if p.requires_grad]
         self.bound = (rule or self.rule).bind(transport, params)
+        self.bound.healing = self.healing
         self.live = True
         if self._pending_state is not None:
             self.bound.load_state_dict(self._pending_state)
@@ -52,8 +56,9 @@ class RuleRunner:
         self, transport: Transport, module: torch.nn.Module, rule: Rule | None, state: dict[str, Any]
     ) -> BoundRule:
         """After a heal: bind again on the healed run's ``transport`` and load ``state`` (what the
-        abandoned binding kept, :func:`~.healing.kept_state`); a rule that was training starts
-        again (``on_train_start``), since the survivors hold the same weights where it keeps them so."""
+        abandoned binding kept: its :meth:`~lightning_mpi.rules.base.BoundRule.heal_state`); a rule that
+        was training starts again (``on_train_start``), since the survivors hold the same weights
+        where it keeps them so."""
         # the rule says when (GoSGD: wherever its fit was, so that its survivors agree)
         training = self.bound is not None and self.bound.restart_after_heal
         self.bound = None  # abandoned already: nothing to close

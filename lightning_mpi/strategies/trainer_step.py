@@ -1,10 +1,10 @@
 """One optimizer step of the Trainer with the rule: backward, the exchange, the update, ``after_step``.
 
 Lightning runs backward inside the optimizer's closure, so :meth:`TrainerStep.run` wraps the
-closure: after backward the rule exchanges (:func:`~.healing_rules.exchange_grads`: ``before_step``,
-under ``heal`` redone on the healed run), and an exchange that rejects the step (non-finite
+closure: after backward the rule exchanges (``before_step``, as operations that a heal redoes on the healed run:
+:meth:`~lightning_mpi.rules.base.BoundRule.healable_before_step`), and an exchange that rejects the step (non-finite
 gradients) abandons it before the update on every rank, unless a GradScaler handles inf gradients
-itself (it must see them). After the update, ``after_step`` (:func:`~.healing_rules.heal_after_step`).
+itself (it must see them). After the update, ``after_step`` (the same way).
 Lightning calls it only on steps that update, so gradient accumulation exchanges once per update.
 
 The convergence aids (``lr_scaling``, warm-up, momentum correction) wrap the whole
@@ -27,7 +27,6 @@ from lightning_mpi.lr_scaling import StepOverrides
 from lightning_mpi.strategies.convergence import ConvergenceAids
 from lightning_mpi.strategies.failures import RunFailures
 from lightning_mpi.strategies.healing import RunHealing
-from lightning_mpi.strategies.healing_rules import exchange_grads, heal_after_step
 from lightning_mpi.strategies.rule_runner import RuleRunner
 
 #: Lightning's ``optimizer_step`` with a given closure (the strategy's base class does the update).
@@ -91,7 +90,7 @@ class TrainerStep:
 
         def closure_then_exchange() -> Any:
             result = closure()
-            accepted = exchange_grads(self._healing, self._runner, optimizer, module)
+            accepted = self._healing.bound.healable_before_step(optimizer, self._healing)
             if not accepted and not scaler_handles_inf:
                 raise _SkipStep
             return result
@@ -101,5 +100,6 @@ class TrainerStep:
             output = lightning_step(lift(closure_then_exchange))
         except _SkipStep:
             return None
-        heal_after_step(self._healing, self._runner, optimizer)  # the rule as bound now (a heal rebinds it)
+        # the rule as bound now (a heal rebinds it)
+        self._healing.bound.healable_after_step(optimizer, self._healing)
         return output

@@ -173,7 +173,7 @@ def test_on_one_rank_the_rule_is_a_plain_every_step_rule_and_round_trips():
         assert bound.before_step(opt)
         opt.step()
         bound.after_step(opt)
-    assert bound.choice.arm == "sync" and bound.decisions == 0 and bound.skipped_steps == 0  # the arm's own
+    assert bound.choice.arm == "sync" and bound.decisions == 0 and bound.inner.skipped_steps == 0  # the arm's own
     bound.sync_enabled = False
     assert bound.inner.sync_enabled is False
     fresh = AutoRule().bind(_self_transport(), list(net.parameters()))

@@ -309,7 +309,7 @@ def test_heal_with_a_grad_scaler_is_refused_by_name():
     from lightning_mpi.strategies.optimizer_sharding import OptimizerSharding
 
     sharding = OptimizerSharding(mirror=True)
-    sharding.bound = object()
+    sharding.shards = object()  # as if a rule that shards the optimizer were attached
     sharding.check_precision(SimpleNamespace(scaler=None))  # bf16-mixed, 32-true: fine
     with pytest.raises(ValueError, match="cannot use a GradScaler \\(precision='16-mixed'\\).*bf16-mixed"):
         sharding.check_precision(SimpleNamespace(scaler=object()))

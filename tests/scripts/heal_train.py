@@ -343,7 +343,6 @@ def replace_phase() -> dict:
 
     model = _trainer_model("replace", "replace_val", lambda m: m.global_step == REPLACE_KILL and RANK == 3)
     strategy = SyncStrategy(heal="replace")
-    strategy._core.replacing.wait_for_join = True  # the survivors wait for it: it joins at step REPLACE_KILL + 2
     # the default ModelCheckpoint writes under default_root_dir
     return _trainer_fit(model, strategy, max_steps=REPLACE_STEPS, default_root_dir=OUT / "replace")
 
@@ -362,14 +361,13 @@ REPLACE_RULE_PHASES = {
 def _replace_rule_phase(phase: str, strategy_class: str, configure=None, **options) -> dict:
     """The Trainer with ``heal="replace"`` on the three ranks there are: the last rank dies at the
     start of step REPLACE_KILL; the survivors heal, spawn a replacement at their next batch and wait
-    for it at the one after (``wait_for_join``), where it joins with the lost rank's shard; it runs
+    for it at the one after (:func:`survivors_wait_for_the_join`), where it joins with the lost rank's shard; it runs
     this script from this phase and records under REPLACE_RULE_PHASES[phase]."""
     import lightning_mpi.lightning as strategies
 
     dies = lambda m: m.global_step == REPLACE_KILL and m.trainer.global_rank == m.trainer.world_size - 1  # noqa: E731
     model = _trainer_model(phase, f"{phase}_val", dies, configure=configure)
     strategy = getattr(strategies, strategy_class)(heal="replace", **options)
-    strategy._core.replacing.wait_for_join = True
     result = _trainer_fit(model, strategy, max_steps=REPLACE_STEPS, enable_checkpointing=False)
     bound = strategy.bound_rule
     if hasattr(bound, "commits"):  # a parameter-server rule: its commits, the last rebuild (the join)
@@ -401,14 +399,13 @@ def replace_fabric_phase() -> dict:
     dictionary (``{"model", "optimizer", "step"}``) given to ``fabric.strategy.let_in`` at the top of
     each iteration: the last rank dies at step REPLACE_KILL; the survivors heal in that step's
     exchange, spawn a replacement at the next ``let_in`` and wait for it at the one after
-    (``wait_for_join``); the replacement runs this script from this phase, takes the state there and
+    (:func:`survivors_wait_for_the_join`); the replacement runs this script from this phase, takes the state there and
     goes on from its step. Each rank's batch is picked by step, rank and world size."""
     import lightning as L
 
     from lightning_mpi.fabric import SyncStrategy as FabricSync
 
     strategy = FabricSync(heal="replace")
-    strategy._core.replacing.wait_for_join = True
     fabric = L.Fabric(strategy=strategy, accelerator="cpu")
     fabric.launch()
     net = make_net()
@@ -721,7 +718,6 @@ def _replace_trainer(phase: str, strategy, kill_step: int) -> dict:
     model = _trainer_model(
         phase, f"{phase}_val", lambda m: m.global_step == kill_step and m.global_rank == m.trainer.world_size - 1
     )
-    strategy._core.replacing.wait_for_join = True
     return _trainer_fit(model, strategy, max_steps=REPLACE_STEPS, default_root_dir=OUT / phase)
 
 
@@ -893,7 +889,6 @@ def auto_replace_phase() -> dict:
     dies = lambda m: m.global_step == AUTO_REPLACE_KILL and RANK == 1  # noqa: E731
     model = _trainer_model("auto_replace", "auto_replace_val", dies)
     strategy = AutoStrategy(heal="replace")
-    strategy._core.replacing.wait_for_join = True
     with assumed("50000,1000,0.1"):
         result = _trainer_fit(model, strategy, max_steps=AUTO_REPLACE_STEPS, default_root_dir=OUT / "auto_replace")
     bound = strategy._core.runner.bound
@@ -926,9 +921,32 @@ def min_ranks_phase() -> dict:
     return {"caught": None}
 
 
+def survivors_wait_for_the_join() -> None:
+    """The survivors wait for a replacement at the first batch after its spawn instead of training on
+    meanwhile, so that it joins at a known step (REPLACE_KILL + 2): rank 0's poll of whether the new
+    processes are ready, which answers at once, is made to wait for them here (up to the join's
+    timeout), in this script only."""
+    import lightning_mpi.strategies.replacement as replacement
+    from lightning_mpi.comm.respawn import JOIN_TIMEOUT
+
+    answers_at_once = replacement.poll_ready
+
+    def waits(respawned, heard) -> bool:
+        deadline = time.monotonic() + JOIN_TIMEOUT
+        while not answers_at_once(respawned, heard):
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.01)
+        return True
+
+    replacement.poll_ready = waits
+
+
 def main() -> None:
     global OUT, RANK, W
     from mpi4py import MPI
+
+    survivors_wait_for_the_join()  # every heal="replace" phase joins at a known step
 
     OUT, RANK, W = Path(sys.argv[1]), MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
     phases: tuple = (

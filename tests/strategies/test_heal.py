@@ -48,7 +48,6 @@ import torch
 from lightning_mpi.comm.errors import RankFailedError
 from lightning_mpi.comm.ulfm import FT_ENV
 from lightning_mpi.strategies.common_options import CommonOptions
-from lightning_mpi.strategies.healing_state import kept_state
 from tests.launcher.helpers import finish, launch
 from tests.mpi_utils import REPO, mpi_env, mpi_flavor, require_ulfm
 
@@ -80,20 +79,18 @@ def test_heal_options_are_checked(kwargs, match):
 
 
 @pytest.mark.timeout(10)
-def test_rules_that_cannot_heal_yet_say_so():
+def test_what_rules_keep_through_a_heal_and_those_that_cannot_say_so():
     from lightning_mpi.rules.base import BoundRule
     from lightning_mpi.rules.sync import BoundSync, SyncRule
 
-    def bound(rule):  # what kept_state reads, without a transport
+    def bound(rule):  # what heal_state reads, without a transport
         sync = object.__new__(BoundSync)
         sync.rule, sync.skipped_steps = rule, 3
         return sync
 
-    assert kept_state(None) is None  # no live rule: nothing to bind again
-    assert kept_state(bound(SyncRule())) == {"skipped_steps": 3}
-    assert kept_state(bound(SyncRule(average="weights"))) == {"skipped_steps": 3}
-    with pytest.raises(LookupError, match="BoundRule keeps state that is not rebuilt after a heal yet"):
-        kept_state(object.__new__(BoundRule))
+    assert bound(SyncRule()).heal_state() == {"skipped_steps": 3}
+    assert bound(SyncRule(average="weights")).heal_state() == {"skipped_steps": 3}
+    assert object.__new__(BoundRule).heal_state() == {}  # by default: its checkpoint state
     # the parameter-server rules heal (test_parameter_server_*), but not outside training: their
     # center lives in windows that exist only while they train
     from lightning_mpi.rules.server import DownpourRule
@@ -101,17 +98,17 @@ def test_rules_that_cannot_heal_yet_say_so():
 
     server = object.__new__(BoundDownpour)
     server.rule, server.center, server.clock, server.started = DownpourRule(), None, None, False
-    assert kept_state(server) == {}  # not started yet: nothing to keep, it starts over the survivors
+    assert server.heal_state() == {}  # not started yet: nothing to keep, it starts over the survivors
     server.started = True
     with pytest.raises(LookupError, match="downpour rule's center exists only while it trains"):
-        kept_state(server)
+        server.heal_state()
     # ZeRO heals from the buddy copies it keeps only while heal is set (test_zero_heals_*)
     from lightning_mpi.rules.zero import BoundZeroRule
 
     zero = object.__new__(BoundZeroRule)
     zero.sharded, zero.mirror, zero.skipped_steps = None, None, 0
     with pytest.raises(LookupError, match="only copy of each rank's optimizer shard on that rank unless heal"):
-        kept_state(zero)
+        zero.heal_state()
 
 
 @pytest.mark.timeout(10)
@@ -173,7 +170,7 @@ def test_a_parameter_server_binding_rebuilt_from_its_heal_state_goes_on(name, in
         opt.step()
         bound.after_step(opt)
     bound._exchanging = interrupted  # as if a loss had been noticed inside a commit
-    state = kept_state(bound)
+    state = bound.heal_state()
     center, _ = bound.windows()
     center.add(torch.full_like(bound.ref, 0.5))  # a commit that lands before every survivor stopped
     landed = bound.center.read(torch.empty_like(bound.ref))
@@ -222,15 +219,16 @@ def test_diloco_heal_state_carries_the_outer_state_and_restarts_an_exchange_in_f
         net = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
         params = list(net.parameters())
         bound = rule.bind(Transport(MPI.COMM_SELF), params)
-        bound.heal_snapshots = True
+        bound.healing = True
         opt = torch.optim.SGD(params, lr=0.1, momentum=0.5)
         bound.on_train_start()
         statuses = []
         for step in range(11):
             if step == cut:  # as a heal: the state read on this rank, a new binding
-                state = kept_state(bound)
+                state = bound.heal_state()
                 bound.close()
                 bound = rule.bind(Transport(MPI.COMM_SELF), params)
+                bound.healing = True
                 bound.load_state_dict(state)
                 bound.on_train_start()
             opt.zero_grad()
@@ -256,7 +254,7 @@ def test_diloco_heal_state_carries_the_outer_state_and_restarts_an_exchange_in_f
 def test_diloco_final_average_interrupted_midway_is_put_back_and_redone_or_taken():
     """On one rank (no MPI peers): Streaming DiLoCo's ``on_train_end`` (three fragments: one
     exchange in flight, two fragments' last steps) as a healing operation
-    (:func:`~lightning_mpi.strategies.healing_rules.heal_outer_end`). A loss at the third fragment's
+    (:meth:`~lightning_mpi.rules.diloco.BoundDiLoCo.healable_train_end`). A loss at the third fragment's
     start, once the in-flight exchange and the second fragment were averaged and pushed into the
     weights: the new binding, loaded as a heal loads it, gets the state and weights from before the
     average back and redoes it, ending bitwise where an uninterrupted end does; a survivor that
@@ -268,7 +266,6 @@ def test_diloco_final_average_interrupted_midway_is_put_back_and_redone_or_taken
 
     from lightning_mpi.comm.transport import Transport
     from lightning_mpi.rules.diloco import BoundDiLoCo, StreamingDiLoCoRule
-    from lightning_mpi.strategies.healing_rules import heal_outer_end
 
     rule = StreamingDiLoCoRule(period=6, fragments=3, overlap_steps=1, mix_alpha=0.5, wire="fp32")
 
@@ -279,7 +276,7 @@ def test_diloco_final_average_interrupted_midway_is_put_back_and_redone_or_taken
         torch.manual_seed(3)
         net = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
         runner = SimpleNamespace(bound=rule.bind(Transport(MPI.COMM_SELF), list(net.parameters())))
-        runner.bound.heal_snapshots = True
+        runner.bound.healing = True
         opt = torch.optim.SGD(net.parameters(), lr=0.1)
         runner.bound.on_train_start()
         for _ in range(8):  # fragment 0 starts after step 8: in flight at the end; 1 and 2 have steps since
@@ -291,32 +288,38 @@ def test_diloco_final_average_interrupted_midway_is_put_back_and_redone_or_taken
         assert [f.status for f in runner.bound.fragments] == ["running", "idle", "idle"]
         return net, runner
 
-    class Healing:  # RunHealing.operation with one loss: the new binding loaded from kept_state, then the redo
-        active, redone = True, 0
+    class Healing:  # the strategy's executor with one loss: the new binding loaded from heal_state, then the redo
+        redone = 0
 
         def __init__(self, runner, taken=None):
             self.runner, self.taken = runner, taken
 
-        def operation(self, where, run, keep, take, before_redo, counted):
-            assert where == "the final average"
+        @property
+        def bound(self):
+            return self.runner.bound
+
+        def __call__(self, op):
+            assert op.where == "the final average"
+            started = op.start(self.bound)
             if self.taken is not None:  # a survivor behind: takes the result of one that completed
-                return take(self.taken)
+                return op.take(self.bound, self.taken, started)
             try:
-                run()
+                op.run(self.bound)
             except Lost:
-                state = kept_state(self.runner.bound)
+                state = self.runner.bound.heal_state()
                 self.runner.bound.close()
                 self.runner.bound = rule.bind(Transport(MPI.COMM_SELF), self.runner.bound.params)
+                self.runner.bound.healing = True
                 self.runner.bound.load_state_dict(state)
-                before_redo()
+                op.put_back(self.bound, started)
                 self.put_back = [f.status for f in self.runner.bound.fragments], [p.clone() for p in net.parameters()]
                 self.redone += 1
-                run()
-            assert not counted()  # one rank: nothing went over the wire
-            self.kept = keep(None)
+                op.run(self.bound)
+            assert not op.collective(self.bound, started)  # one rank: nothing went over the wire
+            self.kept = op.result(self.bound, None)
 
     net, runner = trained()
-    heal_outer_end(Healing(runner), runner)
+    runner.bound.healable_train_end(Healing(runner))
     whole = [p.detach().clone() for p in net.parameters()]
 
     net, runner = trained()
@@ -332,7 +335,7 @@ def test_diloco_final_average_interrupted_midway_is_put_back_and_redone_or_taken
     before = [p.detach().clone() for p in net.parameters()]
     BoundDiLoCo._start = dies_at_the_second_start
     try:
-        heal_outer_end(healing, runner)
+        runner.bound.healable_train_end(healing)
     finally:
         BoundDiLoCo._start = starts
     assert healing.redone == 1
@@ -345,7 +348,7 @@ def test_diloco_final_average_interrupted_midway_is_put_back_and_redone_or_taken
     assert all(f.status == "idle" for f in runner.bound.fragments)
 
     net, runner = trained()  # behind: takes the weights and the outer state of one that completed
-    heal_outer_end(Healing(runner, taken=healing.kept), runner)
+    runner.bound.healable_train_end(Healing(runner, taken=healing.kept))
     assert all(torch.equal(a, b) for a, b in zip(whole, net.parameters(), strict=True))
     assert runner.bound.outer_steps == healing.runner.bound.outer_steps
 
@@ -389,7 +392,11 @@ def test_a_rule_that_cannot_heal_fails_the_run_naming_itself():
     from lightning_mpi.rules.base import BoundRule
     from lightning_mpi.strategies.healing import HealNotSupported, RunHealing
 
-    healing = RunHealing(None, None, None, None, lambda: object.__new__(BoundRule), print, print, "gosgd")
+    class CannotHeal(BoundRule):  # a rule that says it cannot heal (the contract's heal_state)
+        def heal_state(self):
+            raise LookupError("its state lives only on the lost rank")
+
+    healing = RunHealing(None, None, None, None, lambda: object.__new__(CannotHeal), print, print, "gosgd")
     assert healing.operation("x", lambda: 5) == 5 and healing.stats == {}  # heal=None: inert
     healing.mode = "shrink"  # as if this MPI could heal
 
@@ -902,37 +909,38 @@ def test_fabric_model_averaging_built_after_a_heal_heals_again_then_min_ranks_st
 def test_a_new_zero_rank_is_handed_no_shard_and_joins_the_rebuild():
     """rank 0 hands a new ZeRO rank no optimizer shard of its own (it keeps its own for the
     rebuild); the rebuild over survivors and new ranks leaves the new ones out of the shard set."""
-    from lightning_mpi.rules.zero import ZeroRule
-    from lightning_mpi.strategies.healing_state import split_for_new_ranks
+    from lightning_mpi.rules.zero import BoundZeroRule
 
     kept = {"skipped_steps": 2, "zero_heal": {"steps": 5, "whole": True, "own": {"rank": 0}, "mirror": None}}
-    mine, handed = split_for_new_ranks(ZeroRule(), kept, 1)
+    mine, handed = object.__new__(BoundZeroRule).hand_over(kept, 1)  # a method of the binding: no transport
     assert mine == kept
     assert handed == {"skipped_steps": 2, "zero_heal": {"joined": True}}
 
 
 @pytest.mark.timeout(10)
 def test_a_new_rank_takes_no_shard_of_the_center_and_a_share_of_gosgds_weight():
-    from lightning_mpi.rules.gossip import GoSGDRule
-    from lightning_mpi.rules.server import DownpourRule
-    from lightning_mpi.rules.sync import SyncRule
-    from lightning_mpi.strategies.healing_state import split_for_new_ranks
+    from lightning_mpi.rules.gossip import BoundGoSGD
+    from lightning_mpi.rules.server.rules import BoundDownpour
+    from lightning_mpi.rules.sync import BoundSync
+
+    def split(bound_class, state, n):  # rank 0's hand_over (a method of the binding: no transport)
+        return object.__new__(bound_class).hand_over(state, n)
 
     kept = {"old_rank": 0, "old_world": 2, "numel": 5, "shard": torch.ones(3), "clock": 7, "ref": torch.ones(6),
             "clock_at_pull": 6, "interrupted": False, "final_committed": False, "steps": 4, "commits": 1,
             "momentum": [torch.ones(2)], "skipped_commits": 1}
-    mine, handed = split_for_new_ranks(DownpourRule(), {"healed": kept}, 1)
+    mine, handed = split(BoundDownpour, {"healed": kept}, 1)
     assert mine == {"healed": kept}
     new = handed["healed"]
     assert new["joined"] and "shard" not in new and "ref" not in new and new["clock"] is None
     assert new["steps"] == 4 and new["commits"] == 0 and new["skipped_commits"] == 0
     assert torch.equal(new["momentum"][0], torch.zeros(2)) and new["old_world"] == 2
     gossip = {"healed": {"weight": 0.6, "pushes": 3, "rng": (3, (1, 2), None), "drained": False}}
-    mine, handed = split_for_new_ranks(GoSGDRule(), gossip, 2)
+    mine, handed = split(BoundGoSGD, gossip, 2)
     assert mine["healed"]["weight"] == pytest.approx(0.2) and mine["healed"]["rng"] == (3, (1, 2), None)
     assert handed == {"healed": {"weight": pytest.approx(0.2), "pushes": 0, "drained": False}}
     residuals = {"skipped_steps": 0, "local": {"residual": torch.ones(2)}}
-    mine, handed = split_for_new_ranks(SyncRule(), residuals, 1)
+    mine, handed = split(BoundSync, residuals, 1)
     assert mine is residuals and handed == {"skipped_steps": 0}  # rank 0's residuals stay its own
 
 
@@ -963,7 +971,7 @@ def test_a_diloco_replacement_takes_the_outer_state_and_starts_its_replica_from_
     torch.manual_seed(3)
     net = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
     bound = rule.bind(Transport(MPI.COMM_SELF), list(net.parameters()))
-    bound.heal_snapshots = True
+    bound.healing = True
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
     bound.on_train_start()
     in_flight = []
@@ -1535,12 +1543,12 @@ def test_mpi_auto_keeps_its_arm_and_its_state_through_a_heal():
     net = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
     params = list(net.parameters())
     bound = AutoRule().bind(Transport(MPI.COMM_SELF), params)
-    bound.heal_snapshots = True
+    bound.healing = True
     plan = default_plan(bound.sizes)
     bound._bind(plan)  # Streaming DiLoCo, the arm of the first steps on more than one rank
-    assert bound.inner.heal_snapshots  # an arm bound later keeps its exchanges' starts too
+    assert bound.inner.healing  # an arm bound later keeps its exchanges' starts too
     bound.steps, bound.decisions, bound.observed = 3, 0, {"sync": (0.1, 1e9)}
-    kept = kept_state(bound)
+    kept = bound.heal_state()
     assert kept["healed"] and not kept["deciding"] and kept["choice"] == plan.as_dict()
     assert "local" in kept and "local" not in kept["inner"]  # a replacement takes the rest
     healed = AutoRule().bind(Transport(MPI.COMM_SELF), params)
@@ -1548,7 +1556,7 @@ def test_mpi_auto_keeps_its_arm_and_its_state_through_a_heal():
     assert isinstance(healed.inner, BoundDiLoCo) and healed.choice == plan
     assert (healed.steps, healed.decisions, healed.next_decision, healed.observed) == (3, 0, PROBE_STEPS, {})
     bound.deciding = {**kept, "deciding": True, "steps": 2}
-    assert kept_state(bound)["steps"] == 2  # inside a decision: the state it started from
+    assert bound.heal_state()["steps"] == 2  # inside a decision: the state it started from
     bound.close()
     healed.close()
 
@@ -1568,7 +1576,6 @@ def test_an_mpi_auto_survivor_inside_a_decision_another_completed_takes_its_outc
     from lightning_mpi.comm.transport import Transport
     from lightning_mpi.rules.auto import AutoRule
     from lightning_mpi.rules.auto.choice import default_plan
-    from lightning_mpi.strategies import healing_auto
     from tests.scripts.auto_assumed import assumed
 
     with assumed("50,1000,0.1"):  # decisions from these numbers, not timed ones
@@ -1584,7 +1591,7 @@ def test_an_mpi_auto_survivor_inside_a_decision_another_completed_takes_its_outc
                 net(torch.randn(5, 3)).pow(2).mean().backward()
                 opt.step()
             bound = rule.bind(Transport(MPI.COMM_SELF), list(net.parameters()))
-            bound.heal_snapshots = True
+            bound.healing = True
             bound._bind(default_plan(bound.sizes))  # the first steps' arm on more than one rank
             bound.steps = bound.next_decision = 5
             return net, opt, SimpleNamespace(bound=bound)
@@ -1592,20 +1599,22 @@ def test_an_mpi_auto_survivor_inside_a_decision_another_completed_takes_its_outc
         net_a, opt_a, runner_a = survivor(1)
         kept: list = []
 
-        def completes(where, run, keep, take, before_redo=None, counted=None):
-            kept.append(keep(run()))
+        def completes(op):  # the strategy's executor, with no loss
+            op.start(runner_a.bound)
+            kept.append(op.result(runner_a.bound, op.run(runner_a.bound)))
 
-        healing_auto.auto_decision(SimpleNamespace(operation=completes), runner_a, opt_a)
+        completes(runner_a.bound.decision(opt_a))
         a = runner_a.bound
         assert a.choice.arm == "sync" and a.decisions == 1 and a.deciding is None
         net_b, opt_b, runner_b = survivor(2)
         theirs = (a.decisions, a.steps, False, a.choice.as_dict())
 
-        def interrupted(where, run, keep, take, before_redo=None, counted=None):
+        def interrupted(op):  # the strategy's executor: a loss inside, this survivor takes A's result
+            started = op.start(runner_b.bound)
             runner_b.bound.decide = lambda optimizer: (_ for _ in ()).throw(RuntimeError("a rank died"))
             with pytest.raises(RuntimeError):
-                run()
-            state = kept_state(runner_b.bound)
+                op.run(runner_b.bound)
+            state = runner_b.bound.heal_state()
             assert state["deciding"] and state["choice"]["arm"] == "streaming" and state["decisions"] == 0
             transport = Transport(MPI.COMM_SELF)
             transport.allgather_object = lambda mine: [mine, theirs]  # the healed run's two survivors
@@ -1614,9 +1623,9 @@ def test_an_mpi_auto_survivor_inside_a_decision_another_completed_takes_its_outc
             healed.load_state_dict(state)  # binds A's arm: binding is collective, every survivor binds the same
             assert healed.choice == a.choice and healed.next_decision == 6
             runner_b.bound = healed
-            take(kept[0])
+            op.take(healed, kept[0], started)
 
-        healing_auto.auto_decision(SimpleNamespace(operation=interrupted), runner_b, opt_b)
+        interrupted(runner_b.bound.decision(opt_b))
         b = runner_b.bound
         assert (b.choice, b.decisions, b.switches, b.observed, b.next_decision) == (a.choice, 1, 1, {}, 6)
         assert all(torch.equal(p, q) for p, q in zip(net_a.parameters(), net_b.parameters(), strict=True))

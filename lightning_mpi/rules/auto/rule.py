@@ -40,12 +40,18 @@ holds the bound rule of the arm in use and delegates every hook to it. A switch 
   first exchange (the first decision, at step 5): that is set in place
   (:meth:`~lightning_mpi.rules.diloco.rule.BoundDiLoCo.reschedule`), as if the arm had been bound with it.
 
+The hooks are one piece of code with and without ``heal``: each runs the arm's own hook as that
+arm's operations (:class:`~lightning_mpi.rules.base.RunPart`), with a decision between them as one
+more operation (:meth:`BoundAuto.decision`), through whatever runs them
+(:class:`~lightning_mpi.rules.base.RunDirectly` without ``heal``; the strategy's executor with it).
+
 Healing (``heal="shrink"``, and the survivors of ``heal="replace"``): a survivor keeps its decisions'
-state and the arm's own (through the arm's heal support, :mod:`lightning_mpi.strategies.healing_rules`);
-the arm's exchanges heal and are redone as that arm's do, and a decision is one healing operation
-(the probe, the dry runs, the agreement of their numbers and the switch), redone over the survivors
-from the state, weights and optimizer state it started from, or taken from a survivor that
-completed it. On the healed run the survivors agree on the arm to bind and re-decide, with fresh
+state and the arm's own as that arm keeps it (:meth:`BoundAuto.heal_state`); the arm's exchanges
+heal and are redone as that arm's do, and a decision is one healing operation (the probe, the dry
+runs, the agreement of their numbers and the switch), redone over the survivors from the state,
+weights and optimizer state it started from, or taken from a survivor that completed it.
+
+On the healed run the survivors agree on the arm to bind and re-decide, with fresh
 measurements (link probe, dry runs, step time) over the new world size, at the step after the
 furthest survivor's, or at the step of a decision that the loss interrupted
 (:mod:`.heal`): every survivor ends each heal with the same arm and the same schedule.
@@ -60,7 +66,7 @@ rank alone, :meth:`BoundAuto.counters`):
       {"choice", "steps", "next_decision", "decisions", "switches", "measured", "observed",
        "inner": the arm's state_dict()}
 
-- what a survivor keeps through a heal (:func:`~lightning_mpi.strategies.healing_auto.auto_kept_state`)::
+- what a survivor keeps through a heal (:meth:`BoundAuto.heal_state`)::
 
       {<the counters>, "healed": True, "deciding": inside a decision?,
        "inner": the arm's kept state, "local": this rank's own part of it (where the arm has one)}
@@ -81,12 +87,13 @@ from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
+import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_mpi.comm.transport import Transport
 from lightning_mpi.options import integer, number, option, options_class
-from lightning_mpi.rules.auto.arms import LOCAL_STEP_ARMS, average_optimizer_state, bind_arm
+from lightning_mpi.rules.auto.arms import LOCAL_STEP_ARMS, average_optimizer_state, bind_arm, optimizer_float_state
 from lightning_mpi.rules.auto.choice import (
     Choice,
     Sizes,
@@ -96,7 +103,8 @@ from lightning_mpi.rules.auto.choice import (
 )
 from lightning_mpi.rules.auto.heal import plan_after_heal
 from lightning_mpi.rules.auto.measure import DecisionProbe, measure_interval
-from lightning_mpi.rules.base import BoundRule, Rule
+from lightning_mpi.rules.base import BoundRule, Execute, Operation, Rule, RunDirectly, RunPart
+from lightning_mpi.rules.diloco.rule import BoundDiLoCo
 from lightning_mpi.rules.link.probe import Measurement, StepClock
 
 #: Steps before the first decision; the first is not timed (caches, allocators warm up).
@@ -146,7 +154,6 @@ class BoundAuto(BoundRule):
 
     def __init__(self, rule: AutoRule, transport: Transport, params: Sequence[Tensor]) -> None:
         super().__init__(transport, params)
-        self._heal_snapshots = False  # before ``inner``: __getattr__ would read the arm's
         #: under ``heal``: the state a decision in progress started from (what a heal keeps then)
         self.deciding: dict[str, Any] | None = None
         self.rule = rule
@@ -181,42 +188,56 @@ class BoundAuto(BoundRule):
     def sync_enabled(self, value: bool) -> None:
         self.inner.sync_enabled = value
 
-    def __getattr__(self, name: str) -> Any:
-        """Anything else (``skipped_steps``, ...) is the arm's in use."""
-        inner = self.__dict__.get("inner")
-        if inner is None:
-            raise AttributeError(name)
-        return getattr(inner, name)
+    @property  # the strategy sets it after binding: every arm bound from then on heals as it does
+    def healing(self) -> bool:
+        return self.inner.healing
 
-    @property  # a healing strategy sets it: every arm bound from then on keeps its exchanges' starts
-    def heal_snapshots(self) -> bool:
-        return self._heal_snapshots
+    @healing.setter
+    def healing(self, value: bool) -> None:
+        self.inner.healing = value
 
-    @heal_snapshots.setter
-    def heal_snapshots(self, value: bool) -> None:
-        self._heal_snapshots = value
-        if hasattr(self.inner, "heal_snapshots"):
-            self.inner.heal_snapshots = value
+    @property
+    def exchange_in_flight(self) -> bool:
+        return self.inner.exchange_in_flight
 
     def on_train_start(self) -> None:
         self.inner.on_train_start()
 
+    # -- the hooks: the arm's, with the decisions between them (module docstring) ---------------------
     def before_step(self, optimizer: Optimizer) -> bool:
-        self.begin_exchange()
-        accepted = self.inner.before_step(optimizer)
-        if self.end_exchange(accepted):
-            self.decide(optimizer)
-        return accepted
+        return self.healable_before_step(optimizer, RunDirectly(self))
 
     def after_step(self, optimizer: Optimizer) -> None:
-        start = time.perf_counter()
-        self.inner.after_step(optimizer)
-        if self.end_step(time.perf_counter() - start):
-            self.decide(optimizer)
-        self.clock.resume()
+        self.healable_after_step(optimizer, RunDirectly(self))
 
-    # The hooks in parts, so that a healing strategy runs the arm's exchange and the decision each
-    # as its own healing operation (lightning_mpi.strategies.healing_auto), between these.
+    def on_train_end(self) -> None:
+        self.healable_train_end(RunDirectly(self))
+
+    def healable_before_step(self, optimizer: Optimizer, execute: Execute) -> bool:
+        """The arm's exchange (its own operations); then, where a local-step arm rejected this rank's
+        step and a decision is due, the decision. After each operation the binding is read again
+        from ``execute``: a heal binds ``mpi_auto`` anew."""
+        _auto(execute).begin_exchange()
+        arm = RunPart(execute, _arm)
+        accepted = arm.bound.healable_before_step(optimizer, arm)
+        if _auto(execute).end_exchange(accepted):
+            execute(self.decision(optimizer))
+        return accepted
+
+    def healable_after_step(self, optimizer: Optimizer, execute: Execute) -> None:
+        """The arm's ``after_step`` (its own operations), then the decision where one is due."""
+        start = time.perf_counter()
+        arm = RunPart(execute, _arm)
+        arm.bound.healable_after_step(optimizer, arm)
+        if _auto(execute).end_step(time.perf_counter() - start):
+            execute(self.decision(optimizer))
+        _auto(execute).clock.resume()
+
+    def healable_train_end(self, execute: Execute) -> None:
+        """The arm's ``on_train_end`` (its own operations: Streaming DiLoCo's final average)."""
+        arm = RunPart(execute, _arm)
+        arm.bound.healable_train_end(arm)
+
     def begin_exchange(self) -> None:
         """Before the arm's ``before_step``: the step's compute ends here."""
         self.clock.pause()
@@ -247,9 +268,6 @@ class BoundAuto(BoundRule):
         self.steps += 1
         return self._decision_due()
 
-    def on_train_end(self) -> None:
-        self.inner.on_train_end()
-
     def close(self) -> None:
         self.inner.close()
 
@@ -263,9 +281,8 @@ class BoundAuto(BoundRule):
         probe = DecisionProbe(self.transport, self.params, self.sizes, self.rule.tolerance)
         return probe.measure(self.clock.seconds() or 1e-3, self.choice.arm, self.held, self.observed)
 
-    def decide(self, optimizer: Optimizer) -> bool:
-        """Measure, agree, choose, and switch where the choice changed (collective); returns whether
-        it involved the other ranks: always, since the measurement is agreed over them."""
+    def decide(self, optimizer: Optimizer) -> None:
+        """Measure, agree, choose, and switch where the choice changed (collective)."""
         self.measured, observed = self._measure()
         bandwidth = self.measured.link.bandwidth
         self._observed_share = 0.0 if observed is None else observed / self.measured.step_seconds
@@ -292,7 +309,6 @@ class BoundAuto(BoundRule):
             self._announce(choice)
         self._announce_next = False
         self.next_decision = self.steps + every if every > 0 else -1
-        return True
 
     def _switch(self, choice: Choice, optimizer: Optimizer) -> None:
         """Hand over to ``choice``'s rule at this step (every rank is here; see the module docstring)."""
@@ -304,9 +320,8 @@ class BoundAuto(BoundRule):
                     average_optimizer_state(self.transport, self.params, optimizer)
             self._bind(choice)
             self.inner.on_train_start()
-            replicas = getattr(self.inner, "replicas", None)
-            if replicas is not None:
-                replicas.remember(optimizer)
+            if isinstance(self.inner, BoundDiLoCo):
+                self.inner.replicas.remember(optimizer)
         self.choice = choice
         self.switches += 1
         self.held.clear()
@@ -321,18 +336,17 @@ class BoundAuto(BoundRule):
             choice.wire,
             choice.fragments,
         )
-        reschedule = getattr(self.inner, "reschedule", None)
-        return same and reschedule is not None and bool(reschedule(choice.period, choice.overlap_steps))
+        return (
+            same and isinstance(self.inner, BoundDiLoCo) and self.inner.reschedule(choice.period, choice.overlap_steps)
+        )
 
     def _bind(self, choice: Choice) -> None:
         """Close the arm in use and bind ``choice``'s (collective: an arm's binding duplicates the
         communicator)."""
-        enabled = self.inner.sync_enabled
+        enabled, healing = self.inner.sync_enabled, self.inner.healing
         self.inner.close()
         self.inner = bind_arm(choice, self.transport, self.params)
-        self.inner.sync_enabled = enabled
-        if self._heal_snapshots and hasattr(self.inner, "heal_snapshots"):
-            self.inner.heal_snapshots = True
+        self.inner.sync_enabled, self.inner.healing = enabled, healing
         self.choice = choice
 
     def _announce(self, choice: Choice) -> None:
@@ -404,6 +418,85 @@ class BoundAuto(BoundRule):
         self.load_counters(counters)
         self.next_decision, self.observed = next_decision, {}
 
+    def heal_state(self) -> dict[str, Any]:
+        """What a survivor keeps (module docstring): its decisions' counters, and its arm's kept
+        state (``"inner"``; this rank's own part of it under ``"local"``, which a rank let in does not
+        take); inside a decision, the state that decision started from. Loaded, it makes the
+        survivors agree (:meth:`_load_healed`)."""
+        if self.deciding is not None:
+            return self.deciding
+        inner = dict(self.inner.heal_state())
+        local = inner.pop("local", None)
+        state = {**self.counters(), "healed": True, "deciding": False, "inner": inner}
+        if local is not None:
+            state["local"] = local
+        return state
+
+    def decision(self, optimizer: Optimizer) -> Operation[None]:
+        """A decision (probe, dry runs, the agreement of their numbers, the switch) as one operation.
+        Under ``heal``, before it: its state, the weights and the optimizer's float state are kept (a
+        heal inside it keeps that state, so the survivors bind the arm it started from). Redone over
+        the survivors from them (not when one rank is left: nothing to decide there, it keeps the arm
+        it started from until ranks join again); a survivor inside it when another completed it
+        takes the other's outcome: the decisions' state and, where it switched, the new arm's state,
+        the weights and the optimizer state the switch left (replicated: a switch averages them)."""
+        collective = [True]
+        attempts = [0]
+        started_from: dict[str, Any] = {}
+
+        def start(auto: BoundAuto) -> tuple[dict[str, Any], list[Tensor], dict[tuple[int, str], Tensor]]:
+            snapshot = {**auto.heal_state(), "deciding": True}
+            started_from["choice"] = snapshot["choice"]
+            weights = [p.detach().clone() for p in auto.params]
+            moments = {key: t.detach().clone() for key, t in optimizer_float_state(auto.params, optimizer).items()}
+            auto.deciding = snapshot  # what a heal keeps while it runs
+            return snapshot, weights, moments
+
+        def run(auto: BoundAuto) -> None:
+            attempts[0] += 1
+            if attempts[0] > 1 and auto.transport.size == 1:
+                collective[0] = False  # redone on the one rank left: nothing to measure or exchange
+                auto.deciding = None
+                return
+            auto.decide(optimizer)
+            auto.deciding = None
+
+        def put_back(auto: BoundAuto, started: Any) -> None:
+            snapshot, weights, moments = started
+            _write_back(auto.params, optimizer, weights, moments)
+            auto.deciding = snapshot
+
+        def result(auto: BoundAuto, _: None) -> tuple[dict[str, Any], Any, Any, Any]:
+            if auto.choice == Choice.from_dict(started_from["choice"]):
+                return auto.counters(), None, None, None
+            state = optimizer_float_state(auto.params, optimizer)
+            return (
+                auto.counters(),
+                auto.inner.heal_state(),
+                [p.detach().cpu().clone() for p in auto.params],
+                {key: t.detach().cpu().clone() for key, t in state.items()},
+            )
+
+        def take(auto: BoundAuto, sent: tuple[dict[str, Any], Any, Any, Any], _: Any) -> None:
+            counters, inner, values, state = sent
+            auto.take_decision(counters)
+            if inner is None:
+                return
+            auto.inner.load_state_dict(inner)  # the arm the heal bound is the other's (.heal)
+            _write_back(auto.params, optimizer, values, state)
+            if isinstance(auto.inner, BoundDiLoCo):
+                auto.inner.replicas.remember(optimizer)
+
+        return Operation(
+            "the mpi_auto decision",
+            run,
+            start=start,
+            put_back=put_back,
+            result=result,
+            take=take,
+            collective=lambda _auto, _started: collective[0],
+        )
+
     def stats(self) -> dict[str, float]:
         mine = decision_stats(self.choice, self.switches, self.decisions, self._observed_share, self.measured)
         inner = {k: v for k, v in self.inner.stats().items() if k not in mine}
@@ -411,6 +504,36 @@ class BoundAuto(BoundRule):
 
 
 # -- what the rule says about its decisions (pure: the caller prints and logs) ----------------------
+def _auto(execute: Execute) -> BoundAuto:
+    """``mpi_auto`` as bound now (a heal binds it anew)."""
+    auto = execute.bound
+    assert isinstance(auto, BoundAuto)
+    return auto
+
+
+def _arm(auto: BoundAuto) -> BoundRule:
+    """The arm ``auto`` trains with."""
+    return auto.inner
+
+
+def _write_back(
+    params: Sequence[Tensor],
+    optimizer: Optimizer,
+    weights: Sequence[Tensor],
+    float_state: dict[tuple[int, str], Tensor],
+) -> None:
+    """Copy ``weights`` into ``params`` and ``float_state`` (keyed as
+    :func:`~lightning_mpi.rules.auto.arms.optimizer_float_state` keys it) into the optimizer's
+    state, where it holds that entry."""
+    mine = optimizer_float_state(params, optimizer)
+    with torch.no_grad():
+        for p, value in zip(params, weights, strict=True):
+            p.copy_(value)
+        for key, value in float_state.items():
+            if key in mine:
+                mine[key].copy_(value)
+
+
 def announcement(steps: int, choice: Choice, reason: str, measured: Measurement | None) -> str:
     """The line announcing ``choice`` after ``steps`` steps, why, and what it was measured on."""
     link = measured.link if measured is not None else None

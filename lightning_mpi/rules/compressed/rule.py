@@ -43,6 +43,13 @@ being those measured best on digits (``benchmarks/topk_accuracy.py``, docs/conve
   per bucket, as DGC selects per layer.
 
 At world size 1 nothing crosses a wire, so nothing is compressed.
+
+Healing: a survivor keeps (:meth:`BoundCompressedSync.heal_state`) the counters and the momentum
+hand-off, which every rank holds alike, and, as its own part, its residuals and DGC momenta as the
+last completed exchange left them (owned-chunk residuals are dropped: the chunks are cut anew for
+the new world size). ``before_step`` is redone as the synchronous rules redo it; a survivor that
+takes the exchange's result from another takes its feedback as that exchange left it where its own
+part had been encoded (:meth:`~BoundCompressedSync.took_exchange`).
 """
 
 from __future__ import annotations
@@ -190,9 +197,8 @@ class BoundCompressedSync(BoundSync):
         self.dense_bytes = 0
         self._momentum_known = False
         self.handoff = MomentumHandoff(self.buckets)  # used with momentum correction only
-        #: set by a healing strategy (``heal="shrink"``): keep this rank's feedback buffers as each
-        #: exchange left them, for :meth:`heal_state` while the next one is in flight
-        self.heal_snapshots = False
+        # with ``healing`` set (the strategy heals): this rank's feedback buffers as each exchange left
+        # them, for :meth:`heal_state` while the next one is in flight
         self._settled: dict[str, Any] | None = None  # None: as bound (zeros)
         self._interrupted: dict[str, Any] | None = None  # see took_exchange
 
@@ -228,7 +234,7 @@ class BoundCompressedSync(BoundSync):
             self.exchanger.step += 1
         self.exchanger.in_flight, self.exchanger.started = False, 0
         self._interrupted = None
-        if self.heal_snapshots and self.transport.size > 1:
+        if self.healing and self.transport.size > 1:
             self._settled = self._local_state()
         return finite
 

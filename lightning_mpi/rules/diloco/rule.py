@@ -53,13 +53,23 @@ Healing the outer loop (``heal="shrink"``). When a rank dies, an outer exchange 
 (Streaming DiLoCo's ``overlap_steps``, or a blocking one cut short). It cannot be completed: it was
 started on a communicator with the dead rank. And it cannot simply be read back from the fragment,
 since an exchange changes Δ and the feedback residual in place (ASA encodes with error feedback,
-then averages into Δ). So, while the healing strategy has set the rule's ``heal_snapshots``,
+then averages into Δ). So, while the strategy heals (the rule's ``healing`` is set),
 :class:`ExchangeSnapshots` copies both at every start; :func:`heal_fragments` saves that copy as
 the fragment's ``"sent"``; :func:`load_healed` puts it back with status ``restart``, and the rule
 starts it again over the survivors at its next hook. A rank that joins a healed run
 (``heal="replace"``, :func:`join`) has no replica of its own: its weights start from θ_global and
 its residuals at zero. It cannot join an exchange started without it, so the survivors let it in
-only at a step with none in flight.
+only at a step with none in flight (:attr:`BoundDiLoCo.exchange_in_flight`).
+
+What a survivor keeps (:meth:`BoundDiLoCo.heal_state`): the outer state (replicated: θ_global, the
+outer momentum, the counters, the schedule, an arrived mean Δ), its own residuals, and an exchange
+in flight as the Δ it started from. The hooks redo what a loss interrupted
+(:meth:`~BoundDiLoCo.healable_after_step`, :meth:`~BoundDiLoCo.healable_train_end`): ``after_step``
+from the state before it (the weights change only once an exchange completed); the final average
+over the survivors from the state and weights before it, so that the survivors end bitwise identical
+on the mean of *their* replicas (the lost rank's replica is left out of the mean). A survivor that
+missed a completion takes the weights and the outer state of one that completed it (its own
+residuals as before it).
 """
 
 from __future__ import annotations
@@ -78,7 +88,7 @@ from lightning_mpi.comm.engine import ExchangeScheduler
 from lightning_mpi.comm.progress import ProgressThread
 from lightning_mpi.comm.transport import Transport
 from lightning_mpi.options import integer, number, option, options_class
-from lightning_mpi.rules.base import BoundLocalStepRule, Rule
+from lightning_mpi.rules.base import BoundLocalStepRule, Execute, Rule, redone_from_state
 from lightning_mpi.rules.diloco.fragments import OuterFragment
 from lightning_mpi.rules.diloco.outer import (
     averages_at,
@@ -204,9 +214,8 @@ class BoundDiLoCo(BoundLocalStepRule):
         self.steps = 0
         self.outer_steps = 0
         self.peak_exchange_bytes = 0
-        #: set by a healing strategy (``heal="shrink"``): each exchange keeps the Δ and residual it
+        #: with ``healing`` set (the strategy heals): each exchange keeps the Δ and residual it
         #: started from, so that one in flight when a rank dies can be started again (heal_state)
-        self.heal_snapshots = False
         self.snapshots = ExchangeSnapshots()
         #: a blocking exchange that costs more than the steps between two: warns once, rank 0
         self.slow_warning = SlowExchangeWarning(f"mpi_{rule.name}", transport.rank, rule.wire)
@@ -298,7 +307,7 @@ class BoundDiLoCo(BoundLocalStepRule):
         fragment = self.fragments[index]
         torch.sub(fragment.theta_global, fragment.local.pull(), out=fragment.delta)
         fragment.status, fragment.started, fragment.due = "running", self.steps, self.steps + self.overlap_steps
-        if self.heal_snapshots:  # what the exchange starts from (it changes Δ and the residual in place)
+        if self.healing:  # what the exchange starts from (it changes Δ and the residual in place)
             self.snapshots.keep(index, fragment)
         self.progress.start(fragment.mean_steps(self.team))
         if self.driver is not None:
@@ -359,6 +368,32 @@ class BoundDiLoCo(BoundLocalStepRule):
                 self._start(index)
                 self._finish(index, 0.0, average=True)
             fragment.local.push(fragment.theta_global)
+
+    # -- healing (module docstring) -------------------------------------------------------------------
+    def healable_after_step(self, optimizer: Optimizer, execute: Execute) -> None:
+        execute(
+            redone_from_state(
+                "the outer exchange",
+                lambda bound: bound.after_step(optimizer),
+                moving=lambda bound: list(bound.params),
+                exchanged=lambda bound, before: bound.outer_steps != before["outer_steps"],
+                restore=False,  # the weights change only once an exchange completed
+            )
+        )
+
+    def healable_train_end(self, execute: Execute) -> None:
+        execute(
+            redone_from_state(
+                "the final average",
+                lambda bound: bound.on_train_end(),
+                moving=lambda bound: list(bound.params),
+                # every rank runs the same schedule: each averaged fragment is one outer step, and at
+                # W = 1 nothing went over the wire
+                exchanged=lambda bound, before: bound.transport.size > 1 and bound.outer_steps != before["outer_steps"],
+                # an interrupted average may have averaged and pushed some fragments into the weights
+                restore=True,
+            )
+        )
 
     def close(self) -> None:
         if self.driver is not None:
@@ -502,10 +537,10 @@ class ExchangeSnapshots:
         """What fragment ``index``'s exchange in flight started from.
 
         Raises:
-            LookupError: none was kept (the exchange started with snapshots off).
+            LookupError: none was kept (the exchange started while the rule was not healing).
         """
         if index not in self._started_from:
-            raise LookupError(f"{rule_name}: an exchange was in flight and its start was not kept (heal_snapshots off)")
+            raise LookupError(f"{rule_name}: an exchange was in flight and its start was not kept (healing off)")
         return self._started_from[index]
 
 

@@ -32,6 +32,11 @@ Defaults, cited: rank 1, ``min_compression_rate`` 2, warm start and error feedba
 ``PowerSGDState``). ``start_step`` 0 as in the paper (torch defaults to 1000 plain steps, partly
 for a reason of its own, DDP's bucket rebuild; its docs suggest ~10% of training when accuracy
 suffers).
+
+Healing: a survivor keeps (:meth:`BoundPowerSGD.heal_state`) the step counts and the warm Q's, which
+every rank holds alike (the averaged Q of the last exchange), and its own residuals, all as before
+the exchange in flight; ``before_step`` is redone as the synchronous rules redo it, or its result
+taken with the replicated state from a survivor that completed it.
 """
 
 from __future__ import annotations
@@ -52,7 +57,7 @@ from lightning_mpi.comm.progress import ProgressThread
 from lightning_mpi.comm.transport import Transport
 from lightning_mpi.comm.ulfm import ProcessFailed
 from lightning_mpi.options import integer, number, option, options_class
-from lightning_mpi.rules.base import BoundRule
+from lightning_mpi.rules.base import BoundRule, Execute, gradient_exchange
 from lightning_mpi.rules.buckets import Buckets
 from lightning_mpi.rules.exposed_warning import ExposedExchangeWarning
 from lightning_mpi.rules.powersgd.bucket import PowerSGDBucket
@@ -138,9 +143,8 @@ class BoundPowerSGD(BoundRule):
         self.exposed_warning = ExposedExchangeWarning(
             f"the every-step PowerSGD exchange (rank {rule.rank})", transport.rank, transport.size
         )
-        #: set by a healing strategy (``heal="shrink"``): keep this rank's state as it was before each
-        #: exchange (:meth:`heal_state`), since committing buckets one by one changes it part-way
-        self.heal_snapshots = False
+        # with ``healing`` set (the strategy heals): this rank's state as it was before each exchange
+        # (:meth:`heal_state`), since committing buckets one by one changes it part-way
         self._before: dict[str, Any] | None = None
         if transport.size == 1:
             return  # nothing crosses a wire, so nothing is compressed
@@ -232,7 +236,7 @@ class BoundPowerSGD(BoundRule):
             raise failure
         begin = time.perf_counter()
         self.exposed_warning.wait_begins()
-        if self.heal_snapshots:
+        if self.healing:
             # residuals and warm Q's change only in the commits below (the launches in backward
             # leave them alone), so this is the state from which an interrupted exchange is redone
             self._before = self._local_state()
@@ -278,6 +282,11 @@ class BoundPowerSGD(BoundRule):
         self._snapshot_stats(wanted, compressing, time.perf_counter() - begin)
         self.exposed_warning.wait_ends()
         return ok
+
+    def healable_before_step(self, optimizer: Optimizer, execute: Execute) -> bool:
+        """Healing: the exchange redone with this rank's own gradients put back, or taken with the
+        replicated state (:meth:`replicated_state`) from a survivor that completed it."""
+        return execute(gradient_exchange(optimizer))
 
     def after_step(self, optimizer: Optimizer) -> None:
         self.exposed_warning.step_ends()

@@ -34,7 +34,15 @@ commit in flight.
 
 Healing (``heal="shrink"``): the survivors rebuild the center from their own shards and, for a
 lost shard, the freshest copy a survivor pulled, cut it anew over themselves and train on;
-:mod:`lightning_mpi.rules.server.heal` says what is rebuilt from what and what is lost.
+:mod:`lightning_mpi.rules.server.heal` says what is rebuilt from what and what is lost. A survivor
+keeps (:meth:`BoundServerRule.heal_state`) its shard of the center (read again once every survivor
+agreed to heal), the center it last pulled and the clock then, the clock on old rank 0, its
+counters and momentum. Workers keep their weights; one whose commit was interrupted restarts from
+the center. Nothing is redone while training (a commit is one-sided:
+:meth:`~BoundServerRule.healable_after_step`); the final commit, the barrier after it and the read
+of the center are redone over the survivors on the rebuilt center, a completed last commit not made
+twice (:meth:`~BoundServerRule.healable_train_end`). A rank let in (``heal="replace"``) holds no
+shard yet: the survivors' shards are re-cut over the grown run (:meth:`~BoundServerRule.hand_over`).
 
 Checkpoints: :meth:`BoundServerRule.state_dict` is collective (the strategy calls it on every
 rank when Lightning saves): the whole center (read one-sidedly, unpadded), the server clock, and
@@ -61,10 +69,10 @@ from lightning_mpi.comm.progress import ProgressThread
 from lightning_mpi.comm.transport import Transport
 from lightning_mpi.comm.window import Counters, DecisionBoard, ShardedVector
 from lightning_mpi.options import integer, number, option, options_class
-from lightning_mpi.rules.base import BoundLocalStepRule, Rule, all_finite
+from lightning_mpi.rules.base import BoundLocalStepRule, Execute, Operation, Rule, all_finite, one_sided
 from lightning_mpi.rules.easgd import FlatParams
 from lightning_mpi.rules.server.commits import staleness
-from lightning_mpi.rules.server.heal import gather_and_rebuild, padded
+from lightning_mpi.rules.server.heal import gather_and_rebuild, joined_state, padded
 
 
 @options_class
@@ -260,6 +268,31 @@ class BoundServerRule(BoundLocalStepRule):
         self._final_committed = True
         self.flat.push(center.to(self.ref.dtype))
         self.ref.copy_(center)
+
+    # -- healing (module docstring) -------------------------------------------------------------------
+    def healable_after_step(self, optimizer: Any, execute: Execute) -> None:
+        # a commit is one-sided: a loss a window notices heals here; an interrupted commit is settled
+        # by the rebuild of the center, nothing is redone
+        execute(one_sided("the commit", lambda bound: bound.after_step(optimizer)))
+
+    def healable_train_end(self, execute: Execute) -> None:
+        execute(
+            Operation(
+                "the final commit",
+                lambda bound: bound.on_train_end(),
+                result=lambda bound, _: bound.flat.pull_host().clone(),
+                take=lambda bound, center, _: bound.take_center(center),
+                collective=lambda bound, _: bound.transport.size > 1,
+            )
+        )
+
+    def hand_over(self, kept: dict[str, Any], joining: int) -> tuple[dict[str, Any], dict[str, Any]]:
+        """A rank let in joins as a rank with no shard of the center yet: the survivors' shards are
+        re-cut over the grown run (:func:`~lightning_mpi.rules.server.heal.joined_state`)."""
+        kept, handed = super().hand_over(kept, joining)
+        if isinstance(handed.get("healed"), dict):
+            handed["healed"] = joined_state(handed["healed"])
+        return kept, handed
 
     @property
     def restart_after_heal(self) -> bool:

@@ -1,5 +1,5 @@
 """A buddy copy of one other rank's ZeRO shard, so that a heal (``heal="shrink"``) loses no
-optimizer state (:mod:`lightning_mpi.rules.zero.rule`, :mod:`lightning_mpi.strategies.healing_rules`).
+optimizer state (:mod:`lightning_mpi.rules.zero.rule`).
 
 While ``heal`` is set, rank ``r`` of ``W`` also keeps a **mirror** of the shard of its buddy
 ``(r + 1) % W``: the buddy's pieces of the weights (fp32 master values where a bucket keeps them)

@@ -24,10 +24,22 @@ sends the change of the weights the same way, with fp32 master weights on the ow
 offered: their residual is a full-size per-rank copy of the gradient, the very memory stage 2
 frees, and without it they are biased.
 
-Under the strategy's ``heal`` (``shard_optimizer(optimizer, mirror=True)``) each rank also keeps an
-exact copy of one other rank's shard, so that a heal loses no optimizer state
+A strategy reaches these through the rule contract's :class:`~lightning_mpi.rules.base.OptimizerShards`
+(:attr:`BoundZeroRule.optimizer_shards`): :meth:`BoundZeroRule.take_optimizer` shards the user's
+optimizer, after a heal rebuilding it from the survivors' shards.
+
+Healing. Under the strategy's ``heal`` (``shard_optimizer(optimizer, mirror=True)``, which
+:meth:`~BoundZeroRule.take_optimizer` passes when ``healing`` is set) each rank also keeps an exact
+copy of one other rank's shard, its buddy's ((r + 1) % W), so that a heal loses no optimizer state
 (:mod:`lightning_mpi.rules.zero.mirror`); the reduce-scatter then starts in ``before_step`` rather
-than during backward.
+than during backward. A survivor keeps (:meth:`~BoundZeroRule.heal_state`) its counters, its own
+shard and its buddy's mirror, each with its weights, and the optimizer steps taken. The new
+binding puts the weights back whole and rebuilds the whole optimizer state from them, resharded
+(:meth:`~BoundZeroRule.take_optimizer`); a lost shard whose mirror was lost too, or survivors at
+different optimizer steps: ``RankFailedError``. ``before_step`` is redone as the synchronous rules
+redo it (this rank's gradients put back); ``after_step`` (the Allgather) and a lossy wire's final
+exact one (``on_train_end``) are redone on the rebuilt weights. A rank let in (``heal="replace"``)
+takes no shard of its own: the survivors' shards, the whole state, are resharded over the grown run.
 
 The global gradient norm (:class:`ShardGradNorm`). After the reduce-scatter each rank holds the
 averaged gradients of its own chunks only (each :class:`~lightning_mpi.rules.zero.bucket.ShardBucket`'s
@@ -66,11 +78,11 @@ from torch.optim import Optimizer
 from lightning_mpi.comm.codecs import get_codec
 from lightning_mpi.comm.transport import Transport
 from lightning_mpi.options import integer, option, options_class, with_default
-from lightning_mpi.rules.base import BoundRule, Rule
+from lightning_mpi.rules.base import BoundRule, Execute, Operation, OptimizerShards, Rule, gradient_exchange
 from lightning_mpi.rules.buckets import SegmentedBuckets
 from lightning_mpi.rules.zero.bucket import ShardBucket
 from lightning_mpi.rules.zero.layout import ParamSpec, plan_buckets
-from lightning_mpi.rules.zero.mirror import MirrorShard
+from lightning_mpi.rules.zero.mirror import MirrorShard, rebuild_shards, write_weights
 from lightning_mpi.rules.zero.optimizer import ShardedOptimizer, check_elementwise
 from lightning_mpi.rules.zero.schedule import BucketSchedule
 
@@ -208,6 +220,53 @@ class BoundZeroRule(BoundRule):
             self._step_hook = optimizer.register_step_post_hook(self._owner_stepped)
         return optimizer
 
+    @property
+    def optimizer_shards(self) -> OptimizerShards:
+        return self
+
+    @property
+    def optimizer(self) -> Optimizer | None:
+        """The optimizer this rule shards (once :meth:`take_optimizer` or :meth:`shard_optimizer` ran)."""
+        return None if self.sharded is None else self.sharded.optimizer
+
+    def take_optimizer(self, optimizer: Optimizer, previous: BoundRule | None) -> bool:
+        """The strategy's one call (:class:`~lightning_mpi.rules.base.OptimizerShards`): shard
+        ``optimizer`` (:meth:`shard_optimizer`, with the buddy copy while ``healing``).
+
+        After a heal (this binding holds what the survivors kept: its ``healed_from``), collectively
+        over the survivors: the optimizer gets its whole parameters back from the binding before
+        (``previous``), the weights are put back whole where a step's Allgather was interrupted,
+        and the optimizer state is rebuilt from every survivor's own shard and mirror
+        (:func:`~lightning_mpi.rules.zero.mirror.rebuild_shards`), then sharded for the new world
+        size. When new ranks are let in (``heal="replace"``) the same collective runs over survivors
+        and new ranks: a new rank's ``healed_from`` says it joined (it kept nothing, had no binding
+        before, and holds rank 0's weights already); the survivors' shards, the whole state, are
+        resharded over the grown run. Returns whether this rank is such a new rank (its shard is
+        rebuilt already: the optimizer state handed over to it is not to be loaded).
+
+        Raises:
+            RankFailedError: after a heal, a lost shard has no mirror left, or the survivors are at
+                different optimizer steps (:func:`~lightning_mpi.rules.zero.mirror.rebuild_shards`).
+        """
+        healed, self.healed_from = self.healed_from, None
+        if healed is None:
+            self.shard_optimizer(optimizer, mirror=self.healing)
+            return False
+        joined = bool(healed.get("joined"))  # a new rank let in (heal="replace"): it kept nothing
+        before = previous if isinstance(previous, BoundZeroRule) and previous.sharded is not None else None
+        assert joined or before is not None, "a heal rebinds a ZeRO rule whose optimizer was sharded"
+        kept = [k for k in self.transport.allgather_object(healed) if not k.get("joined")]
+        shards, steps = rebuild_shards(kept)
+        if before is not None and before.sharded is not None:  # (checked above; for the type checker)
+            before.sharded.unshard()
+            if not all(k.get("whole", True) for k in kept):
+                # a step's Allgather was interrupted: every survivor's weights whole again from the pieces
+                write_weights(shards, before.sharded.originals)
+        self.shard_optimizer(optimizer, mirror=self.healing)
+        self.load_optimizer_state(shards)  # resharded for the new world size, master weights included
+        self.optimizer_steps = steps
+        return joined
+
     def _owner_stepped(self, *_: Any) -> None:
         """The optimizer stepped this rank's shard: the mirror steps its buddy's (both local)."""
         if self.mirror is not None:
@@ -257,6 +316,40 @@ class BoundZeroRule(BoundRule):
                 stacklevel=2,
             )
         return finite
+
+    def healable_before_step(self, optimizer: Optimizer, execute: Execute) -> bool:
+        return execute(gradient_exchange(optimizer))
+
+    def healable_after_step(self, optimizer: Optimizer, execute: Execute) -> None:
+        # the Allgather of the stepped chunks: redone on the healed run, whose weights and optimizer
+        # state were rebuilt from the survivors' shards and mirrors as of this step (a survivor that
+        # missed its completion has them so too: nothing to take)
+        execute(
+            Operation(
+                "the allgather",
+                lambda bound: bound.after_step(optimizer),
+                collective=lambda bound, _: bound.transport.size > 1,
+            )
+        )
+
+    def healable_train_end(self, execute: Execute) -> None:
+        # a lossy wire's last exact Allgather of the master weights: redone on the healed run (whose
+        # masters were rebuilt from the survivors' shards and copies)
+        execute(
+            Operation(
+                "the final allgather",
+                lambda bound: bound.on_train_end(),
+                collective=lambda bound, _: bound.codec.lossy and bound.transport.size > 1,
+            )
+        )
+
+    def hand_over(self, kept: dict[str, Any], joining: int) -> tuple[dict[str, Any], dict[str, Any]]:
+        """A rank let in takes no optimizer shard of its own: the survivors' shards, the whole state,
+        are resharded over the grown run (:meth:`take_optimizer`)."""
+        kept, handed = super().hand_over(kept, joining)
+        if isinstance(handed.get("zero_heal"), dict):
+            handed["zero_heal"] = {"joined": True}
+        return kept, handed
 
     # -- clipping --------------------------------------------------------------------------------
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False) -> Tensor:
