@@ -1,8 +1,9 @@
 """Convergence aids, as pure functions: learning-rate scaling with warm-up, and momentum correction.
 
-Nothing here knows Lightning; :class:`~lightning_mpi.strategies.trainer.TrainerMPIStrategy` calls it around each
-optimizer update. Both aids are opt-in and announced: Horovod's Lightning strategy scaled the
-learning rate silently (Lightning issue #2574), ours never does.
+Nothing here knows Lightning; the strategies
+(:class:`~lightning_mpi.strategies.convergence.ConvergenceAids`) call it around each optimizer
+update. Both aids are opt-in and announced: Horovod's Lightning strategy scaled the learning rate
+silently (Lightning issue #2574), ours never does.
 
 Learning-rate scaling (Goyal et al., "Accurate, Large Minibatch SGD: Training ImageNet in 1 Hour",
 2017): W ranks averaging their gradients take one step for W·B samples, so the step should grow

@@ -3,7 +3,7 @@ allocations, threads, open files or MPI handles; a short Trainer-level run of on
 one asynchronous strategy on top.
 
 One ``mpiexec -n 2`` launch (``tests/scripts/long_run.py``) drives every rule directly, the way
-:class:`~lightning_mpi.strategies.trainer.TrainerMPIStrategy` does, because a Trainer step costs milliseconds. Each
+:class:`~lightning_mpi.strategies.trainer.strategy.TrainerMPIStrategy` does, because a Trainer step costs milliseconds. Each
 rank samples its resources after a 500-step warm-up and then every 1,500 steps (see the script's
 docstring for what each measure sees). The expectations, per rank and rule:
 

@@ -1,7 +1,8 @@
 """The only place where Lightning meets a rule.
 
-- :mod:`.trainer`, :mod:`.fabric`: one ``MPIStrategy`` per frontend, defined once for every
-  Lightning package; each lifecycle method calls a collaborator with one job:
+- :mod:`.trainer`, :mod:`.fabric`: one ``MPIStrategy`` per frontend (a package each, with the parts
+  only that frontend has), defined once for every Lightning package, both holding one
+  :class:`~.core.StrategyCore`; each lifecycle method calls a collaborator with one job:
   :mod:`.rule_runner`, :mod:`.replicas`, :mod:`.collectives`, :mod:`.failures`,
   :mod:`.convergence`, :mod:`.decisions`, :mod:`.preemption`, :mod:`.resume`, :mod:`.sharding`;
 - :mod:`.common_options`: the options every strategy takes, defined once;

@@ -32,11 +32,11 @@ from lightning_mpi.rules.base import Rule
 from lightning_mpi.rules.catalog import RULES
 from lightning_mpi.strategies.checkpoint_io import AtomicWriteMixin
 from lightning_mpi.strategies.environment import MPIClusterMixin
-from lightning_mpi.strategies.fabric import fabric_strategy
+from lightning_mpi.strategies.fabric.strategy import fabric_strategy
 from lightning_mpi.strategies.lightning_api import fabric_api, trainer_api
 from lightning_mpi.strategies.packages import guarded_trainer_attribute
 from lightning_mpi.strategies.signatures import named_strategy
-from lightning_mpi.strategies.trainer import trainer_strategy
+from lightning_mpi.strategies.trainer.strategy import trainer_strategy
 
 #: Where each package's classes are exported (their ``__module__``, so class paths resolve).
 EXPORTS = {

@@ -4,7 +4,7 @@ Usage: ``mpiexec -n 2 python tests/scripts/long_run.py OUT.json [--steps 5000] [
 [--every 1500] [--rules a,b,...] [--trainer-steps 0] [--trainer-strategies mpi_asa16,mpi_downpour]``.
 Rank 0 writes every rank's records to ``OUT.json``.
 
-The rules are driven directly, in the order :class:`~lightning_mpi.strategies.trainer.TrainerMPIStrategy` calls
+The rules are driven directly, in the order :class:`~lightning_mpi.strategies.trainer.strategy.TrainerMPIStrategy` calls
 them (a Trainer costs milliseconds per step, which 5,000 steps of 16 rules cannot afford on two
 loaded cores): ``bind`` → ``on_train_start`` → per step {zero_grad, forward, backward,
 ``before_step``; if it accepts: ``optimizer.step()``, ``after_step``} → ``on_train_end`` →

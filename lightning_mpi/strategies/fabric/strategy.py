@@ -1,8 +1,8 @@
 """The Fabric strategy: ``L.Fabric(strategy="mpi_asa16")`` calls the rule's hooks here.
 
 :func:`fabric_strategy` defines ``MPIStrategy`` on the ``ParallelStrategy`` of one Fabric package
-(``lightning_fabric`` or ``lightning.fabric``; :mod:`.build` calls it once per package), holding a
-:class:`~.core.StrategyCore` as the Trainer strategy does (:mod:`.trainer`). A Fabric loop is the
+(``lightning_fabric`` or ``lightning.fabric``; :mod:`..build` calls it once per package), holding a
+:class:`~..core.StrategyCore` as the Trainer strategy does (:mod:`..trainer.strategy`). A Fabric loop is the
 user's own code, so the rule's lifecycle hangs on the calls that loop makes:
 
 - ``fabric.launch()``: nothing to spawn (``mpiexec`` started the ranks); this rank's device is set
@@ -20,18 +20,18 @@ user's own code, so the rule's lifecycle hangs on the calls that loop makes:
   residuals, gossip weights) travels under the ``"lightning_mpi"`` key.
 - ``fabric.strategy.let_in(state)`` (``heal="replace"``), at the top of each iteration with the
   state dictionary you would save: where ranks spawned to replace lost ones join; a spawned rank's
-  first call fills ``state`` with rank 0's (see :mod:`.fabric_handover`).
+  first call fills ``state`` with rank 0's (see :mod:`.handover`).
 - ``fabric.strategy.finish_training()``: a Fabric loop has no ``on_train_end``, so call it on every
   rank after the loop: every rank's module then holds the rule's consensus weights (the center
   for elastic and parameter-server rules, the weighted consensus for gossip, DiLoCo's mean of the
   replicas), and the rule's threads and windows are released. Under ``heal`` a rank lost inside it
   heals there and the final exchange is redone over the survivors
-  (:meth:`.core.StrategyCore.end_training`).
+  (:meth:`..core.StrategyCore.end_training`).
 
 When a rank fails. An exception raised inside any of the strategy's calls above (a collective, a
 step, a checkpoint) fails the run on every rank: it is posted to the other ranks, which raise
 ``RankFailedError`` from their next strategy call, and the run is abandoned (see
-:mod:`.failures`). An exception in the user's own code between those calls is not seen by the
+:mod:`..failures`). An exception in the user's own code between those calls is not seen by the
 strategy: wrap the loop in ``with fabric.strategy.propagate_errors():`` to catch and retry on every
 rank, or leave it uncaught and every rank is aborted.
 """
@@ -51,9 +51,9 @@ from typing_extensions import override
 from lightning_mpi.rules.base import Rule
 from lightning_mpi.strategies import collectives, replicas
 from lightning_mpi.strategies.core import CoreAttribute, StrategyCore
-from lightning_mpi.strategies.fabric_checkpoints import FabricCheckpoints
-from lightning_mpi.strategies.fabric_handover import FabricHandover
-from lightning_mpi.strategies.fabric_step import FabricStep
+from lightning_mpi.strategies.fabric.checkpoints import FabricCheckpoints
+from lightning_mpi.strategies.fabric.handover import FabricHandover
+from lightning_mpi.strategies.fabric.step import FabricStep
 from lightning_mpi.strategies.lightning_api import FabricAPI
 from lightning_mpi.strategies.replacement import LoopAccess
 from lightning_mpi.strategies.rule_runner import CHECKPOINT_KEY, RuleRunner
@@ -155,7 +155,7 @@ def fabric_strategy(api: FabricAPI, environment_class: type, checkpoint_io_class
                 self._step.steps_seen, rule_state = self._handover.receive()
                 core.runner.restore(rule_state, self.world_size)
 
-        # -- what the user reads and sets (the core's: see :class:`.core.StrategyCore`) ----------------------
+        # -- what the user reads and sets (the core's: see :class:`..core.StrategyCore`) ----------------------
         options = CoreAttribute()
         rule = CoreAttribute()
         bound_rule = CoreAttribute()
@@ -194,7 +194,7 @@ def fabric_strategy(api: FabricAPI, environment_class: type, checkpoint_io_class
             return self._handover.let_in(state)
 
         def propagate_errors(self) -> AbstractContextManager[None]:
-            """Run a block whose exceptions fail the run on every rank (see :mod:`.failures`)."""
+            """Run a block whose exceptions fail the run on every rank (see :mod:`..failures`)."""
             return self._core.propagate_errors()
 
         # -- where this rank lives -----------------------------------------------------------------------
@@ -353,7 +353,7 @@ def fabric_strategy(api: FabricAPI, environment_class: type, checkpoint_io_class
             self._core.runner.close()
             super().teardown()
 
-        # -- collectives (over MPI: see :mod:`.run_collectives`) ----------------------------------------------
+        # -- collectives (over MPI: see :mod:`..run_collectives`) ----------------------------------------------
         @override
         @_fails_the_run
         def all_reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any | None = "mean") -> Any:
@@ -371,7 +371,7 @@ def fabric_strategy(api: FabricAPI, environment_class: type, checkpoint_io_class
 
         @_fails_the_run
         def _metric_allgather(self, obj: Any) -> list[Any]:
-            """torchmetrics' sync (:func:`.collectives.connect_metrics`): every rank's ``obj``."""
+            """torchmetrics' sync (:func:`..collectives.connect_metrics`): every rank's ``obj``."""
             return self._core.collectives.allgather_object(obj)
 
         @override
@@ -393,7 +393,7 @@ def fabric_strategy(api: FabricAPI, environment_class: type, checkpoint_io_class
             state is gathered here). After :meth:`finish_training` no rule is bound, so the file holds
             the consensus weights and no rule state: save before it to resume training. Under
             ``heal`` a rank lost during the save makes the survivors heal and save again
-            (:func:`.checkpoint_io.save_through_heals`)."""
+            (:func:`..checkpoint_io.save_through_heals`)."""
             self._checkpoints.save(
                 path,
                 state,

@@ -1,28 +1,28 @@
 """The Trainer strategy: what happens over MPI at setup, every step, at checkpoints and at teardown.
 
 :func:`trainer_strategy` defines ``MPIStrategy`` on the ``ParallelStrategy`` of one Trainer package
-(``pytorch_lightning`` or ``lightning.pytorch``: :mod:`.build` calls it once per package). Every
+(``pytorch_lightning`` or ``lightning.pytorch``: :mod:`..build` calls it once per package). Every
 Lightning method it overrides has one job and calls the collaborator that does it:
 
 ================================  ========================================================
 collaborator                      its job
 ================================  ========================================================
-:class:`.core.StrategyCore`       what both frontends share: the options, the rule runner, failures,
+:class:`..core.StrategyCore`       what both frontends share: the options, the rule runner, failures,
                                   healing, replacements, ZeRO's optimizer shard, the collectives,
                                   the convergence aids, and what the user reads and sets
-:mod:`.replicas`                  the same model and rank 0's weights on every rank
-:class:`.decisions.StopDecisions`  stop decisions without barriers (asynchronous rules)
-:class:`.preemption.PreemptionWatch`  a consistent checkpoint on SIGTERM/SIGUSR1, exit 0
-:func:`.trainer_launch.trainer_launcher`  each stage run here; ``fit`` resumes by itself after a restart
-:class:`.sharding.LoaderSharding`  every loader sharded over the ranks
-:class:`.trainer_step.TrainerStep`  backward, the rule's exchange, the update, ``after_step``
-:class:`.trainer_checkpoints.TrainerCheckpoints`  the rule's state in checkpoints, sharded saves, handovers
+:mod:`..replicas`                  the same model and rank 0's weights on every rank
+:class:`..decisions.StopDecisions`  stop decisions without barriers (asynchronous rules)
+:class:`..preemption.PreemptionWatch`  a consistent checkpoint on SIGTERM/SIGUSR1, exit 0
+:func:`.launch.trainer_launcher`  each stage run here; ``fit`` resumes by itself after a restart
+:class:`..sharding.LoaderSharding`  every loader sharded over the ranks
+:class:`.step.TrainerStep`  backward, the rule's exchange, the update, ``after_step``
+:class:`.checkpoints.TrainerCheckpoints`  the rule's state in checkpoints, sharded saves, handovers
 ================================  ========================================================
 
 The lifecycle, top to bottom:
 
 - construction: the options are checked, MPI's ranks and nodes become the cluster environment
-  (:class:`.core.StrategyCore`);
+  (:class:`..core.StrategyCore`);
 - ``setup``: the model on this rank's device, the same model and rank 0's weights everywhere, the
   rule bound to the trainable parameters (when fitting);
 - ``on_train_start``: the rule starts, the aids say what they do, the preemption vote starts;
@@ -56,9 +56,9 @@ from lightning_mpi.strategies.preemption import PreemptionWatch
 from lightning_mpi.strategies.replacement import LoopAccess
 from lightning_mpi.strategies.sharding import LoaderSharding
 from lightning_mpi.strategies.signatures import document_frontend
-from lightning_mpi.strategies.trainer_checkpoints import TrainerCheckpoints
-from lightning_mpi.strategies.trainer_launch import trainer_launcher
-from lightning_mpi.strategies.trainer_step import TrainerStep
+from lightning_mpi.strategies.trainer.checkpoints import TrainerCheckpoints
+from lightning_mpi.strategies.trainer.launch import trainer_launcher
+from lightning_mpi.strategies.trainer.step import TrainerStep
 
 #: ``heal="replace"``: what the survivors hand a new rank at a batch's start, Lightning's own
 #: checkpoint dictionary of that moment, and where the epoch is (a new rank skips those batches)
@@ -129,7 +129,7 @@ def trainer_strategy(api: TrainerAPI, environment_class: type, checkpoint_io_cla
             core.replacing.join()  # a process spawned to replace a lost rank joins the run here
             self.set_world_ranks()
 
-        # -- what the user reads and sets (the core's: see :class:`.core.StrategyCore`) ----------------------
+        # -- what the user reads and sets (the core's: see :class:`..core.StrategyCore`) ----------------------
         options = CoreAttribute()
         rule = CoreAttribute()
         bound_rule = CoreAttribute()
@@ -146,7 +146,7 @@ def trainer_strategy(api: TrainerAPI, environment_class: type, checkpoint_io_cla
             return self._core.stats()
 
         def propagate_errors(self) -> AbstractContextManager[None]:
-            """An exception inside fails the run on every rank (see :mod:`.failures`)."""
+            """An exception inside fails the run on every rank (see :mod:`..failures`)."""
             return self._core.propagate_errors()
 
         # -- where this rank lives -----------------------------------------------------------------------
@@ -303,7 +303,7 @@ def trainer_strategy(api: TrainerAPI, environment_class: type, checkpoint_io_cla
         def _adopt_healed_run(self, state: dict[str, Any] | None) -> None:
             """After a heal (collective over the survivors): Lightning's ranks, the rule bound again
             on the new transport with ``state``, the vote restarted, the loaders sharded anew from
-            the next epoch (see :mod:`.healing`)."""
+            the next epoch (see :mod:`..healing`)."""
             self.set_world_ranks()
             self._core.rebind(state, self.model, self.optimizers)
             self._preemption.restart(self.transport)
@@ -332,7 +332,7 @@ def trainer_strategy(api: TrainerAPI, environment_class: type, checkpoint_io_cla
 
         @override
         def on_exception(self, exception: BaseException) -> None:
-            """Fail the run on every rank (see :mod:`.failures`) if the launcher has not already: post
+            """Fail the run on every rank (see :mod:`..failures`) if the launcher has not already: post
             the exception, abandon the run. A preemption stop is no failure. Loggers are finalised by
             Lightning right after."""
             self._preemption.stop()
@@ -347,7 +347,7 @@ def trainer_strategy(api: TrainerAPI, environment_class: type, checkpoint_io_cla
             self._core.optimizer_sharding.detach()
             super().teardown()
 
-        # -- collectives (over MPI: see :mod:`.run_collectives`), and Lightning's stop decisions ----------
+        # -- collectives (over MPI: see :mod:`..run_collectives`), and Lightning's stop decisions ----------
         @override
         def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any | None = "mean") -> Any:
             return self._core.collectives.reduce(tensor, group, reduce_op)
@@ -357,7 +357,7 @@ def trainer_strategy(api: TrainerAPI, environment_class: type, checkpoint_io_cla
             return self._core.collectives.all_gather(tensor, group, sync_grads)
 
         def _metric_allgather(self, obj: Any) -> list[Any]:
-            """torchmetrics' sync (:func:`.collectives.connect_metrics`): every rank's ``obj``."""
+            """torchmetrics' sync (:func:`..collectives.connect_metrics`): every rank's ``obj``."""
             return self._core.collectives.allgather_object(obj)
 
         @override
@@ -367,7 +367,7 @@ def trainer_strategy(api: TrainerAPI, environment_class: type, checkpoint_io_cla
         @override
         def broadcast(self, obj: Any, src: int = 0) -> Any:
             """A bool (a stop decision) is published on the rule's board while an asynchronous rule
-            trains (no barrier: see :mod:`.decisions`); anything else is a collective."""
+            trains (no barrier: see :mod:`..decisions`); anything else is a collective."""
             board = self._decision_board() if isinstance(obj, bool) else None
             if board is not None:
                 return board.broadcast_flag(obj, src)
@@ -389,7 +389,7 @@ def trainer_strategy(api: TrainerAPI, environment_class: type, checkpoint_io_cla
             return self._decisions.board(self._core.bound_rule)
 
         def collective_decisions(self) -> AbstractContextManager[None]:
-            """A scope in which every decision is a collective (see :mod:`.decisions`)."""
+            """A scope in which every decision is a collective (see :mod:`..decisions`)."""
             return self._decisions.collective_decisions()
 
         # -- checkpoints -----------------------------------------------------------------------------------
@@ -402,7 +402,7 @@ def trainer_strategy(api: TrainerAPI, environment_class: type, checkpoint_io_cla
             Called on every rank, so a rule with sharded state may gather it here. With a sharded
             optimizer (``mpi_zero``) ``filepath`` is a directory that every rank writes its shard into.
             Under ``heal`` a rank lost during the save (rank 0 in its write included) makes the
-            survivors heal and save again (:func:`.checkpoint_io.save_through_heals`).
+            survivors heal and save again (:func:`..checkpoint_io.save_through_heals`).
             """
             self._checkpoints.save(
                 checkpoint,

@@ -5,15 +5,15 @@ call. The contract:
 
 - save, on every rank: the bound rule's state (center, clocks, residuals, gossip weights; sharded
   rule state is gathered here) is added to the user's ``state`` under
-  :data:`~.rule_runner.CHECKPOINT_KEY` (``state`` itself is not changed); then rank 0 writes the
+  :data:`~..rule_runner.CHECKPOINT_KEY` (``state`` itself is not changed); then rank 0 writes the
   file with Fabric's own save, or, with a sharded optimizer (``mpi_zero``), every rank writes its
   shard into a sharded checkpoint (:func:`~lightning_mpi.checkpoint.sharded.save_sharded`) and
   nothing is gathered. Under ``heal`` a rank lost anywhere in it makes the survivors heal and save
-  again (:meth:`.core.StrategyCore.save_through_heals`; the barrier that ends it stays local while a
+  again (:meth:`..core.StrategyCore.save_through_heals`; the barrier that ends it stays local while a
   replacement catches up). With no rule bound (after
   ``finish_training``) the file holds no rule state.
 - load: Fabric's own load, except that in a sharded checkpoint each optimizer of ``state`` is
-  loaded from every rank's shard through :class:`~.optimizer_sharding.OptimizerSharding` (at any
+  loaded from every rank's shard through :class:`~..optimizer_sharding.OptimizerSharding` (at any
   world size); the rule's state is taken out of what is returned and restored into the rule (now,
   or when it is bound).
 """
@@ -42,7 +42,7 @@ class FabricCheckpoints:
 
     Args:
         host: the strategy (:class:`CheckpointHost`).
-        core: the strategy's :class:`~.core.StrategyCore` (the rule, the run, heals, ZeRO).
+        core: the strategy's :class:`~..core.StrategyCore` (the rule, the run, heals, ZeRO).
     """
 
     def __init__(self, host: CheckpointHost, core: StrategyCore) -> None:

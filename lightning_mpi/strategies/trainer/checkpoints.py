@@ -4,18 +4,18 @@
 ``load_optimizer_state_dict`` and ``load_checkpoint`` call. The contract:
 
 - save, on every rank: the bound rule's state (center, clocks, ...; sharded rule state is gathered
-  here) goes into Lightning's checkpoint dictionary under :data:`~.rule_runner.CHECKPOINT_KEY`; then
+  here) goes into Lightning's checkpoint dictionary under :data:`~..rule_runner.CHECKPOINT_KEY`; then
   rank 0 writes it with Lightning's own save, or, with a sharded optimizer (``mpi_zero``), the file
   is a directory that every rank writes its optimizer shard and 1/W of the weights into
   (:func:`~lightning_mpi.checkpoint.sharded.save_sharded`). Under ``heal`` a rank lost anywhere in it
   (rank 0 in its write included) makes the survivors heal and save again
-  (:meth:`.core.StrategyCore.save_through_heals`); the barrier that ends it stays local while a
+  (:meth:`..core.StrategyCore.save_through_heals`); the barrier that ends it stays local while a
   replacement catches up.
 - load: a replacement's ``fit`` reads the survivors' handover instead of a file
-  (:meth:`~.replacement.RunReplacing.checkpoint`); every other rank reads the file with
+  (:meth:`~..replacement.RunReplacing.checkpoint`); every other rank reads the file with
   Lightning's own load. The rule's state is restored into the rule (now, or when it is bound).
 - optimizer states: each optimizer takes its saved state through
-  :class:`~.optimizer_sharding.OptimizerSharding` (a sharded optimizer takes a sharded save at any
+  :class:`~..optimizer_sharding.OptimizerSharding` (a sharded optimizer takes a sharded save at any
   world size), then moves to this rank's device.
 """
 
@@ -50,7 +50,7 @@ class TrainerCheckpoints:
 
     Args:
         host: the strategy (:class:`CheckpointHost`).
-        core: the strategy's :class:`~.core.StrategyCore` (the rule, the run, heals, replacements).
+        core: the strategy's :class:`~..core.StrategyCore` (the rule, the run, heals, replacements).
         optimizers_to_device: Lightning's ``optimizers_to_device`` (of the package in use).
     """
 

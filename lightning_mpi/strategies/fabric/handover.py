@@ -4,10 +4,10 @@ that rank takes it.
 A Fabric loop is the user's own code, so new ranks are let in where it calls
 ``fabric.strategy.let_in(state)`` at the top of each iteration, with the state dictionary it would
 give ``fabric.save`` (the model, the optimizer, its counters). :class:`FabricHandover` is the
-Fabric side of :class:`~.replacement.RunReplacing` (which spawns, polls and lets in):
+Fabric side of :class:`~..replacement.RunReplacing` (which spawns, polls and lets in):
 
 - on a survivor, :meth:`FabricHandover.let_in` looks for a failure first (a heal happens there),
-  then passes ``state`` to :meth:`~.replacement.RunReplacing.at_batch_start` and returns ``False``;
+  then passes ``state`` to :meth:`~..replacement.RunReplacing.at_batch_start` and returns ``False``;
 - on rank 0 at a let-in, :meth:`FabricHandover.snapshot` is the handover's checkpoint:
   ``{"state": state as fabric.save converts it, "module": the bound module's weights,
   "steps_seen": the optimizer steps seen}`` (``RunReplacing`` adds the rule's kept state under the
@@ -54,10 +54,10 @@ class FabricHandover:
     Args:
         api: the Fabric package's names (``unwrap_objects``, ``optimizers_to_device``, warnings).
         host: the strategy (:class:`FabricHost`).
-        replacing: the strategy's :class:`~.replacement.RunReplacing`.
-        healing: the strategy's :class:`~.healing.RunHealing` (a failure seen at a let-in heals there).
-        failures: the strategy's :class:`~.failures.RunFailures` (the error channel).
-        optimizer_sharding: the strategy's :class:`~.optimizer_sharding.OptimizerSharding` (a new
+        replacing: the strategy's :class:`~..replacement.RunReplacing`.
+        healing: the strategy's :class:`~..healing.RunHealing` (a failure seen at a let-in heals there).
+        failures: the strategy's :class:`~..failures.RunFailures` (the error channel).
+        optimizer_sharding: the strategy's :class:`~..optimizer_sharding.OptimizerSharding` (a new
             rank's optimizer is loaded through it).
         checkpoint_key: where the rule's state is in the handover.
         module: the module the rule is bound to (``None`` before ``fabric.setup``).

@@ -2,16 +2,16 @@
 
 ``mpiexec`` (or ``srun``, or ``lightning-mpi``) started the ranks, so the Trainer strategy's
 Lightning launcher starts no process. :func:`trainer_launcher` fills Lightning's launcher slot with
-:class:`~.resume.AutoResume` around :class:`InProcessLauncher`:
+:class:`~..resume.AutoResume` around :class:`InProcessLauncher`:
 
 - ``fit``/``validate``/``test``/``predict`` run inside
-  :meth:`~.failures.RunFailures.propagate_errors`: a failure is posted to the other ranks before
+  :meth:`~..failures.RunFailures.propagate_errors`: a failure is posted to the other ranks before
   Lightning's ``on_exception`` hooks run, so that callbacks that make collectives there (a
   checkpoint on exception) start on fresh communicators everywhere;
 - ``fit`` without ``ckpt_path`` after a restart resumes from the newest checkpoint every rank can
-  read (:func:`~.resume.resume_checkpoint`); in a rank spawned to replace a lost one
+  read (:func:`~..resume.resume_checkpoint`); in a rank spawned to replace a lost one
   (``heal="replace"``) it resumes from the survivors' handover instead, whatever ``ckpt_path``
-  says (:meth:`~.replacement.RunReplacing.receive`, collective with the survivors).
+  says (:meth:`~..replacement.RunReplacing.receive`, collective with the survivors).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from lightning_mpi.strategies.resume import AutoResume, resume_checkpoint
 
 class InProcessLauncher:
     """Lightning's launcher slot, used to run ``fit``/``validate``/``test``/``predict`` inside
-    :meth:`~.failures.RunFailures.propagate_errors` in this process (module docstring)."""
+    :meth:`~..failures.RunFailures.propagate_errors` in this process (module docstring)."""
 
     is_interactive_compatible = True
 
