@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import pickle
 import time
+import zlib
 from collections.abc import Callable, Generator
 from typing import Any
 
@@ -33,6 +34,25 @@ def _mpi_view(tensor: Tensor) -> Tensor:
 
 class CollectiveTimeout(RuntimeError):
     """A collective did not complete in time: some rank never joined it."""
+
+
+class CollectiveMismatch(RuntimeError):
+    """The ranks called different collectives (:meth:`Transport.same_collective`).
+
+    Attributes:
+        calls: what each rank called, in rank order.
+    """
+
+    def __init__(self, calls: list[str]) -> None:
+        self.calls = calls
+        seen = "; ".join(f"rank {rank}: {call}" for rank, call in enumerate(calls))
+        super().__init__(
+            f"lightning_mpi: the ranks called different collectives ({seen}), so no data was exchanged. Every "
+            "rank must call Lightning's collectives (self.log(..., sync_dist=True), a metric's sync, "
+            "trainer.strategy.reduce/broadcast/barrier) in the same order with data of the same shape: look for a "
+            "branch on the rank (if self.global_rank == 0: ...) or a loop that runs a different number of times "
+            "on different ranks"
+        )
 
 
 #: seconds a wait that must not leave its operation half-agreed keeps going after another rank's
@@ -227,6 +247,18 @@ class Transport:
                 request = next(steps)
         except StopIteration as done:
             return done.value
+
+    def same_collective(self, call: str) -> None:
+        """Check that every rank is at the same collective before its data moves: one ``Allreduce``
+        of a 64-bit code of ``call`` (what it is and the shape of its data, the same text on every
+        rank). Two ranks that called different collectives would otherwise exchange each other's
+        bytes. Raises :class:`CollectiveMismatch` naming each rank's call, on every rank (each sees
+        the mismatch in the same reduction)."""
+        code = zlib.crc32(call.encode())
+        header = np.array([code, -code], dtype=np.int64)
+        self._wait(self.comm.Iallreduce(self.MPI.IN_PLACE, header, op=self.MPI.MAX), "allreduce")
+        if header[0] != -header[1]:
+            raise CollectiveMismatch(self.allgather_object(call))
 
     def barrier(self, agree: bool = False) -> None:
         """Wait until every rank is here. ``agree=True`` before a blocking collective (a window's

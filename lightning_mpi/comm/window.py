@@ -188,6 +188,18 @@ class Counters:
         self.win.Unlock(self.root)
         return int(old[0])
 
+    def compare_and_swap(self, index: int, expected: int, value: int) -> int:
+        """Atomically set counter ``index`` to ``value`` if it holds ``expected``; return what it held."""
+        new = np.array([value], dtype=np.int64)
+        compare = np.array([expected], dtype=np.int64)
+        old = np.zeros(1, dtype=np.int64)
+        self.win.Lock(self.root, self.MPI.LOCK_SHARED)
+        self.win.Compare_and_swap(
+            [new, 1, self.MPI.INT64_T], [compare, 1, self.MPI.INT64_T], [old, 1, self.MPI.INT64_T], self.root, index
+        )
+        self.win.Unlock(self.root)
+        return int(old[0])
+
     def raise_to(self, index: int, value: int) -> None:
         """Atomically set counter ``index`` to ``max(current, value)`` (a sticky flag)."""
         v = np.array([value], dtype=np.int64)
@@ -232,47 +244,80 @@ class Counters:
 
 
 class DecisionBoard:
-    """Stop decisions published one-sidedly, so Lightning's per-step ``broadcast`` of a bool and
-    ``reduce_boolean_decision`` do not become per-step barriers.
+    """Stop decisions taken without a barrier per step, and applied by every rank at the same point of
+    its training loop.
 
-    Slot 0 holds ``broadcast`` values published by rank 0; slot ``1 + r`` holds rank r's own
-    decision. Flags are sticky (raised with ``MAX``): once a rank has decided to stop, the decision
-    stays visible, so every rank sees it the next time it asks, whatever step it is on. Readers never
-    wait for the publisher, and nobody waits for a reader: nothing can hang.
+    Lightning asks the same bool questions at the same points of every rank's loop (the ``Timer``
+    after every batch, ``EarlyStopping`` after validation); the caller numbers them (``index``: 0,
+    1, 2, ... on every rank alike). A rank that wants to stop publishes a request on rank 0 (slot
+    ``1 + r``: :data:`STOP` for a ``broadcast`` from its source, :data:`VOTE` for its own decision in
+    a reduction); rank 0 decides at each of its own questions (any stop request; all or any votes).
+    Every rank then answers ``True`` from the same question on, so that no rank runs a validation,
+    a metric's sync or a batch that another does not; until then, ``False``.
+
+    The question they stop at is found with a lease (slot 0), so that nobody waits for anybody: a
+    rank answers the questions below its lease without touching the board, and at its lease it
+    visits the board (one ``Compare_and_swap`` on rank 0) to extend the shared lease by
+    :data:`LEASE` questions past its own, or to learn the stop. The shared lease is thus the first
+    question that no rank may have reached; rank 0 decides by freezing it there (slot 0 then holds
+    ``-(stop + 1)``), a question every rank still reaches, after up to :data:`LEASE` more questions of
+    the fastest rank. The board is one-sided throughout: nothing can hang.
     """
 
-    def __init__(self, comm: Any, poll_interval: float = 0.02, resources: RunResources | None = None) -> None:
+    #: questions a rank answers between two visits to the board
+    LEASE = 8
+    #: a rank's request: its own decision in a reduction, or its ``broadcast`` of a stop (it decides alone)
+    VOTE, STOP = 1, 2
+
+    def __init__(self, comm: Any, resources: RunResources | None = None) -> None:
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
         self.counters = Counters(comm, 1 + self.size, root=0, resources=resources)
-        # Lightning asks every batch (Timer); a remote read needs rank 0's progress thread to be
-        # scheduled, which costs milliseconds on a loaded host. Flags are sticky, so a read at most
-        # every ``poll_interval`` seconds only delays seeing a stop by that much.
-        self.poll_interval = poll_interval
-        self._flags = np.zeros(1 + self.size, dtype=np.int64)
-        self._read_at = -float("inf")
+        self._lease = 0
+        self._requested = 0
+        #: the question every rank stops at, once known here (a heal hands it to the healed run's board)
+        self.stop_at: int | None = None
 
-    def _read(self, force: bool = False) -> np.ndarray:
-        now = time.perf_counter()
-        if force or now - self._read_at >= self.poll_interval:
-            self._flags = self.counters.read()
-            self._read_at = now
-        return self._flags
+    def broadcast_flag(self, value: bool, src: int, index: int) -> bool:
+        """Question ``index``: rank ``src``'s ``value`` (a stop when True); True from the stop on."""
+        if value and self.rank == src:
+            self._request(self.STOP)
+        return self._answer(index, all_votes=False)
 
-    def broadcast_flag(self, value: bool, src: int = 0) -> bool:
-        """Rank ``src`` publishes ``value`` (if True); every rank returns the published flag."""
-        if self.rank == src and value:
-            self.counters.raise_to(0, 1)
-            return True
-        return bool(self._read()[0])
-
-    def reduce_flag(self, value: bool, all: bool = True) -> bool:
-        """Publish this rank's decision; ``all=False``: any rank decided; ``all=True``: all did."""
+    def reduce_flag(self, value: bool, all: bool, index: int) -> bool:
+        """Question ``index``: this rank's decision ``value``; ``all``: stop once every rank decided,
+        else once any did. True from the stop on."""
         if value:
-            self.counters.raise_to(1 + self.rank, 1)
-        flags = self._read(force=bool(value)).copy()[1:]
-        if value:
-            flags[self.rank] = 1
-        return bool(flags.all()) if all else bool(flags.any())
+            self._request(self.VOTE)
+        return self._answer(index, all_votes=all)
+
+    def _request(self, kind: int) -> None:
+        if kind > self._requested:
+            self.counters.raise_to(1 + self.rank, kind)
+            self._requested = kind
+
+    def _answer(self, index: int, all_votes: bool) -> bool:
+        if self.stop_at is None and (self.rank == 0 or index >= self._lease):
+            self._visit(index, all_votes)
+        return self.stop_at is not None and index >= self.stop_at
+
+    def _visit(self, index: int, all_votes: bool) -> None:
+        """Learn the stop, or hold a lease past ``index``; on rank 0, decide (freeze the lease)."""
+        while self.stop_at is None:
+            board = self.counters.read()
+            lease, requests = int(board[0]), board[1:]
+            if lease < 0:
+                self.stop_at = -lease - 1
+                return
+            if lease <= index:  # nobody holds this question yet: lease it, and LEASE more
+                self.counters.compare_and_swap(0, lease, index + 1 + self.LEASE)
+                continue
+            self._lease = lease
+            decided = (requests == self.STOP).any() or (requests.all() if all_votes else requests.any())
+            if self.rank != 0 or not decided:
+                return
+            # the first question no rank may have reached: every rank stops there
+            if self.counters.compare_and_swap(0, lease, -(lease + 1)) == lease:
+                self.stop_at = lease
 
     def free(self) -> None:
         self.counters.free()

@@ -122,9 +122,10 @@ def replacement_shards(taken: list[tuple[int, int] | None], missing: int) -> lis
     rest of the epoch, given the survivors' (``taken``): the shards of ranks lost this epoch first,
     then survivors' shards again (every rank must run as many batches). ``None`` when the
     survivors' loaders are not sharded alike."""
-    if not taken or any(shard is None for shard in taken) or len({shard[0] for shard in taken if shard}) != 1:
+    shards = [shard for shard in taken if shard is not None]
+    if not taken or len(shards) < len(taken) or len({size for size, _ in shards}) != 1:
         return [None] * missing
-    size, ranks = taken[0][0], [shard[1] for shard in taken if shard]  # type: ignore[index]
+    size, ranks = shards[0][0], [rank for _, rank in shards]
     lost = [r for r in range(size) if r not in ranks]
     return [(size, lost[j] if j < len(lost) else ranks[j % len(ranks)]) for j in range(missing)]
 

@@ -51,25 +51,32 @@ def windows() -> None:
 
 
 def decision_board() -> None:
-    board = DecisionBoard(WORLD, poll_interval=0.0)
+    """Three boards, each asked the questions 0, 1, ... by every rank at its own pace (random
+    sleeps) until a few past the stop: rank 1 votes at its question 10 (a reduction, any); rank 0 broadcasts a stop at 5; the
+    ranks vote at 3, 7 and 12 (a reduction, all). Each rank records the question it was first
+    answered True at, and whether it was answered False before it and True from it on."""
+    import random
+    import time
+
+    pace = random.Random(RANK)
+    scenarios = {
+        "any_vote": lambda board, q: board.reduce_flag(RANK == 1 and q == 10, False, q),
+        "broadcast": lambda board, q: board.broadcast_flag(RANK == 0 and q >= 5, 0, q),
+        "all_votes": lambda board, q: board.reduce_flag(q >= (3, 7, 12)[RANK], True, q),
+    }
     flags = {}
-    if RANK == 1:
-        flags["rank1_decides"] = board.reduce_flag(True, all=False)
-    WORLD.Barrier()
-    flags["any_decided"] = board.reduce_flag(False, all=False)
-    flags["all_decided"] = board.reduce_flag(False, all=True)
-    flags["broadcast_before"] = board.broadcast_flag(False)
-    WORLD.Barrier()
-    if RANK == 0:
-        board.broadcast_flag(True)
-    WORLD.Barrier()
-    flags["broadcast_after"] = board.broadcast_flag(False)
-    if RANK != 1:
-        board.reduce_flag(True, all=False)
-    WORLD.Barrier()
-    flags["all_decided_at_last"] = board.reduce_flag(False, all=True)
-    WORLD.Barrier()
-    board.free()
+    for name, ask in scenarios.items():
+        board = DecisionBoard(WORLD)
+        answers: list[bool] = []
+        for q in range(20000):  # until a few questions past the stop (each rank at its own pace)
+            time.sleep(pace.uniform(0, 0.002))
+            answers.append(ask(board, q))
+            if answers[-1] and len(answers) > answers.index(True) + 3:
+                break
+        first = answers.index(True) if True in answers else None
+        flags[name] = {"first": first, "lockstep": first is not None and all(a == (q >= first) for q, a in enumerate(answers))}
+        WORLD.Barrier()
+        board.free()
     seen["board"] = flags
 
 

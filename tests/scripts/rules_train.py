@@ -25,6 +25,9 @@ finds it, which depends on the load).
 SCENARIO "stop": a callback asks ``strategy.broadcast`` (rank 0 decides after its 4th batch, like
 Timer) and ``reduce_boolean_decision`` (the last rank decides, like EarlyStopping) every batch;
 every rank must stop well before max_epochs. Also saves and checks a checkpoint's rule state.
+SCENARIO "timed": ``Trainer(max_time=...)`` with a validation every 5 batches that logs with
+``sync_dist=True`` and a torchmetrics ``Accuracy``: every rank must stop at the same step, having
+run the same validations (a rank that stopped earlier would meet another's collective with its own).
 """
 import json
 import os
@@ -40,6 +43,8 @@ import torch  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
+
+import torchmetrics  # noqa: E402
 
 import lightning_mpi  # noqa: E402,F401
 from examples.digits_data import held_out_split, load_digits  # noqa: E402
@@ -108,6 +113,18 @@ class Net(pl.LightningModule):
         super().__init__()
         self.mode = mode
         self.net = nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10))
+        self.accuracy = torchmetrics.Accuracy(task="multiclass", num_classes=10)
+        self.validations = 0
+
+    def validation_step(self, batch, _):
+        x, y = batch
+        out = self.net(x)
+        self.accuracy(out, y)
+        self.log("val_loss", nn.functional.cross_entropy(out, y), sync_dist=True)
+        self.log("val_acc", self.accuracy)
+
+    def on_validation_end(self):
+        self.validations += 1
 
     def training_step(self, batch, _):
         x, y = batch
@@ -257,6 +274,10 @@ def run(name, scenario, train, test):
     if scenario == "stop":
         kwargs.update(max_epochs=50)
         callbacks.append(StopVote())
+    val = None
+    if scenario == "timed":
+        kwargs.update(max_epochs=50, max_time="00:00:00:02", limit_val_batches=2, val_check_interval=5)
+        val = DataLoader(TensorDataset(*test), batch_size=64)
     ckpt_path, capture = None, Capture()
     if scenario in ("save", "resume"):
         from pytorch_lightning.callbacks import ModelCheckpoint
@@ -270,7 +291,7 @@ def run(name, scenario, train, test):
     start = time.perf_counter()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        trainer.fit(model, DataLoader(train, batch_size=BATCH, shuffle=True), ckpt_path=ckpt_path)
+        trainer.fit(model, DataLoader(train, batch_size=BATCH, shuffle=True), val, ckpt_path=ckpt_path)
     seconds = time.perf_counter() - start
     out = {"seconds": seconds, "global_step": trainer.global_step, "stat_keys": sorted(rec.keys),
            "warnings": [str(w.message) for w in caught if "lightning_mpi" in str(w.message)]}
@@ -291,6 +312,7 @@ def run(name, scenario, train, test):
         all_flat = COMM.allgather(flat.numpy())
         out["max_rank_diff"] = float(max(np.abs(f - all_flat[0]).max() for f in all_flat))
         out["steps_per_rank"] = COMM.allgather(trainer.global_step)
+        out["validations_per_rank"] = COMM.allgather(model.validations)
     time.sleep(0.05)
     out["leaked_threads"] = threading.active_count() - threads_before
     return out

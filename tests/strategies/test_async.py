@@ -36,6 +36,7 @@ ASYNC_RULES = ["mpi_aeasgd", "mpi_eamsgd", "mpi_downpour", "mpi_agn", "mpi_adag"
 RULES = SYNC_RULES + ASYNC_RULES
 UNEVEN = ["uneven/mpi_downpour", "uneven/mpi_aeasgd", "uneven/mpi_gosgd"]
 STOP = ["stop/mpi_dynsgd", "stop/mpi_gosgd"]
+TIMED = ["timed/mpi_downpour", "timed/mpi_gosgd"]
 RESUMED = ["mpi_downpour", "mpi_eamsgd", "mpi_gosgd"]
 #: Checked with commits in turns (deterministic). DOWNPOUR sums stale deltas as they are, so with a
 #: pull per commit the turns are exactly what it cannot absorb (0.618 at W = 3): its rounds end with
@@ -103,7 +104,7 @@ def world2(tmp_path_factory, ckpt_dir):
 @pytest.fixture(scope="module")
 def world3(tmp_path_factory, ckpt_dir, world2):
     """W = 3: every rule, uneven steps, stop votes, and the W = 2 checkpoints resumed at W = 3."""
-    names = [accuracy_run(n) for n in RULES] + UNEVEN + STOP + [f"resume/{n}" for n in RESUMED]
+    names = [accuracy_run(n) for n in RULES] + UNEVEN + STOP + TIMED + [f"resume/{n}" for n in RESUMED]
     return _train(3, names, tmp_path_factory.mktemp("w3"), timeout=560, env={"RULES_CKPT_DIR": str(ckpt_dir)})
 
 
@@ -157,6 +158,21 @@ def test_one_rank_stop_decision_stops_every_rank(world3):
         assert r["leaked_threads"] == 0
     assert {"center", "clock", "steps", "commits", "momentum", "ranks"} <= set(world3["stop/mpi_dynsgd"]["rule_state_keys"])
     assert {"weight", "pushes", "ranks"} <= set(world3["stop/mpi_gosgd"]["rule_state_keys"])
+    for name in STOP:  # in lockstep: every rank stopped at the same step
+        assert len(set(world3[name]["steps_per_rank"])) == 1, (name, world3[name]["steps_per_rank"])
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(600)
+def test_max_time_with_validation_and_metrics_stops_every_rank_at_the_same_step(world3):
+    """Trainer(max_time=...), a validation every 5 batches with sync_dist logging and a torchmetrics
+    metric: the asynchronous ranks stop in lockstep (same step, same validations), never in
+    different collectives."""
+    for name in TIMED:
+        r = world3[name]
+        assert len(set(r["steps_per_rank"])) == 1, (name, r["steps_per_rank"])
+        assert len(set(r["validations_per_rank"])) == 1 and r["validations_per_rank"][0] > 0, (name, r)
+        assert r["max_rank_diff"] == 0.0 and r["leaked_threads"] == 0, name
 
 
 @pytest.mark.mpi

@@ -306,6 +306,7 @@ def trainer_strategy(api: TrainerAPI, environment_class: type, checkpoint_io_cla
             the next epoch (see :mod:`..healing`)."""
             self.set_world_ranks()
             self._core.rebind(state, self.model, self.optimizers)
+            self._decisions.agree_after_heal(self.transport)
             self._preemption.restart(self.transport)
             trainer = getattr(self.lightning_module, "_trainer", None) if self._lightning_module is not None else None
             if trainer is not None:
@@ -370,14 +371,14 @@ def trainer_strategy(api: TrainerAPI, environment_class: type, checkpoint_io_cla
             trains (no barrier: see :mod:`..decisions`); anything else is a collective."""
             board = self._decision_board() if isinstance(obj, bool) else None
             if board is not None:
-                return board.broadcast_flag(obj, src)
+                return self._decisions.broadcast(board, obj, src)
             return self._core.collectives.broadcast(obj, src)
 
         @override
         def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
             board = self._decision_board()
             if board is not None:
-                return bool(board.reduce_flag(bool(decision), all))
+                return self._decisions.reduce(board, bool(decision), all)
             return bool(super().reduce_boolean_decision(decision, all))
 
         def _decision_board(self) -> Any | None:
