@@ -39,30 +39,30 @@ HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
 
 #: mpi_topk as it was before issue 25's recipe: error feedback only, one threshold per bucket.
-TOPK_BEFORE = {"codec": "topk", "ratio": 0.01, "momentum_correction": False, "layerwise": False,
+TOPK_BEFORE = {"wire": "topk", "ratio": 0.01, "momentum_correction": False, "layerwise": False,
                "ratio_warmup_steps": 0}
 ACC_ROWS = [
     ("mpi_asa (fp32)", "mpi_asa", {}),
-    ("int8 + EF", "compressed", {"codec": "int8"}),
-    ("int8, no EF", "compressed", {"codec": "int8", "error_feedback": False}),
-    ("mpi_topk (defaults)", "compressed", {"codec": "topk"}),
+    ("int8 + EF", "compressed", {"wire": "int8"}),
+    ("int8, no EF", "compressed", {"wire": "int8", "error_feedback": False}),
+    ("mpi_topk (defaults)", "compressed", {"wire": "topk"}),
     ("topk 1% + EF only (before issue 25)", "compressed", TOPK_BEFORE),
-    ("topk 1%, no EF", "compressed", {"codec": "topk", "ratio": 0.01, "error_feedback": False}),
+    ("topk 1%, no EF", "compressed", {"wire": "topk", "ratio": 0.01, "error_feedback": False}),
     ("topk 1% + EF + DGC mc + warm-up", "compressed",
-     {"codec": "topk", "ratio": 0.01, "momentum_correction": True, "momentum": 0.9, "ratio_warmup_steps": 200}),
-    ("onebit + EF", "compressed", {"codec": "onebit"}),
-    ("onebit, no EF", "compressed", {"codec": "onebit", "error_feedback": False}),
+     {"wire": "topk", "ratio": 0.01, "momentum_correction": True, "momentum": 0.9, "ratio_warmup_steps": 200}),
+    ("onebit + EF", "compressed", {"wire": "onebit"}),
+    ("onebit, no EF", "compressed", {"wire": "onebit", "error_feedback": False}),
 ]
 SPEED_ROWS = [
     ("ddp (Lightning, gloo)", "ddp", {}),
     ("mpi_asa (fp32)", "mpi_asa", {}),
-    ("int8 + EF", "compressed", {"codec": "int8"}),
-    ("int8, no EF", "compressed", {"codec": "int8", "error_feedback": False}),
-    ("mpi_topk (defaults)", "compressed", {"codec": "topk"}),
+    ("int8 + EF", "compressed", {"wire": "int8"}),
+    ("int8, no EF", "compressed", {"wire": "int8", "error_feedback": False}),
+    ("mpi_topk (defaults)", "compressed", {"wire": "topk"}),
     ("topk 1% + EF only (before issue 25)", "compressed", TOPK_BEFORE),
-    ("topk 1%, no EF", "compressed", {"codec": "topk", "ratio": 0.01, "error_feedback": False}),
-    ("onebit + EF", "compressed", {"codec": "onebit"}),
-    ("onebit, no EF", "compressed", {"codec": "onebit", "error_feedback": False}),
+    ("topk 1%, no EF", "compressed", {"wire": "topk", "ratio": 0.01, "error_feedback": False}),
+    ("onebit + EF", "compressed", {"wire": "onebit"}),
+    ("onebit, no EF", "compressed", {"wire": "onebit", "error_feedback": False}),
     ("no exchange (ceiling)", "none", {}),
 ]
 

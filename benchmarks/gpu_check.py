@@ -55,7 +55,7 @@ LATER_NAMES = ("mpi_zero", "mpi_zero_bf16")
 #: two asynchronous rules (one-sided windows, a mailbox), and DiLoCo
 OTHER_NAMES = ("mpi_downpour", "mpi_gosgd", "mpi_diloco")
 #: settings under which a lossy strategy equals one process (checked against it as well)
-EXACT_SPECS = ("mpi_topk@ratio=1.0+topk_packing=pairs", "mpi_powersgd@rank=64+min_compression_rate=0.0+use_error_feedback=false",
+EXACT_SPECS = ("mpi_topk@ratio=1.0+topk_packing=pairs", "mpi_powersgd@rank=64+min_compression_rate=0.0+error_feedback=false",
                "mpi_diloco@period=1+outer_lr=1.0+outer_momentum=0.0")
 #: seconds kept for writing the report at the end
 REPORT_RESERVE_S = 15.0

@@ -1,4 +1,4 @@
-"""Convergence aids, as pure functions: learning-rate scaling with warm-up, and momentum correction.
+"""Convergence aids, as pure functions: learning-rate scaling with warm-up, and implicit-momentum correction.
 
 Nothing here knows Lightning; the strategies
 (:class:`~lightning_mpi.strategies.convergence.ConvergenceAids`) call it around each optimizer
@@ -14,10 +14,11 @@ stays there:
 
     factor(s) = 1 + (F − 1) · min(s / warmup_steps, 1)
 
-Momentum correction (Mitliagkas, Zhang, Hadjis, Ré, "Asynchrony begets momentum, with an
-application to deep learning", 2016): W asynchronous workers behave like one worker with an
-*implicit* momentum of about 1 − 1/W on top of the optimizer's explicit momentum μ. To keep the
-total where the user tuned it, the explicit momentum is lowered to ``max(0, μ − (1 − 1/W))``.
+Implicit-momentum correction (``implicit_momentum_correction``; Mitliagkas, Zhang, Hadjis, Ré,
+"Asynchrony begets momentum, with an application to deep learning", 2016): W asynchronous workers
+behave like one worker with an *implicit* momentum of about 1 − 1/W on top of the optimizer's
+explicit momentum μ. To keep the total where the user tuned it, the explicit momentum is lowered
+to ``max(0, μ − (1 − 1/W))``.
 
 Both are applied by :class:`StepOverrides` for the duration of one update only, so the optimizer's
 ``param_groups`` hold the user's values everywhere else: LR schedulers (and momentum-cycling ones

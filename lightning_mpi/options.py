@@ -144,11 +144,14 @@ def documented(cls: type) -> list[Documented]:
     """
     hints = typing.get_type_hints(cls)  # each class's annotations in its own module's namespace
     fields = {field.name: field for field in dataclasses.fields(cls)}
-    # An option sits with the class that first defined it (a subclass may change its default).
+    # An option sits with the class that first defined it (a subclass may change its default,
+    # keeping the doc); one that a subclass defines anew, with a doc of its own, sits with that subclass.
     origin: dict[str, type] = {}
     for klass in reversed(cls.__mro__):
+        own = vars(klass).get("__dataclass_fields__", {})
         for name in vars(klass).get("__annotations__", {}):
-            if name in fields:
+            doc = fields[name].metadata.get("doc") if name in fields else None
+            if name in fields and (name not in own or own[name].metadata.get("doc") == doc):
                 origin.setdefault(name, klass)
     names = [
         name

@@ -550,7 +550,7 @@ class Rule(ABC):
     name: ClassVar[str] = "rule"
     #: Whether ranks step without waiting for each other. The strategies then answer Lightning's
     #: stop decisions one-sidedly, vote on preemption without lockstep, and offer
-    #: ``momentum_correction``.
+    #: ``implicit_momentum_correction``.
     asynchronous: ClassVar[bool] = False
 
     def __post_init__(self) -> None:

@@ -135,9 +135,8 @@ class BoundSync(BoundRule):
         self._hook_failure: ProcessFailed | None = None  # a dead rank noticed by a gradient hook
         if rule.overlap and rule.average == "gradients" and transport.size > 1:
             self._attach_hooks()
-        wire = getattr(rule, "codec", rule.wire)
         self.exposed_warning = ExposedExchangeWarning(
-            f"the every-step {rule.exchange} exchange (wire={wire})", transport.rank, transport.size
+            f"the every-step {rule.exchange} exchange (wire={rule.wire})", transport.rank, transport.size
         )
         if rule.average != "gradients":  # exchanged after the step: no wait before it to time
             self.exposed_warning.disarm()
@@ -244,9 +243,8 @@ class BoundSync(BoundRule):
             finite = bool(self.transport.allreduce_(flag, "min").item() == 1.0)
         if not finite:
             self.skipped_steps += 1
-            wire = getattr(self.rule, "codec", self.rule.wire)
             warnings.warn(
-                f"lightning_mpi: non-finite gradients after the exchange (wire={wire}); "
+                f"lightning_mpi: non-finite gradients after the exchange (wire={self.rule.wire}); "
                 f"skipping this optimizer step on every rank ({self.skipped_steps} skipped so far).",
                 RuntimeWarning,
                 stacklevel=2,

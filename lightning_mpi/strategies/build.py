@@ -51,7 +51,7 @@ EXPORTS = {
 STRATEGY_RULES: dict[str, type[Rule]] = {rule.__name__.removesuffix("Rule") + "Strategy": rule for rule in RULES}
 
 _ASYNC_DOC = """Base of the asynchronous strategies (parameter-server and gossip rules): Lightning's stop
-decisions are answered without per-step barriers, and ``momentum_correction`` is available.
+decisions are answered without per-step barriers, and ``implicit_momentum_correction`` is available.
 Otherwise the same as ``MPIStrategy``."""
 
 

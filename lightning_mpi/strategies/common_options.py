@@ -49,7 +49,7 @@ class CommonOptions:
         "counted in optimizer steps, so it resumes where a checkpoint left off.",
         check=integer(0),
     )
-    momentum_correction: bool = option(
+    implicit_momentum_correction: bool = option(
         default=False,
         doc="asynchronous rules only: lower the explicit momentum by the implicit momentum 1 - 1/W that W "
         "asynchronous workers add (Mitliagkas et al. 2016), μ → max(0, μ - (1 - 1/W)), for each update (SGD "

@@ -1,8 +1,8 @@
-"""Opt-in convergence aids: learning-rate scaling with warm-up, and momentum correction.
+"""Opt-in convergence aids: learning-rate scaling with warm-up, and implicit-momentum correction.
 
 Nothing happens with their defaults. When switched on they change the optimizer's param groups
 for the update only (see :mod:`lightning_mpi.lr_scaling`), and rank 0 says once per fit what they
-do. ``lr_scaling`` and ``warmup_steps`` are on every strategy; ``momentum_correction`` on the
+do. ``lr_scaling`` and ``warmup_steps`` are on every strategy; ``implicit_momentum_correction`` on the
 asynchronous ones. A strategy holds one :class:`ConvergenceAids` and asks it, around each update,
 for the :class:`~lightning_mpi.lr_scaling.StepOverrides` to apply.
 """
@@ -27,35 +27,35 @@ from lightning_mpi.rules.base import Rule
 
 
 class ConvergenceAids:
-    """``lr_scaling``, ``warmup_steps`` and ``momentum_correction`` (documented on the strategies).
+    """``lr_scaling``, ``warmup_steps`` and ``implicit_momentum_correction`` (documented on the strategies).
 
     Args:
-        lr_scaling, warmup_steps, momentum_correction: the strategy's options (already checked).
-        rule: the strategy's rule; ``momentum_correction`` needs an asynchronous one, and corrects
+        lr_scaling, warmup_steps, implicit_momentum_correction: the strategy's options (already checked).
+        rule: the strategy's rule; ``implicit_momentum_correction`` needs an asynchronous one, and corrects
             the rule's own momentum when it has one (EAMSGD's δ).
         info, warn: rank-zero printers of the Lightning package in use.
 
     Raises:
-        ValueError: ``momentum_correction=True`` with a synchronous rule.
+        ValueError: ``implicit_momentum_correction=True`` with a synchronous rule.
     """
 
     def __init__(
         self,
         lr_scaling: str | None,
         warmup_steps: int,
-        momentum_correction: bool,
+        implicit_momentum_correction: bool,
         rule: Rule,
         info: Callable[..., Any],
         warn: Callable[..., Any],
     ) -> None:
-        if momentum_correction and not rule.asynchronous:
+        if implicit_momentum_correction and not rule.asynchronous:
             raise ValueError(
-                f"momentum_correction=True needs an asynchronous rule (it removes the implicit momentum that "
-                f"asynchrony adds), but {type(rule).__name__} is synchronous: pass momentum_correction=False"
+                f"implicit_momentum_correction=True needs an asynchronous rule (it removes the implicit momentum that "
+                f"asynchrony adds), but {type(rule).__name__} is synchronous: pass implicit_momentum_correction=False"
             )
         self.lr_scaling = lr_scaling
         self.warmup_steps = warmup_steps
-        self.momentum_correction = momentum_correction
+        self.implicit_momentum_correction = implicit_momentum_correction
         self.rule = rule
         self._info, self._warn = info, warn
         #: what the aids did in the last update, for the logger (``mpi/lr_scale``, ``mpi/momentum_*``)
@@ -77,11 +77,11 @@ class ConvergenceAids:
         return self._rule_momentum() is not None
 
     def rule_to_bind(self, world_size: int) -> Rule:
-        """The rule to train with: with ``momentum_correction``, a rule with its own momentum runs on
+        """The rule to train with: with ``implicit_momentum_correction``, a rule with its own momentum runs on
         a corrected copy; :attr:`rule` keeps the user's value (a later fit, or a resume at another
         W, starts from it)."""
         momentum = self._rule_momentum()
-        if not self.momentum_correction or momentum is None:
+        if not self.implicit_momentum_correction or momentum is None:
             return self.rule
         return dataclasses.replace(self.rule, momentum=corrected_momentum(momentum, world_size))  # type: ignore[type-var]  # rules are dataclasses
 
@@ -89,7 +89,7 @@ class ConvergenceAids:
         """What to change in the param groups for this update (optimizer step ``step``), or None
         when nothing is opted in."""
         implicit = None
-        if self.momentum_correction and not self._rule_has_momentum():
+        if self.implicit_momentum_correction and not self._rule_has_momentum():
             # a rule with its own momentum (EAMSGD's δ) is corrected at bind time instead
             implicit = implicit_momentum(world_size)
         if self.lr_scaling is None and implicit is None:
@@ -111,14 +111,14 @@ class ConvergenceAids:
         """Rank 0 says, once per fit, what the aids do; they never act silently."""
         if self.lr_scaling is not None:
             self._info(f"lightning_mpi: {describe_lr_scaling(self.lr_scaling, world_size, self.warmup_steps)}")
-        if self.momentum_correction:
+        if self.implicit_momentum_correction:
             self._announce_momentum(world_size, optimizers)
 
     def _announce_momentum(self, world_size: int, optimizers: Sequence[Optimizer]) -> None:
         implicit = implicit_momentum(world_size)
         owner, values = self._momentum_values(optimizers)
         head = (
-            f"lightning_mpi: momentum_correction: {world_size} asynchronous workers add an implicit momentum "
+            f"lightning_mpi: implicit_momentum_correction: {world_size} asynchronous workers add an implicit momentum "
             f"of 1 - 1/W = {implicit:.4g} (Mitliagkas et al. 2016)"
         )
         if not values:
@@ -132,10 +132,10 @@ class ConvergenceAids:
             self.stats["mpi/momentum_implicit"] = implicit
         if any(c == 0.0 for c in corrected):
             self._warn(
-                f"lightning_mpi: momentum_correction clamped the explicit momentum to 0: {owner} momentum "
+                f"lightning_mpi: implicit_momentum_correction clamped the explicit momentum to 0: {owner} momentum "
                 f"{min(values):.4g} is below the implicit momentum {implicit:.4g} of {world_size} asynchronous "
                 "workers, so asynchrony alone already supplies more momentum than asked for. Use fewer workers, a "
-                "higher momentum, or momentum_correction=False.",
+                "higher momentum, or implicit_momentum_correction=False.",
                 category=UserWarning,
             )
 

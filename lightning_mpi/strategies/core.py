@@ -77,7 +77,7 @@ class StrategyCore:
         self.aids = ConvergenceAids(
             self.options.lr_scaling,
             self.options.warmup_steps,
-            self.options.momentum_correction,
+            self.options.implicit_momentum_correction,
             rule,
             fabric.rank_zero_info,
             fabric.rank_zero_warn,
@@ -147,8 +147,8 @@ class StrategyCore:
     # the convergence aids' options (:mod:`.convergence`)
     lr_scaling = property(lambda self: self.options.lr_scaling, doc="The ``lr_scaling`` option.")
     warmup_steps = property(lambda self: self.options.warmup_steps, doc="The ``warmup_steps`` option.")
-    momentum_correction = property(
-        lambda self: self.options.momentum_correction, doc="The ``momentum_correction`` option."
+    implicit_momentum_correction = property(
+        lambda self: self.options.implicit_momentum_correction, doc="The ``implicit_momentum_correction`` option."
     )
 
     def stats(self) -> dict[str, float]:

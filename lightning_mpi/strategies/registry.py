@@ -41,17 +41,17 @@ STRATEGIES: dict[str, tuple[str, dict[str, Any], str]] = {
     ),
     "mpi_asa_int8": (
         "CompressedSyncStrategy",
-        {"codec": "int8"},
+        {"wire": "int8"},
         "Synchronous ASA with int8 min-max quantization, fp32 sums, error feedback",
     ),
     "mpi_topk": (
         "CompressedSyncStrategy",
-        {"codec": "topk"},
+        {"wire": "topk"},
         "Synchronous top-k sparsified exchange of (index, value) pairs, error feedback",
     ),
     "mpi_onebit": (
         "CompressedSyncStrategy",
-        {"codec": "onebit"},
+        {"wire": "onebit"},
         "Synchronous ASA with 1-bit signs and per-chunk scales, error feedback",
     ),
     "mpi_easgd": ("EASGDStrategy", {}, "Synchronous elastic averaging (Zhang et al. 2015), center kept by allreduce"),

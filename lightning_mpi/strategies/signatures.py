@@ -24,7 +24,7 @@ DOCUMENTED_ARGUMENTS = "_documented_arguments"
 #: What ``inspect.signature`` reads before the code: LightningCLI, ``help()`` and IDEs see it.
 _SIGNATURE = "__signature__"
 #: Common options that only some rules take (listed with the rule's own).
-_RULE_FAMILY = ("momentum_correction",)
+_RULE_FAMILY = ("implicit_momentum_correction",)
 #: Arguments that Lightning fills in: listed last.
 _PLUMBING = ("accelerator", "checkpoint_io", "precision_plugin", "precision")
 
@@ -58,7 +58,7 @@ def document_frontend(cls: type, own: Mapping[str, str]) -> None:
         if p.name in own
     ]
     common = documented(CommonOptions)
-    # The rule, the rule family's option (momentum_correction: asynchronous rules), this frontend's
+    # The rule, the rule family's option (implicit_momentum_correction: asynchronous rules), this frontend's
     # own, every strategy's, then what Lightning fills in.
     family = [a for a in common if a.name in _RULE_FAMILY]
     arguments = (
@@ -76,14 +76,16 @@ def document_frontend(cls: type, own: Mapping[str, str]) -> None:
 
 def strategy_arguments(rule_class: type[Rule], base: Any) -> list[Documented]:
     """Every argument of the strategy that trains ``rule_class`` on ``base``: the rule's options,
-    then the base's arguments other than ``rule`` (``momentum_correction`` only for asynchronous
-    rules; a rule option of the same name wins: CompressedSync's ``momentum_correction`` is DGC's)."""
+    then the base's arguments other than ``rule`` (``implicit_momentum_correction`` only for
+    asynchronous rules; a rule option of the same name wins)."""
     rule_options = documented(rule_class)
     names = {o.name for o in rule_options}
     rest = [
         a
         for a in getattr(base, DOCUMENTED_ARGUMENTS)  # set by document_frontend
-        if a.name != "rule" and a.name not in names and (a.name != "momentum_correction" or rule_class.asynchronous)
+        if a.name != "rule"
+        and a.name not in names
+        and (a.name != "implicit_momentum_correction" or rule_class.asynchronous)
     ]
     return rule_options + rest
 

@@ -133,17 +133,17 @@ def test_local_clipping_scales_down_only():
 
 @pytest.mark.timeout(60)
 def test_recipe_defaults_and_bad_input():
-    rule = CompressedSyncRule(codec="topk")
+    rule = CompressedSyncRule(wire="topk")
     assert rule.ratio_warmup_steps == 40 and rule.ratio_at(0) == 1.0 and rule.ratio_at(40) == 0.01
     assert not rule.corrects_momentum and not rule.layerwise and rule.clip_norm is None  # measured: off
     assert rule.topk_packing == "delta16"  # measured: on
-    assert CompressedSyncRule(codec="topk", momentum_correction=True).corrects_momentum
+    assert CompressedSyncRule(wire="topk", momentum_correction=True).corrects_momentum
     with pytest.raises(ValueError, match="clip_norm="):
-        CompressedSyncRule(codec="topk", clip_norm=0.0)
+        CompressedSyncRule(wire="topk", clip_norm=0.0)
     with pytest.raises(ValueError, match="clip_norm="):
-        CompressedSyncRule(codec="int8", clip_norm=1.0)
+        CompressedSyncRule(wire="int8", clip_norm=1.0)
     with pytest.raises(ValueError, match="momentum="):
-        CompressedSyncRule(codec="topk", momentum=1.5)
+        CompressedSyncRule(wire="topk", momentum=1.5)
 
 
 @pytest.mark.timeout(60)
@@ -153,7 +153,7 @@ def test_layerwise_sections_follow_the_bucket_members(self_transport):
 
     tensors = [torch.zeros(300), torch.zeros(7), torch.zeros(5, 10)]
     (bucket,) = make_buckets(tensors, 1, bucket_bytes=None)
-    exchanger = CompressedExchanger(self_transport, CompressedSyncRule(codec="topk", ratio=0.1, layerwise=True, topk_packing="pairs"))
+    exchanger = CompressedExchanger(self_transport, CompressedSyncRule(wire="topk", ratio=0.1, layerwise=True, topk_packing="pairs"))
     exchanger.prepare([bucket])
     exchanger.step = 10**6  # past the warm-up
     state = next(iter(exchanger._states.values()))
@@ -166,13 +166,13 @@ def test_layerwise_sections_follow_the_bucket_members(self_transport):
 
 @pytest.mark.timeout(60)
 def test_warmup_can_start_below_one():
-    rule = CompressedSyncRule(codec="topk", ratio=0.01, ratio_warmup_steps=4, ratio_warmup_start=0.25)
+    rule = CompressedSyncRule(wire="topk", ratio=0.01, ratio_warmup_steps=4, ratio_warmup_start=0.25)
     ratios = [rule.ratio_at(s) for s in range(6)]
     assert ratios[0] == 0.25 and ratios[4] == ratios[5] == 0.01
     assert abs(ratios[2] - 0.05) < 1e-12  # geometric: sqrt(0.25 * 0.01)
-    assert CompressedSyncRule(codec="topk", ratio=0.5, ratio_warmup_start=0.25).ratio_at(0) == 0.5  # never below ratio
+    assert CompressedSyncRule(wire="topk", ratio=0.5, ratio_warmup_start=0.25).ratio_at(0) == 0.5  # never below ratio
     with pytest.raises(ValueError, match="ratio_warmup_start="):
-        CompressedSyncRule(codec="topk", ratio_warmup_start=0.0)
+        CompressedSyncRule(wire="topk", ratio_warmup_start=0.0)
 
 
 @pytest.mark.timeout(60)
@@ -218,7 +218,7 @@ def test_delta16_sends_twice_the_entries_and_keeps_the_rounding(self_transport):
     (bucket,) = make_buckets([torch.zeros(300), torch.zeros(7, 10)], 1, bucket_bytes=None)
     counts, nbytes = [], []
     for packing in ("pairs", "delta16"):
-        exchanger = CompressedExchanger(self_transport, CompressedSyncRule(codec="topk", topk_packing=packing))
+        exchanger = CompressedExchanger(self_transport, CompressedSyncRule(wire="topk", topk_packing=packing))
         exchanger.prepare([bucket])
         exchanger.step = 10**6
         state = next(iter(exchanger._states.values()))
@@ -227,4 +227,4 @@ def test_delta16_sends_twice_the_entries_and_keeps_the_rounding(self_transport):
         exchanger.close()
     assert counts == [4, 8] and nbytes == [32, 32]  # ceil(0.01 * 370) = 4 pairs
     with pytest.raises(ValueError, match="layerwise=True needs topk_packing='pairs'"):
-        CompressedSyncRule(codec="topk", layerwise=True)
+        CompressedSyncRule(wire="topk", layerwise=True)

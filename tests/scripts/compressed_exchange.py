@@ -49,11 +49,11 @@ params = make_params()
 asa = SyncRule(exchange="asa", **SMALL).bind(T, params)
 cases = {
     # "pairs": float32 values ("delta16" rounds them to bfloat16, into the residual)
-    "topk_ratio1": (CompressedSyncRule(codec="topk", ratio=1.0, topk_packing="pairs", **SMALL), lambda s: random_grads(s)),
+    "topk_ratio1": (CompressedSyncRule(wire="topk", ratio=1.0, topk_packing="pairs", **SMALL), lambda s: random_grads(s)),
     # W times integers in [-40, 40]: spans below 254, so every chunk and the (integer) mean
     # sit on int8's unit grid exactly.
     "int8_exact": (
-        CompressedSyncRule(codec="int8", **SMALL),
+        CompressedSyncRule(wire="int8", **SMALL),
         lambda s: [(torch.randint(-40, 41, sh, generator=torch.Generator().manual_seed(s * 7 + RANK)) * W).float() for sh in SHAPES],
     ),
 }
@@ -75,7 +75,7 @@ asa.close()
 params_a, params_b = make_params(), make_params()
 asa = SyncRule(exchange="asa", **SMALL).bind(T, params_a)
 dgc = CompressedSyncRule(
-    codec="topk", ratio=1.0, momentum_correction=True, momentum_masking=False, topk_packing="pairs", **SMALL
+    wire="topk", ratio=1.0, momentum_correction=True, momentum_masking=False, topk_packing="pairs", **SMALL
 ).bind(T, params_b)
 opt_a = torch.optim.SGD(params_a, lr=0.1, momentum=0.9)
 opt_b = torch.optim.SGD(params_b, lr=0.1, momentum=0.9)
@@ -102,12 +102,12 @@ def allsum(t):
     return t
 
 
-for codec in ("int8", "topk", "onebit", "topk_delta16"):
+for wire in ("int8", "topk", "onebit", "topk_delta16"):
     for mc in (False,):  # momentum correction sends momentum, not gradients: not a mass identity
         params = make_params()
-        packing = {"topk_packing": "delta16" if codec == "topk_delta16" else "pairs"} if codec.startswith("topk") else {}
+        packing = {"topk_packing": "delta16" if wire == "topk_delta16" else "pairs"} if wire.startswith("topk") else {}
         rule = CompressedSyncRule(
-            codec=codec.split("_")[0], ratio=0.05, momentum_correction=mc, momentum=0.5, ratio_warmup_steps=5, **SMALL, **packing
+            wire=wire.split("_")[0], ratio=0.05, momentum_correction=mc, momentum=0.5, ratio_warmup_steps=5, **SMALL, **packing
         )
         bound = rule.bind(T, params)
         applied = [torch.zeros(s, dtype=torch.float64) for s in SHAPES]
@@ -146,16 +146,16 @@ for codec in ("int8", "topk", "onebit", "topk_delta16"):
                     break
                 rhs = allsum(given[i]).reshape(-1) / W
                 mismatch = max(mismatch, float((lhs - rhs).abs().max()))
-        key = codec + ("_mc" if mc else "")
+        key = wire + ("_mc" if mc else "")
         result[f"mass_{key}"] = {"max_abs_diff": mismatch, "wire_bytes": bound.stats()["wire_bytes"], "dense_bytes": bound.stats()["dense_bytes"]}
         bound.close()
 
 
 # -- checkpoint round trip ------------------------------------------------------------------------
 restored_equal = {}
-for codec in ("int8", "topk", "onebit"):
+for wire in ("int8", "topk", "onebit"):
     params = make_params()
-    rule = CompressedSyncRule(codec=codec, ratio=0.1, ratio_warmup_steps=8, **SMALL)
+    rule = CompressedSyncRule(wire=wire, ratio=0.1, ratio_warmup_steps=8, **SMALL)
     a = rule.bind(T, params)
     for step in range(4):
         exchange(a, params, random_grads(step))
@@ -170,7 +170,7 @@ for codec in ("int8", "topk", "onebit"):
     _, gb = exchange(b, params, grads)
     fresh = rule.bind(T, params)
     _, gf = exchange(fresh, params, grads)
-    restored_equal[codec] = {
+    restored_equal[wire] = {
         "residuals_nonzero": nonzero,
         "residuals_equal": same,
         "next_step_equal": all(torch.equal(x, y) for x, y in zip(ga, gb)),
@@ -182,7 +182,7 @@ for codec in ("int8", "topk", "onebit"):
 
 # Momentum correction beside an optimizer with momentum: the velocity, S_(t-1) and m come back.
 params = make_params()
-rule = CompressedSyncRule(codec="topk", ratio=0.1, momentum_correction=True, ratio_warmup_steps=0, **SMALL)
+rule = CompressedSyncRule(wire="topk", ratio=0.1, momentum_correction=True, ratio_warmup_steps=0, **SMALL)
 a = rule.bind(T, params)
 
 

@@ -50,8 +50,8 @@ ds = TensorDataset(x, y)
 result = {}
 for name, strategy in [
     ("mpi_asa_int8", "mpi_asa_int8"),
-    ("mpi_topk", CompressedSyncStrategy(codec="topk", ratio=0.1, ratio_warmup_steps=4)),
-    ("mpi_topk_mc", CompressedSyncStrategy(codec="topk", ratio=0.1, momentum_correction=True, momentum=0.5, ratio_warmup_steps=0)),
+    ("mpi_topk", CompressedSyncStrategy(wire="topk", ratio=0.1, ratio_warmup_steps=4)),
+    ("mpi_topk_mc", CompressedSyncStrategy(wire="topk", ratio=0.1, momentum_correction=True, momentum=0.5, ratio_warmup_steps=0)),
     ("mpi_onebit", "mpi_onebit"),
 ]:
     torch.manual_seed(1 + RANK)  # different initial weights: the strategy must broadcast rank 0's
@@ -76,7 +76,7 @@ for name, strategy in [
             seen["step"] = ex.step
 
     t2 = pl.Trainer(
-        strategy=strategy if isinstance(strategy, str) else CompressedSyncStrategy(**{k: getattr(strategy.rule, k) for k in ("codec", "ratio", "momentum_correction", "momentum", "ratio_warmup_steps")}),
+        strategy=strategy if isinstance(strategy, str) else CompressedSyncStrategy(**{k: getattr(strategy.rule, k) for k in ("wire", "ratio", "momentum_correction", "momentum", "ratio_warmup_steps")}),
         max_epochs=4, num_sanity_val_steps=0, callbacks=[Probe()], **QUIET,
     )
     t2.fit(model2, DataLoader(ds, batch_size=16, shuffle=False), ckpt_path=path)

@@ -1,4 +1,4 @@
-"""Run on W ranks: lr_scaling / warmup_steps and momentum_correction through a real Trainer.
+"""Run on W ranks: lr_scaling / warmup_steps and implicit_momentum_correction through a real Trainer.
 
 Several cases in one launch (each mpiexec costs 10-20 s of imports on a loaded 2-core machine).
 For every optimizer step a callback records the learning rate the user's code sees (at batch
@@ -167,7 +167,7 @@ results["lbfgs"] = {"applied_lr": lr_used / min(1.0, 1.0 / g1), "spread": spread
 
 # 4. momentum correction on DOWNPOUR with SGD momentum 0.9 (no commit during the 4 steps)
 ckpt = ROOT / "momentum.ckpt"
-_, steps, warned = fit(lightning_mpi.DownpourStrategy(period=1000, momentum_correction=True),
+_, steps, warned = fit(lightning_mpi.DownpourStrategy(period=1000, implicit_momentum_correction=True),
                        Tiny(lr=0.05, momentum=0.9), 4, "momentum", save_at=1, ckpt=str(ckpt))
 used = []  # buf_k = μ·buf_{k−1} + g_k  →  μ = (buf_k − g_k) / buf_{k−1}
 for prev, cur in zip(steps, steps[1:]):
@@ -185,16 +185,16 @@ results["momentum"] = {
 }
 
 # 5. EAMSGD: the rule's own Nesterov δ is corrected; the user's rule keeps 0.9
-trainer, _, warned = fit(lightning_mpi.EAMSGDStrategy(period=1000, momentum_correction=True), Tiny(lr=0.05), 2, "eamsgd")
+trainer, _, warned = fit(lightning_mpi.EAMSGDStrategy(period=1000, implicit_momentum_correction=True), Tiny(lr=0.05), 2, "eamsgd")
 results["eamsgd"] = {"rule_momentum": trainer.strategy.rule.momentum,
                      "bound_momentum": trainer.strategy.bound_rule.rule.momentum,
                      "logged_explicit": csv_column("eamsgd", "mpi/momentum_explicit"), "warnings": warned}
 
 # 6. Adam β₁ = 0.5 < 2/3: clamped to 0, with a warning; 7. SGD without momentum: a warning, nothing changes
-_, steps, warned = fit(lightning_mpi.GoSGDStrategy(p=0.5, momentum_correction=True), Tiny(optimizer="adam", lr=0.01, momentum=0.5), 2, "adam")
+_, steps, warned = fit(lightning_mpi.GoSGDStrategy(p=0.5, implicit_momentum_correction=True), Tiny(optimizer="adam", lr=0.01, momentum=0.5), 2, "adam")
 results["adam"] = {"update_momentum": [s.get("update_momentum") for s in steps], "after_betas0": [s["after_momentum"] for s in steps],
                    "warnings": warned}
-_, steps, warned = fit(lightning_mpi.AGNStrategy(momentum_correction=True), Tiny(lr=0.05), 1, "plain")
+_, steps, warned = fit(lightning_mpi.AGNStrategy(implicit_momentum_correction=True), Tiny(lr=0.05), 1, "plain")
 results["plain"] = {"update_momentum": [s.get("update_momentum") for s in steps], "warnings": warned}
 
 if RANK == 0:

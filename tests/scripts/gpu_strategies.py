@@ -54,7 +54,7 @@ TOLERANCE = {
     "mpi_zero": 1e-5,
     "mpi_zero_bf16": 5e-3,
     "mpi_topk@ratio=1.0+topk_packing=pairs": 1e-5,
-    "mpi_powersgd@rank=64+min_compression_rate=0.0+use_error_feedback=false": 1e-5,
+    "mpi_powersgd@rank=64+min_compression_rate=0.0+error_feedback=false": 1e-5,
     "mpi_diloco@period=1+outer_lr=1.0+outer_momentum=0.0": 1e-5,
 }
 #: strategy classes whose replicas are identical after every step (the rest: at the end of fit)

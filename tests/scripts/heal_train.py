@@ -673,7 +673,7 @@ def topk_phase() -> dict:
     from lightning_mpi.fabric import CompressedSyncStrategy
 
     strategy = CompressedSyncStrategy(
-        codec="topk", ratio=TOPK_RATIO, ratio_warmup_steps=0, topk_packing="pairs", heal="shrink"
+        wire="topk", ratio=TOPK_RATIO, ratio_warmup_steps=0, topk_packing="pairs", heal="shrink"
     )
     return _fabric_loop(strategy, "topk", 11, count_ranks=False, settle=True)
 
@@ -726,7 +726,7 @@ def topk_replace_phase() -> dict:
     from lightning_mpi.lightning import CompressedSyncStrategy
 
     strategy = CompressedSyncStrategy(
-        codec="topk", ratio=TOPK_RATIO, ratio_warmup_steps=0, topk_packing="pairs", heal="replace"
+        wire="topk", ratio=TOPK_RATIO, ratio_warmup_steps=0, topk_packing="pairs", heal="replace"
     )
     return _replace_trainer("topk_replace", strategy, REPLACE_KILL)
 

@@ -37,7 +37,7 @@ from tiny_task import dataset, make_net  # noqa: E402  (beside this script)
 COMM = MPI.COMM_WORLD
 RANK, W = COMM.Get_rank(), COMM.Get_size()
 B, STEPS, LR = 4, 6, 0.2
-FULL_RANK = {"rank": 64, "min_compression_rate": 0.0, "use_error_feedback": False}
+FULL_RANK = {"rank": 64, "min_compression_rate": 0.0, "error_feedback": False}
 
 
 def digest(net):

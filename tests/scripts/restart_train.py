@@ -66,7 +66,7 @@ if args.strategy == "sync":
 elif args.strategy == "zero":  # mpi_zero: the optimizer sharded, checkpoints saved as sharded directories
     strategy = lightning_mpi.SyncStrategy(exchange="asa", shard_optimizer=True, log_stats=False, collective_timeout=120)
 elif args.strategy == "compressed":
-    strategy = lightning_mpi.CompressedSyncStrategy(codec="topk", ratio=0.5, log_stats=False, collective_timeout=120)
+    strategy = lightning_mpi.CompressedSyncStrategy(wire="topk", ratio=0.5, log_stats=False, collective_timeout=120)
 else:
     strategy = lightning_mpi.DownpourStrategy(period=1, log_stats=False, collective_timeout=120)
 world, rank = strategy.world_size, strategy.global_rank

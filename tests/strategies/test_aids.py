@@ -4,7 +4,7 @@
   pure functions, bad values, and, on 3 real ranks, the update that was really applied (lr×3 /
   lr×√3, the warm-up ramp per step, LBFGS), a StepLR scheduler and a checkpoint that see the
   unscaled lr, a skipped step that leaves the lr unscaled.
-- ``momentum_correction`` on the asynchronous strategies (Mitliagkas et al. 2016): SGD momentum
+- ``implicit_momentum_correction`` on the asynchronous strategies (Mitliagkas et al. 2016): SGD momentum
   0.9 → 0.9 − 2/3 at W = 3 in the update (read back from the momentum buffers), the user's 0.9 in
   the param groups and the checkpoint, both values in the CSV log; EAMSGD's own δ; Adam clamped
   to 0 with a warning; no momentum, a warning.
@@ -59,7 +59,7 @@ def test_describe_says_what_it_does():
     assert "nothing to scale" in L.describe_lr_scaling("linear", 1, 5)
 
 
-def test_momentum_correction_math():
+def test_implicit_momentum_correction_math():
     assert L.implicit_momentum(1) == 0.0
     assert L.implicit_momentum(4) == 0.75
     assert L.corrected_momentum(0.9, 3) == pytest.approx(0.9 - IMPLICIT_3)
@@ -94,9 +94,9 @@ def test_bad_values_raise_naming_the_argument(kwargs, match):
         lightning_mpi.DownpourStrategy(**kwargs)
 
 
-def test_bad_momentum_correction_raises():
-    with pytest.raises(ValueError, match=r"momentum_correction='yes' is not allowed"):
-        lightning_mpi.ADAGStrategy(momentum_correction="yes")
+def test_bad_implicit_momentum_correction_raises():
+    with pytest.raises(ValueError, match=r"implicit_momentum_correction='yes' is not allowed"):
+        lightning_mpi.ADAGStrategy(implicit_momentum_correction="yes")
 
 
 def test_warmup_without_lr_scaling_warns():
@@ -115,14 +115,14 @@ def test_every_strategy_takes_the_common_options(name):
     assert strategy.abort_on_exception is False and strategy.collective_timeout == 7.5
     assert strategy.transport.timeout == 7.5 and strategy.log_stats is False
     if issubclass(cls, AsyncMPIStrategy):
-        assert cls(**params, momentum_correction=True).momentum_correction is True
-    elif cls is not lightning_mpi.CompressedSyncStrategy:  # its momentum_correction is DGC's, another thing
+        assert cls(**params, implicit_momentum_correction=True).implicit_momentum_correction is True
+    else:
         with pytest.raises(TypeError):
-            cls(**params, momentum_correction=True)
+            cls(**params, implicit_momentum_correction=True)
     # off by default: nothing is scaled or corrected unless asked for
     default = cls(**params)
     assert default.lr_scaling is None and default.warmup_steps == 0
-    assert getattr(default, "momentum_correction", False) is False
+    assert getattr(default, "implicit_momentum_correction", False) is False
 
 
 def test_model_averaging_sync_warmup_is_renamed():
@@ -209,7 +209,7 @@ def test_world_size_one_is_a_no_op_factor(tmp_path):
     from pytorch_lightning.demos.boring_classes import BoringModel
 
     for strategy in (lightning_mpi.SyncStrategy(lr_scaling="linear", warmup_steps=2),
-                     lightning_mpi.DownpourStrategy(momentum_correction=True, lr_scaling="sqrt")):
+                     lightning_mpi.DownpourStrategy(implicit_momentum_correction=True, lr_scaling="sqrt")):
         model = BoringModel()
         trainer = pl.Trainer(strategy=strategy, max_steps=3, default_root_dir=tmp_path, **QUIET_NO_VAL)
         with warnings.catch_warnings():
@@ -282,7 +282,7 @@ def test_sqrt_scaling_and_lbfgs_on_three_ranks(ranks3):
 
 @pytest.mark.mpi
 @pytest.mark.timeout(300)
-def test_momentum_correction_on_three_ranks(ranks3):
+def test_implicit_momentum_correction_on_three_ranks(ranks3):
     results, result = ranks3
     r = results["momentum"]
     corrected = 0.9 - IMPLICIT_3

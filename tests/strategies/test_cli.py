@@ -181,11 +181,11 @@ def test_print_config_shows_convergence_aids_through_kwargs(tmp_path, monkeypatc
     monkeypatch.chdir(tmp_path)
     code, stdout, stderr = _digits_cli(
         monkeypatch, capsys, "--trainer.strategy=lightning_mpi.DownpourStrategy",
-        "--trainer.strategy.momentum_correction=true", "--trainer.strategy.lr_scaling=sqrt",
+        "--trainer.strategy.implicit_momentum_correction=true", "--trainer.strategy.lr_scaling=sqrt",
         "--trainer.strategy.warmup_steps=7", "--trainer.strategy.collective_timeout=60")
     assert code == 0, stderr[-3000:]
     assert re.search(r"class_path: lightning_mpi\.DownpourStrategy\n\s+init_args:\n\s+period: 5\n\s+progress_interval: 0\.0005\n"
-                     r"\s+momentum_correction: true\n\s+log_stats: true\n\s+abort_on_exception: false\n"
+                     r"\s+implicit_momentum_correction: true\n\s+log_stats: true\n\s+abort_on_exception: false\n"
                      r"\s+collective_timeout: 60\.0\n\s+lr_scaling: sqrt\n\s+warmup_steps: 7\n", stdout), stdout[:2000]
     code, _, stderr = _digits_cli(monkeypatch, capsys, "--trainer.strategy=lightning_mpi.SyncStrategy",
                                   "--trainer.strategy.lr_scaling=cubic")
@@ -195,7 +195,7 @@ def test_print_config_shows_convergence_aids_through_kwargs(tmp_path, monkeypatc
 @pytest.mark.mpi
 @pytest.mark.timeout(300)
 def test_convergence_aids_from_the_command_line_are_announced_once(tmp_path):
-    args = [DIGITS, "fit", "--trainer.strategy=lightning_mpi.DownpourStrategy", "--trainer.strategy.momentum_correction=true",
+    args = [DIGITS, "fit", "--trainer.strategy=lightning_mpi.DownpourStrategy", "--trainer.strategy.implicit_momentum_correction=true",
             "--trainer.strategy.lr_scaling=sqrt", "--trainer.strategy.warmup_steps=3", *_short_run(tmp_path)]
     result = run_mpi(2, args, timeout=280, cwd=tmp_path)
     combined = result.stdout + result.stderr

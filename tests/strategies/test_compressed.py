@@ -19,26 +19,26 @@ NAMES = {"mpi_asa_int8": "int8", "mpi_topk": "topk", "mpi_onebit": "onebit"}
 @pytest.mark.parametrize("bad", [0, -0.5, 1.01, float("nan"), "1%"])
 def test_bad_ratio_raises_value_error_naming_it(bad):
     with pytest.raises(ValueError, match=r"ratio="):
-        CompressedSyncStrategy(codec="topk", ratio=bad)
+        CompressedSyncStrategy(wire="topk", ratio=bad)
     with pytest.raises(ValueError, match=r"ratio="):
-        CompressedSyncRule(codec="topk", ratio=bad)
+        CompressedSyncRule(wire="topk", ratio=bad)
 
 
 @pytest.mark.timeout(60)
 def test_other_bad_arguments():
-    with pytest.raises(ValueError, match="codec="):
-        CompressedSyncRule(codec="int4")
+    with pytest.raises(ValueError, match="wire="):
+        CompressedSyncRule(wire="int4")
     with pytest.raises(ValueError, match="momentum_correction="):
-        CompressedSyncRule(codec="int8", momentum_correction=True)
+        CompressedSyncRule(wire="int8", momentum_correction=True)
     with pytest.raises(ValueError, match="momentum="):
-        CompressedSyncRule(codec="topk", momentum=1.0)
+        CompressedSyncRule(wire="topk", momentum=1.0)
     with pytest.raises(ValueError, match="ratio_warmup_steps="):
-        CompressedSyncRule(codec="topk", ratio_warmup_steps=-1)
+        CompressedSyncRule(wire="topk", ratio_warmup_steps=-1)
 
 
 @pytest.mark.timeout(60)
 def test_ratio_warmup_is_geometric_from_one():
-    rule = CompressedSyncRule(codec="topk", ratio=0.01, ratio_warmup_steps=4)
+    rule = CompressedSyncRule(wire="topk", ratio=0.01, ratio_warmup_steps=4)
     ratios = [rule.ratio_at(s) for s in range(6)]
     assert ratios[0] == 1.0 and ratios[4] == ratios[5] == 0.01
     assert all(a > b for a, b in zip(ratios[:4], ratios[1:5]))
@@ -50,7 +50,7 @@ def test_ratio_warmup_is_geometric_from_one():
 def test_names_are_registered(name):
     trainer = pl.Trainer(strategy=name, **QUIET)
     assert isinstance(trainer.strategy, CompressedSyncStrategy)
-    assert trainer.strategy.rule.codec == NAMES[name]
+    assert trainer.strategy.rule.wire == NAMES[name]
     assert trainer.strategy.rule.error_feedback
 
 
@@ -87,12 +87,12 @@ def test_topk_momentum_correction_with_a_momentum_optimizer_applies_momentum_onc
 
 @pytest.mark.mpi
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("codec", ["int8", "topk", "onebit", "topk_delta16"])
-def test_error_feedback_conserves_mass_over_many_steps(exchange, codec):
+@pytest.mark.parametrize("wire", ["int8", "topk", "onebit", "topk_delta16"])
+def test_error_feedback_conserves_mass_over_many_steps(exchange, wire):
     # sum of applied updates + pending residuals == mean of all gradients, to the last bit
     # (delta16: the bfloat16 rounding in the residuals adds low bits that fp32 sums may round)
-    r = exchange[f"mass_{codec}"]
-    assert r["max_abs_diff"] <= (1e-5 if codec == "topk_delta16" else 0.0)
+    r = exchange[f"mass_{wire}"]
+    assert r["max_abs_diff"] <= (1e-5 if wire == "topk_delta16" else 0.0)
     assert r["wire_bytes"] < r["dense_bytes"]
 
 
@@ -105,9 +105,9 @@ def test_state_dict_restores_momentum_correction_beside_a_momentum_optimizer(exc
 
 @pytest.mark.mpi
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("codec", ["int8", "topk", "onebit"])
-def test_state_dict_restores_residuals(exchange, codec):
-    r = exchange["checkpoint"][codec]
+@pytest.mark.parametrize("wire", ["int8", "topk", "onebit"])
+def test_state_dict_restores_residuals(exchange, wire):
+    r = exchange["checkpoint"][wire]
     assert r["residuals_nonzero"] and r["residuals_equal"]
     assert r["next_step_equal"] and r["fresh_differs"]
     assert r["step"] == 5  # warm-up clock resumed (4 steps + the one after restore)

@@ -23,7 +23,7 @@ def _no_environment():
     [
         ("SyncRule()", {}, "rule="),
         (None, {"collective_timeout": 0}, "collective_timeout=0"),
-        (None, {"momentum_correction": True}, "momentum_correction=True"),
+        (None, {"implicit_momentum_correction": True}, "implicit_momentum_correction=True"),
         (None, {"min_ranks": 2}, "min_ranks=2"),
     ],
 )
@@ -55,7 +55,7 @@ def test_a_core_attribute_reads_and_sets_through_the_core(package):
     strategy = cls(alpha=0.5, collective_timeout=30.0, lr_scaling="sqrt", warmup_steps=3)
     assert strategy.rule is strategy._core.runner.rule and strategy.rule.alpha == 0.5
     assert strategy.bound_rule is None
-    assert (strategy.lr_scaling, strategy.warmup_steps, strategy.momentum_correction) == ("sqrt", 3, False)
+    assert (strategy.lr_scaling, strategy.warmup_steps, strategy.implicit_momentum_correction) == ("sqrt", 3, False)
     assert strategy.collective_timeout == 30.0 and strategy.abort_on_exception is False
     strategy.collective_timeout = 5
     assert strategy._core.failures.timeout == 5.0

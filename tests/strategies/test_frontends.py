@@ -75,8 +75,8 @@ def test_bad_values_name_the_argument_at_construction(package):
         classes.SyncStrategy(collective_timeout=0)
     with pytest.raises(ValueError, match=r"lr_scaling='cubic'"):
         classes.GoSGDStrategy(lr_scaling="cubic")
-    with pytest.raises(ValueError, match=r"momentum_correction='yes'"):
-        classes.DownpourStrategy(momentum_correction="yes")
+    with pytest.raises(ValueError, match=r"implicit_momentum_correction='yes'"):
+        classes.DownpourStrategy(implicit_momentum_correction="yes")
 
 
 def test_one_rule_class_serves_every_frontend():

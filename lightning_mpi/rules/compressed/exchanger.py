@@ -39,7 +39,7 @@ class CompressionOptions(Protocol):
     (a protocol, so that the rule's module imports this one and not the other way round)."""
 
     @property
-    def codec(self) -> str: ...
+    def wire(self) -> str: ...
     @property
     def error_feedback(self) -> bool: ...
     @property
@@ -96,9 +96,9 @@ class CompressedExchanger(BucketExchanger):
             topology_aware=False,
         )
         self.rule = rule
-        self.topk = rule.codec == "topk"
+        self.topk = rule.wire == "topk"
         if not self.topk:
-            self.codec = get_codec(rule.codec)
+            self.codec = get_codec(rule.wire)
         self.step = 0  # updating steps so far (top-k warm-up)
         #: the ``m`` of momentum correction: the rule's, else the optimizer's (set at its first step;
         #: the first exchange does not need it, momentum buffers are still zero then)

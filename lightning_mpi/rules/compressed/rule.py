@@ -80,11 +80,14 @@ class CompressedSyncRule(SyncRule):
 
     name = "compressed"
 
-    codec: Literal["int8", "topk", "onebit"] = option(
+    # Its own wire option, the lossy formats, where SyncRule's are fp32/fp16/bf16: SyncRule's code
+    # only names it in warnings (this rule fixes exchange="asa" and shard_optimizer=False, and brings
+    # its own exchanger and check_together).
+    wire: Literal["int8", "topk", "onebit"] = option(  # type: ignore[assignment]  # the lossy wires
         default="int8",
-        doc='`"int8"` (ASA with per-chunk min-max 8-bit quantization, fp32 sums), `"topk"` (each rank sends '
-        'its `ratio` largest-magnitude entries as (index, value) pairs) or `"onebit"` (ASA with signs and two '
-        "per-chunk scales).",
+        doc='the format on the wire: `"int8"` (ASA with per-chunk min-max 8-bit quantization, fp32 sums), '
+        '`"topk"` (each rank sends its `ratio` largest-magnitude entries as (index, value) pairs) or `"onebit"` '
+        "(ASA with signs and two per-chunk scales).",
     )
     ratio: float = option(
         default=0.01, doc='fraction of entries `"topk"` sends, in (0, 1].', check=number(0.0, 1.0, low_open=True)
@@ -95,7 +98,7 @@ class CompressedSyncRule(SyncRule):
     )
     momentum_correction: bool = option(
         default=False,
-        doc='Deep Gradient Compression\'s momentum correction (`codec="topk"` only): each rank accumulates its '
+        doc='Deep Gradient Compression\'s momentum correction (`wire="topk"` only): each rank accumulates its '
         "velocity `u = m*u + g` and selects from the sum of velocities. With an optimizer that has momentum, it is "
         "handed `(S_t - m*S_(t-1))/(1 - dampening)` for the exchanged update `S_t`, so its momentum buffer is `S_t`: "
         "momentum is applied once. Off: on digits it cost accuracy (docs/convergence.md).",
@@ -144,9 +147,8 @@ class CompressedSyncRule(SyncRule):
         check=integer(0),
     )
 
-    # Fixed for the lossy codecs: ASA carries their chunks, the codec is the wire, gradients are averaged.
+    # Fixed for the lossy wires: ASA carries their chunks, gradients are averaged.
     exchange: Literal["allreduce", "asa"] = field(default="asa", init=False)
-    wire: Literal["fp32", "fp16", "bf16"] = field(default="fp32", init=False)
     average: Literal["gradients", "weights", "weights+momentum"] = field(default="gradients", init=False)
     topology_aware: bool = field(default=False, init=False)
     # Not offered: an error-feedback residual is a full-size gradient copy per rank, the very memory
@@ -154,26 +156,26 @@ class CompressedSyncRule(SyncRule):
     shard_optimizer: bool = field(default=False, init=False)
 
     def check_together(self) -> None:
-        if self.momentum_correction and self.codec != "topk":
+        if self.momentum_correction and self.wire != "topk":
             raise ValueError(
-                "momentum_correction=True needs codec='topk' (DGC corrects momentum for sparsified exchange); "
-                f"got codec={self.codec!r}"
+                "momentum_correction=True needs wire='topk' (DGC corrects momentum for sparsified exchange); "
+                f"got wire={self.wire!r}"
             )
         if self.topk_packing == "delta16" and self.layerwise:
             raise ValueError(
                 "layerwise=True needs topk_packing='pairs' (the default 'delta16' sizes its entries by the "
                 "bucket's bytes, not per tensor); pass layerwise=True, topk_packing='pairs'"
             )
-        if self.clip_norm is not None and self.codec != "topk":
+        if self.clip_norm is not None and self.wire != "topk":
             raise ValueError(
-                f"clip_norm={self.clip_norm!r} needs codec='topk' (DGC's local clipping before accumulation); "
-                f"got codec={self.codec!r}"
+                f"clip_norm={self.clip_norm!r} needs wire='topk' (DGC's local clipping before accumulation); "
+                f"got wire={self.wire!r}"
             )
 
     @property
     def corrects_momentum(self) -> bool:
         """Whether top-k runs DGC's momentum correction."""
-        return self.codec == "topk" and self.momentum_correction
+        return self.wire == "topk" and self.momentum_correction
 
     def ratio_at(self, step: int) -> float:
         """Top-k ratio on update ``step`` (0-based): geometric warm-up from ``ratio_warmup_start`` to ``ratio``."""
@@ -261,7 +263,7 @@ class BoundCompressedSync(BoundSync):
         state = super().state_dict()
         state["step"] = self.exchanger.step
         state["world_size"] = self.transport.size
-        state["codec"] = self.rule.codec
+        state["codec"] = self.rule.wire  # under the key that earlier checkpoints use
         if self._momentum_known:
             state["momentum"] = self.exchanger.momentum
         state.update(self.handoff.state_dict())  # the same on every rank
@@ -322,7 +324,7 @@ class BoundCompressedSync(BoundSync):
         if "momentum" in state and self.rule.momentum is None:
             # Known before the resumed run's first exchange, which already needs it.
             self.exchanger.momentum = float(state["momentum"])
-        if state.get("codec") == self.rule.codec:
+        if state.get("codec") == self.rule.wire:
             self.handoff.load_state_dict(state)
         if "local" in state:  # a heal: this rank's own feedback (see heal_state)
             if self.transport.size > 1:
@@ -333,10 +335,10 @@ class BoundCompressedSync(BoundSync):
         if not ranks or self.transport.size == 1:
             return
         ex = self.exchanger
-        if state.get("codec") != self.rule.codec:
+        if state.get("codec") != self.rule.wire:
             warnings.warn(
-                f"lightning_mpi: checkpoint residuals are for codec={state.get('codec')!r}, not "
-                f"{self.rule.codec!r}; starting with empty residuals.",
+                f"lightning_mpi: checkpoint residuals are for wire={state.get('codec')!r}, not "
+                f"{self.rule.wire!r}; starting with empty residuals.",
                 RuntimeWarning,
                 stacklevel=2,
             )

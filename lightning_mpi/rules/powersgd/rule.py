@@ -109,7 +109,7 @@ class PowerSGDRule(Buckets):
         default=True,
         doc="start each step's power iteration from the previous step's Q (else a fresh random Q every step).",
     )
-    use_error_feedback: bool = option(
+    error_feedback: bool = option(
         default=True, doc="add what the approximation missed on this rank to its next gradient."
     )
     seed: int = option(default=0, doc="seed of the random Q's (≥ 0), the same on every rank.", check=integer(0))
@@ -159,7 +159,7 @@ class BoundPowerSGD(BoundRule):
             first_bucket_bytes=rule.first_bucket_bytes(),
         )
         # Each bucket on its own communicator: hooks may start them in any order on each rank.
-        self.buckets = [PowerSGDBucket(b, transport.dup(), rank_for, rule.use_error_feedback) for b in plain_buckets]
+        self.buckets = [PowerSGDBucket(b, transport.dup(), rank_for, rule.error_feedback) for b in plain_buckets]
         self._ready = [0] * len(self.buckets)
         self._launched = [False] * len(self.buckets)
         self._replayed = False  # a gradient arrived after its bucket left: redo in before_step

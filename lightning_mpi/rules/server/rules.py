@@ -195,8 +195,8 @@ class EAMSGDRule(AEASGDRule):
 
     momentum: float = option(
         default=0.9,
-        doc="Nesterov momentum δ in [0, 1) (dist-keras; Zhang et al. use 0.99); with `momentum_correction=True` the "
-        "rule runs with max(0, δ - (1 - 1/W)).",
+        doc="Nesterov momentum δ in [0, 1) (dist-keras; Zhang et al. use 0.99); with "
+        "`implicit_momentum_correction=True` the rule runs with max(0, δ - (1 - 1/W)).",
         check=number(0.0, 1.0, high_open=True),
     )
 

@@ -164,7 +164,7 @@ def fabric_strategy(api: FabricAPI, environment_class: type, checkpoint_io_class
         abort_on_exception = CoreAttribute()
         lr_scaling = CoreAttribute()
         warmup_steps = CoreAttribute()
-        momentum_correction = CoreAttribute()
+        implicit_momentum_correction = CoreAttribute()
 
         @property
         def optimizers(self) -> list[Optimizer]:

@@ -7,7 +7,7 @@ gradients) abandons it before the update on every rank, unless a GradScaler hand
 itself (it must see them). After the update, ``after_step`` (the same way).
 Lightning calls it only on steps that update, so gradient accumulation exchanges once per update.
 
-The convergence aids (``lr_scaling``, warm-up, momentum correction) wrap the whole
+The convergence aids (``lr_scaling``, warm-up, implicit-momentum correction) wrap the whole
 ``optimizer.step`` (LBFGS reads its lr before it calls the closure) and are lifted while the closure
 runs (SGD/Adam call it first, then read the lr), so only the update sees them; ``with`` puts the
 user's values back on every exit: a finished step, a skipped one or an exception. Every step, skipped

@@ -138,7 +138,7 @@ def trainer_strategy(api: TrainerAPI, environment_class: type, checkpoint_io_cla
         abort_on_exception = CoreAttribute()
         lr_scaling = CoreAttribute()
         warmup_steps = CoreAttribute()
-        momentum_correction = CoreAttribute()
+        implicit_momentum_correction = CoreAttribute()
 
         def stats(self) -> dict[str, float]:
             """What ``log_stats`` logs: the rule's numbers for the last step (``mpi/<rule>/...``, world
