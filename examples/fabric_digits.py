@@ -10,9 +10,8 @@ inside ``fabric.no_backward_sync``); ``optimizer.step()`` finishes them and upda
 ``fabric.all_reduce`` averages the accuracy over MPI; and ``fabric.strategy.finish_training()`` leaves
 the rule's consensus weights on every rank (the center for elastic and parameter-server rules, the
 gossip consensus), since a Fabric loop has no ``on_train_end``. ``--checkpoint`` saves that final
-model after it, with no rule state (a save inside the loop, before ``finish_training``, would carry
-the rule's state to resume training: docs/checkpoints.md). Rank 0 prints one line per epoch and
-``final accuracy <value>``.
+model after it, with the optimizer and the state the rule ended with, so that a run can also go on
+from it (docs/checkpoints.md). Rank 0 prints one line per epoch and ``final accuracy <value>``.
 """
 from __future__ import annotations
 

@@ -11,6 +11,12 @@ Such a rule steps only this rank's shard of the parameters, so the strategy must
   (:mod:`lightning_mpi.checkpoint`), and load one at any world size (:meth:`optimizer_state`,
   :meth:`load_into`).
 
+The optimizer stays sharded after training (the end of ``fit``, Fabric's ``finish_training``), and
+so do saves: one after ``fit`` is the same sharded directory as one during it. Each rank still holds
+only its shard, and nothing is gathered. Gathering the shards into every rank's optimizer at the end
+of ``fit``, as DDP leaves it, would put the whole optimizer state on every rank, which is the
+memory that ZeRO exists to save, just before the final save.
+
 Without such a rule every method leaves the usual path alone, except that a sharded checkpoint's
 optimizer shards are consolidated into torch's format for a plain optimizer
 (:func:`~lightning_mpi.checkpoint.consolidate.plain_state`).
@@ -43,7 +49,8 @@ class OptimizerSharding:
 
     @property
     def active(self) -> bool:
-        """True while the rule shards the optimizer."""
+        """True once a rule that shards the optimizer took it, until the next :meth:`attach` (after
+        training too: the optimizer keeps only this rank's shard, so saves stay sharded)."""
         return self.shards is not None
 
     def attach(self, bound: BoundRule | None, optimizers: Sequence[Optimizer]) -> None:
@@ -78,10 +85,6 @@ class OptimizerSharding:
                 "(precision='16-mixed'): the buddy copy of each shard, which lets ZeRO heal, would step gradients the "
                 "scaler has not unscaled. Use precision='bf16-mixed' (no scaler), or heal=None"
             )
-
-    def detach(self) -> None:
-        self.shards = None
-        self._bound = None
 
     def owns(self, optimizer: Any) -> bool:
         """True when ``optimizer`` (or Lightning's wrapper of it) is the sharded one."""

@@ -3,7 +3,9 @@
 A strategy holds one :class:`RuleRunner`. The rule is bound to the trainable parameters when
 training starts (a state restored from a checkpoint before that is kept and loaded then), paused
 while gradients accumulate, closed at teardown, and dropped without a collective when a run is
-abandoned after a failure.
+abandoned after a failure. A checkpoint saved after training ended (after ``fit``, after Fabric's
+``finish_training``) holds the state the rule ended with, as one saved during training does, until
+the rule is bound again.
 """
 
 from __future__ import annotations
@@ -38,11 +40,13 @@ class RuleRunner:
         self.bound: BoundRule | None = None
         self.live = False  # bound and not closed since
         self._pending_state: dict[str, Any] | None = None
+        self._ended: BoundRule | None = None  # :meth:`end`'s binding, for checkpoints until the next bind
 
     def bind(self, transport: Transport, module: torch.nn.Module, rule: Rule | None = None) -> BoundRule:
         """Bind ``rule`` (default: :attr:`rule`) to the module's trainable parameters, closing a
         previous binding first, and load a state restored before it was bound."""
         self.close()
+        self._ended = None
         params = [p for p in module.parameters() if p.requires_grad]
         self.bound = (rule or self.rule).bind(transport, params)
         self.bound.healing = self.healing
@@ -76,6 +80,14 @@ class RuleRunner:
             self.bound.close()
         self.live = False
 
+    def end(self) -> None:
+        """Close the binding and stop running it (Fabric's ``finish_training``): :attr:`bound` is
+        None from now on, but :meth:`checkpoint` still saves the state the rule ended with (the
+        center, the clocks, the outer momentum), until the next :meth:`bind`."""
+        self.close()
+        if self.bound is not None:
+            self._ended, self.bound = self.bound, None
+
     def abandon(self) -> None:
         """Drop the bound rule of a failed run without a collective.
 
@@ -85,6 +97,7 @@ class RuleRunner:
         """
         if self.bound is not None:
             keep_pending(self.bound)
+        self._ended = None  # its state reads the failed run's transport
         self.close()
 
     @contextmanager
@@ -109,11 +122,13 @@ class RuleRunner:
         return {f"mpi/{self.rule.name}/{key}": value for key, value in self.bound.stats().items()}
 
     def checkpoint(self, world_size: int) -> dict[str, Any] | None:
-        """The rule's state for a checkpoint, or None when no rule is bound. Called on every rank:
-        a rule with sharded state gathers it here."""
-        if self.bound is None:
+        """The rule's state for a checkpoint (after training: the state it ended with, see
+        :meth:`end`), or None when no rule was bound. Called on every rank: a rule with sharded
+        state gathers it here."""
+        bound = self.bound if self.bound is not None else self._ended
+        if bound is None:
             return None
-        return {"rule": type(self.rule).__name__, "state": self.bound.state_dict(), "world_size": world_size}
+        return {"rule": type(self.rule).__name__, "state": bound.state_dict(), "world_size": world_size}
 
     def restore(self, saved: dict[str, Any] | None, world_size: int) -> None:
         """Load what :meth:`checkpoint` saved: now if the rule is bound, else when it is bound."""

@@ -73,7 +73,7 @@ def test_fabric_saves_have_plain_fabrics_mode(tmp_path, umask):
     assert mode(tmp_path / "mpi_gosgd.ckpt") == mode(tmp_path / "auto.ckpt") == 0o666 & ~umask
 
 
-def test_a_fabric_save_before_finish_training_has_the_rules_state_and_one_after_it_has_not(tmp_path):
+def test_fabric_saves_before_and_after_finish_training_hold_the_rules_state(tmp_path):
     # What the README's Fabric snippet and docs/checkpoints.md say.
     import lightning as L
 
@@ -87,4 +87,6 @@ def test_a_fabric_save_before_finish_training_has_the_rules_state_and_one_after_
     fabric.strategy.finish_training()
     fabric.save(tmp_path / "final.ckpt", {"model": model, "optimizer": optimizer})
     assert "lightning_mpi" in torch.load(tmp_path / "last.ckpt", weights_only=False)
-    assert set(torch.load(tmp_path / "final.ckpt", weights_only=False)) == {"model", "optimizer"}
+    final = torch.load(tmp_path / "final.ckpt", weights_only=False)
+    assert set(final) == {"model", "optimizer", "lightning_mpi"}
+    assert final["lightning_mpi"]["state"]["steps"] == 1  # the state the rule ended with

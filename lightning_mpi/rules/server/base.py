@@ -118,6 +118,7 @@ class BoundServerRule(BoundLocalStepRule):
         self.commits = 0
         self.skipped_commits = 0  # commits dropped because their delta held inf/NaN
         self.clock_at_pull = 0
+        self.final_clock = 0  # the server clock at the end of training (the windows are gone after close)
         # the windows and the progress thread exist from on_train_start to close
         self.center: ShardedVector | None = None
         self.clock: Counters | None = None
@@ -257,15 +258,19 @@ class BoundServerRule(BoundLocalStepRule):
             self.commit()
         self._final_committed = True  # a redo after a heal does not commit these steps again
         self.transport.barrier()  # every rank's last commit has landed (with the collective timeout)
+        assert self.clock is not None  # made with the center
+        self.final_clock = int(self.clock.read()[0])
         self.center.read(self.scratch)
         self.flat.push(self.scratch)
         self.ref.copy_(self.scratch)
 
-    def take_center(self, center: Tensor) -> None:
+    def take_center(self, center: Tensor, clock: int) -> None:
         """Leave ``center`` (the final center, as :meth:`on_train_end` leaves it on another rank) in
-        the parameters: that result, for a survivor that missed its completion in a heal."""
+        the parameters, and ``clock`` as the final clock: that result, for a survivor that missed its
+        completion in a heal."""
         self.training = False
         self._final_committed = True
+        self.final_clock = clock
         self.flat.push(center.to(self.ref.dtype))
         self.ref.copy_(center)
 
@@ -280,8 +285,8 @@ class BoundServerRule(BoundLocalStepRule):
             Operation(
                 "the final commit",
                 lambda bound: bound.on_train_end(),
-                result=lambda bound, _: bound.flat.pull_host().clone(),
-                take=lambda bound, center, _: bound.take_center(center),
+                result=lambda bound, _: (bound.flat.pull_host().clone(), bound.final_clock),
+                take=lambda bound, sent, _: bound.take_center(*sent),
                 collective=lambda bound, _: bound.transport.size > 1,
             )
         )
@@ -393,8 +398,8 @@ class BoundServerRule(BoundLocalStepRule):
             clock = int(self.clock.read()[0])
         elif self._pending is not None:
             center, clock = self._padded(self._pending["center"]), int(self._pending["clock"])
-        else:
-            center, clock = self.flat.pull_host().clone(), 0
+        else:  # before training (0), or after it: the final center is in the weights (on_train_end)
+            center, clock = self.flat.pull_host().clone(), self.final_clock
         local = self._local_state()
         ranks = self.transport.allgather_object(local) if self.transport.size > 1 else [local]
         return {

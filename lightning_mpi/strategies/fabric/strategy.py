@@ -24,9 +24,10 @@ user's own code, so the rule's lifecycle hangs on the calls that loop makes:
 - ``fabric.strategy.finish_training()``: a Fabric loop has no ``on_train_end``, so call it on every
   rank after the loop: every rank's module then holds the rule's consensus weights (the center
   for elastic and parameter-server rules, the weighted consensus for gossip, DiLoCo's mean of the
-  replicas), and the rule's threads and windows are released. Under ``heal`` a rank lost inside it
-  heals there and the final exchange is redone over the survivors
-  (:meth:`..core.StrategyCore.end_training`).
+  replicas), and the rule's threads and windows are released. A ``fabric.save`` after it holds those
+  weights and the state the rule ended with (and a sharded optimizer's shards), so a run can go on
+  from it. Under ``heal`` a rank lost inside it heals there and the final exchange is redone over
+  the survivors (:meth:`..core.StrategyCore.end_training`).
 
 When a rank fails. An exception raised inside any of the strategy's calls above (a collective, a
 step, a checkpoint) fails the run on every rank: it is posted to the other ranks, which raise
@@ -148,7 +149,7 @@ def fabric_strategy(api: FabricAPI, environment_class: type, checkpoint_io_class
                 module=lambda: self._module,
                 steps_seen=lambda: self._step.steps_seen,
             )
-            self._checkpoints = FabricCheckpoints(self, core)
+            self._checkpoints = FabricCheckpoints(self, core, module=lambda: self._module)
             core.replacing.join()  # a process spawned to replace a lost rank joins the run here
             self._set_world_ranks()
             if core.replacing.catching_up:  # ... and takes the survivors' state at once (collective)
@@ -337,16 +338,16 @@ def fabric_strategy(api: FabricAPI, environment_class: type, checkpoint_io_class
             the average, the gossip consensus) and release its threads and windows.
 
             Call it once, on every rank, after the training loop and before evaluating or saving the
-            final model (it may be collective). A later ``fabric.setup`` binds the rule afresh.
-            Calling it again does nothing.
+            final model (it may be collective). A save after it holds the state the rule ended with
+            (a sharded optimizer stays sharded: its save is a directory of shards, as during
+            training). A later ``fabric.setup`` binds the rule afresh. Calling it again does nothing.
             """
             core = self._core
             if core.bound_rule is None:
                 return
             core.end_training()  # a heal may rebind the rule
-            core.runner.close()
-            core.runner.bound = None
-            core.optimizer_sharding.detach()
+            # saves after it still hold the rule's state as it ended, and a sharded optimizer's shards
+            core.runner.end()
 
         @override
         def teardown(self) -> None:
@@ -390,10 +391,11 @@ def fabric_strategy(api: FabricAPI, environment_class: type, checkpoint_io_class
             filter: dict[str, Any] | None = None,
         ) -> None:
             """Rank 0 writes ``state`` plus the rule's state; every rank takes part (sharded rule
-            state is gathered here). After :meth:`finish_training` no rule is bound, so the file holds
-            the consensus weights and no rule state: save before it to resume training. Under
-            ``heal`` a rank lost during the save makes the survivors heal and save again
-            (:func:`..checkpoint_io.save_through_heals`)."""
+            state is gathered here). After :meth:`finish_training` the file holds the consensus
+            weights and the state the rule ended with. With a sharded optimizer (``mpi_zero``) the
+            file is a directory that every rank writes its shard into, before and after
+            :meth:`finish_training` alike. Under ``heal`` a rank lost during the save makes the
+            survivors heal and save again (:func:`..checkpoint_io.save_through_heals`)."""
             self._checkpoints.save(
                 path,
                 state,
@@ -418,8 +420,10 @@ def fabric_strategy(api: FabricAPI, environment_class: type, checkpoint_io_class
             """Fabric's load, and the rule's state restored from the ``"lightning_mpi"`` entry.
 
             With ``state`` a dictionary (or ``None``) the rule's state comes back too; loading into a
-            bare module or optimizer restores only that object. The file holds the rule's own objects,
-            so it is read with ``weights_only=False`` unless you say otherwise.
+            bare module or optimizer restores only that object. A file without the rule's state that
+            replaces the weights of the module set up with this strategy binds the rule afresh on
+            them (:mod:`.checkpoints`). The file holds the rule's own objects, so it is read with
+            ``weights_only=False`` unless you say otherwise.
             """
             return self._checkpoints.load(
                 path,

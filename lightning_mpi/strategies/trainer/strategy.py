@@ -345,7 +345,7 @@ def trainer_strategy(api: TrainerAPI, environment_class: type, checkpoint_io_cla
             self._decisions.unscope_hooks()
             self._core.runner.close()
             self.precision_plugin.__dict__.pop("clip_grad_by_norm", None)  # Lightning's own again
-            self._core.optimizer_sharding.detach()
+            # a sharded optimizer stays sharded: a save after fit writes its shards, as one during fit
             super().teardown()
 
         # -- collectives (over MPI: see :mod:`..run_collectives`), and Lightning's stop decisions ----------
