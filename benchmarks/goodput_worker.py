@@ -17,13 +17,21 @@ What the benchmark reads, under OUT:
 - ``progress``: rank 0 appends ``time global_step world_size pid`` after every training batch;
 - ``pids/<pid>``: every process writes its rank at its first training batch (and again when its
   rank changes, after a heal), so that the benchmark knows which processes it may SIGKILL (never
-  rank 0, whose lines are the record).
+  rank 0, whose lines are the record);
+- ``weights/<pid>``: ``rank step digest`` of its final weights, written by every process whose
+  ``fit`` returns. The benchmark ends the job by writing ``OUT/stop`` (the step to stop at,
+  ``goodput_model.StopRequest``); every rank sets ``should_stop`` at that step.
+
+Across simulated hosts (``benchmarks/cluster.py``) ``torchrun`` runs one agent per host: the
+``ddp`` frontend then takes ``num_nodes`` from ``WORLD_SIZE / LOCAL_WORLD_SIZE``.
+The model, data and optimizer are ``goodput_model``'s (shared with torchft's arm).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
 import warnings
 from pathlib import Path
@@ -32,42 +40,32 @@ import pytorch_lightning as pl
 import torch
 from pytorch_lightning.callbacks import Callback, ModelCheckpoint
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader
 
-SAMPLES = 8192
-FEATURES = 64
-CLASSES = 10
-
-
-def dataset() -> TensorDataset:
-    generator = torch.Generator().manual_seed(0)
-    x = torch.randn(SAMPLES, FEATURES, generator=generator)
-    teacher = torch.randn(FEATURES, CLASSES, generator=generator)
-    return TensorDataset(x, (x @ teacher).argmax(dim=1))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from goodput_model import WIDTH, StopRequest, dataset, mlp, optimizer, write_digest  # noqa: E402
 
 
 class Task(pl.LightningModule):
     def __init__(self, width: int) -> None:
         super().__init__()
-        torch.manual_seed(0)
-        self.net = nn.Sequential(
-            nn.Linear(FEATURES, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(), nn.Linear(width, CLASSES)
-        )
+        self.net = mlp(width)
 
     def training_step(self, batch, batch_idx):
         x, y = batch
         return nn.functional.cross_entropy(self.net(x), y)
 
     def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+        return optimizer(self.parameters())
 
 
 class Record(Callback):
-    """Rank 0's progress lines; every process's pid file."""
+    """Rank 0's progress lines; every process's pid file; the stop at the step the benchmark asks."""
 
     def __init__(self, out: Path) -> None:
         self.out = out
         self.rank: int | None = None
+        self.stop = StopRequest(out)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         rank = trainer.global_rank
@@ -77,6 +75,8 @@ class Record(Callback):
         if rank == 0:
             with open(self.out / "progress", "a") as log:
                 log.write(f"{time.time():.4f} {trainer.global_step} {trainer.world_size} {os.getpid()}\n")
+        if self.stop.due(trainer.global_step):
+            trainer.should_stop = True
 
 
 def main() -> None:
@@ -86,7 +86,7 @@ def main() -> None:
     parser.add_argument("--heal", choices=["shrink", "replace"], default=None)
     parser.add_argument("--steps", type=int, default=1500)
     parser.add_argument("--batch", type=int, default=32)
-    parser.add_argument("--width", type=int, default=256)
+    parser.add_argument("--width", type=int, default=WIDTH)
     parser.add_argument("--ckpt-every", type=int, default=250)
     args = parser.parse_args()
     warnings.filterwarnings("ignore")  # each relaunch would repeat Lightning's hints in the log
@@ -102,8 +102,12 @@ def main() -> None:
     else:
         from pytorch_lightning.strategies import DDPStrategy
 
-        world = int(os.environ["WORLD_SIZE"])
-        trainer_kwargs = {"strategy": DDPStrategy(process_group_backend="gloo"), "devices": world}
+        world, local = int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_WORLD_SIZE"])
+        trainer_kwargs = {
+            "strategy": DDPStrategy(process_group_backend="gloo"),
+            "devices": local,
+            "num_nodes": world // local,
+        }
         fit_kwargs["ckpt_path"] = "last"  # what a Lightning user writes to resume under torchrun
     checkpoint = ModelCheckpoint(
         dirpath=args.out / "checkpoints", every_n_train_steps=args.ckpt_every, save_last=True, save_top_k=1
@@ -120,7 +124,9 @@ def main() -> None:
         **trainer_kwargs,
     )
     loader = DataLoader(dataset(), batch_size=args.batch, shuffle=True, drop_last=True)
-    trainer.fit(Task(args.width), loader, **fit_kwargs)
+    task = Task(args.width)
+    trainer.fit(task, loader, **fit_kwargs)
+    write_digest(args.out, trainer.global_rank, trainer.global_step, task.net)
 
 
 if __name__ == "__main__":
