@@ -363,7 +363,11 @@ def error_line(log: str) -> str | None:
     raised = [line for line in lines if re.match(r"[\w.]*(Error|Exception)\b.*:", line)]
     if raised:  # the exception a traceback ends with
         return raised[-1][:240]
-    named = [line for line in lines if re.search(r"(error|MPI_ERR|failed|Killed)", line, re.IGNORECASE)]
+    named = [
+        line
+        for line in lines
+        if re.search(r"(error|MPI_ERR|failed|Killed)", line, re.IGNORECASE) and "warning" not in line.lower()
+    ]
     return named[-1][:240] if named else None
 
 
