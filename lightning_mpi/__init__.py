@@ -21,10 +21,13 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from lightning_mpi.comm.liveness import beat_from_mpi_init
 from lightning_mpi.comm.mpienv import apply_mpi_defaults
 
 # Before anything imports mpi4py.MPI (which initialises MPI): see lightning_mpi.comm.mpienv.
 apply_mpi_defaults()
+# In a job with Open MPI's failure detector on, a live rank answers it from MPI's start on.
+beat_from_mpi_init()
 
 # ``X as X``: re-exported public names (``__all__`` below is built, so linters cannot read it)
 from lightning_mpi.strategies.registry import STRATEGIES as STRATEGIES  # noqa: E402

@@ -37,22 +37,17 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-# Recognising a dead rank lives in comm.errors; these names are also importable from here, where the
-# healing code that catches them has always found them.
-from lightning_mpi.comm.errors import ProcessFailed, failed_ranks, failures_raised, process_failure
+from lightning_mpi.comm.errors import ProcessFailed, failed_ranks, process_failure
 
 __all__ = [
     "HealSupport",
     "HealUnavailable",
     "Healed",
-    "ProcessFailed",
-    "failed_ranks",
-    "failures_raised",
     "free",
     "heal",
     "heal_support",
+    "mark_failed",
     "mark_finished",
-    "process_failure",
     "require_heal",
     "revoke",
 ]
@@ -235,6 +230,27 @@ def _old_ranks(new: Any, old: Any) -> list[int]:
         old_group.Free()
 
 
+def _mark(kind: str) -> None:
+    """Leave ``kind.<host>.<pid>`` in the directory of ``lightning-mpi --heal`` (none without it)."""
+    directory = os.environ.get(HEAL_OUTCOME_ENV)
+    if not directory:
+        return
+    import socket
+
+    try:
+        with open(os.path.join(directory, f"{kind}.{socket.gethostname()}.{os.getpid()}"), "w"):
+            pass
+    except OSError:
+        pass  # not on this host's file system: another rank's mark, or none
+
+
+def mark_failed() -> None:
+    """Tell ``lightning-mpi --heal`` that this rank failed the run (no collective): ``mpirun
+    --with-ft ulfm`` can exit 0 after an ``MPI_Abort`` once ranks died, and ``--max-restarts`` must
+    see a failure to relaunch."""
+    _mark("failed")
+
+
 def mark_finished(comm: Any) -> None:
     """Tell ``lightning-mpi --heal`` that training finished: collective over the survivors' ``comm``
     (a barrier), then every rank leaves a mark in the launcher's directory. Call it as the last
@@ -243,13 +259,4 @@ def mark_finished(comm: Any) -> None:
     ``MPI_Finalize`` (see :mod:`lightning_mpi.launcher.healing`). Without ``lightning-mpi --heal``
     it is only the barrier."""
     comm.Barrier()
-    directory = os.environ.get(HEAL_OUTCOME_ENV)
-    if not directory:
-        return
-    import socket
-
-    try:
-        with open(os.path.join(directory, f"finished.{socket.gethostname()}.{os.getpid()}"), "w"):
-            pass
-    except OSError:
-        pass  # not on this host's file system: another rank's mark, or none
+    _mark("finished")

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import argparse
 
-from .command import ENV_KEY
+from .command import ENV_KEY, HANG_TIMEOUT
 from .errors import PROG
 from .hosts import parse_host, positive_int
 from .process import KILL_GRACE_S
@@ -123,6 +123,15 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="launch with ULFM fault tolerance (Open MPI: --with-ft ulfm), so that the "
         "survivors of a lost rank can heal and go on; MPICH cannot",
+    )
+    parser.add_argument(
+        "--hang-timeout",
+        metavar="S",
+        type=_arg_seconds,
+        default=HANG_TIMEOUT,
+        help=f"with --heal: a rank that answers no heartbeat for S seconds (a frozen process, a lost host) "
+        f"is declared failed and healed like a killed one (Open MPI's detector; default {HANG_TIMEOUT:g}; 0: no "
+        "detector). Lower detects sooner; a rank starved of CPU for longer than S is declared failed too",
     )
     parser.add_argument(
         "--spares",

@@ -114,6 +114,7 @@ def _prepare(args: argparse.Namespace, environ: Mapping[str, str]) -> LaunchPlan
             oversubscribe=oversubscribe,
             as_root=as_root,
             heal=args.heal,
+            hang_timeout=args.hang_timeout or None,
         )
         command = build_command(spec, flavor)
     except ValueError as exc:

@@ -22,6 +22,14 @@ FLAVOR_NAMES = {"mpich": "MPICH (hydra)", "openmpi": "Open MPI", "srun": "Slurm 
 #: A shell variable name: what ``--env`` and :attr:`LaunchSpec.env` accept as a key.
 ENV_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 
+#: ``--hang-timeout``'s default: seconds without a heartbeat before Open MPI's detector declares a
+#: rank failed. The survivors train again about this long after a rank hung; a live rank that holds
+#: Python's lock for longer (a loaded machine's start-up) is taken for a hung one (docs/faults.md,
+#: "Hung ranks").
+HANG_TIMEOUT = 8.0
+#: heartbeats per timeout (Open MPI wants the timeout above 3 periods)
+DETECTOR_BEATS = 5
+
 
 @dataclass(frozen=True)
 class LaunchSpec:
@@ -39,6 +47,10 @@ class LaunchSpec:
     - ``as_root``: the job runs as root (Open MPI refuses unless told; hydra and srun do not mind).
     - ``heal``: launch with ULFM fault tolerance, so that the job survives a rank's death and the
       survivors can heal (Open MPI only: see :func:`build_command`).
+    - ``hang_timeout``: with ``heal``, seconds after which a rank that stopped answering (a frozen
+      process, a lost host) is declared failed by Open MPI's heartbeat detector, which beats every
+      ``hang_timeout / 5`` seconds; ``None``: the detector stays off (a lost rank is then noticed
+      only when its process ends).
 
     Invalid values raise ``ValueError`` naming the field and the value.
     """
@@ -55,6 +67,7 @@ class LaunchSpec:
     oversubscribe: bool = False
     as_root: bool = False
     heal: bool = False
+    hang_timeout: float | None = HANG_TIMEOUT
 
     def __post_init__(self) -> None:
         # Accept lists for convenience but store tuples, so the spec stays hashable and frozen.
@@ -67,6 +80,10 @@ class LaunchSpec:
             raise ValueError(f"ppn={self.ppn!r}: must be an integer >= 1 or None")
         if self.hosts and self.hostfile:
             raise ValueError("hosts and hostfile: give at most one of them")
+        if self.hang_timeout is not None and not self.hang_timeout > 0:
+            raise ValueError(
+                f"hang_timeout={self.hang_timeout!r}: must be a number of seconds > 0, or None (no detector)"
+            )
         for host in self.hosts:
             parse_host(host)  # raises ValueError naming the bad host
         for key, _ in self.env:
@@ -115,6 +132,11 @@ def build_command(spec: LaunchSpec, flavor: Flavor) -> list[str]:
         cmd = [spec.launcher, "-np", str(spec.nprocs)]
         if spec.heal:
             cmd += ["--with-ft", "ulfm"]
+            if spec.hang_timeout is not None:  # heartbeats (comm.liveness keeps a live rank beating)
+                period = spec.hang_timeout / DETECTOR_BEATS
+                cmd += ["--mca", "mpi_ft_detector", "true"]
+                cmd += ["--mca", "mpi_ft_detector_period", f"{period:g}"]
+                cmd += ["--mca", "mpi_ft_detector_timeout", f"{spec.hang_timeout:g}"]
         if spec.oversubscribe:
             cmd.append("--oversubscribe")
         if spec.as_root:

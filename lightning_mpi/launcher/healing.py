@@ -13,8 +13,11 @@ So the launcher gives the ranks a directory (:data:`HEAL_OUTCOME_ENV`); once eve
 done (``lightning_mpi.comm.ulfm.mark_finished``, collective), each leaves a ``finished.*`` file in
 it. A job with such a file that ends by a signal (code > 128), or that is still running
 ``--grace`` seconds later (then it is stopped), is reported as finished: exit code 0, with a
-note. An exception (code 1) is never overridden. The directory is local to the launcher's host
-(where rank 0 usually runs); on a shared file system any rank's file counts.
+note. An exception (code 1) is never overridden. The other way round, ``mpirun`` exits 0 after a
+rank's ``MPI_Abort`` once ranks died (measured): a rank that fails the run leaves a ``failed.*``
+file (``lightning_mpi.comm.ulfm.mark_failed``), and a job with one and no ``finished.*`` is
+reported as failed (exit code 1), so that ``--max-restarts`` relaunches it. The directory is local
+to the launcher's host (where rank 0 usually runs); on a shared file system any rank's file counts.
 """
 
 from __future__ import annotations
@@ -25,7 +28,15 @@ import tempfile
 
 from .restarts import describe_exit
 
-__all__ = ["FINISHED_PREFIX", "HEAL_OUTCOME_ENV", "SPARES_ENV", "OutcomeDir", "healed_exit_code", "marked_finished"]
+__all__ = [
+    "FAILED_PREFIX",
+    "FINISHED_PREFIX",
+    "HEAL_OUTCOME_ENV",
+    "SPARES_ENV",
+    "OutcomeDir",
+    "healed_exit_code",
+    "marked_finished",
+]
 
 #: Exported to the ranks of a ``--heal`` job: the directory where they mark that training finished.
 #: The same name as ``lightning_mpi.comm.ulfm.HEAL_OUTCOME_ENV`` (this package imports nothing of it).
@@ -34,12 +45,13 @@ HEAL_OUTCOME_ENV = "LIGHTNING_MPI_HEAL_OUTCOME"
 #: the same name as its ``SPARES_ENV``).
 SPARES_ENV = "LIGHTNING_MPI_SPARES"
 FINISHED_PREFIX = "finished."
+FAILED_PREFIX = "failed."
 
 
-def marked_finished(outcome_dir: str) -> bool:
-    """Whether a rank left its ``finished.*`` file in ``outcome_dir``."""
+def marked_finished(outcome_dir: str, prefix: str = FINISHED_PREFIX) -> bool:
+    """Whether a rank left its ``finished.*`` file (``prefix``: another mark) in ``outcome_dir``."""
     try:
-        return any(name.startswith(FINISHED_PREFIX) for name in os.listdir(outcome_dir))
+        return any(name.startswith(prefix) for name in os.listdir(outcome_dir))
     except OSError:
         return False
 
@@ -55,6 +67,8 @@ def healed_exit_code(code: int, outcome_dir: str | None, ended_after_finish: boo
             "training finished, but the job had not ended --grace seconds later (Open MPI can wait "
             "forever in MPI_Finalize after ranks were lost); stopped it"
         )
+    if code == 0 and marked_finished(outcome_dir, FAILED_PREFIX) and not marked_finished(outcome_dir):
+        return 1, "a rank failed the run (its traceback is above); mpirun reported success after ranks were lost"
     if code <= 128 or not marked_finished(outcome_dir):
         return code, None
     return 0, (

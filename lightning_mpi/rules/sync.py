@@ -30,8 +30,8 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_mpi.comm.buffers import Bucket, make_buckets
+from lightning_mpi.comm.errors import ProcessFailed
 from lightning_mpi.comm.transport import Transport
-from lightning_mpi.comm.ulfm import ProcessFailed
 from lightning_mpi.options import option, options_class
 from lightning_mpi.rules.base import (
     BoundRule,

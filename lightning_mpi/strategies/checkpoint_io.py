@@ -77,11 +77,13 @@ def save_through_heals(
     temporary file the lost writer left; ``writes()``: this rank writes ``target`` now). A
     survivor that completed the barrier knows that the file was written (every rank had entered
     it, the writer after its write), so one that missed that completion takes nothing and goes
-    on. Without ``healing``: ``save()`` alone, as before.
+    on. Without ``healing``: ``save()`` alone, as before. A side of the run that stopped for want of
+    ``min_ranks`` saves nothing (:meth:`~.healing.RunHealing.refuse_saves`).
     """
     if not healing.active:
         save()
         return
+    healing.refuse_saves(target)
     attempts = itertools.count()
 
     def run() -> None:

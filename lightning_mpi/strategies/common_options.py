@@ -71,7 +71,9 @@ class CommonOptions:
     min_ranks: int | None = option(
         default=None,
         doc="with `heal`: with fewer survivors than this, raise `RankFailedError` as without `heal`, so that "
-        "`--max-restarts` takes over (>= 1; None: go on down to one rank).",
+        "`--max-restarts` takes over (>= 1). None: more than half of the ranks the run started with, so that a "
+        "network partition never leaves two halves training apart (the side with the majority goes on, the other "
+        "stops and writes nothing); 1: go on down to one rank.",
         check=optional(integer(1)),
     )
 

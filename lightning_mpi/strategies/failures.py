@@ -40,6 +40,7 @@ from lightning_mpi.comm.errors import LINGER_SECONDS, ErrorChannel, RankFailedEr
 from lightning_mpi.comm.reclaim import reclaim
 from lightning_mpi.comm.resources import RunResources
 from lightning_mpi.comm.transport import Transport, wait_request
+from lightning_mpi.comm.ulfm import mark_failed
 
 #: Pause between printing a failing rank's message and ``MPI_Abort`` (see :func:`abort_every_rank`).
 ABORT_FLUSH_SECONDS = 0.5
@@ -58,6 +59,7 @@ def abort_every_rank(message: str) -> None:
     # kill every proxy at once, which can drop lines still in flight (a CI run lost a traceback
     # this way). A short pause on a path that is ending the job anyway lets them through.
     time.sleep(ABORT_FLUSH_SECONDS)
+    mark_failed()  # `lightning-mpi --heal` reports the failure whatever mpirun's exit status says
     from mpi4py import MPI  # initialises MPI on import: only on this path (see lightning_mpi.comm)
 
     MPI.COMM_WORLD.Abort(1)

@@ -21,7 +21,11 @@ every other survivor, wherever each of them noticed:
    rule);
 2. :func:`~lightning_mpi.comm.healing.heal_run`: revoke, shrink, agree, a new error channel and
    transport over the survivors, the failed run released (the rule is abandoned first);
-3. with fewer survivors than ``min_ranks``: ``RankFailedError``, as without ``heal``;
+3. with fewer survivors than ``min_ranks`` (by default more than half of the ranks the run started
+   with, so that the two sides of a network partition never train apart): ``RankFailedError``, as
+   without ``heal``, and nothing more is saved on this side; the survivors SIGKILL the lost ranks
+   that run on their own host (a frozen process that wakes up must not train on:
+   :mod:`lightning_mpi.comm.liveness`);
 4. the strategy adopts the new communicator: ranks, world size, node layout (the cluster
    environment, so ``trainer.world_size`` and ``global_rank`` follow), the rule is bound again on
    the new transport with what it kept, the preemption vote restarts;
@@ -49,9 +53,10 @@ from typing import Any, TypeVar, cast
 
 import torch
 
-from lightning_mpi.comm.errors import RankFailedError
+from lightning_mpi.comm.errors import ProcessFailed, RankFailedError, process_failure
 from lightning_mpi.comm.healing import HealedRun, heal_run
-from lightning_mpi.comm.ulfm import HEAL_ATTEMPTS, ProcessFailed, mark_finished, process_failure, require_heal
+from lightning_mpi.comm.liveness import Processes, heartbeat
+from lightning_mpi.comm.ulfm import HEAL_ATTEMPTS, mark_finished, require_heal
 from lightning_mpi.rules.base import BoundRule, Operation
 
 _T = TypeVar("_T")
@@ -85,7 +90,8 @@ class RunHealing:
     Args:
         mode: ``None``, ``"shrink"`` or ``"replace"`` (the strategy's ``heal``); a heal checks at once
             that this MPI can heal (:func:`~lightning_mpi.comm.ulfm.require_heal` names the fix).
-        min_ranks: fewer survivors than this raise ``RankFailedError`` (``None``: 1).
+        min_ranks: fewer survivors than this raise ``RankFailedError`` (``None``: more than half of
+            the world size the strategy started with).
         failures: the strategy's :class:`~.failures.RunFailures` (its transport, channel, ranks).
         environment: the strategy's MPI cluster environment (:class:`~.environment.MPIClusterMixin`).
         bound: returns the bound rule (or ``None``).
@@ -108,7 +114,6 @@ class RunHealing:
         rule_name: str,
     ) -> None:
         self.mode = mode
-        self.min_ranks = min_ranks or 1
         self.require(mode)
         self._failures = failures
         self._environment = environment
@@ -123,6 +128,15 @@ class RunHealing:
         self.history: list[dict[str, Any]] = []
         #: the world size to grow back to (``heal="replace"``): the strategy's at construction
         self.start_size = int(getattr(failures, "world_size", 1))
+        self.min_ranks = min_ranks if min_ranks is not None else self.start_size // 2 + 1
+        #: the survivors were too few (``min_ranks``: the minority of a partition): this side stopped,
+        #: and saves nothing more (:meth:`refuse_saves`)
+        self.stopped = False
+        #: every rank's host and pid, to kill the ones a heal leaves behind (under ``heal``)
+        self.processes: Processes | None = None
+        if self.active:
+            heartbeat()  # started when MPI was (comm.liveness); here for a process that imported it first
+            self.processes = Processes.gather(failures.transport)
         #: a heal happened and replacements are still to be spawned (``heal="replace"``)
         self.grow_pending = False
         #: training batches begun on this rank (counted by ``heal="replace"`` at each batch's start,
@@ -135,6 +149,22 @@ class RunHealing:
         self.grow_at = 0
         #: ranks spawned that joined (``heal="replace"``)
         self.replaced = 0
+
+    def learn_processes(self, transport: Any) -> None:
+        """After ranks were let in (``heal="replace"``; collective over the grown run, survivors and new
+        ranks): every rank's host and pid again."""
+        if self.active:
+            self.processes = Processes.gather(transport)
+
+    def refuse_saves(self, target: Any) -> None:
+        """Raise ``RankFailedError`` when this side of the run stopped (:attr:`stopped`): a minority
+        that saved would leave a checkpoint beside the majority's, of a run that did not go on."""
+        if self.stopped:
+            raise _stopped(
+                -1,
+                f"not saving {target}: this side of the run stopped with fewer than min_ranks={self.min_ranks} ranks "
+                "(the other side, if it holds the majority, went on and saves its own)",
+            )
 
     @staticmethod
     def require(mode: str | None) -> None:
@@ -295,19 +325,28 @@ class RunHealing:
             before_release=self._abandon,
         )
         assert run.healed is not None
+        if self.processes is not None:  # a lost rank that is alive (stopped, cut off) must not train on
+            self.processes.kill_lost(run.healed.lost)
+        # the end of a process that healed is marked (a stop below ends its run with an exception: an
+        # uncaught one aborts before the mark, and marks the job failed instead)
         remember_healed(run.base)
         failures.adopt(run)
         environment.adopt(run.base)
         transport = run.transport
         if transport.size < self.min_ranks:
+            self.stopped = True
             raise _stopped(
                 run.healed.lost[0] if run.healed.lost else -1,
-                f"rank(s) {', '.join(map(str, run.healed.lost))} of {old_size} died and {transport.size} survive, "
-                f"fewer than min_ranks={self.min_ranks}: the run stops (`lightning-mpi --max-restarts` relaunches it)",
+                f"rank(s) {', '.join(map(str, run.healed.lost))} of {old_size} were lost and {transport.size} of the "
+                f"{self.start_size} ranks the run started with remain here, fewer than min_ranks={self.min_ranks} "
+                "(by default more than half, so that the two sides of a network partition never train apart): this "
+                "side stops and saves nothing more (`lightning-mpi --max-restarts` relaunches the run)",
             ) from error
         # Where is everyone: the operations each completed, and where each noticed.
         mine = (self.completed, where, failure.error_class, old_rank, self.boundaries)
         everyone = transport.allgather_object(mine)
+        if self.processes is not None:
+            self.processes = self.processes.survivors([entry[3] for entry in everyone])
         self.grow_at = max(entry[4] for entry in everyone) + 1
         counts = [entry[0] for entry in everyone]
         low, high = min(counts), max(counts)

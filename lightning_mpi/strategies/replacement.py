@@ -65,10 +65,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from lightning_mpi.comm.errors import ProcessFailed, process_failure
 from lightning_mpi.comm.healing import HealedRun, finish_growth, join_run, poll_ready, start_growth
 from lightning_mpi.comm.respawn import JOIN_TIMEOUT, Respawned
 from lightning_mpi.comm.spares import call_spares, is_spare, spares_left
-from lightning_mpi.comm.ulfm import ProcessFailed, process_failure
 from lightning_mpi.comm.ulfm import free as ulfm_free
 from lightning_mpi.comm.ulfm import revoke as ulfm_revoke
 from lightning_mpi.strategies.healing import RunHealing, remember_healed
@@ -223,6 +223,7 @@ class RunReplacing:
         ``ckpt_path`` to resume from."""
         transport = self._failures.transport
         handover: Handover = transport.broadcast_object(None, root=0)
+        self._healing.learn_processes(transport)  # with the survivors (they do it after the same broadcast)
         self.handover = handover
         self._healing.boundaries = handover.boundaries - 1  # its first batch's start counts the join's
         shard = handover.shards[transport.rank - (transport.size - len(handover.shards))]
@@ -378,6 +379,7 @@ class RunReplacing:
                 checkpoint[self._key] = {"rule": rule, "state": handed, "world_size": transport.size}
             handover = Handover(checkpoint, shards, self._loop.batches_done(at), healing.boundaries)
         transport.broadcast_object(handover, root=0)
+        healing.learn_processes(transport)  # with the new ranks (they do it after the same broadcast)
         self._adopt(state)
         joined = list(pending.respawned.new_ranks)
         seconds = time.perf_counter() - pending.started

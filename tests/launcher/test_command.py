@@ -65,9 +65,16 @@ class TestBuildCommand:
         # Healing, more ranks than slots and running as root: Open MPI does each only when told.
         cmd = build_command(spec(nprocs=3, heal=True, oversubscribe=True, as_root=True, launcher="mpirun"), "openmpi")
         assert cmd == [
-            "mpirun", "-np", "3", "--with-ft", "ulfm", "--oversubscribe", "--allow-run-as-root",
-            "--bind-to", "none", "py", "train.py", "fit", "--x=1",
+            "mpirun", "-np", "3", "--with-ft", "ulfm",
+            # the heartbeat detector: a rank silent for hang_timeout (8 s) is declared failed
+            "--mca", "mpi_ft_detector", "true", "--mca", "mpi_ft_detector_period", "1.6",
+            "--mca", "mpi_ft_detector_timeout", "8",
+            "--oversubscribe", "--allow-run-as-root", "--bind-to", "none", "py", "train.py", "fit", "--x=1",
         ]
+        quiet = build_command(spec(nprocs=3, heal=True, hang_timeout=None, launcher="mpirun"), "openmpi")
+        assert "mpi_ft_detector" not in quiet  # no detector: a lost rank is noticed when its process ends
+        with pytest.raises(ValueError, match=r"hang_timeout=0: must be a number of seconds > 0, or None"):
+            spec(heal=True, hang_timeout=0)
 
     def test_mpich_needs_no_permission_and_cannot_heal(self):
         # Hydra oversubscribes and runs as root by itself: the same spec gives the plain command.

@@ -26,6 +26,17 @@ def test_a_finished_job_ended_by_a_signal_exits_zero_with_a_note(tmp_path):
     assert code == 0 and "had not ended --grace seconds later" in note
 
 
+@pytest.mark.timeout(10)
+def test_a_job_a_rank_failed_is_a_failure_although_mpirun_reported_success(tmp_path):
+    # mpirun --with-ft ulfm exits 0 after a rank's MPI_Abort once ranks died: the rank's mark says
+    (tmp_path / "failed.host.7").touch()
+    code, note = healed_exit_code(0, str(tmp_path))
+    assert code == 1 and "a rank failed the run" in note
+    assert healed_exit_code(3, str(tmp_path)) == (3, None)  # a failure reported anyway stays as it is
+    (tmp_path / "finished.host.8").touch()  # the run went on and finished elsewhere: a success
+    assert healed_exit_code(0, str(tmp_path)) == (0, None)
+
+
 @pytest.mark.timeout(30)
 def test_a_job_stuck_after_it_finished_is_stopped_after_the_grace_period():
     with OutcomeDir() as outcome:

@@ -174,6 +174,30 @@ def die() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+FROZEN = "frozen.pid"
+
+
+def freeze() -> None:
+    """This rank hangs (SIGSTOP: every thread stopped, nothing answers), after writing its pid to
+    OUT/FROZEN; the survivors' heartbeat detector declares it failed and a survivor on this host
+    kills it."""
+    (OUT / FROZEN).write_text(str(os.getpid()))
+    sys.stdout.flush()
+    os.kill(os.getpid(), signal.SIGSTOP)
+
+
+def frozen_rank_alive() -> bool | None:
+    """Whether the process that :func:`freeze` stopped still exists (``None``: none froze)."""
+    path = OUT / FROZEN
+    if not path.exists():
+        return None
+    try:
+        os.kill(int(path.read_text()), 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
 def _never(module: Any) -> bool:
     return False
 
@@ -206,10 +230,12 @@ def _trainer_model(
     dies_saving: Callable[[Any], bool] = _never,
     dies_in_final_average: int | None = None,
     configure: Callable[[Any], Any] | None = None,
+    freezes: bool = False,
 ):
     """The Trainer phases' LightningModule: records each training step under ``phase`` and each
     validation batch under ``val_phase``, logs with ``sync_dist=True`` (Lightning's reduce: a place to
-    notice a loss), and SIGKILLs this process at the start of a batch where ``dies(module)``, at
+    notice a loss), and SIGKILLs this process (``freezes``: SIGSTOPs it, :func:`freeze`) at the start
+    of a batch where ``dies(module)``, at
     the end of a validation batch where ``dies_validating(module)``, and in the middle of writing a
     checkpoint (its ``torch.save``, after a first chunk) where ``dies_saving(module)``, and, on the
     last rank, in the final average of a DiLoCo rule at fragment ``dies_in_final_average``.
@@ -238,7 +264,7 @@ def _trainer_model(
 
         def on_train_batch_start(self, batch, batch_idx):
             if dies(self):
-                die()
+                freeze() if freezes else die()
 
         def validation_step(self, batch, batch_idx):
             index, x, y = batch
@@ -358,7 +384,7 @@ REPLACE_RULE_PHASES = {
 }
 
 
-def _replace_rule_phase(phase: str, strategy_class: str, configure=None, **options) -> dict:
+def _replace_rule_phase(phase: str, strategy_class: str, configure=None, freezes: bool = False, **options) -> dict:
     """The Trainer with ``heal="replace"`` on the three ranks there are: the last rank dies at the
     start of step REPLACE_KILL; the survivors heal, spawn a replacement at their next batch and wait
     for it at the one after (:func:`survivors_wait_for_the_join`), where it joins with the lost rank's shard; it runs
@@ -366,9 +392,11 @@ def _replace_rule_phase(phase: str, strategy_class: str, configure=None, **optio
     import lightning_mpi.lightning as strategies
 
     dies = lambda m: m.global_step == REPLACE_KILL and m.trainer.global_rank == m.trainer.world_size - 1  # noqa: E731
-    model = _trainer_model(phase, f"{phase}_val", dies, configure=configure)
+    model = _trainer_model(phase, f"{phase}_val", dies, configure=configure, freezes=freezes)
     strategy = getattr(strategies, strategy_class)(heal="replace", **options)
     result = _trainer_fit(model, strategy, max_steps=REPLACE_STEPS, enable_checkpointing=False)
+    if freezes:
+        result["frozen_alive"] = frozen_rank_alive()
     bound = strategy.bound_rule
     if hasattr(bound, "commits"):  # a parameter-server rule: its commits, the last rebuild (the join)
         result["commits"] = bound.commits
@@ -379,7 +407,10 @@ def _replace_rule_phase(phase: str, strategy_class: str, configure=None, **optio
 
 
 def replace_downpour_phase() -> dict:
-    return _replace_rule_phase("replace_downpour", "DownpourStrategy")
+    """The last rank hangs (SIGSTOP) instead of dying: the heartbeat detector of ``lightning-mpi
+    --heal`` declares it failed, a survivor kills it, and a spare takes its place. (Only a rank of
+    the job as launched: Open MPI 5.0.11's detector does not watch processes spawned later.)"""
+    return _replace_rule_phase("replace_downpour", "DownpourStrategy", freezes=True)
 
 
 def replace_gosgd_phase() -> dict:
@@ -820,7 +851,7 @@ def auto_phase() -> dict:
     LinkProbe.measure = pinned
     auto_module.BoundAuto._switch = switch_or_die
     auto_choice.dry_run_exposed = lambda *args: 0.0  # the dry runs run; what they say is pinned
-    strategy = AutoStrategy(heal="shrink")
+    strategy = AutoStrategy(heal="shrink", min_ranks=1)  # down to two of five: below half, on purpose
     fabric = L.Fabric(strategy=strategy, accelerator="cpu")
     fabric.launch()
     net = make_net()
@@ -888,7 +919,7 @@ def auto_replace_phase() -> dict:
 
     dies = lambda m: m.global_step == AUTO_REPLACE_KILL and RANK == 1  # noqa: E731
     model = _trainer_model("auto_replace", "auto_replace_val", dies)
-    strategy = AutoStrategy(heal="replace")
+    strategy = AutoStrategy(heal="replace", min_ranks=1)  # one of two, until the replacement joins
     with assumed("50000,1000,0.1"):
         result = _trainer_fit(model, strategy, max_steps=AUTO_REPLACE_STEPS, default_root_dir=OUT / "auto_replace")
     bound = strategy._core.runner.bound

@@ -32,7 +32,8 @@ from mpi4py import MPI
 
 from lightning_mpi.comm.healing import HealedRun, build_run, grow_run, heal_run, join_run
 from lightning_mpi.comm.progress import ProgressThread
-from lightning_mpi.comm.ulfm import ProcessFailed, failures_raised, mark_finished
+from lightning_mpi.comm.errors import ProcessFailed, failures_raised
+from lightning_mpi.comm.ulfm import mark_finished
 from lightning_mpi.comm.window import ShardedVector
 
 torch.set_num_threads(1)

@@ -23,7 +23,8 @@ import numpy as np
 from mpi4py import MPI
 
 from lightning_mpi.comm.respawn import join_parent, respawn
-from lightning_mpi.comm.ulfm import ProcessFailed, failures_raised, free, heal, mark_finished, revoke
+from lightning_mpi.comm.errors import ProcessFailed, failures_raised
+from lightning_mpi.comm.ulfm import free, heal, mark_finished, revoke
 
 OUT = Path(sys.argv[1])
 STEPS = 12

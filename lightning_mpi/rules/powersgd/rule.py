@@ -53,9 +53,9 @@ from torch.optim import Optimizer
 
 from lightning_mpi.comm.buffers import make_buckets
 from lightning_mpi.comm.engine import Exchange, ExchangeScheduler
+from lightning_mpi.comm.errors import ProcessFailed
 from lightning_mpi.comm.progress import ProgressThread
 from lightning_mpi.comm.transport import Transport
-from lightning_mpi.comm.ulfm import ProcessFailed
 from lightning_mpi.options import integer, number, option, options_class
 from lightning_mpi.rules.base import BoundRule, Execute, gradient_exchange
 from lightning_mpi.rules.buckets import Buckets

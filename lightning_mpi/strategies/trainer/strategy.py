@@ -240,6 +240,8 @@ def trainer_strategy(api: TrainerAPI, environment_class: type, checkpoint_io_cla
             if bound is not None:
                 bound.on_train_start()
             self._core.aids.announce(self.world_size, self.optimizers)
+            if self._core.replacing.catching_up:  # a rank let in: the survivors agree on a stop here too
+                self._decisions.agree_after_heal(self.transport)
             # Asynchronous rules must not wait for the vote; their checkpoint decisions stay collective.
             self._preemption.start(self.transport, lockstep=not self.rule.asynchronous)
             if self.rule.asynchronous:
@@ -306,6 +308,7 @@ def trainer_strategy(api: TrainerAPI, environment_class: type, checkpoint_io_cla
             the next epoch (see :mod:`..healing`)."""
             self.set_world_ranks()
             self._core.rebind(state, self.model, self.optimizers)
+            # a stop some survivor learned holds for all (with the ranks let in: at their on_train_start)
             self._decisions.agree_after_heal(self.transport)
             self._preemption.restart(self.transport)
             trainer = getattr(self.lightning_module, "_trainer", None) if self._lightning_module is not None else None

@@ -1,0 +1,38 @@
+"""comm/liveness.py: the heartbeat detector's timeout as the ranks see it, and the survivors' kill of
+lost ranks on their own host (multi-rank: tests/strategies/test_heal.py, the ``hang`` launch)."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from lightning_mpi.comm.liveness import DETECTOR_ENV, DETECTOR_TIMEOUT_ENV, Processes, detector_timeout
+
+
+def test_the_detector_timeout_is_read_only_when_the_detector_is_on():
+    assert detector_timeout({}) is None
+    assert detector_timeout({DETECTOR_ENV: "false", DETECTOR_TIMEOUT_ENV: "5"}) is None
+    assert detector_timeout({DETECTOR_ENV: "true", DETECTOR_TIMEOUT_ENV: "5"}) == 5.0
+    assert detector_timeout({DETECTOR_ENV: "1"}) == 10.0  # Open MPI's own default timeout
+    assert detector_timeout({DETECTOR_ENV: "true", DETECTOR_TIMEOUT_ENV: "soon"}) is None
+
+
+@pytest.mark.timeout(30)
+def test_lost_ranks_on_this_host_are_killed_and_the_table_follows_the_survivors():
+    stopped = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        os.kill(stopped.pid, signal.SIGSTOP)  # a frozen rank
+        host, me = Processes.here()
+        table = Processes(((host, me), ("another-host", stopped.pid), (host, stopped.pid)))
+        assert table.kill_lost([1]) == []  # on another host: not this survivor's to kill
+        assert table.kill_lost([0]) == []  # never itself
+        assert table.kill_lost([2]) == [stopped.pid]
+        assert stopped.wait(timeout=10) == -signal.SIGKILL
+        assert table.kill_lost([2]) == []  # gone already: nothing to kill
+        assert table.survivors([2, 0]).where == ((host, stopped.pid), (host, me))
+    finally:
+        if stopped.poll() is None:
+            stopped.kill()
