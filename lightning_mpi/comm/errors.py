@@ -76,6 +76,19 @@ class RankFailedError(RuntimeError):
         return (type(self), (self.rank, self.error))
 
 
+class RunStopped(RankFailedError):
+    """Too few ranks are left here to go on (a heal's ``min_ranks``): this side of the run stops.
+    The ranks on the other side of a partition may hold the majority and go on, so this error ends
+    this process alone, never the job (no ``MPI_Abort``). Every rank left on this side raises it at
+    the same point (the heal it could not finish), so it is not posted to them."""
+
+    agreed_by_every_rank = True
+
+    def __init__(self, rank: int, message: str) -> None:
+        super().__init__(rank, message)
+        self.args = (f"lightning_mpi: {message}",)
+
+
 class AbandonedRunError(RuntimeError):
     """A communicator, window or rule of a run that failed was used again; start a new run
     (a new ``fit``, or ``fabric.setup`` again) instead."""

@@ -36,7 +36,7 @@ from contextlib import contextmanager
 from types import TracebackType
 from typing import Any
 
-from lightning_mpi.comm.errors import LINGER_SECONDS, ErrorChannel, RankFailedError
+from lightning_mpi.comm.errors import LINGER_SECONDS, ErrorChannel, RankFailedError, RunStopped
 from lightning_mpi.comm.reclaim import reclaim
 from lightning_mpi.comm.resources import RunResources
 from lightning_mpi.comm.transport import Transport, wait_request
@@ -82,6 +82,11 @@ def install_abort_hook(rank: int, world_size: int) -> None:
         previous(kind, value, tb)  # prints the traceback
         if issubclass(kind, KeyboardInterrupt):
             return
+        if issubclass(kind, RunStopped):  # this side of a partition stops; the other may go on
+            sys.stderr.write(f"lightning_mpi: rank {rank} stops (traceback above); the job goes on without it.\n")
+            sys.stderr.flush()
+            mark_failed()
+            os._exit(1)
         if issubclass(kind, RankFailedError):
             sys.stderr.flush()
             time.sleep(ABORT_DEFER_SECONDS)

@@ -53,7 +53,7 @@ from typing import Any, TypeVar, cast
 
 import torch
 
-from lightning_mpi.comm.errors import ProcessFailed, RankFailedError, process_failure
+from lightning_mpi.comm.errors import ProcessFailed, RankFailedError, RunStopped, process_failure
 from lightning_mpi.comm.healing import HealedRun, heal_run
 from lightning_mpi.comm.liveness import Processes, heartbeat
 from lightning_mpi.comm.ulfm import HEAL_ATTEMPTS, mark_finished, require_heal
@@ -160,7 +160,7 @@ class RunHealing:
         """Raise ``RankFailedError`` when this side of the run stopped (:attr:`stopped`): a minority
         that saved would leave a checkpoint beside the majority's, of a run that did not go on."""
         if self.stopped:
-            raise _stopped(
+            raise RunStopped(
                 -1,
                 f"not saving {target}: this side of the run stopped with fewer than min_ranks={self.min_ranks} ranks "
                 "(the other side, if it holds the majority, went on and saves its own)",
@@ -335,7 +335,7 @@ class RunHealing:
         transport = run.transport
         if transport.size < self.min_ranks:
             self.stopped = True
-            raise _stopped(
+            raise RunStopped(
                 run.healed.lost[0] if run.healed.lost else -1,
                 f"rank(s) {', '.join(map(str, run.healed.lost))} of {old_size} were lost and {transport.size} of the "
                 f"{self.start_size} ranks the run started with remain here, fewer than min_ranks={self.min_ranks} "
