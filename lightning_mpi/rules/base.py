@@ -560,6 +560,17 @@ class Rule(ABC):
     def check_together(self) -> None:  # noqa: B027  (a hook: most rules have nothing to check together)
         """Checks that involve several options (each option's own check has run already)."""
 
+    @property
+    def own_momentum(self) -> float | None:
+        """The momentum the rule itself applies to the workers' steps (EAMSGD's δ), which the
+        strategies' ``implicit_momentum_correction`` corrects at bind time; ``None``: it has none."""
+        return None
+
+    def with_momentum(self, momentum: float) -> Rule:
+        """This rule with its own momentum set to ``momentum`` (a rule whose :attr:`own_momentum`
+        is not ``None`` overrides it)."""
+        raise TypeError(f"{type(self).__name__} applies no momentum of its own (own_momentum is None)")
+
     @abstractmethod
     def bind(self, transport: Transport, params: Sequence[torch.Tensor]) -> BoundRule:
         """Create the running rule over ``params`` (the trainable parameters, in model order)."""

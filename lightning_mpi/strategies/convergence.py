@@ -9,7 +9,6 @@ for the :class:`~lightning_mpi.lr_scaling.StepOverrides` to apply.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -69,9 +68,9 @@ class ConvergenceAids:
             )
 
     def _rule_momentum(self) -> float | None:
-        """The asynchronous rule's own momentum (EAMSGD's δ), or None when it has none."""
-        momentum = getattr(self.rule, "momentum", None)
-        return momentum if isinstance(momentum, float) and self.rule.asynchronous else None
+        """The asynchronous rule's own momentum (EAMSGD's δ: the rule contract's ``own_momentum``),
+        or None when it has none."""
+        return self.rule.own_momentum if self.rule.asynchronous else None
 
     def _rule_has_momentum(self) -> bool:
         return self._rule_momentum() is not None
@@ -83,7 +82,7 @@ class ConvergenceAids:
         momentum = self._rule_momentum()
         if not self.implicit_momentum_correction or momentum is None:
             return self.rule
-        return dataclasses.replace(self.rule, momentum=corrected_momentum(momentum, world_size))  # type: ignore[type-var]  # rules are dataclasses
+        return self.rule.with_momentum(corrected_momentum(momentum, world_size))
 
     def overrides(self, optimizer: Optimizer, world_size: int, step: int) -> StepOverrides | None:
         """What to change in the param groups for this update (optimizer step ``step``), or None

@@ -24,6 +24,7 @@ DOWNPOUR-like sum of W deltas at lr 0.1·W overshoots.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -199,6 +200,13 @@ class EAMSGDRule(AEASGDRule):
         "`implicit_momentum_correction=True` the rule runs with max(0, δ - (1 - 1/W)).",
         check=number(0.0, 1.0, high_open=True),
     )
+
+    @property
+    def own_momentum(self) -> float | None:
+        return self.momentum
+
+    def with_momentum(self, momentum: float) -> EAMSGDRule:
+        return dataclasses.replace(self, momentum=momentum)
 
     def bind(self, transport: Transport, params: Sequence[Tensor]) -> BoundEAMSGD:
         return BoundEAMSGD(self, transport, params)
