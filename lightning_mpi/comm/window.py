@@ -244,24 +244,31 @@ class Counters:
 
 
 class DecisionBoard:
-    """Stop decisions taken without a barrier per step, and applied by every rank at the same point of
-    its training loop.
+    """Stop decisions taken without a barrier per step: every rank stops with the same collectives
+    behind it, each at its own pace.
 
     Lightning asks the same bool questions at the same points of every rank's loop (the ``Timer``
     after every batch, ``EarlyStopping`` after validation); the caller numbers them (``index``: 0,
-    1, 2, ... on every rank alike). A rank that wants to stop publishes a request on rank 0 (slot
-    ``1 + r``: :data:`STOP` for a ``broadcast`` from its source, :data:`VOTE` for its own decision in
-    a reduction); rank 0 decides at each of its own questions (any stop request; all or any votes).
-    Every rank then answers ``True`` from the same question on, so that no rank runs a validation,
-    a metric's sync or a batch that another does not; until then, ``False``.
+    1, 2, ... on every rank alike), says how many collectives it has run (``count``) and where in
+    its loop it asks (``site``: a 32-bit code of the call path, the same at the same point of every
+    rank's loop). A rank that
+    wants to stop publishes a request on rank 0 (slot ``2 + r``: :data:`STOP` for a ``broadcast``
+    from its source, :data:`VOTE` for its own decision in a reduction); rank 0 decides at each of its
+    own questions (any stop request; all or any votes).
 
-    The question they stop at is found with a lease (slot 0), so that nobody waits for anybody: a
-    rank answers the questions below its lease without touching the board, and at its lease it
-    visits the board (one ``Compare_and_swap`` on rank 0) to extend the shared lease by
-    :data:`LEASE` questions past its own, or to learn the stop. The shared lease is thus the first
-    question that no rank may have reached; rank 0 decides by freezing it there (slot 0 then holds
-    ``-(stop + 1)``), a question every rank still reaches, after up to :data:`LEASE` more questions of
-    the fastest rank. The board is one-sided throughout: nothing can hang.
+    The stop is found with a lease (slot 0), so that nobody waits for anybody: a rank answers the
+    questions below its lease without touching the board, and at its lease (at most every
+    :data:`LEASE` questions) it visits the board (one ``Compare_and_swap`` on rank 0) to extend the
+    shared lease by :data:`LEASE` questions past its own, or to learn the stop. The shared lease is
+    thus the first question that no rank may have reached; rank 0 decides by freezing it there (slot
+    0 then holds ``-(stop + 1)``). Every rank that reaches that question stops there, and the first
+    one publishes how many collectives it had run and its site (slot 1). A rank still behind it
+    stops earlier, at its first question with that many collectives behind it, asked at the same
+    site: between there and the frozen question it would have run no collective, and from the same
+    site Lightning runs the same stop (a stop after a batch validates, one after an epoch does not),
+    so it stops with the same history as the others (no rank meets another's collective with one of
+    its own), without running the batches the fastest rank ran: a straggler stops soon after the
+    decision, not where the fastest rank was. The board is one-sided throughout: nothing can hang.
     """
 
     #: questions a rank answers between two visits to the board
@@ -271,51 +278,73 @@ class DecisionBoard:
 
     def __init__(self, comm: Any, resources: RunResources | None = None) -> None:
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
-        self.counters = Counters(comm, 1 + self.size, root=0, resources=resources)
-        self._lease = 0
+        self.counters = Counters(comm, 2 + self.size, root=0, resources=resources)
+        self._next_visit = 0
         self._requested = 0
-        #: the question every rank stops at, once known here (a heal hands it to the healed run's board)
+        #: the (frozen) question every rank stops at, at the latest, once known here
         self.stop_at: int | None = None
+        #: the collectives every rank has run, and the site it asks at, when it stops, once published
+        self.stop_point: tuple[int, int] | None = None
+        #: whether this rank has stopped: every later question is answered True
+        self.stopped = False
 
-    def broadcast_flag(self, value: bool, src: int, index: int) -> bool:
-        """Question ``index``: rank ``src``'s ``value`` (a stop when True); True from the stop on."""
+    def broadcast_flag(self, value: bool, src: int, index: int, count: int = 0, site: int = 0) -> bool:
+        """Question ``index``, at ``site`` after ``count`` collectives: rank ``src``'s ``value`` (a
+        stop when True). True from this rank's stop on."""
         if value and self.rank == src:
             self._request(self.STOP)
-        return self._answer(index, all_votes=False)
+        return self._answer(index, (count, site), all_votes=False)
 
-    def reduce_flag(self, value: bool, all: bool, index: int) -> bool:
-        """Question ``index``: this rank's decision ``value``; ``all``: stop once every rank decided,
-        else once any did. True from the stop on."""
+    def reduce_flag(self, value: bool, all: bool, index: int, count: int = 0, site: int = 0) -> bool:
+        """Question ``index``, at ``site`` after ``count`` collectives: this rank's decision
+        ``value``; ``all``: stop once every rank decided, else once any did. True from this rank's
+        stop on."""
         if value:
             self._request(self.VOTE)
-        return self._answer(index, all_votes=all)
+        return self._answer(index, (count, site), all_votes=all)
 
     def _request(self, kind: int) -> None:
         if kind > self._requested:
-            self.counters.raise_to(1 + self.rank, kind)
+            self.counters.raise_to(2 + self.rank, kind)
             self._requested = kind
 
-    def _answer(self, index: int, all_votes: bool) -> bool:
-        if self.stop_at is None and (self.rank == 0 or index >= self._lease):
+    def _answer(self, index: int, point: tuple[int, int], all_votes: bool) -> bool:
+        if self.stopped:
+            return True
+        if self.stop_at is None and (self.rank == 0 or index >= self._next_visit):
             self._visit(index, all_votes)
-        return self.stop_at is not None and index >= self.stop_at
+        if self.stop_at is None:
+            return False
+        if index >= self.stop_at:  # the frozen question: publish the collectives behind it, and where
+            if self.stop_point is None:
+                count, site = point
+                self.counters.raise_to(1, ((count + 1) << 32) | (site & 0xFFFFFFFF))
+                self.stop_point = point
+            self.stopped = True
+        else:  # behind it: stop at the same point (as many collectives behind, the same site)
+            if self.stop_point is None:
+                published = int(self.counters.read()[1])
+                if published:
+                    self.stop_point = ((published >> 32) - 1, published & 0xFFFFFFFF)
+            self.stopped = self.stop_point == (point[0], point[1] & 0xFFFFFFFF)
+        return self.stopped
 
     def _visit(self, index: int, all_votes: bool) -> None:
         """Learn the stop, or hold a lease past ``index``; on rank 0, decide (freeze the lease)."""
         while self.stop_at is None:
             board = self.counters.read()
-            lease, requests = int(board[0]), board[1:]
+            lease, requests = int(board[0]), board[2:]
             if lease < 0:
                 self.stop_at = -lease - 1
                 return
             if lease <= index:  # nobody holds this question yet: lease it, and LEASE more
                 self.counters.compare_and_swap(0, lease, index + 1 + self.LEASE)
                 continue
-            self._lease = lease
+            self._next_visit = min(lease, index + self.LEASE)
             decided = (requests == self.STOP).any() or (requests.all() if all_votes else requests.any())
             if self.rank != 0 or not decided:
                 return
-            # the first question no rank may have reached: every rank stops there
+            # the first question no rank may have reached: every rank stops there, at the latest
             if self.counters.compare_and_swap(0, lease, -(lease + 1)) == lease:
                 self.stop_at = lease
 

@@ -47,6 +47,9 @@ class RunCollectives:
         self._failures = failures
         self._healing = healing
         self._replacing = replacing
+        #: the collectives this rank has run (started) through this object: the same count at the
+        #: same point of every rank's loop (the Trainer's stop decisions compare them)
+        self.count = 0
 
     def _run(self, where: str, call: str, run: Callable[[Transport], _T]) -> _T:
         """``run(transport)`` as one operation (module docstring), after every rank agreed that it is
@@ -59,6 +62,7 @@ class RunCollectives:
                 transport.same_collective(call)
             return run(transport)
 
+        self.count += 1
         return self._healing.operation(where, checked)
 
     def reduce(self, tensor: Any, group: Any | None, reduce_op: Any | None, name: str = "reduce") -> Any:

@@ -42,17 +42,20 @@ def test_windows_take_concurrent_updates_without_losing_any(seen):
 
 @pytest.mark.mpi
 @pytest.mark.timeout(180)
-def test_the_decision_board_stops_every_rank_at_the_same_question(seen):
-    """Every rank answers False, then True from one question on, the same on every rank: after the
-    decision (rank 1's vote at 10; rank 0's broadcast at 5; the last of the votes, at 12), within
-    the board's lease of the fastest rank (each rank keeps its own pace)."""
-    for name, decided in (("any_vote", 10), ("broadcast", 5), ("all_votes", 12)):
+def test_the_decision_board_stops_every_rank_with_the_same_collectives_behind_it(seen):
+    """Every rank answers False, then True from one question on. The fastest rank stops at the
+    frozen question, the same on every rank; a slower one stops there or before, but never with
+    fewer (or more) collectives behind it than the others (each rank keeps its own pace)."""
+    for name in ("any_vote", "broadcast", "all_votes", "counted"):
         boards = [s["board"][name] for s in seen]
-        assert all(b["lockstep"] for b in boards), (name, boards)
-        firsts = {b["first"] for b in boards}
-        assert len(firsts) == 1, (name, boards)
-        (first,) = firsts
-        assert first > decided, (name, first)
+        assert all(b["once"] for b in boards), (name, boards)
+        (frozen,) = {b["frozen"] for b in boards}
+        assert frozen is not None and all(b["first"] <= frozen for b in boards), (name, boards)
+        assert max(b["first"] for b in boards) == frozen, (name, boards)
+        assert {b["collectives"] for b in boards} == {frozen // 6 if name == "counted" else 0}, (name, boards)
+    voters = [s["board"]["all_votes"]["first"] for s in seen]
+    assert voters[2] >= 12, ("rank 2 votes last, at 12: nobody stops before it has", voters)
+    assert seen[1]["board"]["any_vote"]["first"] >= 10, "rank 1 votes at 10"
 
 
 @pytest.mark.mpi

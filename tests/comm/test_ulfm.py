@@ -73,7 +73,10 @@ def _heal_launch(tmp_path: Path, n: int, script: str, timeout: float) -> tuple[s
     process's output and the kill times."""
     out = tmp_path / "out"
     out.mkdir()
-    proc = launch([sys.executable, "-m", "lightning_mpi", "-n", n, "--heal", "--grace", 3, SCRIPTS / script, out], REPO)
+    # a long hang timeout: these are kills, and a rank starved of the CPU for seconds on a loaded
+    # 2-core machine must not be taken for a hung one (tests/strategies/test_heal.py does the same)
+    args = ["-n", n, "--heal", "--hang-timeout", 120, "--grace", 3, SCRIPTS / script, out]
+    proc = launch([sys.executable, "-m", "lightning_mpi", *args], REPO)
     code, _, err = finish(proc, timeout)
     assert code == 0, err[-4000:]
     results = [json.loads(p.read_text()) for p in sorted(out.glob("out.*.json"))]

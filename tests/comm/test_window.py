@@ -53,22 +53,27 @@ def test_counters(MPI):
     counters.free()
 
 
-def test_decision_board_flags_are_sticky(MPI):
-    board = DecisionBoard(MPI.COMM_SELF, poll_interval=0.0)
-    assert board.broadcast_flag(False) is False
-    assert board.reduce_flag(False, all=False) is False and board.reduce_flag(False, all=True) is False
-    assert board.broadcast_flag(True) is True
-    assert board.broadcast_flag(False) is True, "a published stop stays published"
-    assert board.reduce_flag(True, all=True) is True
-    assert board.reduce_flag(False, all=True) is True, "this rank's decision stays too"
+def test_decision_board_stops_at_the_shared_lease_and_stays_stopped(MPI):
+    """Rank 0 decides at its own question by freezing the shared lease: the first question no rank may
+    have reached. Every question before it answers False (another rank may have answered it), every
+    one from it True."""
+    board = DecisionBoard(MPI.COMM_SELF)
+    assert board.broadcast_flag(False, src=0, index=0) is False
+    assert board.reduce_flag(False, all=True, index=1) is False
+    lease = int(board.counters.read()[0])
+    assert lease > 1, "the lease runs ahead of the questions asked"
+    assert board.reduce_flag(True, all=True, index=2) is False, "decided, but not yet at the lease"
+    assert board.stop_at == lease
+    assert int(board.counters.read()[0]) == -(lease + 1), "the frozen lease is published"
+    for index in range(3, lease):
+        assert board.broadcast_flag(False, src=0, index=index) is False
+    assert board.broadcast_flag(False, src=0, index=lease) is True
+    assert board.reduce_flag(False, all=False, index=lease + 1) is True, "a stop stays decided"
     board.free()
 
 
-def test_decision_board_reads_at_most_every_poll_interval(MPI):
-    board = DecisionBoard(MPI.COMM_SELF, poll_interval=3600.0)
-    assert board.broadcast_flag(False) is False  # the first read
-    board.counters.raise_to(0, 1)  # published behind the board's back (as another rank would)
-    assert board.broadcast_flag(False) is False, "read again only after poll_interval"
-    assert board.reduce_flag(True, all=False) is True  # deciding forces a fresh read
-    assert board.broadcast_flag(False) is True
+def test_decision_board_a_rank_without_a_request_does_not_stop(MPI):
+    board = DecisionBoard(MPI.COMM_SELF)
+    assert not any(board.reduce_flag(False, all=False, index=i) for i in range(3 * DecisionBoard.LEASE))
+    assert board.stop_at is None
     board.free()

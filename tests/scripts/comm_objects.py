@@ -51,30 +51,38 @@ def windows() -> None:
 
 
 def decision_board() -> None:
-    """Three boards, each asked the questions 0, 1, ... by every rank at its own pace (random
-    sleeps) until a few past the stop: rank 1 votes at its question 10 (a reduction, any); rank 0 broadcasts a stop at 5; the
-    ranks vote at 3, 7 and 12 (a reduction, all). Each rank records the question it was first
-    answered True at, and whether it was answered False before it and True from it on."""
+    """Four boards, each asked the questions 0, 1, ... by every rank at its own pace (random
+    sleeps) until a few past its stop: rank 1 votes at its question 10 (a reduction, any); rank 0
+    broadcasts a stop at 5; the ranks vote at 3, 7 and 12 (a reduction, all); and rank 0 broadcasts
+    at 5 with a collective run every 6 questions (``count = q // 6``, as Lightning's loop would).
+    Each rank records the question it stopped at, the collectives behind it, and whether it was
+    answered False before it and True from it on."""
     import random
     import time
 
     pace = random.Random(RANK)
     scenarios = {
-        "any_vote": lambda board, q: board.reduce_flag(RANK == 1 and q == 10, False, q),
-        "broadcast": lambda board, q: board.broadcast_flag(RANK == 0 and q >= 5, 0, q),
-        "all_votes": lambda board, q: board.reduce_flag(q >= (3, 7, 12)[RANK], True, q),
+        "any_vote": (lambda board, q: board.reduce_flag(RANK == 1 and q == 10, False, q), lambda q: 0),
+        "broadcast": (lambda board, q: board.broadcast_flag(RANK == 0 and q >= 5, 0, q), lambda q: 0),
+        "all_votes": (lambda board, q: board.reduce_flag(q >= (3, 7, 12)[RANK], True, q), lambda q: 0),
+        "counted": (lambda board, q: board.broadcast_flag(RANK == 0 and q >= 5, 0, q, q // 6), lambda q: q // 6),
     }
     flags = {}
-    for name, ask in scenarios.items():
+    for name, (ask, count) in scenarios.items():
         board = DecisionBoard(WORLD)
         answers: list[bool] = []
         for q in range(20000):  # until a few questions past the stop (each rank at its own pace)
-            time.sleep(pace.uniform(0, 0.002))
+            time.sleep(pace.uniform(0, 0.002) * (1 + 3 * RANK))  # the higher the rank, the slower
             answers.append(ask(board, q))
             if answers[-1] and len(answers) > answers.index(True) + 3:
                 break
         first = answers.index(True) if True in answers else None
-        flags[name] = {"first": first, "lockstep": first is not None and all(a == (q >= first) for q, a in enumerate(answers))}
+        flags[name] = {
+            "first": first,
+            "collectives": None if first is None else count(first),
+            "frozen": board.stop_at,
+            "once": first is not None and all(a == (q >= first) for q, a in enumerate(answers)),
+        }
         WORLD.Barrier()
         board.free()
     seen["board"] = flags

@@ -26,8 +26,9 @@ SCENARIO "stop": a callback asks ``strategy.broadcast`` (rank 0 decides after it
 Timer) and ``reduce_boolean_decision`` (the last rank decides, like EarlyStopping) every batch;
 every rank must stop well before max_epochs. Also saves and checks a checkpoint's rule state.
 SCENARIO "timed": ``Trainer(max_time=...)`` with a validation every 5 batches that logs with
-``sync_dist=True`` and a torchmetrics ``Accuracy``: every rank must stop at the same step, having
-run the same validations (a rank that stopped earlier would meet another's collective with its own).
+``sync_dist=True`` and a torchmetrics ``Accuracy``: every rank must stop having run the same
+validations (a rank that stopped earlier would meet another's collective with its own), each at its
+own pace between the same two validations.
 """
 import json
 import os

@@ -158,19 +158,21 @@ def test_one_rank_stop_decision_stops_every_rank(world3):
         assert r["leaked_threads"] == 0
     assert {"center", "clock", "steps", "commits", "momentum", "ranks"} <= set(world3["stop/mpi_dynsgd"]["rule_state_keys"])
     assert {"weight", "pushes", "ranks"} <= set(world3["stop/mpi_gosgd"]["rule_state_keys"])
-    for name in STOP:  # in lockstep: every rank stopped at the same step
-        assert len(set(world3[name]["steps_per_rank"])) == 1, (name, world3[name]["steps_per_rank"])
+    for name in STOP:  # each at its own pace, but soon after the decision (no rank catches up on another's steps)
+        steps = world3[name]["steps_per_rank"]
+        assert max(steps) - min(steps) <= 2 * 8 + 6, (name, steps)  # two leases of the board, and the vote's spread
 
 
 @pytest.mark.mpi
 @pytest.mark.timeout(600)
-def test_max_time_with_validation_and_metrics_stops_every_rank_at_the_same_step(world3):
+def test_max_time_with_validation_and_metrics_stops_every_rank_after_the_same_validations(world3):
     """Trainer(max_time=...), a validation every 5 batches with sync_dist logging and a torchmetrics
-    metric: the asynchronous ranks stop in lockstep (same step, same validations), never in
-    different collectives."""
+    metric: the asynchronous ranks stop having run the same validations, between the same two of
+    them (each at its own step), never in different collectives."""
     for name in TIMED:
         r = world3[name]
-        assert len(set(r["steps_per_rank"])) == 1, (name, r["steps_per_rank"])
+        steps = r["steps_per_rank"]
+        assert max(steps) - min(steps) < 5, ("each rank stops between the same two validations", name, steps)
         assert len(set(r["validations_per_rank"])) == 1 and r["validations_per_rank"][0] > 0, (name, r)
         assert r["max_rank_diff"] == 0.0 and r["leaked_threads"] == 0, name
 

@@ -241,7 +241,7 @@ def trainer_strategy(api: TrainerAPI, environment_class: type, checkpoint_io_cla
                 bound.on_train_start()
             self._core.aids.announce(self.world_size, self.optimizers)
             if self._core.replacing.catching_up:  # a rank let in: the survivors agree on a stop here too
-                self._decisions.agree_after_heal(self.transport)
+                self._decisions.agree_after_heal(self.transport, self._core.collectives.count, joining=True)
             # Asynchronous rules must not wait for the vote; their checkpoint decisions stay collective.
             self._preemption.start(self.transport, lockstep=not self.rule.asynchronous)
             if self.rule.asynchronous:
@@ -309,7 +309,7 @@ def trainer_strategy(api: TrainerAPI, environment_class: type, checkpoint_io_cla
             self.set_world_ranks()
             self._core.rebind(state, self.model, self.optimizers)
             # a stop some survivor learned holds for all (with the ranks let in: at their on_train_start)
-            self._decisions.agree_after_heal(self.transport)
+            self._decisions.agree_after_heal(self.transport, self._core.collectives.count)
             self._preemption.restart(self.transport)
             trainer = getattr(self.lightning_module, "_trainer", None) if self._lightning_module is not None else None
             if trainer is not None:
@@ -374,14 +374,14 @@ def trainer_strategy(api: TrainerAPI, environment_class: type, checkpoint_io_cla
             trains (no barrier: see :mod:`..decisions`); anything else is a collective."""
             board = self._decision_board() if isinstance(obj, bool) else None
             if board is not None:
-                return self._decisions.broadcast(board, obj, src)
+                return self._decisions.broadcast(board, obj, src, self._core.collectives.count)
             return self._core.collectives.broadcast(obj, src)
 
         @override
         def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
             board = self._decision_board()
             if board is not None:
-                return self._decisions.reduce(board, bool(decision), all)
+                return self._decisions.reduce(board, bool(decision), all, self._core.collectives.count)
             return bool(super().reduce_boolean_decision(decision, all))
 
         def _decision_board(self) -> Any | None:
