@@ -15,6 +15,13 @@ egress and switch-side ``p<i>`` egress, like a full-duplex switch port); ``delay
 ``netem`` one-way latency on the host side. Only addresses in 198.18.0.0/24 (from the
 benchmarking range 198.18.0.0/15) are used.
 
+A kernel without ``netem`` (``sch_netem``) gets the latency from a delay line in this process
+instead (:class:`DelayLine`): each host link is then a pair of TAP devices (``eth0`` in the host,
+``p<i>`` on the bridge), still shaped by ``tbf``, and a thread copies every frame from one to the
+other, those out of a host ``delay`` after they left (in order), those into it at once. One thread serves every link in both directions; it moves
+about 900 frames a second per direction at 10 Mbit/s, and its wake-ups add jitter on a busy
+machine, so use it for slow links (up to ~100 Mbit/s).
+
 ``mpiexec`` (hydra) runs inside the switch namespace and starts one proxy per host through a
 stand-in for ssh (``-launcher ssh -launcher-exec <script>``): the script enters the host's
 network namespace, gives it its hostname and runs the proxy. Names resolve through
@@ -41,12 +48,17 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import collections
+import ctypes
+import fcntl
 import itertools
 import json
 import os
 import re
+import select
 import shutil
 import signal
+import struct
 import subprocess
 import sys
 import tempfile
@@ -199,13 +211,96 @@ def _mpiexec() -> str:
     return find_mpiexec()
 
 
+_TUNSETIFF, _IFF_TAP, _IFF_NO_PI, _CLONE_NEWNET = 0x400454CA, 0x0002, 0x1000, 0x40000000
+
+
+def _seconds(delay: str) -> float:
+    """A tc time ('50ms', '200us', '1s') in seconds."""
+    m = re.fullmatch(r"([\d.]+)(us|ms|s)", delay)
+    if not m:
+        raise ValueError(f"delay={delay!r}: expected a tc time like '500us' or '2ms'")
+    return float(m.group(1)) * {"us": 1e-6, "ms": 1e-3, "s": 1.0}[m.group(2)]
+
+
+def _open_tap(ns: str, name: str) -> int:
+    """A TAP device ``name`` created in namespace ``ns`` (gone when the returned fd is closed)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    own = os.open("/proc/thread-self/ns/net", os.O_RDONLY)
+    target = os.open(f"/run/netns/{ns}", os.O_RDONLY)
+    try:
+        if libc.setns(target, _CLONE_NEWNET) != 0:
+            raise OSError(ctypes.get_errno(), f"setns into {ns}")
+        fd = os.open("/dev/net/tun", os.O_RDWR)
+        fcntl.ioctl(fd, _TUNSETIFF, struct.pack("16sH", name.encode(), _IFF_TAP | _IFF_NO_PI))
+        return fd
+    finally:
+        libc.setns(own, _CLONE_NEWNET)
+        os.close(own)
+        os.close(target)
+
+
+class DelayLine(threading.Thread):
+    """Copies frames between paired TAP fds, each ``delay`` seconds after it was read, in order."""
+
+    def __init__(self, delay: float) -> None:
+        super().__init__(name="cluster-delay-line", daemon=True)
+        self.delay = delay
+        self.peer: dict[int, int] = {}
+        self.late: set[int] = set()  # fds whose frames wait ``delay`` (the hosts' ends: their egress)
+        self.waiting: dict[int, collections.deque] = {}
+        self._stop_r, self._stop_w = os.pipe()
+
+    def link(self, host: int, port: int) -> None:
+        """Join a host's TAP fd to its switch port's (before :meth:`start`): frames out of the host
+        wait ``delay``, frames into it none (as ``netem`` on the host's egress)."""
+        a, b = host, port
+        self.late.add(host)
+        self.peer[a], self.peer[b] = b, a
+        self.waiting[a], self.waiting[b] = collections.deque(), collections.deque()
+
+    def run(self) -> None:
+        sources = [*self.peer, self._stop_r]
+        while True:
+            due = min((q[0][0] for q in self.waiting.values() if q), default=None)
+            timeout = None if due is None else max(0.0, due - time.monotonic())
+            ready, _, _ = select.select(sources, [], [], timeout)
+            if self._stop_r in ready:
+                return
+            now = time.monotonic()
+            for fd in ready:
+                try:
+                    wait = self.delay if fd in self.late else 0.0
+                    self.waiting[self.peer[fd]].append((now + wait, os.read(fd, 65536)))
+                except OSError:
+                    pass
+            now = time.monotonic()
+            for fd, queue in self.waiting.items():
+                while queue and queue[0][0] <= now:
+                    try:
+                        os.write(fd, queue.popleft()[1])
+                    except OSError:  # a device going away at close
+                        pass
+
+    def stop(self) -> None:
+        if self.is_alive():
+            os.write(self._stop_w, b"x")
+            self.join(timeout=5)
+        for fd in (*self.peer, self._stop_r, self._stop_w):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        self.peer.clear()
+
+
 class SimCluster:
     """N simulated hosts on one bridge, each link limited to ``rate``; a context manager.
 
     Args:
         n_hosts: number of hosts (1..200).
         rate: per-host link rate in both directions, in tc units: "100mbit", "1gbit", "10gbit".
-        delay: optional one-way latency added at each host's egress, in tc units ("1ms", "200us").
+        delay: optional one-way latency added at each host's egress, in tc units ("1ms", "200us"):
+            ``netem`` where the kernel has it, else a :class:`DelayLine` in this process.
         burst: tbf bucket in bytes; default ``max(rate*1ms, 64 KiB)``.
 
     Attributes after ``__enter__``: ``hosts`` (hostnames = namespace names), ``addresses``
@@ -229,6 +324,7 @@ class SimCluster:
         self.addresses = {h: f"{SUBNET}.{i + 1}" for i, h in enumerate(self.hosts)}
         self.iface = HOST_IFACE
         self._launch_dir: Path | None = None
+        self._delay_line: DelayLine | None = None
         self._created: list[str] = []
         self._up = False
         self._old_handlers: dict[int, object] = {}
@@ -271,23 +367,38 @@ class SimCluster:
         _sh("ip", "-n", sw, "link", "add", "br0", "type", "bridge")
         _sh("ip", "-n", sw, "addr", "add", f"{SWITCH_IP}/24", "dev", "br0")
         _sh("ip", "-n", sw, "link", "set", "br0", "up")
+        user_delay = self.delay is not None and not self._has_netem()
+        if user_delay:
+            self._delay_line = DelayLine(_seconds(self.delay))
         for i, h in enumerate(self.hosts):
             port = f"p{i}"
-            # Both ends are created in the switch namespace, the host end is moved at once:
-            # the machine's own namespace never sees them.
-            _sh("ip", "-n", sw, "link", "add", port, "type", "veth", "peer", "name", HOST_IFACE, "netns", h)
+            if self._delay_line is not None:  # two TAPs joined by the delay line
+                self._delay_line.link(_open_tap(h, HOST_IFACE), _open_tap(sw, port))
+            else:
+                # Both ends are created in the switch namespace, the host end is moved at once:
+                # the machine's own namespace never sees them.
+                _sh("ip", "-n", sw, "link", "add", port, "type", "veth", "peer", "name", HOST_IFACE, "netns", h)
             _sh("ip", "-n", sw, "link", "set", port, "master", "br0")
             _sh("ip", "-n", sw, "link", "set", port, "up")
             _sh("ip", "-n", h, "link", "set", "lo", "up")
             _sh("ip", "-n", h, "addr", "add", f"{self.addresses[h]}/24", "dev", HOST_IFACE)
             _sh("ip", "-n", h, "link", "set", HOST_IFACE, "up")
             self._shape(sw, port, delay=None)  # into the host
-            self._shape(h, HOST_IFACE, delay=self.delay)  # out of the host
+            self._shape(h, HOST_IFACE, delay=None if user_delay else self.delay)  # out of the host
+        if self._delay_line is not None:
+            self._delay_line.start()
         self._launch_dir = Path(tempfile.mkdtemp(prefix=f"{self.tag}-launch-"))
         launcher = self._launch_dir / "ssh"
         launcher.write_text(_LAUNCHER)
         launcher.chmod(0o755)
         self._wait_reachable()
+
+    def _has_netem(self) -> bool:
+        """Whether this kernel has tc's ``netem`` (tried on the switch namespace's loopback)."""
+        res = _sh("ip", "netns", "exec", self.switch, "tc", "qdisc", "add", "dev", "lo", "root", "netem", "delay",
+                  "1ms", check=False)
+        _sh("ip", "netns", "exec", self.switch, "tc", "qdisc", "del", "dev", "lo", "root", check=False)
+        return res.returncode == 0
 
     def _shape(self, ns: str, dev: str, delay: str | None) -> None:
         rate = f"{int(self.rate_bits)}bit"
@@ -314,7 +425,9 @@ class SimCluster:
             ns, dev = pending[0]
             res = _sh("ip", "-n", ns, "-j", "link", "show", dev, check=False)
             try:
-                up = json.loads(res.stdout)[0].get("operstate") == "UP"
+                link = json.loads(res.stdout)[0]
+                # a TAP with its fd open reports operstate UNKNOWN and carrier (LOWER_UP)
+                up = link.get("operstate") == "UP" or "LOWER_UP" in link.get("flags", [])
             except (ValueError, IndexError):
                 up = False
             if up:
@@ -327,6 +440,9 @@ class SimCluster:
     def close(self) -> None:
         """Remove every namespace, link, bridge and file this cluster created. Idempotent."""
         with self._lock:
+            if self._delay_line is not None:  # closing the TAPs removes them
+                self._delay_line.stop()
+                self._delay_line = None
             for ns in reversed(self._created):
                 _remove_namespace(ns)
             self._created.clear()

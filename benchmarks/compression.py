@@ -6,6 +6,9 @@
     python benchmarks/compression.py --skip-acc --repeat 5    # speed only, 5 interleaved rounds
     python benchmarks/compression.py --skip-acc --rows ddp "mpi_asa (fp32)" topk --steps 45 --skip 23
                                                      # speed of some rows only (label substrings), timed after step 23
+    python benchmarks/compression.py --families mlp cnn lm --seeds 3 4 5 --arms tuning
+    python benchmarks/compression.py --families mlp cnn lm --seeds 0 1 2 --arms defaults
+    python benchmarks/compression.py --report        # tables and one plot per wire, from what was run
 
 1. Accuracy and bytes: scikit-learn's ``digits`` (``examples/digits_data.py``: 8x8 handwritten digits, 1,797 images, 25% held
    out), an MLP, 2 ranks on this machine, every codec with and without error feedback, against
@@ -20,6 +23,30 @@
    ddp" is the median over rounds of the ratio to that round's ``ddp``. The load average is
    printed with the table. "CPU ms/step" is the CPU time of one rank's process (all its threads)
    per step, averaged over ranks: both ranks share the machine, so it bounds the step from below.
+
+3. Across model families (``--families``): every lossy wire against ``mpi_asa`` on three kinds of
+   model, each trained on 2 ranks of this machine from ``seed_everything(seed)`` (the same initial
+   weights and data order for every arm of a seed), one ``mpiexec`` per family and seed:
+
+   - ``mlp``: an MLP 64-512-512-10 (300k parameters) on the digits of ``examples/digits.py`` (its
+     80/20 split), SGD with momentum 0.9 at lr 0.05, batch 32 per rank, 8 epochs (184 steps);
+     accuracy of the final weights on the 360 held-out images;
+   - ``cnn``: the digits example's CNN (10k parameters), the same data, optimizer and steps;
+   - ``lm``: a causal transformer language model over bytes (2 layers, width 64, 4 heads, context
+     64; 110k parameters) on the Python standard library's source (``benchmarks/ttq_task.py``'s
+     text, 1 MB to train, its held-out files to test), AdamW at lr 2e-3, batch 16 per rank, 300
+     steps; held-out loss of the final weights in nats per byte (lower is better).
+
+   The outer rules run every 10 steps here (their default 50 would leave 3-6 outer steps in these
+   runs; SparseLoCo's wire has 10 as its default).
+
+   Bytes per step are the mean over the run of the rule's ``stats()["wire_bytes"]`` (one rank's
+   bytes out; a rule that exchanges every ``period`` steps is averaged over all of them). Arms
+   are registered names with overrides, ``NAME@key=value+key=value`` (values as Python literals);
+   ``--arms tuning`` / ``defaults`` name the two lists below (:data:`TUNING_ARMS`,
+   :data:`DEFAULT_ARMS`). Results accumulate in ``benchmarks/results/compression_families.json``
+   (one entry per family, seed and arm; a rerun replaces its own); ``--report`` prints one table
+   per wire and writes one plot per wire (``compression_<wire>.png``).
 
 Prints tables; writes ``benchmarks/results/compression.json`` (sections not re-run are kept from
 the previous file) and ``compression.png``. Not a test.
@@ -65,6 +92,183 @@ SPEED_ROWS = [
     ("onebit, no EF", "compressed", {"wire": "onebit", "error_feedback": False}),
     ("no exchange (ceiling)", "none", {}),
 ]
+
+
+#: The dense outer wires run every 10 steps in the families' runs (184-300 steps: 18-30 outer steps;
+#: their default 50 would leave 3-6), on 4 fragments for Streaming DiLoCo; SparseLoCo's wire runs at
+#: its own default period, 10 too.
+OUTER = "period=10"
+SPARSE = "wire='sparseloco'"
+#: Every arm of the families' runs on the tuning seeds: each wire at its defaults, the defaults it
+#: had before, and the alternatives its defaults were chosen from.
+TUNING_ARMS = [
+    "mpi_asa",
+    "mpi_asa_int8", "mpi_asa_int8@error_feedback=False",
+    "mpi_onebit", "mpi_onebit@error_feedback=False",
+    "mpi_topk", "mpi_topk@topk_packing='pairs'", "mpi_topk@ratio_warmup_steps=100",
+    "mpi_topk@momentum_correction=True+momentum_masking=False",
+    "mpi_powersgd", "mpi_powersgd@rank=2", "mpi_powersgd@rank=4",
+    f"mpi_diloco@{OUTER}", f"mpi_streaming_diloco@{OUTER}+wire='fp32'", f"mpi_streaming_diloco@{OUTER}",
+    f"mpi_diloco@{SPARSE}+outer_lr=1.0", f"mpi_streaming_diloco@{SPARSE}+outer_lr=1.0",
+    f"mpi_streaming_diloco@{SPARSE}+outer_lr=1.5",
+    f"mpi_streaming_diloco@{SPARSE}+outer_lr=1.0+error_decay=0.8",
+    f"mpi_streaming_diloco@{SPARSE}+outer_lr=1.0+error_decay=0.9",
+    f"mpi_streaming_diloco@{SPARSE}+outer_lr=1.0+error_decay=0.99",
+]
+#: The held-out check: every wire at its defaults, and the alternatives closest to them.
+DEFAULT_ARMS = [
+    "mpi_asa", "mpi_asa_int8", "mpi_onebit", "mpi_onebit@error_feedback=False",
+    "mpi_topk", "mpi_topk@topk_packing='pairs'", "mpi_topk@ratio_warmup_steps=100",
+    "mpi_powersgd", "mpi_powersgd@rank=2", "mpi_powersgd@rank=4",
+    f"mpi_diloco@{OUTER}", f"mpi_streaming_diloco@{OUTER}+wire='fp32'", f"mpi_streaming_diloco@{OUTER}",
+    f"mpi_diloco@{SPARSE}", f"mpi_streaming_diloco@{SPARSE}",
+]
+FAMILIES = ("mlp", "cnn", "lm")
+#: The plot and table each arm belongs to (by its name and wire), in the report's order.
+WIRES = ("int8", "onebit", "topk", "powersgd", "outer dense", "sparseloco")
+
+
+def parse_arm(spec: str) -> tuple[str, dict]:
+    """``NAME@key=value+key=value`` -> (registered name, overrides); values as Python literals."""
+    import ast
+
+    name, _, rest = spec.partition("@")
+    kwargs = {}
+    for item in filter(None, rest.split("+")):
+        key, _, value = item.partition("=")
+        kwargs[key] = ast.literal_eval(value)
+    return name, kwargs
+
+
+def wire_of(spec: str) -> str | None:
+    """The wire an arm is judged under (:data:`WIRES`), or None for the baseline ``mpi_asa``."""
+    name, kwargs = parse_arm(spec)
+    if name == "mpi_asa":
+        return None
+    if name in ("mpi_diloco", "mpi_streaming_diloco"):
+        return "sparseloco" if kwargs.get("wire") == "sparseloco" else "outer dense"
+    return {"mpi_asa_int8": "int8", "mpi_onebit": "onebit", "mpi_topk": "topk", "mpi_powersgd": "powersgd"}[name]
+
+
+def family_task(family: str, seed: int):
+    """``(module, train_loader, score)`` of one family (module docstring); ``score(module)`` on rank 0."""
+    import pytorch_lightning as pl
+    import torch
+    from torch import nn
+
+    sys.path.insert(0, str(HERE.parent / "examples"))
+    from digits import DigitsCNN, DigitsData
+
+    pl.seed_everything(seed, verbose=False)
+    if family in ("mlp", "cnn"):
+        data = DigitsData(batch_size=32)
+        data.setup("fit")
+        module = DigitsCNN()
+        if family == "mlp":
+            module.net = nn.Sequential(nn.Flatten(), nn.Linear(64, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(),
+                                       nn.Linear(512, 10))
+        x, y = data.val_set.tensors
+
+        def accuracy(m) -> float:
+            m.eval()
+            with torch.no_grad():
+                return 100.0 * float((m.net(x).argmax(1) == y).float().mean())
+
+        return module, data.train_dataloader(), accuracy
+    if family != "lm":
+        raise ValueError(f"family={family!r}: choose one of {FAMILIES}")
+    from benchmarks.ttq_task import TaskConfig, load_texts
+
+    cfg = TaskConfig(train_bytes=1 << 20, held_out_bytes=64 << 10)
+    train_text, held_text, _ = load_texts(cfg, RESULTS / "compression_lm_text.pt")
+    context = 64
+
+    class CausalLM(nn.Module):
+        def __init__(self, width: int = 64, layers: int = 2, heads: int = 4) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(256, width)
+            self.position = nn.Parameter(torch.zeros(context, width))
+            layer = nn.TransformerEncoderLayer(width, heads, 4 * width, dropout=0.0, batch_first=True)
+            self.blocks = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+            self.head = nn.Linear(width, 256)
+            self.register_buffer("mask", nn.Transformer.generate_square_subsequent_mask(context), persistent=False)
+
+        def forward(self, x):
+            h = self.embed(x) + self.position[: x.shape[1]]
+            return self.head(self.blocks(h, mask=self.mask[: x.shape[1], : x.shape[1]], is_causal=True))
+
+    class LM(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = CausalLM()
+
+        def training_step(self, batch, _):
+            x, y = batch
+            return nn.functional.cross_entropy(self.net(x).flatten(0, 1), y.flatten())
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=2e-3)
+
+    def windows(text, offsets):
+        rows = torch.stack([text[o : o + context + 1].long() for o in offsets.tolist()])
+        return rows[:, :-1], rows[:, 1:]
+
+    g = torch.Generator().manual_seed(seed)
+    train = torch.utils.data.TensorDataset(*windows(train_text, torch.randint(0, len(train_text) - context - 1,
+                                                                              (2 * 16 * 300,), generator=g)))
+    held_x, held_y = windows(held_text, torch.linspace(0, len(held_text) - context - 2, 256).long())
+    module = LM()
+
+    def loss(m) -> float:
+        m.eval()
+        with torch.no_grad():
+            return float(nn.functional.cross_entropy(m.net(held_x).flatten(0, 1), held_y.flatten()))
+
+    return module, torch.utils.data.DataLoader(train, batch_size=16, shuffle=True), loss
+
+
+def family_worker(family: str, seed: int, arms: list[str], out: str) -> None:
+    """Every arm of ``arms`` on one family and seed, in turn; rank 0 appends one JSON line per arm."""
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    import pytorch_lightning as pl
+    import torch
+    from mpi4py import MPI
+
+    import lightning_mpi
+    from lightning_mpi import STRATEGIES
+
+    torch.set_num_threads(1)
+    rank = MPI.COMM_WORLD.Get_rank()
+
+    class Bytes(pl.Callback):
+        def __init__(self) -> None:
+            self.wire: list[float] = []
+
+        def on_train_batch_end(self, trainer, *args) -> None:
+            bound = getattr(trainer.strategy, "bound_rule", None)
+            self.wire.append(float(bound.stats().get("wire_bytes", 0.0)) if bound is not None else 0.0)
+
+    for spec in arms:
+        name, overrides = parse_arm(spec)
+        class_name, params, _ = STRATEGIES[name]
+        strategy = getattr(lightning_mpi, class_name)(**{**params, **overrides})
+        module, loader, score = family_task(family, seed)
+        nbytes = Bytes()
+        epochs = {"max_epochs": 8} if family in ("mlp", "cnn") else {"max_steps": 300}
+        trainer = pl.Trainer(strategy=strategy, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                             enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0,
+                             callbacks=[nbytes], accelerator="cpu", **epochs)
+        begin = time.perf_counter()
+        trainer.fit(module, loader)
+        seconds = time.perf_counter() - begin
+        if rank == 0:
+            row = {"family": family, "seed": seed, "arm": spec, "metric": score(module), "steps": trainer.global_step,
+                   "bytes_per_step": sum(nbytes.wire) / max(1, len(nbytes.wire)), "seconds": round(seconds, 1)}
+            with open(out, "a") as f:
+                f.write(json.dumps(row) + "\n")
+            print(f"{family} seed {seed} {spec}: {row['metric']:.4f} ({seconds:.1f} s)", flush=True)
 
 
 # ------------------------------------------------------------------------------------- worker ---
@@ -236,6 +440,142 @@ def run_speed(steps: int, repeat: int, rows: list[str] | None = None, skip: int 
     return json.loads(out.read_text())
 
 
+FAMILY_RESULTS = RESULTS / "compression_families.json"
+#: The seeds the defaults were chosen on, and the seeds they are checked on.
+TUNING_SEEDS, HELD_OUT_SEEDS = (3, 4, 5), (0, 1, 2)
+
+
+def run_families(families: list[str], seeds: list[int], arms: list[str], per_arm: float) -> None:
+    """One ``mpiexec -n 2`` per family and seed; each result is merged into :data:`FAMILY_RESULTS` as
+    soon as its job ends (a job that runs past ``per_arm`` seconds an arm is killed, what it wrote kept)."""
+    import signal
+    import tempfile
+
+    mpiexec = str(Path(sys.executable).parent / "mpiexec")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(HERE.parent), PYTHONWARNINGS="ignore")
+    for family in families:
+        for seed in seeds:
+            with tempfile.TemporaryDirectory() as scratch:
+                out = Path(scratch) / "rows.jsonl"
+                cmd = [mpiexec, "-n", "2", sys.executable, __file__, "--worker", "family", "--family", family,
+                       "--seed", str(seed), "--out", str(out), "--arms", *arms]
+                proc = subprocess.Popen(cmd, env=env, start_new_session=True, stdout=subprocess.PIPE,
+                                        stderr=subprocess.STDOUT, text=True)
+                try:
+                    text, _ = proc.communicate(timeout=60 + per_arm * len(arms))
+                except subprocess.TimeoutExpired:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    text, _ = proc.communicate()
+                    print(f"{family} seed {seed}: killed after {60 + per_arm * len(arms):.0f} s", file=sys.stderr)
+                print("\n".join(line for line in text.splitlines() if " seed " in line), flush=True)
+                rows = [json.loads(line) for line in out.read_text().splitlines()] if out.exists() else []
+            merge_family_rows(rows)
+
+
+def merge_family_rows(rows: list[dict]) -> None:
+    """Add ``rows`` to :data:`FAMILY_RESULTS`, replacing an earlier row of the same family, seed and arm."""
+    try:
+        saved = json.loads(FAMILY_RESULTS.read_text())
+    except (OSError, ValueError):
+        saved = []
+    key = lambda r: (r["family"], r["seed"], r["arm"])  # noqa: E731
+    fresh = {key(r) for r in rows}
+    FAMILY_RESULTS.write_text(json.dumps([r for r in saved if key(r) not in fresh] + rows, indent=1))
+
+
+def family_diffs(rows: list[dict], family: str, arm: str, seeds) -> list[float]:
+    """Per seed (of ``seeds`` where both ran): the arm's metric minus ``mpi_asa``'s; for ``lm`` (a loss)
+    in percent of ``mpi_asa``'s loss, so that for every family a negative difference is a loss of quality."""
+    by = {(r["arm"], r["seed"]): r["metric"] for r in rows if r["family"] == family}
+    out = []
+    for seed in seeds:
+        if (arm, seed) in by and ("mpi_asa", seed) in by:
+            a, base = by[(arm, seed)], by[("mpi_asa", seed)]
+            out.append(a - base if family != "lm" else -100.0 * (a - base) / base)
+    return out
+
+
+def family_bytes(rows: list[dict], family: str, arm: str) -> float | None:
+    values = [r["bytes_per_step"] for r in rows if r["family"] == family and r["arm"] == arm]
+    return sum(values) / len(values) if values else None
+
+
+def family_report(rows: list[dict]) -> str:
+    """One markdown table per wire (module docstring), and one plot per wire."""
+    import statistics
+
+    arms = list(dict.fromkeys(r["arm"] for r in rows))
+    families = [f for f in FAMILIES if any(r["family"] == f for r in rows)]
+    parts = ["Quality against `mpi_asa`, mean over seeds (accuracy points for mlp and cnn; for lm, minus the "
+             "held-out loss's difference in percent: negative is worse everywhere), then bytes per rank per step."]
+    base = []
+    for family in families:
+        for seeds, label in ((HELD_OUT_SEEDS, "0-2"), (TUNING_SEEDS, "3-5")):
+            values = [r["metric"] for r in rows
+                      if r["family"] == family and r["arm"] == "mpi_asa" and r["seed"] in seeds]
+            if values:
+                unit = "loss" if family == "lm" else "acc %"
+                base.append(f"{family} seeds {label}: {unit} {statistics.mean(values):.3f} "
+                            f"({', '.join(f'{v:.3f}' for v in values)})")
+    parts.append("`mpi_asa`: " + "; ".join(base))
+    for wire in WIRES:
+        mine = [a for a in arms if wire_of(a) == wire]
+        if not mine:
+            continue
+        headers = ["arm"] + [f"{f} {label}" for f in families for label in ("0-2", "3-5")]
+        headers += [f"{f} B/step" for f in families]
+        body = []
+        for arm in mine:
+            cells = [f"`{arm}`"]
+            for family in families:
+                for seeds in (HELD_OUT_SEEDS, TUNING_SEEDS):
+                    d = family_diffs(rows, family, arm, seeds)
+                    cells.append(f"{statistics.mean(d):+.2f} [{', '.join(f'{x:+.1f}' for x in d)}]" if d else "")
+            for family in families:
+                b = family_bytes(rows, family, arm)
+                cells.append(f"{b:,.0f}" if b is not None else "")
+            body.append(cells)
+        parts.append(f"#### {wire}\n\n" + table(headers, body))
+        plot_wire(rows, wire, mine, families)
+    return "\n\n".join(parts)
+
+
+def plot_wire(rows: list[dict], wire: str, arms: list[str], families: list[str]) -> None:
+    """Per family: each arm's difference to ``mpi_asa`` (bar: the mean over the held-out seeds, dots:
+    every seed, held out filled and tuning hollow), and its bytes per step beside it."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(families), figsize=(5.2 * len(families), 0.55 * len(arms) + 1.8), squeeze=False)
+    labels = [a.replace("mpi_", "").replace("streaming_diloco", "sdiloco").replace("@", " ").replace("+", " ")
+              for a in arms]
+    for ax, family in zip(axes[0], families):
+        for i, arm in enumerate(arms):
+            held = family_diffs(rows, family, arm, HELD_OUT_SEEDS)
+            tuning = family_diffs(rows, family, arm, TUNING_SEEDS)
+            if held:
+                ax.barh(i, sum(held) / len(held), color="tab:blue", alpha=0.6)
+            ax.scatter(held, [i] * len(held), color="tab:blue", s=14, zorder=3)
+            ax.scatter(tuning, [i] * len(tuning), facecolors="none", edgecolors="tab:orange", s=14, zorder=3)
+            b = family_bytes(rows, family, arm)
+            if b is not None:
+                ax.annotate(f"{b:,.0f} B", (1.0, i), xycoords=("axes fraction", "data"), fontsize=7,
+                            ha="right", va="center", color="gray")
+        ax.axvline(0, color="black", lw=0.8)
+        ax.set_yticks(range(len(arms)))
+        ax.set_yticklabels(labels if family == families[0] else [], fontsize=7)
+        ax.invert_yaxis()
+        ax.set_title(f"{family}: against mpi_asa", fontsize=9)
+        ax.set_xlabel("accuracy points" if family != "lm" else "-(loss difference) %", fontsize=8)
+    fig.suptitle(f"{wire}: bars and filled dots seeds 0-2 (held out), hollow dots seeds 3-5 (tuning); "
+                 "grey: bytes per rank per step", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(RESULTS / f"compression_{wire.replace(' ', '_')}.png", dpi=100)
+    plt.close(fig)
+
+
 def table(headers: list[str], rows: list[list[str]]) -> str:
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
     line = lambda cells: "| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths)) + " |"  # noqa: E731
@@ -322,7 +662,25 @@ def main() -> None:
     ap.add_argument("--rows", nargs="+", help="speed part: only the rows whose label contains one of these")
     ap.add_argument("--skip-speed", action="store_true")
     ap.add_argument("--skip-acc", action="store_true")
+    ap.add_argument("--families", nargs="+", choices=FAMILIES, help="run the families' part (module docstring, 3.)")
+    ap.add_argument("--family", help=argparse.SUPPRESS)
+    ap.add_argument("--seeds", nargs="+", type=int, default=list(HELD_OUT_SEEDS), help="families: seeds to run")
+    ap.add_argument("--arms", nargs="+", default=["defaults"],
+                    help="families: arms (NAME@key=value+...), or 'tuning' / 'defaults' for the lists")
+    ap.add_argument("--seed", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--per-arm", type=float, default=240.0, help="families: seconds an arm may take before the job is killed")
+    ap.add_argument("--report", action="store_true", help="families: print the tables and write the plots, run nothing")
     args = ap.parse_args()
+    arms = [a for spec in args.arms for a in {"tuning": TUNING_ARMS, "defaults": DEFAULT_ARMS}.get(spec, [spec])]
+    if args.worker == "family":
+        family_worker(args.family, args.seed, arms, args.out)
+        return
+    if args.families or args.report:
+        RESULTS.mkdir(exist_ok=True)
+        if args.families:
+            run_families(args.families, args.seeds, arms, args.per_arm)
+        print(family_report(json.loads(FAMILY_RESULTS.read_text())))
+        return
     if args.worker:
         rows = ACC_ROWS if args.worker == "acc" else SPEED_ROWS
         if args.rows:

@@ -31,6 +31,8 @@ is killed (SIGKILL, the whole job) and reported as "hung", with how far it got. 
     python benchmarks/time_to_quality.py                     # 4 settings x 13 arms, ~30 min
     python benchmarks/time_to_quality.py --settings hosts:2:100mbit --budget 10 --arms ddp local mpi_asa16
     python benchmarks/time_to_quality.py --smoke             # 2 ranks, shared memory, seconds
+    python benchmarks/time_to_quality.py --settings hosts:2:10mbit:50ms --arms local mpi_streaming_diloco \
+        mpi_streaming_diloco:wire=sparseloco                 # 10 Mbit/s links, 50 ms one-way latency
     python benchmarks/time_to_quality.py --settings hosts:2:100mbit --runs 3 --peer-factor 1 \
         --arms local ddp_fp16 ddp_powersgd1 mpi_auto mpi_diloco mpi_streaming_diloco
 
@@ -93,7 +95,7 @@ def available(arm: str) -> bool:
 
 
 def world_of(setting: str) -> int:
-    """Ranks of ``hosts:N:RATE`` or ``shm:N``."""
+    """Ranks of ``hosts:N:RATE[:DELAY]`` or ``shm:N``."""
     return int(setting.split(":")[1])
 
 
@@ -234,7 +236,7 @@ def run_setting(setting: str, arms: list[str], args, task, data,
     if kind == "hosts" and runnable:
         from benchmarks.cluster import SimCluster
 
-        with SimCluster(int(rest[0]), rate=rest[1]) as cluster:
+        with SimCluster(int(rest[0]), rate=rest[1], delay=rest[2] if len(rest) > 2 else None) as cluster:
             go(cluster)
     else:
         go()
@@ -270,7 +272,8 @@ def estimate_seconds(settings: list[str], arms: list[str], args) -> float:
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--settings", nargs="+", default=None, help=f"hosts:N:RATE or shm:N (default {' '.join(SETTINGS)})")
+    p.add_argument("--settings", nargs="+", default=None, help=f"hosts:N:RATE[:DELAY] (DELAY: one-way latency in tc units, e.g. 50ms) or shm:N "
+                   f"(default {' '.join(SETTINGS)})")
     p.add_argument("--arms", nargs="+", default=None, help="strategy names, ddp peers, local (default: all 13)")
     p.add_argument("--budget", type=float, default=None, help="wall-clock seconds T per arm (default 15)")
     p.add_argument("--peer-factor", type=float, default=None, help=f"{LONG_PEER} runs this many T (default 5)")

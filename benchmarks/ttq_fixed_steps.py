@@ -14,6 +14,7 @@ process's curve by steps, the yardstick)::
 
     python benchmarks/ttq_fixed_steps.py local 500 --marks 200 250 300 350 400 450
     mpiexec -n 2 python benchmarks/ttq_fixed_steps.py mpi_streaming_diloco 200
+    mpiexec -n 2 python benchmarks/ttq_fixed_steps.py mpi_streaming_diloco:wire=sparseloco 300 --seed 1
 
 ``--raw`` times the task's training step alone (no Lightning, no MPI), for what one process of
 this model makes per second on this machine; run two at once to see what two ranks sharing its
@@ -74,8 +75,9 @@ def usage_per_step(usage: list, steps: int) -> dict:
     }
 
 
-def fixed_steps(arm: str, steps: int, marks: list[int], data: Path) -> dict | None:
-    """Train ``arm`` for ``steps`` steps on every rank; rank 0's result (None on the others)."""
+def fixed_steps(arm: str, steps: int, marks: list[int], data: Path, seed: int = 0) -> dict | None:
+    """Train ``arm`` for ``steps`` steps on every rank; rank 0's result (None on the others).
+    ``seed``: the task's (initial weights and training windows)."""
     warnings.filterwarnings("ignore")
     import pytorch_lightning as pl
     import torch
@@ -86,7 +88,7 @@ def fixed_steps(arm: str, steps: int, marks: list[int], data: Path) -> dict | No
 
     torch.set_num_threads(1)
     rank = MPI.COMM_WORLD.Get_rank()
-    cfg = ttq_task.TaskConfig()
+    cfg = ttq_task.TaskConfig(seed=seed)
     if rank == 0:  # one rank builds the cache of the task's bytes; the others wait and read it
         ttq_task.load_texts(cfg, data)
     MPI.COMM_WORLD.Barrier()
@@ -113,7 +115,7 @@ def fixed_steps(arm: str, steps: int, marks: list[int], data: Path) -> dict | No
     if rank != 0:
         return None
     gaps = [b - a for a, b in zip(recorder.times[10:], recorder.times[11:], strict=False)]
-    result = {"arm": arm, "steps": steps, "step_ms": round(1e3 * sum(gaps) / max(1, len(gaps)), 1),
+    result = {"arm": arm, "steps": steps, "seed": seed, "step_ms": round(1e3 * sum(gaps) / max(1, len(gaps)), 1),
               **usage_per_step(recorder.usage, steps - 11),
               "final_loss": round(ttq_task.held_out_loss(module.net, held), 4), "marks": {}}
     with torch.no_grad():
@@ -129,6 +131,7 @@ def main() -> int:
     parser.add_argument("arm", nargs="?", help="strategy name (name:key=value,...) or local")
     parser.add_argument("steps", nargs="?", type=int, help="steps to train")
     parser.add_argument("--marks", type=int, nargs="*", default=[], help="steps at which rank 0's weights are scored")
+    parser.add_argument("--seed", type=int, default=0, help="the task's seed: initial weights and training windows")
     parser.add_argument("--raw", action="store_true", help="time the task's training step alone and exit")
     parser.add_argument("--data", type=Path, default=ROOT / "benchmarks" / "results" / "ttq_data_fixed_steps.pt",
                         help="cache of the task's bytes (built on first use)")
@@ -139,7 +142,7 @@ def main() -> int:
     if args.arm is None or args.steps is None or args.steps < 1:
         parser.error("give ARM and STEPS (a positive number of steps), or --raw")
     args.data.parent.mkdir(parents=True, exist_ok=True)
-    result = fixed_steps(args.arm, args.steps, args.marks, args.data)
+    result = fixed_steps(args.arm, args.steps, args.marks, args.data, args.seed)
     if result is not None:
         print(json.dumps(result), flush=True)
     return 0

@@ -54,6 +54,7 @@ _PYTORCH_LIGHTNING_CLASSES = (
     "PowerSGDStrategy",
     "DiLoCoStrategy",
     "StreamingDiLoCoStrategy",
+    "HybridStrategy",
     "AutoStrategy",
     "MPIClusterEnvironment",
     "AtomicCheckpointIO",
@@ -79,6 +80,7 @@ _MODULES = {
     "EAMSGDRule": "lightning_mpi.rules.server",
     "DiLoCoRule": "lightning_mpi.rules.diloco",
     "StreamingDiLoCoRule": "lightning_mpi.rules.diloco",
+    "HybridRule": "lightning_mpi.rules.hybrid",
     "AutoRule": "lightning_mpi.rules.auto",
     "RankFailedError": "lightning_mpi.comm.errors",
 }

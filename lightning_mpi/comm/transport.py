@@ -355,6 +355,19 @@ class Transport:
             return local_t, None
         return local_t, Transport(self.resources.comm(leaders), self.timeout, self.errors, self.resources)
 
+    def split(self, color: int | None, key: int | None = None) -> Transport | None:
+        """A transport over the ranks that pass the same ``color`` (ordered by ``key``, default this
+        rank), or ``None`` on a rank that passes ``None`` (``MPI_UNDEFINED``). Collective: every rank
+        calls it, after an agreeing barrier, since the split blocks; the communicator is tracked by
+        this run's resources (a heal revokes it, the rule binds anew)."""
+        self.barrier(agree=True)
+        comm = self.comm.Split(
+            color=self.MPI.UNDEFINED if color is None else color, key=self.rank if key is None else key
+        )
+        if color is None:
+            return None
+        return Transport(self.resources.comm(comm), self.timeout, self.errors, self.resources)
+
     # -- non-blocking: generators that yield one MPI request and finish after it completes ----------
     # Staging copies happen before the start and after completion, inside the generator, so a
     # caller just ``yield from``s them (see lightning_mpi.comm.engine).

@@ -15,6 +15,7 @@ from lightning_mpi.rules.compressed import CompressedSyncRule
 from lightning_mpi.rules.diloco import DiLoCoRule, StreamingDiLoCoRule
 from lightning_mpi.rules.easgd import EASGDRule
 from lightning_mpi.rules.gossip import GoSGDRule
+from lightning_mpi.rules.hybrid import HybridRule
 from lightning_mpi.rules.powersgd import PowerSGDRule
 from lightning_mpi.rules.server import ADAGRule, AEASGDRule, AGNRule, DownpourRule, DynSGDRule, EAMSGDRule
 from lightning_mpi.rules.sync import SyncRule
@@ -35,6 +36,7 @@ RULES: tuple[type[Rule], ...] = (
     PowerSGDRule,
     DiLoCoRule,
     StreamingDiLoCoRule,
+    HybridRule,
     AutoRule,
 )
 

@@ -78,6 +78,11 @@ STRATEGIES: dict[str, tuple[str, dict[str, Any], str]] = {
         {},
         "Streaming DiLoCo: fragments synced in turn, overlapped, 4-bit",
     ),
+    "mpi_hybrid": (
+        "HybridStrategy",
+        {},
+        "Two levels: every-step ASA inside each host, Streaming DiLoCo across hosts, each rank carrying its piece",
+    ),
     "mpi_auto": (
         "AutoStrategy",
         {},

@@ -262,3 +262,169 @@ def test_a_blocking_exchange_slower_than_its_steps_warns_once_on_rank_0():
     slow = [w for w in seen if "blocking exchange" in str(w.message)]
     assert len(slow) == 1 and "mpi_diloco" in str(slow[0].message) and "the 2 steps" in str(slow[0].message)
     assert bound.slow_warning.warned
+
+
+# -- SparseLoCo's wire: error feedback in place of the outer momentum --------------------------------
+@pytest.mark.parametrize(
+    "make, kwargs, name",
+    [
+        (DiLoCoRule, {"wire": "sparseloco", "outer_momentum": 0.9}, "outer_momentum"),
+        (StreamingDiLoCoRule, {"wire": "sparseloco", "outer_momentum": 0.5}, "outer_momentum"),
+        (DiLoCoRule, {"wire": "int4", "error_decay": 0.9}, "error_decay"),
+        (StreamingDiLoCoRule, {"error_decay": 0.9}, "error_decay"),  # its default wire is int4
+        (DiLoCoRule, {"wire": "sparseloco", "error_decay": 1.5}, "error_decay"),
+        (DiLoCoRule, {"wire": "sparseloco", "topk_per_chunk": 0}, "topk_per_chunk"),
+        (DiLoCoRule, {"wire": "sparseloco", "topk_per_chunk": 4097}, "topk_per_chunk"),
+    ],
+)
+def test_sparseloco_refuses_what_does_not_go_with_it(make, kwargs, name):
+    with pytest.raises(ValueError, match=rf"{name}="):
+        make(**kwargs)
+
+
+def test_the_outer_step_follows_the_wire():
+    """None resolves per wire: period 50 and Nesterov 0.7/0.9 on the dense wires (the DiLoCo paper's
+    step), and on SparseLoCo's a shorter period and plain SGD (its accumulator is the momentum);
+    what is given is kept."""
+    from lightning_mpi.comm.sparseloco import SparseLoCoWire
+    from lightning_mpi.rules.diloco.rule import ERROR_DECAY, SPARSE_LR, SPARSE_PERIOD
+
+    assert DiLoCoRule().outer_step() == (0.7, 0.9) and StreamingDiLoCoRule().outer_step() == (0.7, 0.9)
+    assert DiLoCoRule().inner_period() == StreamingDiLoCoRule().inner_period() == 50
+    sparse = StreamingDiLoCoRule(wire="sparseloco")
+    assert sparse.outer_step() == (SPARSE_LR, 0.0) and sparse.decay() == ERROR_DECAY
+    assert sparse.inner_period() == SPARSE_PERIOD < 50 and sparse.make_wire() == SparseLoCoWire(64)
+    given = DiLoCoRule(wire="sparseloco", period=7, outer_lr=0.5, outer_momentum=0.0, error_decay=0.9)
+    assert given.outer_step() == (0.5, 0.0) and given.decay() == 0.9 and given.inner_period() == 7
+    assert DiLoCoRule(outer_lr=1.0, outer_momentum=0.0).outer_step() == (1.0, 0.0)
+    assert StreamingDiLoCoRule(period="auto", wire="sparseloco").inner_period() == "auto"
+    with pytest.raises(ValueError, match="overlap_steps=2"):  # checked against the wire's period
+        StreamingDiLoCoRule(wire="sparseloco", overlap_steps=2)
+
+
+def _sparse_round(theta_global, local, accumulator, beta, k, lr):
+    """One SparseLoCo outer step of one replica by the per-chunk reference (tests/comm/test_sparseloco.py)."""
+    from tests.comm.test_sparseloco import reference
+
+    flat_g = torch.cat([t.reshape(-1) for t in theta_global])
+    flat_l = torch.cat([t.detach().reshape(-1) for t in local])
+    sizes = [t.numel() for t in theta_global]
+    sections = [(sum(sizes[:i]), n) for i, n in enumerate(sizes)]
+    accumulator.mul_(beta).add_(flat_g - flat_l)
+    sent, _ = reference(accumulator.clone(), sections, k)
+    accumulator.sub_(sent)
+    flat_g = flat_g - lr * sent
+    return list(torch.split(flat_g, sizes))
+
+
+def test_sparseloco_diloco_on_one_rank_is_the_papers_loop():
+    """DiLoCo with ``wire="sparseloco"`` on one rank against SparseLoCo's Algorithm 1 written out: inner
+    steps; every H: e ← β·e + Δ, Δ̂ = Q(TopK(e)), e ← e − Δ̂, θ ← θ − α·Δ̂ (the mean of one); the end
+    folds the last steps in the same way (α = 1, the average)."""
+    period, steps, k, beta, lr = 3, 8, 2, 0.9, 0.8
+    torch.manual_seed(1)
+    net, ref = nn.Linear(3, 2), nn.Linear(3, 2)
+    ref.load_state_dict(net.state_dict())
+    rule = DiLoCoRule(period=period, wire="sparseloco", topk_per_chunk=k, error_decay=beta, outer_lr=lr, outer_warmup=0)
+    _train(rule.bind(_self_transport(), list(net.parameters())), net, steps)
+
+    torch.manual_seed(0)
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.5)
+    theta_global = [p.detach().clone() for p in ref.parameters()]
+    accumulator = torch.zeros(sum(p.numel() for p in ref.parameters()))
+
+    def outer(step_lr):
+        nonlocal theta_global
+        flat = _sparse_round(theta_global, list(ref.parameters()), accumulator, beta, k, step_lr)
+        theta_global = [f.view_as(t) for f, t in zip(flat, theta_global)]
+        with torch.no_grad():
+            for p, g in zip(ref.parameters(), theta_global):
+                p.copy_(g)
+
+    for step in range(1, steps + 1):
+        opt.zero_grad()
+        ref(torch.randn(6, 3)).pow(2).mean().backward()
+        opt.step()
+        if step % period == 0:
+            outer(lr)
+    outer(1.0)  # the end: the steps since the last outer step, averaged in
+    for p, q in zip(net.parameters(), ref.parameters()):
+        assert torch.allclose(p, q, rtol=1e-5, atol=1e-6)
+
+
+def test_sparseloco_heal_state_restarts_an_exchange_in_flight_exactly():
+    """Streaming DiLoCo on SparseLoCo's wire, bound again mid-run from its ``heal_state()`` while an
+    exchange is in flight: the accumulator is this rank's own (``"local"``), the exchange starts
+    again from the Δ and accumulator it started from, and the run ends bitwise where the
+    uninterrupted one does."""
+    rule = StreamingDiLoCoRule(period=4, fragments=2, overlap_steps=1, mix_alpha=0.5, wire="sparseloco", topk_per_chunk=3)
+
+    def run(cut):
+        torch.manual_seed(3)
+        net = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
+        params = list(net.parameters())
+        bound = rule.bind(_self_transport(), params)
+        bound.healing = True
+        opt = torch.optim.SGD(params, lr=0.1, momentum=0.5)
+        bound.on_train_start()
+        statuses = []
+        for step in range(11):
+            if step == cut:
+                state = bound.heal_state()
+                assert state["local"]["residuals"][0] is not None  # the accumulator travels as this rank's own
+                bound.close()
+                bound = rule.bind(_self_transport(), params)
+                bound.healing = True
+                bound.load_state_dict(state)
+                bound.on_train_start()
+            opt.zero_grad()
+            net(torch.randn(6, 3)).pow(2).mean().backward()
+            assert bound.before_step(opt)
+            opt.step()
+            bound.after_step(opt)
+            statuses.append([f.status for f in bound.fragments])
+        bound.on_train_end()
+        bound.close()
+        return [p.detach().clone() for p in params], statuses
+
+    whole, statuses = run(None)
+    assert statuses[9][0] == "running"
+    healed, _ = run(10)
+    assert all(torch.equal(a, b) for a, b in zip(whole, healed, strict=True))
+
+
+def test_sparseloco_checkpoint_resumes_the_accumulator_exactly():
+    """``state_dict`` mid-period holds the accumulator; a fresh binding loaded from it (and the inner
+    optimizer's state) retraces the uninterrupted run bitwise."""
+    rule = DiLoCoRule(period=4, wire="sparseloco", topk_per_chunk=2)
+
+    def run(save_at=None, state=None):
+        torch.manual_seed(5)
+        net = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
+        params = list(net.parameters())
+        opt = torch.optim.SGD(params, lr=0.1, momentum=0.5)
+        bound = rule.bind(_self_transport(), params)
+        if state is not None:
+            bound.load_state_dict(state["rule"])
+            opt.load_state_dict(state["opt"])
+        bound.on_train_start()
+        first = 0 if state is None else state["step"]
+        torch.manual_seed(100 + first)
+        saved = None
+        for step in range(first, 11):
+            if step == save_at:
+                saved = {"rule": bound.state_dict(), "opt": opt.state_dict(), "step": step}
+                torch.manual_seed(100 + step)
+            opt.zero_grad()
+            net(torch.randn(6, 3)).pow(2).mean().backward()
+            assert bound.before_step(opt)
+            opt.step()
+            bound.after_step(opt)
+        bound.on_train_end()
+        bound.close()
+        return [p.detach().clone() for p in params], saved
+
+    whole, saved = run(save_at=6)
+    assert saved["rule"]["ranks"][0]["residuals"][0].abs().sum() > 0  # the accumulator is in the checkpoint
+    resumed, _ = run(state=saved)
+    assert all(torch.equal(a, b) for a, b in zip(whole, resumed, strict=True))

@@ -77,3 +77,34 @@ def test_diloco_strategies_on_ranks(world, tmp_path):
     # (f) Fabric
     assert r["fabric_diloco"] == {"identical": True, "outer_steps": 3.0, "class": "lightning_mpi.fabric.DiLoCoStrategy"}
     assert r["fabric_streaming"]["identical"] and r["fabric_streaming"]["outer_steps"] == 4.0
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world", [2, 3])
+def test_sparseloco_wire_on_ranks_is_one_process_math(world, tmp_path):
+    """SparseLoCo's wire on 2 and 3 ranks (tests/scripts/sparseloco_train.py): the exchange against one
+    process building every rank's row and averaging each entry over its senders (bitwise), and the
+    per-chunk reference; DiLoCo's hooks against W replicas in one process; the Trainer: ranks alike,
+    the bytes of the formula, an exact resume."""
+    out = tmp_path / "out.json"
+    run_mpi(world, [str(SCRIPTS / "sparseloco_train.py"), str(out)], timeout=100, cwd=tmp_path)
+    r = json.loads(out.read_text())
+    assert r["exchange"] == {"bitwise": True, "reference": True, "spread": True, "identical": True}, r["exchange"]
+    assert r["diloco"]["diff"] <= 1e-6 and r["diloco"]["identical"], r["diloco"]
+    assert r["trainer"] == {"identical": True, "finite": True, "outer_steps": 5.0, "bytes": True}, r["trainer"]
+    case = r["resume"]
+    assert case["equal_on_every_rank"] and case["diff"] == 0.0 and case["identical"], case
+    assert case["in_flight_saved"] == [True, False] and case["accumulators_saved"], case
+
+
+def test_sparseloco_strategy_arguments():
+    import lightning_mpi
+    from lightning_mpi.rules.diloco.rule import SPARSE_LR
+
+    strategy = lightning_mpi.StreamingDiLoCoStrategy(wire="sparseloco", topk_per_chunk=32, error_decay=0.9)
+    assert strategy.rule.outer_step() == (SPARSE_LR, 0.0) and strategy.rule.decay() == 0.9
+    with pytest.raises(ValueError, match="outer_momentum="):
+        lightning_mpi.DiLoCoStrategy(wire="sparseloco", outer_momentum=0.9)
+    with pytest.raises(ValueError, match="error_decay="):
+        lightning_mpi.DiLoCoStrategy(error_decay=0.5)

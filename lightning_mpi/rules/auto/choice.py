@@ -138,7 +138,7 @@ def default_plan(sizes: Sizes) -> Choice:
     what ``mpi_auto`` trains with from its first step, before it has measured anything."""
     defaults = StreamingDiLoCoRule()
     fragments = max(1, min(defaults.fragments, sizes.tensors))
-    return Choice("streaming", defaults.wire, fragments, int(defaults.period), defaults.overlap_steps)
+    return Choice("streaming", defaults.wire, fragments, int(defaults.inner_period()), defaults.overlap_steps)
 
 
 def streaming_plan(step_seconds: float, link: Link, sizes: Sizes) -> Choice:

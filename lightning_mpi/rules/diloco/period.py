@@ -25,12 +25,12 @@ from lightning_mpi.rules.link.probe import LinkProbe, Measurement
 AUTO_PROBE_STEPS = 4
 
 
-def check_period(name: str, value: Any) -> int | str:
-    """The ``period`` option's check: an integer ≥ 1, or ``"auto"``."""
-    if value == "auto":
+def check_period(name: str, value: Any) -> int | str | None:
+    """The ``period`` option's check: an integer ≥ 1, ``"auto"``, or None (the wire's default)."""
+    if value == "auto" or value is None:
         return value
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f'{name}={value!r} is out of range: it must be an integer >= 1 or "auto"')
+        raise ValueError(f'{name}={value!r} is out of range: it must be an integer >= 1, "auto" or None')
     return value
 
 

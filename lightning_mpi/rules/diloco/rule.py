@@ -17,6 +17,22 @@ averaging (:mod:`lightning_mpi.rules.averaging`). The outer optimizer is ``torch
 gradient. ``wire`` picks how Δ travels: fp32 (one Allreduce), or bf16, int8 or int4 through
 ASA with error feedback (the unsent part of Δ joins the next outer step's Δ).
 
+``wire="sparseloco"`` is SparseLoCo (Sarfi et al. 2025, arXiv:2508.15706;
+:mod:`lightning_mpi.comm.sparseloco`): each rank folds Δ into a decaying error-feedback
+accumulator, ``e ← β·e + Δ``, sends the ``topk_per_chunk`` largest entries of each chunk of 4096
+of ``e`` with 2-bit values (about 0.22 bits a value at 64), keeps the rest in ``e``, and the ranks
+average what was sent. The paper's point is that this accumulator stands in for the outer
+momentum, so the outer step is plain SGD, θ_global ← θ_global − α·mean Δ̂: ``outer_momentum``
+resolves to 0 and refuses anything else (``ValueError``), and ``error_decay`` (β) belongs to this
+wire alone. The accumulator is this rank's own state, like the dense wires' residuals: in
+checkpoints under ``"ranks"``, through a heal under ``"local"``; it runs at every world size, one
+rank included, since it is part of the algorithm and not only of the transport. Its defaults were
+measured here (docs/convergence.md, "SparseLoCo's wire"): ``period`` 10 instead of 50 (an exchange
+is 1/18 of the 4-bit wire's, so five times as many still send about a quarter of the bytes, and at
+50 the global weights fell far behind the replicas: 8% higher held-out loss than the 4-bit wire on
+the time-to-quality task at 300 steps), and the plain step at rate 1 (a rate of 1.5 did better on
+that task and worse on two of the three models of ``benchmarks/compression.py``).
+
 Defaults, cited: Douillard et al. use outer SGD with Nesterov momentum, ``outer_lr = 0.7``,
 ``outer_momentum = 0.9`` (ours from the second outer step: ``outer_warmup = 1`` makes the
 first an average of the replicas, measured in ``benchmarks/outer_warmup.py``), and H = 500
@@ -33,7 +49,11 @@ mid-period retraces the uninterrupted one exactly.
 
 At the end of training every rank is left with the replicas' mean: an exchange in flight is
 completed, and the steps since each fragment's last exchange are exchanged, and both are applied
-by *averaging*, θ_global ← θ_global − Δ = mean θᵢ, not by an outer step. The outer rate and
+by *averaging*, θ_global ← θ_global − Δ = mean θᵢ, not by an outer step. (On SparseLoCo's wire
+that last exchange is the wire's own, so θ_global moves by the mean of the sparse Δ̂ at rate 1:
+one more plain outer step. Sending the accumulators densely at the end instead was measured far
+worse, 4.90 against 2.84 nats/byte: an accumulator holds about 1/(1 − β) times a period's
+progress, which the plain step at rate α is calibrated for only a fraction at a time.) The outer rate and
 momentum are made for the Δ of a whole period applied in the middle of training; at the end,
 Nesterov's step adds η·μ² = 0.57 times the momentum buffer however few steps the last period
 held, and moves the weights away from where the replicas agree. On the time-to-quality task
@@ -86,10 +106,11 @@ from torch.optim import Optimizer
 from lightning_mpi.comm.codecs import get_codec
 from lightning_mpi.comm.engine import ExchangeScheduler
 from lightning_mpi.comm.progress import ProgressThread
+from lightning_mpi.comm.sparseloco import CHUNK, SparseLoCoWire
 from lightning_mpi.comm.transport import Transport
-from lightning_mpi.options import integer, number, option, options_class
+from lightning_mpi.options import integer, number, option, optional, options_class
 from lightning_mpi.rules.base import BoundLocalStepRule, Execute, Rule, redone_from_state
-from lightning_mpi.rules.diloco.fragments import OuterFragment
+from lightning_mpi.rules.diloco.fragments import OuterFragment, Wire
 from lightning_mpi.rules.diloco.outer import (
     averages_at,
     last_start,
@@ -113,6 +134,21 @@ from lightning_mpi.rules.link.probe import Measurement, StepClock
 
 #: seconds between the progress thread's polls while an outer exchange is in flight
 POLL_SECONDS = 2e-4
+#: ``period``'s default on the dense wires
+DENSE_PERIOD = 50
+#: ``wire="sparseloco"``'s defaults: the period, the outer lr, entries per chunk of 4096, and β of
+#: its error feedback (chosen on the benchmarks: docs/convergence.md, "SparseLoCo's wire")
+SPARSE_PERIOD = 10
+SPARSE_LR = 1.0
+SPARSE_K = 64
+ERROR_DECAY = 0.9
+
+
+def number_of_entries(name: str, value: Any) -> int:
+    """``topk_per_chunk``'s check: an integer in [1, 4096]."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= CHUNK:
+        raise ValueError(f"{name}={value!r} is out of range: it must be an integer in [1, {CHUNK}]")
+    return value
 
 
 # -- the rules --------------------------------------------------------------------------------------
@@ -120,28 +156,34 @@ POLL_SECONDS = 2e-4
 class OuterOptions(Rule):
     """The options DiLoCo and Streaming DiLoCo share: the outer step and how Δ travels."""
 
-    period: int | Literal["auto"] = option(
-        default=50,
-        doc="H, inner steps between outer steps (≥ 1); the paper's 500 is made for runs of tens of thousands of steps. "
-        '`"auto"`: the smallest period whose exchange, after the wire format, hides behind that many steps, from '
-        "the compute time of a step and the link measured in the first steps (agreed by every rank; saved in "
-        "checkpoints).",
+    period: int | Literal["auto"] | None = option(
+        default=None,
+        doc=f"H, inner steps between outer steps (≥ 1); None: {DENSE_PERIOD} (the paper's 500 is made for runs of "
+        f'tens of thousands of steps), or {SPARSE_PERIOD} with `wire="sparseloco"` (its exchanges are 1/18 of the '
+        '4-bit wire\'s: 5 times as many still send a quarter of the bytes). `"auto"`: the smallest period whose '
+        "exchange, after the wire format, hides behind that many steps, from the compute time of a step and the link "
+        "measured in the first steps (agreed by every rank; saved in checkpoints).",
         check=check_period,
     )
-    outer_lr: float = option(
-        default=0.7,
-        doc="outer learning rate (> 0); the paper's 0.7.",
-        check=number(0.0, math.inf, low_open=True, high_open=True),
+    outer_lr: float | None = option(
+        default=None,
+        doc="outer learning rate (> 0); None: the paper's 0.7, or 1 with `wire=\"sparseloco\"` (SparseLoCo's plain "
+        "SGD step on the mean of the ranks' sparse Δ̂).",
+        check=optional(number(0.0, math.inf, low_open=True, high_open=True)),
     )
-    outer_momentum: float = option(
-        default=0.9,
-        doc="outer Nesterov momentum in [0, 1); 0 is plain SGD, and `outer_lr=1, outer_momentum=0` is periodic "
-        "model averaging.",
-        check=number(0.0, 1.0, high_open=True),
+    outer_momentum: float | None = option(
+        default=None,
+        doc='outer Nesterov momentum in [0, 1); None: the paper\'s 0.9, or 0 with `wire="sparseloco"` (whose '
+        "error feedback replaces it; it takes no other). 0 is plain SGD, and `outer_lr=1, outer_momentum=0` is "
+        "periodic model averaging.",
+        check=optional(number(0.0, 1.0, high_open=True)),
     )
-    wire: Literal["fp32", "bf16", "int8", "int4"] = option(
+    wire: Literal["fp32", "bf16", "int8", "int4", "sparseloco"] = option(
         default="fp32",
-        doc='how Δ travels: `"fp32"` (one Allreduce), `"bf16"`, `"int8"` or `"int4"` (ASA with error feedback).',
+        doc='how Δ travels: `"fp32"` (one Allreduce), `"bf16"`, `"int8"` or `"int4"` (ASA with error feedback), '
+        'or `"sparseloco"` (SparseLoCo: the `topk_per_chunk` largest entries of every 4096 of each tensor, 12-bit '
+        "indices and 2-bit values, one Allgather; error feedback decaying by `error_decay` in place of the outer "
+        "momentum, so the outer step is plain SGD).",
     )
     outer_warmup: int = option(
         default=1,
@@ -149,6 +191,58 @@ class OuterOptions(Rule):
         "no momentum) before the Nesterov steps start; keeps a short run's first outer steps from overshooting.",
         check=integer(0),
     )
+    topk_per_chunk: int = option(
+        default=SPARSE_K,
+        doc=f'`wire="sparseloco"`: the entries each chunk of 4096 sends, 1 to 4096 ({SPARSE_K}: '
+        f"{SPARSE_K / 4096:.2%}, about {14 * SPARSE_K / 4096:.2f} bits per value with 12-bit indices and 2-bit "
+        "values); other wires ignore it.",
+        check=number_of_entries,
+    )
+    error_decay: float | None = option(
+        default=None,
+        doc=f'`wire="sparseloco"` only: β in [0, 1] of its error feedback, `e ← β·e + Δ` (None: {ERROR_DECAY}); '
+        "the decayed accumulator is the outer momentum.",
+        check=optional(number(0.0, 1.0)),
+    )
+
+    def check_together(self) -> None:
+        if self.wire == "sparseloco":
+            if self.outer_momentum:
+                raise ValueError(
+                    f"outer_momentum={self.outer_momentum!r} does not go with wire='sparseloco': its error feedback "
+                    "(error_decay) replaces the outer momentum and the outer step is plain SGD; leave "
+                    "outer_momentum=None (or 0)"
+                )
+        elif self.error_decay is not None:
+            raise ValueError(
+                f"error_decay={self.error_decay!r} needs wire='sparseloco' (the dense wires' error feedback keeps "
+                f"everything it did not send); got wire={self.wire!r}"
+            )
+
+    @property
+    def sparse(self) -> bool:
+        """Whether Δ travels on SparseLoCo's wire (and the outer step is plain SGD)."""
+        return self.wire == "sparseloco"
+
+    def inner_period(self) -> int | Literal["auto"]:
+        """``period``, ``None`` resolved for the wire."""
+        if self.period is None:
+            return SPARSE_PERIOD if self.sparse else DENSE_PERIOD
+        return self.period
+
+    def outer_step(self) -> tuple[float, float]:
+        """The outer step's ``(lr, momentum)``, ``None`` resolved for the wire."""
+        lr = self.outer_lr if self.outer_lr is not None else (SPARSE_LR if self.sparse else 0.7)
+        momentum = self.outer_momentum if self.outer_momentum is not None else (0.0 if self.sparse else 0.9)
+        return lr, momentum
+
+    def make_wire(self) -> Wire:
+        """The wire Δ travels on."""
+        return SparseLoCoWire(self.topk_per_chunk) if self.sparse else get_codec(self.wire)
+
+    def decay(self) -> float:
+        """β of SparseLoCo's accumulator (1 elsewhere: not used)."""
+        return (ERROR_DECAY if self.error_decay is None else self.error_decay) if self.sparse else 1.0
 
 
 @options_class
@@ -193,15 +287,16 @@ class BoundDiLoCo(BoundLocalStepRule):
         self.rule = rule
         self.offsets_for = offsets_for
         #: the period in use; None while ``period="auto"`` is still measuring
-        self.period: int | None = None if rule.period == "auto" else int(rule.period)
+        period = rule.inner_period()
+        self.period: int | None = None if period == "auto" else int(period)
         self.offsets: list[int] = [] if self.period is None else list(offsets_for(self.period))
         self.measured: Measurement | None = None
         self.clock = StepClock()
         self.overlap_steps = overlap_steps
         self.mix_alpha = mix_alpha
-        codec = get_codec(rule.wire)
-        self.fragments = [OuterFragment(group, transport.size, codec) for group in groups]
-        self.outer = make_outer_optimizer([f.theta_global for f in self.fragments], rule.outer_lr, rule.outer_momentum)
+        wire, decay = rule.make_wire(), rule.decay()
+        self.fragments = [OuterFragment(group, transport.size, wire, decay) for group in groups]
+        self.outer = make_outer_optimizer([f.theta_global for f in self.fragments], *rule.outer_step())
         self.replicas = ReplicaState(transport, self.params)
         # A private communicator: an exchange in flight must not interleave with other collectives.
         self.team = transport.dup() if transport.size > 1 else transport

@@ -109,20 +109,22 @@ class StreamingDiLoCoRule(OuterOptions):
         doc="α in [0, 1): the arriving fragment sets θ_local ← α·θ_local + (1 − α)·θ_global (the paper's 0.5).",
         check=number(0.0, 1.0, high_open=True),
     )
-    wire: Literal["fp32", "bf16", "int8", "int4"] = with_default(OuterOptions, "wire", default="int4")
+    wire: Literal["fp32", "bf16", "int8", "int4", "sparseloco"] = with_default(OuterOptions, "wire", default="int4")
 
     def check_together(self) -> None:
-        if self.period == "auto":  # the period is chosen ≥ fragments · (overlap_steps + 1)
+        super().check_together()
+        period = self.inner_period()
+        if period == "auto":  # the period is chosen ≥ fragments · (overlap_steps + 1)
             return
-        if self.fragments > self.period:
+        if self.fragments > period:
             raise ValueError(
-                f"fragments={self.fragments!r} is more than period={self.period!r}: each fragment needs "
+                f"fragments={self.fragments!r} is more than period={period!r}: each fragment needs "
                 "its own step in the period; lower fragments or raise period"
             )
-        if self.overlap_steps >= self.period // self.fragments:
+        if self.overlap_steps >= period // self.fragments:
             raise ValueError(
                 f"overlap_steps={self.overlap_steps!r} is out of range: it must be < period // fragments = "
-                f"{self.period // self.fragments} (one exchange in flight at a time); lower it, or raise period"
+                f"{period // self.fragments} (one exchange in flight at a time); lower it, or raise period"
             )
 
     def bind(self, transport: Transport, params: Sequence[Tensor]) -> BoundDiLoCo:
