@@ -5,9 +5,13 @@ the outer learning rate's warm-up."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
+
+if TYPE_CHECKING:
+    from lightning_mpi.rules.easgd import FlatParams
 
 
 def pseudo_gradient(theta_global: Tensor, theta_local: Tensor) -> Tensor:
@@ -44,6 +48,22 @@ def mix_(theta_local: Tensor, theta_global: Tensor, alpha: float) -> Tensor:
     if alpha == 0.0:
         return theta_local.copy_(theta_global)
     return theta_local.mul_(alpha).add_(theta_global, alpha=1.0 - alpha)
+
+
+def apply_mean_delta_(
+    optimizer: torch.optim.SGD, theta_global: Tensor, mean_delta: Tensor, average: bool, local: FlatParams, alpha: float
+) -> None:
+    """A fragment's exchange arrived: θ_global moves by the replicas' mean Δ (``average``: θ_global ←
+    θ_global − Δ, the replicas' mean, no momentum; else one outer step), then the arriving
+    fragment is mixed into the ``local`` weights (``alpha`` 1: they stay)."""
+    if average:
+        theta_global.sub_(mean_delta)
+    else:
+        outer_step_(optimizer, theta_global, mean_delta)
+    if alpha < 1.0:
+        weights = local.pull()
+        mix_(weights, theta_global, alpha)
+        local.push()
 
 
 def starts_at(step: int, offset: int, period: int) -> bool:

@@ -112,11 +112,10 @@ from lightning_mpi.options import integer, number, option, optional, options_cla
 from lightning_mpi.rules.base import BoundLocalStepRule, Execute, Rule, redone_from_state
 from lightning_mpi.rules.diloco.fragments import OuterFragment, Wire
 from lightning_mpi.rules.diloco.outer import (
+    apply_mean_delta_,
     averages_at,
     last_start,
     make_outer_optimizer,
-    mix_,
-    outer_step_,
     starts_at,
 )
 from lightning_mpi.rules.diloco.period import AUTO_PROBE_STEPS, check_period, choose_period
@@ -438,14 +437,8 @@ class BoundDiLoCo(BoundLocalStepRule):
         was taken) instead of the outer step, whatever its count."""
         self._wait()
         fragment = self.fragments[index]
-        if average or averages_at(self.outer_count(index), self.rule.outer_warmup):
-            fragment.theta_global.sub_(fragment.delta)  # the mean of the replicas; no momentum yet
-        else:
-            outer_step_(self.outer, fragment.theta_global, fragment.delta)
-        if alpha < 1.0:
-            local = fragment.local.pull()
-            mix_(local, fragment.theta_global, alpha)
-            fragment.local.push()
+        average = average or averages_at(self.outer_count(index), self.rule.outer_warmup)  # no momentum yet
+        apply_mean_delta_(self.outer, fragment.theta_global, fragment.delta, average, fragment.local, alpha)
         fragment.status = "idle"
         self.outer_steps += 1
 

@@ -80,7 +80,13 @@ from lightning_mpi.rules.base import (
     gradient_exchange,
     redone_from_state,
 )
-from lightning_mpi.rules.diloco.outer import averages_at, last_start, make_outer_optimizer, mix_, outer_step_, starts_at
+from lightning_mpi.rules.diloco.outer import (
+    apply_mean_delta_,
+    averages_at,
+    last_start,
+    make_outer_optimizer,
+    starts_at,
+)
 from lightning_mpi.rules.diloco.state import load_optimizer_state, optimizer_state_of
 from lightning_mpi.rules.diloco.streaming import fragment_offsets, split_fragments
 from lightning_mpi.rules.hybrid.layout import Layout, build_layout
@@ -402,14 +408,8 @@ class BoundHybrid(BoundRule):
         replicas' mean instead), then mix it into the replica's weights (``alpha`` 1: leave them)."""
         self._wait()
         fragment = self.fragments[index]
-        if average or averages_at(self.outer_count(index), self.rule.outer_warmup):
-            fragment.theta_global.sub_(fragment.delta)  # the mean of the replicas; no momentum yet
-        else:
-            outer_step_(self.outer, fragment.theta_global, fragment.delta)
-        if alpha < 1.0:
-            local = fragment.local.pull()
-            mix_(local, fragment.theta_global, alpha)
-            fragment.local.push()
+        average = average or averages_at(self.outer_count(index), self.rule.outer_warmup)  # no momentum yet
+        apply_mean_delta_(self.outer, fragment.theta_global, fragment.delta, average, fragment.local, alpha)
         fragment.status = "idle"
         self.outer_steps += 1
 
