@@ -6,7 +6,9 @@ import pytest
 
 from lightning_mpi.comm.codecs import get_codec
 from lightning_mpi.rules.auto import AutoRule
+from lightning_mpi.comm.sparseloco import SparseLoCoWire
 from lightning_mpi.rules.auto.choice import (
+    SPARSE_WHEN,
     Choice,
     Sizes,
     choose,
@@ -37,17 +39,28 @@ def test_the_link_picks_the_arm(rate, arm):
 
 
 def test_streaming_gets_its_defaults_with_the_period_raised_where_the_exchange_needs_it():
-    # mpi_streaming_diloco's defaults (int4, 4 fragments, τ 1, period 50); at 10 Mbit/s the largest
-    # fragment (~2.1 MB) takes ~1.7 s, 22 steps: its own period="auto" raises τ to 22 and the
-    # period past 50, and that plan is taken
+    # mpi_streaming_diloco's defaults (int4, 4 fragments, τ 1, period 50); where the largest
+    # fragment's exchange needs more steps, its own period="auto" raises τ and the period past 50,
+    # and that plan is taken; past twice the default period, SparseLoCo's wire with its own schedule
     sizes = Sizes.of([(4000, 4000), (4000,), (500, 500), (1000, 1000), (10,)], world=2)
     assert default_plan(sizes) == Choice("streaming", "int4", 4, 50, 1)
-    choice, _ = choose(STEP, mbit(10), sizes)
     largest = 16_000_000  # the first fragment holds the 4000 x 4000 matrix alone (split_fragments)
-    seconds = mbit(10).seconds(exchange_bytes(largest, 2, get_codec("int4")))
-    assert (choice.wire, choice.fragments) == ("int4", 4)
-    assert (choice.period, choice.overlap_steps) == hidden_schedule(seconds, STEP, 4, 1)
-    assert choice.period > 50 and choice.overlap_steps < choice.period // choice.fragments
+    wires = {}
+    for rate in (10, 40, 100):
+        choice = streaming_plan(STEP, mbit(rate), sizes)
+        dense = hidden_schedule(mbit(rate).seconds(exchange_bytes(largest, 2, get_codec("int4"))), STEP, 4, 1)
+        sparse_bytes = exchange_bytes(largest, 2, SparseLoCoWire(), [largest])
+        sparse = hidden_schedule(mbit(rate).seconds(sparse_bytes), STEP, 4, 1)
+        wires[rate] = choice.wire
+        assert choice.fragments == 4 and choice.overlap_steps < choice.period // choice.fragments
+        if dense[0] > SPARSE_WHEN * 50:
+            assert (choice.wire, choice.period, choice.overlap_steps) == ("sparseloco", *sparse), rate
+        else:
+            assert (choice.wire, choice.period, choice.overlap_steps) == ("int4", *dense), rate
+            assert choice.period > 50
+    assert wires[10] == "sparseloco" and "int4" in wires.values(), wires
+    assert choose(STEP, mbit(10), sizes)[0] == streaming_plan(STEP, mbit(10), sizes)  # the plan is taken
+    assert sparse_bytes * 16 < exchange_bytes(largest, 2, get_codec("int4"))
     # a faster link: period="auto" would pick 8; the default 50 is kept (every exchange costs CPU)
     assert hidden_schedule(mbit(1_000).seconds(exchange_bytes(largest, 2, get_codec("int4"))), STEP, 4, 1)[0] == 8
     assert streaming_plan(STEP, mbit(1_000), sizes) == default_plan(sizes)

@@ -24,7 +24,7 @@ from lightning_mpi.rules.sync import SyncRule
 #: The arms whose ranks step on their own between exchanges.
 LOCAL_STEP_ARMS = ("probing", "streaming")
 #: The wires Streaming DiLoCo takes (its ``wire`` option's type).
-OuterWire = Literal["fp32", "bf16", "int8", "int4"]
+OuterWire = Literal["fp32", "bf16", "int8", "int4", "sparseloco"]
 
 
 def arm_rule(choice: Choice) -> Rule:

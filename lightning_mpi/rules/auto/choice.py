@@ -11,7 +11,8 @@ the batch):
 3. ``streaming``: Streaming DiLoCo (``mpi_streaming_diloco``) otherwise, at its defaults (wire,
    fragments, overlap, period), with the period its own ``period="auto"`` picks
    (:func:`~lightning_mpi.rules.link.model.hidden_schedule`) where the exchange needs a longer one
-   to hide (:func:`streaming_plan`).
+   to hide (:func:`streaming_plan`); on SparseLoCo's wire where the dense 4-bit fragments would
+   need more than :data:`SPARSE_WHEN` times the default period to hide.
 
 An every-step arm's cost is what it adds to a step: ``observed`` where it was timed, predicted
 from the link only where it was not. The rule times every candidate that the link does not rule
@@ -38,6 +39,7 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from lightning_mpi.comm.codecs import get_codec
+from lightning_mpi.comm.sparseloco import SparseLoCoWire
 from lightning_mpi.rules.diloco.fragments import exchange_bytes
 from lightning_mpi.rules.diloco.streaming import StreamingDiLoCoRule, split_fragments
 from lightning_mpi.rules.link.model import Link, exposed_seconds, hidden_schedule
@@ -51,6 +53,13 @@ KEEP = 2.0
 ENTER = 0.5
 #: The every-step arms, in order of preference.
 EVERY_STEP_ARMS = ("sync", "powersgd")
+#: Streaming DiLoCo takes SparseLoCo's wire (1/18 of the 4-bit wire's bytes) where its 4-bit
+#: fragments would need a period over this many times the default one to hide: a period that long
+#: lets the replicas drift further than the sparse wire's loss at equal steps (about 4% on the
+#: time-to-quality language model at period 10, docs/convergence.md). Measured at 10 Mbit/s and
+#: 50 ms (docs/performance.md, one run each): SparseLoCo with ``period="auto"`` reached 3.175
+#: nats/byte in T, the 4-bit wire with ``period="auto"`` 3.240.
+SPARSE_WHEN = 2
 
 
 @dataclass(frozen=True)
@@ -111,14 +120,15 @@ class Sizes:
     def fragment_bytes(self, wire: str, fragments: int) -> int:
         """Bytes of the largest fragment's exchange, fragments cut as Streaming DiLoCo cuts them."""
         if self.numels and fragments <= len(self.numels):
-            sums = [0] * fragments
+            groups: list[list[int]] = [[] for _ in range(fragments)]
             for numel, group in zip(self.numels, split_fragments(list(self.numels), fragments), strict=True):
-                sums[group] += numel
-            largest = max(sums)
+                groups[group].append(numel)
+            tensors = max(groups, key=sum)
         else:
-            largest = math.ceil(self.numel / fragments)
-        padded = -(-largest // self.world) * self.world  # as OuterFragment pads it
-        return exchange_bytes(padded, self.world, get_codec(wire))
+            tensors = [math.ceil(self.numel / fragments)]
+        padded = -(-sum(tensors) // self.world) * self.world  # as OuterFragment pads it
+        codec = SparseLoCoWire() if wire == "sparseloco" else get_codec(wire)
+        return exchange_bytes(padded, self.world, codec, tensors)
 
 
 def powersgd_bytes(
@@ -145,6 +155,8 @@ def streaming_plan(step_seconds: float, link: Link, sizes: Sizes) -> Choice:
     """Streaming DiLoCo's plan: its defaults (:func:`default_plan`), with the period (and τ) that
     its own ``period="auto"`` picks for the largest fragment's exchange where that is longer
     than the default period, else the default period with τ raised to what one exchange needs.
+    Where the 4-bit fragments would need more than :data:`SPARSE_WHEN` times the default period,
+    SparseLoCo's wire instead, with the period and τ that hide its (18 times smaller) exchange.
 
     The default period is kept where a shorter one would hide: on 2 cores every exchange's
     encoding and sums take CPU from the steps, and ``mpi_streaming_diloco:period=auto`` (period
@@ -153,6 +165,10 @@ def streaming_plan(step_seconds: float, link: Link, sizes: Sizes) -> Choice:
     plan = default_plan(sizes)
     seconds = link.seconds(sizes.fragment_bytes(plan.wire, plan.fragments))
     period, tau = hidden_schedule(seconds, step_seconds, plan.fragments, plan.overlap_steps)
+    if period > SPARSE_WHEN * plan.period:  # too slow a link for dense fragments: SparseLoCo's wire
+        seconds = link.seconds(sizes.fragment_bytes("sparseloco", plan.fragments))
+        period, tau = hidden_schedule(seconds, step_seconds, plan.fragments, plan.overlap_steps)
+        return replace(plan, wire="sparseloco", period=period, overlap_steps=tau)
     if period > plan.period:
         return replace(plan, period=period, overlap_steps=tau)
     return replace(plan, overlap_steps=max(plan.overlap_steps, min(tau, plan.period // plan.fragments - 1)))
