@@ -5,6 +5,9 @@ at another world size: ``resume_other``).
 - ``replay``: DiLoCo across replicas (one fragment, τ = 0, α = 0, fp32) against one process that
   trains two replicas, each on the mean of its two ranks' gradients, with the outer steps of a
   2-worker DiLoCo; and model averaging of the replicas (``outer_lr=1, outer_momentum=0``);
+- ``replay_sparse``: the same on SparseLoCo's wire (``wire="sparseloco"``: plain outer SGD at rate 1)
+  against one process that keeps, per replica and piece, the carrier's decaying accumulator and
+  averages the pieces' sparse rows as the wire does;
 - ``flat``: ``group_size=1`` (one rank per replica) against ``mpi_streaming_diloco``, bitwise;
 - ``bytes``: what a rank sends across replicas per exchange, 2 × 2 against flat over 4 ranks;
 - ``resume``: 2 epochs straight (saving after the first, an exchange in flight) against the second
@@ -95,12 +98,13 @@ def flat(tensors):
     return torch.cat([t.detach().reshape(-1) for t in tensors])
 
 
-def replay(initial, seen, replicas, period, outer_lr, outer_momentum, warmup=1):
+def replay(initial, seen, replicas, period, outer_lr, outer_momentum, warmup=1, mean=None):
     """One process: every replica trains its own net (SGD, momentum 0.9) on the mean of its ranks'
     gradients (each rank's batch its own mean loss, as the ranks compute it); after every ``period``
     steps Δ_r = θ_global − θ_r is averaged over the replicas, the first ``warmup`` outer steps
     average (θ_global − mean Δ), the others take an outer Nesterov step, and every replica restarts
-    from θ_global; the end folds the last steps in by averaging. Returns θ_global."""
+    from θ_global; the end folds the last steps in by averaging. ``mean(deltas)``: how the replicas'
+    Δ are averaged (default: their mean). Returns θ_global."""
     x, y, _ = indexed(W * B * len(seen[0])).tensors
     nets = []
     for _ in replicas:
@@ -114,7 +118,7 @@ def replay(initial, seen, replicas, period, outer_lr, outer_momentum, warmup=1):
 
     def mean_delta():
         deltas = [theta - flat(net.parameters()) for net in nets]
-        return (deltas[0] + deltas[1]) / 2
+        return (deltas[0] + deltas[1]) / 2 if mean is None else mean(deltas)
 
     def restart():
         for net in nets:
@@ -159,6 +163,56 @@ def part_replay(results):
             "identical": identical(model), "outer_steps": stats["outer_steps"],
             "replicas": stats["replicas"], "replica_size": stats["replica_size"],
         }
+
+
+def sparse_mean(pieces, k, beta):
+    """The mean of the replicas' Δ on SparseLoCo's wire as mpi_hybrid takes it, in one process: Δ
+    padded and cut into ``pieces`` rows, each row's real entries one section; per replica and piece
+    a decaying accumulator (its carrier's), the rows' values summed in replica order and each entry
+    divided by the replicas that sent it."""
+    from lightning_mpi.comm.sparseloco import SparseLayout, SparseLoCoWire
+
+    accumulators = {}
+
+    def mean(deltas):
+        numel = deltas[0].numel()
+        length = -(-numel // (pieces * len(deltas))) * len(deltas)  # padded to pieces × replicas
+        out = torch.zeros(pieces * length)
+        for p in range(pieces):
+            real = max(0, min(length, numel - p * length))
+            layout = SparseLayout(SparseLoCoWire(k), [(0, real)], torch.device("cpu"))
+            row, sent = out[p * length : (p + 1) * length], []
+            rows = []
+            for r, delta in enumerate(deltas):
+                padded = torch.zeros(pieces * length)
+                padded[:numel] = delta
+                e = accumulators.setdefault((r, p), torch.zeros(length))
+                e.mul_(beta).add_(padded[p * length : (p + 1) * length])
+                rows.append(torch.zeros(layout.row_bytes, dtype=torch.uint8))
+                layout.encode_with_feedback_(e, rows[-1])
+            for packed in rows:
+                at, value = layout.unpack(packed)
+                row.index_add_(0, at, value)
+                sent.append(at)
+            touched, senders = torch.unique(torch.cat(sent), return_counts=True)
+            row[touched] /= senders.to(row.dtype)
+        return out[:numel]
+
+    return mean
+
+
+def part_sparse(results):
+    k, beta = 1024, 0.8  # pieces of 114 and 113 entries: 29 of each sent
+    strategy = lightning_mpi.HybridStrategy(group_size=2, period=3, fragments=1, overlap_steps=0, mix_alpha=0.0,
+                                            wire="sparseloco", topk_per_chunk=k, error_decay=beta)
+    model, strategy, seen = trainer_run(strategy)
+    expected = replay(model.initial, seen, [[0, 1], [2, 3]], 3, 1.0, 0.0, mean=sparse_mean(2, k, beta))
+    stats = strategy.bound_rule.stats()
+    results["replay_sparse"] = {
+        "diff": (flat(model.parameters()) - expected).abs().max().item(),
+        "identical": identical(model), "outer_steps": stats["outer_steps"],
+        "bytes_per_exchange": COMM.allgather(stats["bytes_per_exchange"]),
+    }
 
 
 def part_flat(results):
@@ -247,6 +301,7 @@ if __name__ == "__main__":
         resume_other(sys.argv[3], results)
     else:
         part_replay(results)
+        part_sparse(results)
         part_flat(results)
         part_resume(results, keep=sys.argv[2] if len(sys.argv) > 2 else None)
         part_fabric(results)

@@ -2,8 +2,9 @@
 replicas, each rank carrying its piece of its replica's outer exchange.
 
 Cheap checks here (arguments, the layout's arithmetic, a heal's state on one rank, the
-reconciliation inside a replica); then one launch of ``tests/scripts/hybrid_train.py`` on 4 ranks
-(2 replicas of 2 ranks, faked with ``group_size=2``) against one-process math, flat Streaming
+reconciliation inside a replica, SparseLoCo's wire on pieces of one rank's teams); then one launch of
+``tests/scripts/hybrid_train.py`` on 4 ranks (2 replicas of 2 ranks, faked with ``group_size=2``)
+against one-process math (on fp32 and on SparseLoCo's wire), flat Streaming
 DiLoCo, itself resumed, and under Fabric, and one on 2 ranks resuming its checkpoint at another
 world size; and, under Open MPI with ULFM, ``tests/scripts/hybrid_heal.py``: a rank lost inside a
 replica, then a whole replica, against a one-process replay.
@@ -188,6 +189,12 @@ def test_two_replicas_of_two_ranks_against_one_process_flat_diloco_a_resume_and_
         case = r[f"replay_{name}"]
         assert case["diff"] == 0.0 and case["identical"], case
         assert (case["outer_steps"], case["replicas"], case["replica_size"]) == (3.0, 2.0, 2.0), case
+    # SparseLoCo's wire across the 2 replicas: one process's math (per replica and piece, the carrier's
+    # accumulator; the pieces' sparse rows averaged over the replicas that sent each entry), bitwise;
+    # each rank sends its piece's row (29 entries of 114 or 113) to the other replica's carrier
+    case = r["replay_sparse"]
+    assert case["diff"] == 0.0 and case["identical"] and case["outer_steps"] == 3.0, case
+    assert case["bytes_per_exchange"] == [72.0] * 4, case
     # one rank per replica: Streaming DiLoCo over 4 ranks, bitwise
     assert r["flat"] == {"diff": 0.0, "identical": True, "replicas": 4.0, "bytes_per_exchange": 288.0}
     # 2 x 2: each rank sends a third of what a rank of the flat run sends (1 peer and half the Δ against
@@ -328,3 +335,146 @@ def test_a_rank_lost_inside_a_replica_shrinks_it_a_lost_host_leaves_the_other_go
             assert (result["world_size"], result["global_step"]) == (2, script.REPLACE_STEPS), phase
             assert (result["layout"]["replicas"], result["layout"]["replica_size"]) == layout, phase
         assert (survivor["replaced"], joined["replaced"]) == (1, 0), phase
+
+
+# -- SparseLoCo's wire across replicas ----------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "kwargs, name",
+    [
+        ({"wire": "sparseloco", "outer_momentum": 0.5}, "outer_momentum"),
+        ({"wire": "int4", "error_decay": 0.9}, "error_decay"),
+        ({"wire": "sparseloco", "error_decay": 1.5}, "error_decay"),
+        ({"wire": "sparseloco", "topk_per_chunk": 0}, "topk_per_chunk"),
+        ({"wire": "sparseloco", "topk_per_chunk": 4097}, "topk_per_chunk"),
+        ({"wire": "sparseloco", "topk_per_chunk": True}, "topk_per_chunk"),
+        ({"period": "auto"}, "period"),
+        ({"wire": "sparseloco", "fragments": 11}, "fragments"),  # period None: 10 on this wire
+        ({"wire": "sparseloco", "fragments": 6}, "overlap_steps"),  # 10 // 6 = 1: no room for τ = 1
+    ],
+)
+def test_bad_sparse_wire_arguments_raise_value_error_naming_them(kwargs, name):
+    with pytest.raises(ValueError, match=rf"{name}="):
+        HybridRule(**kwargs)
+
+
+def test_period_and_the_outer_step_resolve_per_wire_as_diloco_does():
+    from lightning_mpi.comm.sparseloco import SparseLoCoWire
+    from lightning_mpi.rules.diloco import StreamingDiLoCoRule
+
+    for wire in ("int4", "fp32", "sparseloco"):
+        ours, theirs = HybridRule(wire=wire), StreamingDiLoCoRule(wire=wire)
+        assert ours.inner_period() == theirs.inner_period() and ours.outer_step() == theirs.outer_step(), wire
+        assert ours.decay() == theirs.decay() and ours.make_wire() == theirs.make_wire(), wire
+    assert (HybridRule().inner_period(), HybridRule().outer_step()) == (50, (0.7, 0.9))
+    sparse = HybridRule(wire="sparseloco", topk_per_chunk=8, error_decay=0.5)
+    assert (sparse.inner_period(), sparse.outer_step(), sparse.decay()) == (10, (1.0, 0.0), 0.5)
+    assert sparse.make_wire() == SparseLoCoWire(8)
+    assert HybridRule(wire="sparseloco", outer_momentum=0.0, period=7, fragments=7, overlap_steps=0).inner_period() == 7
+
+
+def _self_layout(table: list[int], rank: int):
+    """A layout on this one process whose piece teams are each this rank alone (``COMM_SELF``)."""
+    from mpi4py import MPI
+
+    from lightning_mpi.comm.transport import Transport
+    from lightning_mpi.rules.hybrid.layout import Layout
+
+    me = Transport(MPI.COMM_SELF)
+    layout = Layout(table, rank, me, me)
+    layout.cross = {k: me for k in layout.mine}
+    return layout
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("table, rank", [([0], 0), ([0, 0, 1], 2)])
+def test_a_sparse_piece_on_a_team_of_one_is_single_rank_sparseloco_on_its_real_entries(table, rank):
+    """One rank per piece-team: each piece's exchange is single-rank SparseLoCo over the piece's real
+    entries as one section (its accumulator decaying by β across exchanges), and the padding stays
+    zero. ``[0, 0, 1]``, rank 2: a replica of one carrying both pieces, Δ padded to 4 · 1026."""
+    from mpi4py import MPI
+
+    from lightning_mpi.comm.sparseloco import (
+        CHUNK,
+        SparseLayout,
+        SparseLoCoWire,
+        SparseLoCoWorkspace,
+        sparseloco_mean_steps,
+    )
+    from lightning_mpi.comm.transport import Transport
+    from lightning_mpi.rules.hybrid.pieces import ReplicaFragment
+
+    torch.manual_seed(0)
+    params = [torch.randn(4096), torch.randn(5)]  # 4101: a full chunk and a tail (one piece), or padding
+    layout = _self_layout(table, rank)
+    wire, beta = SparseLoCoWire(16), 0.75
+    fragment = ReplicaFragment(params, layout, wire, beta)
+    pieces, length = layout.pieces, fragment.rows.shape[1]
+    assert sorted(fragment.pieces) == list(range(pieces)) and fragment.exchanges
+    reals = [max(0, min(length, 4101 - k * length)) for k in range(pieces)]
+    assert [fragment.pieces[k].real for k in range(pieces)] == reals
+    assert all(p.owner_residual is None and p.bytes_per_exchange == 0 for p in fragment.pieces.values())
+    accumulators = [torch.zeros(real) for real in reals]
+    self_t = Transport(MPI.COMM_SELF)
+    for _ in range(3):
+        delta = torch.zeros_like(fragment.delta)
+        delta[:4101] = torch.randn(4101)
+        fragment.delta.copy_(delta)
+        for _ in fragment.mean_steps():
+            pass
+        for k, real in enumerate(reals):
+            mine = delta.view(pieces, -1)[k][:real].clone()
+            before = accumulators[k].clone()
+            work = SparseLoCoWorkspace(SparseLayout(wire, [(0, real)], torch.device("cpu")), 1, torch.device("cpu"))
+            for _ in sparseloco_mean_steps(self_t, mine, work, accumulators[k], beta):
+                pass
+            row, piece = fragment.rows[k], fragment.pieces[k]
+            assert torch.equal(row[:real], mine) and torch.equal(piece.residual[:real], accumulators[k]), k
+            assert not row[real:].any() and not piece.residual[real:].any(), k  # padding stays zero
+            # the math itself: k largest of e = β·e + Δ per chunk of 4096 (fewer in a shorter one), and
+            # what was not sent stays in e
+            folded = beta * before + delta.view(pieces, -1)[k][:real]
+            torch.testing.assert_close(piece.residual[:real] + row[:real], folded)
+            for start in range(0, real, CHUNK):
+                chunk, sent = folded[start : start + CHUNK], row[start : start + CHUNK]
+                count = wire.chunk_counts(real)[start // CHUNK][1]
+                assert int((sent != 0).sum()) == count
+                assert set(torch.topk(chunk.abs(), count).indices.tolist()) == set(sent.nonzero().view(-1).tolist())
+
+
+@pytest.mark.timeout(60)
+def test_a_sparse_hybrid_run_on_one_rank_resumes_its_accumulators_from_a_checkpoint():
+    """``wire="sparseloco"`` bound on one rank: the wire runs (its accumulators fill), the outer step
+    is plain SGD, and a checkpoint carries the accumulators: a resumed run ends as the uninterrupted one."""
+    rule = HybridRule(wire="sparseloco", topk_per_chunk=2, period=4, fragments=2, overlap_steps=1)
+
+    def run(cut: int | None) -> tuple[list[torch.Tensor], bool]:
+        torch.manual_seed(5)
+        net = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
+        params = list(net.parameters())
+        bound = _bind(rule, params)
+        opt = torch.optim.SGD(params, lr=0.1)
+        bound.on_train_start()
+        filled = False
+        for step in range(11):
+            if step == cut:
+                state = bound.state_dict()
+                bound.close()
+                bound = _bind(rule, params)
+                bound.load_state_dict(state)
+                bound.on_train_start()
+            opt.zero_grad()
+            net(torch.randn(6, 3)).pow(2).mean().backward()
+            assert bound.before_step(opt)
+            opt.step()
+            bound.after_step(opt)
+            filled = filled or any(p.residual.any() for f in bound.fragments for p in f.pieces.values())
+        assert bound.outer_steps > 0 and bound.stats()["bytes_per_exchange"] == 0.0
+        assert all(group["momentum"] == 0.0 and group["lr"] == 1.0 for group in bound.outer.param_groups)
+        bound.on_train_end()
+        bound.close()
+        return [p.detach().clone() for p in params], filled
+
+    whole, filled = run(None)
+    assert filled
+    resumed, _ = run(7)
+    assert all(torch.equal(a, b) for a, b in zip(whole, resumed, strict=True))

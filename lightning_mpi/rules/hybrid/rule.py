@@ -23,6 +23,20 @@ rank its whole Δ). ``fragments=1, overlap_steps=0, mix_alpha=0`` is DiLoCo betw
 ``outer_lr=1, outer_momentum=0`` with that is periodic model averaging of the replicas. With one
 rank per host (``group_size=1``) the rule is flat Streaming DiLoCo, step for step.
 
+``wire="sparseloco"`` sends the pieces across on SparseLoCo's wire, as ``mpi_diloco`` and
+``mpi_streaming_diloco`` can (:mod:`lightning_mpi.comm.sparseloco`): each carrier folds its piece of
+Δ into a decaying error-feedback accumulator, ``e ← β·e + Δ`` (β: ``error_decay``), and only the
+``topk_per_chunk`` largest entries of each chunk of 4096 of ``e`` cross, with 2-bit values, in one
+Allgather over the piece's carriers; the replica's Allgather then hands every member the dense mean.
+The accumulator stands in for the outer momentum, so the outer step is plain SGD and the options
+resolve as :class:`~lightning_mpi.rules.diloco.rule.OuterOptions` does (``period`` 10, ``outer_lr``
+1, ``outer_momentum`` 0 and no other; dense wires: 50, 0.7, 0.9). The accumulator is the carrier's
+own, like the dense wires' residuals: it runs on one replica too (part of the algorithm), a
+checkpoint keeps it per rank and restores it at the same layout, and a heal starts it at zero (the
+pieces are cut anew). A piece's chunks run over its entries as one section, not tensor by tensor as
+flat Streaming DiLoCo's do, so with ``group_size=1`` this wire is not ``mpi_streaming_diloco``'s
+step for step (the dense wires are).
+
 The end of training folds the steps since each fragment's last exchange in by averaging (θ_global
 ← θ_global − Δ: the replicas' mean, no outer step), as DiLoCo's end does, and leaves it in every
 rank's weights.
@@ -66,7 +80,6 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from lightning_mpi.comm.codecs import get_codec
 from lightning_mpi.comm.engine import ExchangeScheduler
 from lightning_mpi.comm.errors import RankFailedError
 from lightning_mpi.comm.progress import ProgressThread
@@ -76,7 +89,6 @@ from lightning_mpi.rules.base import (
     BoundRule,
     Execute,
     Operation,
-    Rule,
     gradient_exchange,
     redone_from_state,
 )
@@ -87,6 +99,7 @@ from lightning_mpi.rules.diloco.outer import (
     make_outer_optimizer,
     starts_at,
 )
+from lightning_mpi.rules.diloco.rule import DENSE_PERIOD, SPARSE_PERIOD, OuterOptions
 from lightning_mpi.rules.diloco.state import load_optimizer_state, optimizer_state_of
 from lightning_mpi.rules.diloco.streaming import fragment_offsets, split_fragments
 from lightning_mpi.rules.hybrid.layout import Layout, build_layout
@@ -99,7 +112,7 @@ POLL_SECONDS = 2e-4
 
 
 @options_class
-class HybridRule(Rule):
+class HybridRule(OuterOptions):
     """Two levels: the ranks of a host (or of ``group_size``) form one replica that averages gradients
     every step (ASA over shared memory), and the replicas run Streaming DiLoCo across hosts, each rank
     carrying its own piece of its replica's outer exchange. Registered as ``mpi_hybrid``.
@@ -123,10 +136,11 @@ class HybridRule(Rule):
         doc='the wire inside a replica (shared memory): 16-bit formats need `inner_exchange="asa"`, which sums in '
         "fp32.",
     )
-    period: int = option(
-        default=50,
-        doc="H, steps between a fragment's outer exchanges across replicas (≥ 1).",
-        check=integer(1),
+    period: int | None = option(
+        default=None,
+        doc=f"H, steps between a fragment's outer exchanges across replicas (≥ 1); None: {DENSE_PERIOD}, or "
+        f'{SPARSE_PERIOD} with `wire="sparseloco"` (as `mpi_streaming_diloco`).',
+        check=optional(integer(1)),
     )
     fragments: int = option(
         default=4,
@@ -144,21 +158,12 @@ class HybridRule(Rule):
         doc="α in [0, 1): the arriving fragment sets θ_replica ← α·θ_replica + (1 − α)·θ_global.",
         check=number(0.0, 1.0, high_open=True),
     )
-    outer_lr: float = option(
-        default=0.7,
-        doc="outer learning rate (> 0; DiLoCo's 0.7); `outer_lr=1, outer_momentum=0` (with one fragment, τ = 0, "
-        "α = 0) is model averaging of the replicas.",
-        check=number(0.0, float("inf"), low_open=True, high_open=True),
-    )
-    outer_momentum: float = option(
-        default=0.9,
-        doc="outer Nesterov momentum in [0, 1) (DiLoCo's 0.9; 0: plain SGD).",
-        check=number(0.0, 1.0, high_open=True),
-    )
-    wire: Literal["fp32", "bf16", "int8", "int4"] = option(
+    wire: Literal["fp32", "bf16", "int8", "int4", "sparseloco"] = option(
         default="int4",
         doc='how each piece of Δ crosses between replicas: `"fp32"` (one Allreduce), `"bf16"`, `"int8"` or `"int4"` '
-        "(ASA with error feedback).",
+        '(ASA with error feedback), or `"sparseloco"` (SparseLoCo: the `topk_per_chunk` largest entries of every '
+        "4096 of the piece, 12-bit indices and 2-bit values, one Allgather; error feedback decaying by "
+        "`error_decay` in place of the outer momentum, so the outer step is plain SGD).",
     )
     outer_warmup: int = option(
         default=1,
@@ -168,21 +173,30 @@ class HybridRule(Rule):
     )
 
     def check_together(self) -> None:
+        super().check_together()  # the outer step against the wire (OuterOptions)
         if self.inner_wire != "fp32" and self.inner_exchange != "asa":
             raise ValueError(
                 f"inner_wire={self.inner_wire!r} needs inner_exchange='asa' (ASA sums 16-bit chunks in fp32); "
                 f"got inner_exchange={self.inner_exchange!r}"
             )
-        if self.fragments > self.period:
+        period = self.inner_period()
+        if self.fragments > period:
             raise ValueError(
-                f"fragments={self.fragments!r} is more than period={self.period!r}: each fragment needs its own step "
+                f"fragments={self.fragments!r} is more than period={period!r}: each fragment needs its own step "
                 "in the period; lower fragments or raise period"
             )
-        if self.overlap_steps >= self.period // self.fragments:
+        if self.overlap_steps >= period // self.fragments:
             raise ValueError(
                 f"overlap_steps={self.overlap_steps!r} is out of range: it must be < period // fragments = "
-                f"{self.period // self.fragments} (one exchange in flight at a time); lower it, or raise period"
+                f"{period // self.fragments} (one exchange in flight at a time); lower it, or raise period"
             )
+
+    def inner_period(self) -> int:
+        """``period``, ``None`` resolved for the wire (:meth:`OuterOptions.inner_period`; no ``"auto"`` here)."""
+        period = super().inner_period()
+        if period == "auto":  # not an accepted value of this rule's period
+            raise ValueError('period="auto" is not supported by mpi_hybrid: give an integer >= 1 or None')
+        return period
 
     def inner_rule(self) -> SyncRule:
         """The every-step rule inside a replica."""
@@ -226,11 +240,11 @@ class BoundHybrid(BoundRule):
         self.layout: Layout = build_layout(transport, rule.group_size)
         self.inner = rule.inner_rule().bind(self.layout.inner, self.params)
         groups = fragment_groups(self.params, rule.fragments)
-        codec = get_codec(rule.wire)
-        self.fragments = [ReplicaFragment(group, self.layout, codec) for group in groups]
-        self.period = rule.period
-        self.offsets = fragment_offsets(rule.period, len(groups))
-        self.outer = make_outer_optimizer([f.theta_global for f in self.fragments], rule.outer_lr, rule.outer_momentum)
+        wire, decay = rule.make_wire(), rule.decay()
+        self.fragments = [ReplicaFragment(group, self.layout, wire, decay) for group in groups]
+        self.period = rule.inner_period()
+        self.offsets = fragment_offsets(self.period, len(groups))
+        self.outer = make_outer_optimizer([f.theta_global for f in self.fragments], *rule.outer_step())
         self.progress = ExchangeScheduler(
             transport.timeout,
             transport.rank,
@@ -239,7 +253,10 @@ class BoundHybrid(BoundRule):
             on_driver_error=transport.report_thread_failure,
         )
         self.driver: ProgressThread | None = None
-        if rule.overlap_steps > 0 and self.layout.replicas > 1:
+        #: whether an outer exchange goes over the wire: across replicas, or SparseLoCo's rows Allgathered
+        #: inside one replica of several ranks (its wire runs on one replica too: :mod:`.pieces`)
+        self.outer_communicates = self.layout.replicas > 1 or (rule.sparse and self.layout.size > 1)
+        if rule.overlap_steps > 0 and self.outer_communicates:
             # MPICH moves a non-blocking exchange only inside MPI calls: poll while one is in flight,
             # and stop once it has arrived (waking for nothing costs the training thread the GIL).
             self.driver = ProgressThread(
@@ -454,8 +471,9 @@ class BoundHybrid(BoundRule):
             where,
             run,
             moving=lambda bound: list(bound.params),
-            # every member of every replica takes part in each exchange; one replica exchanges nothing
-            exchanged=lambda bound, before: bound.layout.replicas > 1 and bound.outer_steps != before["outer_steps"],
+            # every member of every replica takes part in each exchange; one replica exchanges nothing (but
+            # on SparseLoCo's wire, whose rows a replica of several ranks Allgathers)
+            exchanged=lambda bound, before: bound.outer_communicates and bound.outer_steps != before["outer_steps"],
             restore=True,
         )
 

@@ -19,9 +19,9 @@ everything here is local to one rank):
 
 The members of a replica hold the same weights and inner-optimizer state (they synchronize every
 step), so a checkpoint carries one copy per replica, where flat DiLoCo carries one per rank.
-Residuals belong to the pieces a rank carries, which the layout decides: a checkpoint restores
-them at the same layout (the same replicas of the same ranks), and they start at zero otherwise,
-and after every heal (which changes the layout).
+Residuals (SparseLoCo's accumulators among them) belong to the pieces a rank carries, which the
+layout decides: a checkpoint restores them at the same layout (the same replicas of the same
+ranks), and they start at zero otherwise, and after every heal (which changes the layout).
 """
 
 from __future__ import annotations
