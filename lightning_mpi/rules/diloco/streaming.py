@@ -81,6 +81,21 @@ def fragment_offsets(period: int, fragments: int) -> list[int]:
     return [(p + 1) * period // fragments for p in range(fragments)]
 
 
+def check_schedule(fragments: int, overlap_steps: int, period: int) -> None:
+    """``fragments`` exchanged in turn every ``period`` steps, each overlapped with ``overlap_steps``:
+    every fragment needs its own step in the period, and one exchange is in flight at a time."""
+    if fragments > period:
+        raise ValueError(
+            f"fragments={fragments!r} is more than period={period!r}: each fragment needs "
+            "its own step in the period; lower fragments or raise period"
+        )
+    if overlap_steps >= period // fragments:
+        raise ValueError(
+            f"overlap_steps={overlap_steps!r} is out of range: it must be < period // fragments = "
+            f"{period // fragments} (one exchange in flight at a time); lower it, or raise period"
+        )
+
+
 @options_class
 class StreamingDiLoCoRule(OuterOptions):
     """Streaming DiLoCo (Douillard et al. 2025): DiLoCo with the parameters cut into ``fragments``
@@ -114,18 +129,8 @@ class StreamingDiLoCoRule(OuterOptions):
     def check_together(self) -> None:
         super().check_together()
         period = self.inner_period()
-        if period == "auto":  # the period is chosen ≥ fragments · (overlap_steps + 1)
-            return
-        if self.fragments > period:
-            raise ValueError(
-                f"fragments={self.fragments!r} is more than period={period!r}: each fragment needs "
-                "its own step in the period; lower fragments or raise period"
-            )
-        if self.overlap_steps >= period // self.fragments:
-            raise ValueError(
-                f"overlap_steps={self.overlap_steps!r} is out of range: it must be < period // fragments = "
-                f"{period // self.fragments} (one exchange in flight at a time); lower it, or raise period"
-            )
+        if period != "auto":  # "auto" chooses a period ≥ fragments · (overlap_steps + 1)
+            check_schedule(self.fragments, self.overlap_steps, period)
 
     def bind(self, transport: Transport, params: Sequence[Tensor]) -> BoundDiLoCo:
         """Split ``params`` into fragments; a model with fewer trainable tensors than ``fragments``

@@ -101,7 +101,7 @@ from lightning_mpi.rules.diloco.outer import (
 )
 from lightning_mpi.rules.diloco.rule import DENSE_PERIOD, SPARSE_PERIOD, OuterOptions
 from lightning_mpi.rules.diloco.state import load_optimizer_state, optimizer_state_of
-from lightning_mpi.rules.diloco.streaming import fragment_offsets, split_fragments
+from lightning_mpi.rules.diloco.streaming import check_schedule, fragment_offsets, split_fragments
 from lightning_mpi.rules.hybrid.layout import Layout, build_layout
 from lightning_mpi.rules.hybrid.pieces import ReplicaFragment
 from lightning_mpi.rules.hybrid.state import load_fragment, load_local_weights, local_weights, save_fragment
@@ -179,17 +179,7 @@ class HybridRule(OuterOptions):
                 f"inner_wire={self.inner_wire!r} needs inner_exchange='asa' (ASA sums 16-bit chunks in fp32); "
                 f"got inner_exchange={self.inner_exchange!r}"
             )
-        period = self.inner_period()
-        if self.fragments > period:
-            raise ValueError(
-                f"fragments={self.fragments!r} is more than period={period!r}: each fragment needs its own step "
-                "in the period; lower fragments or raise period"
-            )
-        if self.overlap_steps >= period // self.fragments:
-            raise ValueError(
-                f"overlap_steps={self.overlap_steps!r} is out of range: it must be < period // fragments = "
-                f"{period // self.fragments} (one exchange in flight at a time); lower it, or raise period"
-            )
+        check_schedule(self.fragments, self.overlap_steps, self.inner_period())
 
     def inner_period(self) -> int:
         """``period``, ``None`` resolved for the wire (:meth:`OuterOptions.inner_period`; no ``"auto"`` here)."""
