@@ -367,6 +367,13 @@ class OptimizerShards(Protocol):
         """The optimizer it shards, once it took one."""
         ...
 
+    @property
+    def same_weights(self) -> bool:
+        """Whether every rank holds the same weights whenever the strategy saves (so that a sharded
+        checkpoint may spread them over the ranks' files); False where they may differ (replicas
+        stepping apart)."""
+        ...
+
     def take_optimizer(self, optimizer: Optimizer, previous: BoundRule | None) -> bool:
         """Rebuild ``optimizer`` (the one optimizer of the model) in place over this rank's shard;
         after a heal (collective) rebuild its state from the survivors' (``previous``: the binding

@@ -86,6 +86,12 @@ class OptimizerSharding:
                 "scaler has not unscaled. Use precision='bf16-mixed' (no scaler), or heal=None"
             )
 
+    @property
+    def spreads_weights(self) -> bool:
+        """Whether a sharded save may spread the weights over the ranks' files: every rank holds the
+        same ones (else rank 0 writes its own, as a one-process save would)."""
+        return self.shards is not None and self.shards.same_weights
+
     def owns(self, optimizer: Any) -> bool:
         """True when ``optimizer`` (or Lightning's wrapper of it) is the sharded one."""
         inner = getattr(optimizer, "_optimizer", optimizer)

@@ -12,7 +12,12 @@ at another world size: ``resume_other``).
 - ``bytes``: what a rank sends across replicas per exchange, 2 × 2 against flat over 4 ranks;
 - ``resume``: 2 epochs straight (saving after the first, an exchange in flight) against the second
   resumed from that checkpoint, per rank, bitwise (Streaming, int4, Adam);
-- ``fabric``: a Fabric run under the registered name with ``LIGHTNING_MPI_RANKS_PER_NODE=2``.
+- ``fabric``: a Fabric run under the registered name with ``LIGHTNING_MPI_RANKS_PER_NODE=2``;
+- ``zero``: ZeRO inside the replicas (``inner_exchange="zero"``, Adam) against the same run with ASA
+  inside, bitwise; each rank holds half of its replica's Adam state; a save after ``fit`` is a sharded
+  checkpoint whose consolidation holds replica 0's whole Adam state (the ASA run's rank 0's); a save
+  during ``fit`` holds rank 0's weights, not a mix of the replicas'; and 2 epochs straight against the
+  second resumed from the sharded save after the first, per rank.
 
 With argv[2] = ``resume_other`` and 2 ranks: resume the 4-rank checkpoint at ``group_size=1`` (two
 replicas of one rank): each replica starts from its saved weights.
@@ -55,8 +60,9 @@ def indexed(n):
     return TensorDataset(x, y, torch.arange(n))
 
 
-def trainer_run(strategy, steps_per_epoch=8, epochs=1, inner="sgd", save_to=None, resume_from=None):
-    """Train ``tiny_task``'s net; return (module, strategy, the sample indices of each step)."""
+def trainer_run(strategy, steps_per_epoch=8, epochs=1, inner="sgd", save_to=None, resume_from=None, save_after=None):
+    """Train ``tiny_task``'s net (``save_after``: ``trainer.save_checkpoint`` there after ``fit``);
+    return (module, strategy, the sample indices of each step)."""
     import pytorch_lightning as pl
 
     class Module(pl.LightningModule):
@@ -91,6 +97,8 @@ def trainer_run(strategy, steps_per_epoch=8, epochs=1, inner="sgd", save_to=None
     trainer = pl.Trainer(strategy=strategy, max_epochs=epochs, callbacks=[Initial(), SaveAtEpochEnd()], **QUIET)
     loader = DataLoader(indexed(W * B * steps_per_epoch), batch_size=B, shuffle=True)
     trainer.fit(model, loader, ckpt_path=resume_from)
+    if save_after is not None:
+        trainer.save_checkpoint(save_after)
     return model, trainer.strategy, COMM.allgather(model.seen)
 
 
@@ -279,6 +287,48 @@ def part_fabric(results):
     }
 
 
+def part_zero(results):
+    from lightning_mpi.checkpoint import consolidate_checkpoint, is_sharded_checkpoint
+
+    directory = COMM.bcast(tempfile.mkdtemp() if RANK == 0 else None)
+    after, epoch = os.path.join(directory, "after.ckpt"), os.path.join(directory, "epoch.ckpt")
+
+    def make(inner_exchange):
+        return lightning_mpi.HybridStrategy(group_size=2, period=4, fragments=2, overlap_steps=1, wire="int4",
+                                            inner_exchange=inner_exchange)
+
+    asa, asa_strategy, _ = trainer_run(make("asa"), steps_per_epoch=6, epochs=2, inner="adam")
+    zero, strategy, _ = trainer_run(make("zero"), steps_per_epoch=6, epochs=2, inner="adam", save_to=epoch,
+                                    save_after=after)
+    resumed, _, _ = trainer_run(make("zero"), steps_per_epoch=6, epochs=2, inner="adam", resume_from=epoch)
+    full_adam = asa_strategy.optimizers[0].state_dict()  # rank 0's, replica 0's: whole tensors
+    mine = strategy.optimizers[0].state_dict()["state"]
+    held = sum(v.numel() for st in mine.values() for k, v in st.items() if k != "step")
+    whole = sum(v.numel() for st in full_adam["state"].values() for k, v in st.items() if k != "step")
+    results["zero"] = {
+        "diff": (flat(zero.parameters()) - flat(asa.parameters())).abs().max().item(),
+        "identical": identical(zero), "share_held": COMM.allgather(held / whole),
+        "sharded": is_sharded_checkpoint(after),
+        "resumed_equal_on_every_rank": all(COMM.allgather(digest(zero) == digest(resumed))),
+    }
+    if RANK == 0:
+        plain = consolidate_checkpoint(after)["optimizer_states"][0]
+        results["zero"]["consolidated_diff"] = max(
+            (plain["state"][i][k] - v).abs().max().item()
+            for i, st in full_adam["state"].items() for k, v in st.items() if k != "step"
+        )
+        results["zero"]["consolidated_shapes"] = all(
+            plain["state"][i][k].shape == v.shape for i, st in full_adam["state"].items() for k, v in st.items()
+        )
+        # a save during fit, while the replicas differ, holds rank 0's weights (replica 0's), not a mix
+        during = consolidate_checkpoint(epoch)
+        replica0 = torch.cat(during["lightning_mpi"]["state"]["replicas"][0]["weights"])
+        replica1 = torch.cat(during["lightning_mpi"]["state"]["replicas"][1]["weights"])
+        weights = flat(during["state_dict"].values())
+        results["zero"]["during_fit_rank0_weights"] = bool(torch.equal(weights, replica0))
+        results["zero"]["replicas_differed"] = not torch.equal(replica0, replica1)
+
+
 def resume_other(path, results):
     """2 ranks, one per replica: each replica starts from the weights its replica saved on 4 ranks."""
     saved = torch.load(path, weights_only=False)["lightning_mpi"]["state"]
@@ -305,6 +355,7 @@ if __name__ == "__main__":
         part_flat(results)
         part_resume(results, keep=sys.argv[2] if len(sys.argv) > 2 else None)
         part_fabric(results)
+        part_zero(results)
     if RANK == 0:
         with open(sys.argv[1], "w") as f:
             json.dump(results, f)

@@ -38,6 +38,7 @@ SCRIPTS = REPO / "tests" / "scripts"
         ({"inner_exchange": "ring"}, "inner_exchange"),
         ({"inner_wire": "int8"}, "inner_wire"),
         ({"inner_exchange": "allreduce", "inner_wire": "fp16"}, "inner_wire"),
+        ({"inner_exchange": "zero", "inner_wire": "bf16"}, "inner_wire"),
         ({"period": 0}, "period"),
         ({"period": 4, "fragments": 5}, "fragments"),
         ({"period": 8, "fragments": 4, "overlap_steps": 2}, "overlap_steps"),
@@ -61,6 +62,34 @@ def test_the_strategy_is_registered_and_checks_its_arguments():
     strategy = lightning_mpi.HybridStrategy(group_size=2, period=6, fragments=3, wire="int8", inner_wire="bf16")
     assert isinstance(strategy.rule, HybridRule) and strategy.rule.group_size == 2
     assert strategy.rule.inner_rule().wire == "bf16" and strategy.rule.inner_rule().exchange == "asa"
+
+
+def test_zero_inside_the_replicas_shards_the_optimizer_and_refuses_to_heal():
+    from mpi4py import MPI
+
+    from lightning_mpi.comm.transport import Transport
+    from lightning_mpi.rules.zero import BoundZeroRule
+
+    net = torch.nn.Linear(4, 3)
+    bound = HybridRule(inner_exchange="zero").bind(Transport(MPI.COMM_SELF), list(net.parameters()))
+    try:
+        assert isinstance(bound.inner, BoundZeroRule) and bound.optimizer_shards is not None
+        optimizer = torch.optim.Adam(net.parameters())
+        assert bound.optimizer_shards.take_optimizer(optimizer, None) is False
+        assert bound.optimizer_shards.optimizer is optimizer
+        assert bound.optimizer_shards.optimizer_state()["copy"] == 0  # the replica of each shard
+        with pytest.raises(ValueError, match="inner_exchange='zero'.*heal=None"):
+            bound.healing = True
+        assert not bound.healing
+    finally:
+        bound.close()
+    plain = HybridRule().bind(Transport(MPI.COMM_SELF), list(net.parameters()))
+    try:
+        assert plain.optimizer_shards is None
+        plain.healing = True
+        assert plain.healing
+    finally:
+        plain.close()
 
 
 # -- the layout ---------------------------------------------------------------------------------------------
@@ -206,6 +235,14 @@ def test_two_replicas_of_two_ranks_against_one_process_flat_diloco_a_resume_and_
     assert case["in_flight_saved"] == [True, False] and (case["replicas_saved"], case["ranks_saved"]) == (2, 4), case
     assert r["fabric"] == {"identical": True, "replicas": 2.0, "outer_steps": 0.0,
                            "class": "lightning_mpi.fabric.HybridStrategy"}
+    # ZeRO inside the replicas: the ASA run bitwise, half of the replica's Adam state on each rank, a
+    # sharded save after fit that consolidates to replica 0's whole Adam state, and an exact resume
+    case = r["zero"]
+    assert case["diff"] == 0.0 and case["identical"] and case["sharded"], case
+    assert all(0.45 < share < 0.55 for share in case["share_held"]), case
+    assert case["consolidated_diff"] == 0.0 and case["consolidated_shapes"], case
+    assert case["during_fit_rank0_weights"] and case["replicas_differed"], case
+    assert case["resumed_equal_on_every_rank"], case
     # the 4-rank checkpoint on 2 ranks of one rank per replica: each replica starts from its own weights
     out = tmp_path / "other.json"
     run_mpi(2, [str(SCRIPTS / "hybrid_train.py"), str(out), "resume_other", str(checkpoint)], timeout=120, cwd=tmp_path)

@@ -37,6 +37,14 @@ pieces are cut anew). A piece's chunks run over its entries as one section, not 
 flat Streaming DiLoCo's do, so with ``group_size=1`` this wire is not ``mpi_streaming_diloco``'s
 step for step (the dense wires are).
 
+``inner_exchange="zero"`` runs ZeRO inside each replica (:mod:`lightning_mpi.rules.zero`, bound to the
+replica's communicator): the replica's optimizer state and reduced gradients are sharded over its
+ranks, the bytes inside the host are ASA's, and the replica's weights are whole on every member after
+each step, so the outer loop reads and writes them as with ASA (fp32 inside: ZeRO's 16-bit wire keeps
+master weights that an outer step would bypass). The run holds one sharded optimizer per replica;
+checkpoints are sharded, each shard tagged with its replica (:mod:`.shards`). It does not heal (the
+strategy's ``heal`` is refused, naming the fix).
+
 The end of training folds the steps since each fragment's last exchange in by averaging (θ_global
 ← θ_global − Δ: the replicas' mean, no outer step), as DiLoCo's end does, and leaves it in every
 rank's weights.
@@ -89,6 +97,8 @@ from lightning_mpi.rules.base import (
     BoundRule,
     Execute,
     Operation,
+    OptimizerShards,
+    Rule,
     gradient_exchange,
     redone_from_state,
 )
@@ -104,8 +114,10 @@ from lightning_mpi.rules.diloco.state import load_optimizer_state, optimizer_sta
 from lightning_mpi.rules.diloco.streaming import check_schedule, fragment_offsets, split_fragments
 from lightning_mpi.rules.hybrid.layout import Layout, build_layout
 from lightning_mpi.rules.hybrid.pieces import ReplicaFragment
+from lightning_mpi.rules.hybrid.shards import ReplicaShards
 from lightning_mpi.rules.hybrid.state import load_fragment, load_local_weights, local_weights, save_fragment
 from lightning_mpi.rules.sync import SyncRule
+from lightning_mpi.rules.zero import ZeroRule
 
 #: seconds between the progress thread's polls while an outer exchange is in flight
 POLL_SECONDS = 2e-4
@@ -127,9 +139,11 @@ class HybridRule(OuterOptions):
         "launch ranks k·i … k·i + k − 1 form replica i. A heal keeps every process in its replica.",
         check=optional(integer(1)),
     )
-    inner_exchange: Literal["asa", "allreduce"] = option(
+    inner_exchange: Literal["asa", "allreduce", "zero"] = option(
         default="asa",
-        doc='how a replica averages gradients every step: `"asa"` (Alltoall, fp32 sum, Allgather) or `"allreduce"`.',
+        doc='how a replica averages gradients every step: `"asa"` (Alltoall, fp32 sum, Allgather), `"allreduce"`, '
+        'or `"zero"` (ZeRO stages 1 and 2 inside the replica, as `mpi_zero`: its optimizer state and reduced '
+        "gradients sharded over the replica's ranks; checkpoints are sharded, one set of shards per replica).",
     )
     inner_wire: Literal["fp32", "fp16", "bf16"] = option(
         default="fp32",
@@ -174,10 +188,16 @@ class HybridRule(OuterOptions):
 
     def check_together(self) -> None:
         super().check_together()  # the outer step against the wire (OuterOptions)
-        if self.inner_wire != "fp32" and self.inner_exchange != "asa":
+        if self.inner_wire != "fp32" and self.inner_exchange == "allreduce":
             raise ValueError(
                 f"inner_wire={self.inner_wire!r} needs inner_exchange='asa' (ASA sums 16-bit chunks in fp32); "
                 f"got inner_exchange={self.inner_exchange!r}"
+            )
+        if self.inner_wire != "fp32" and self.inner_exchange == "zero":
+            raise ValueError(
+                f"inner_wire={self.inner_wire!r} is not offered with inner_exchange='zero': ZeRO's 16-bit wire keeps "
+                "fp32 master weights on each shard's owner, which the outer steps across replicas would bypass. Use "
+                "inner_wire='fp32' with ZeRO, or inner_exchange='asa' with a 16-bit wire"
             )
         check_schedule(self.fragments, self.overlap_steps, self.inner_period())
 
@@ -188,8 +208,10 @@ class HybridRule(OuterOptions):
             raise ValueError('period="auto" is not supported by mpi_hybrid: give an integer >= 1 or None')
         return period
 
-    def inner_rule(self) -> SyncRule:
+    def inner_rule(self) -> Rule:
         """The every-step rule inside a replica."""
+        if self.inner_exchange == "zero":
+            return ZeroRule()
         return SyncRule(exchange=self.inner_exchange, wire=self.inner_wire)
 
     def bind(self, transport: Transport, params: Sequence[Tensor]) -> BoundHybrid:
@@ -229,6 +251,8 @@ class BoundHybrid(BoundRule):
         self.rule = rule
         self.layout: Layout = build_layout(transport, rule.group_size)
         self.inner = rule.inner_rule().bind(self.layout.inner, self.params)
+        inner_shards = self.inner.optimizer_shards  # ZeRO inside the replica (inner_exchange="zero")
+        self._shards = None if inner_shards is None else ReplicaShards(inner_shards, self.layout)
         groups = fragment_groups(self.params, rule.fragments)
         wire, decay = rule.make_wire(), rule.decay()
         self.fragments = [ReplicaFragment(group, self.layout, wire, decay) for group in groups]
@@ -276,6 +300,8 @@ class BoundHybrid(BoundRule):
         self._seconds = 0.0
         self._bytes = 0
 
+    _healing = False
+
     # -- what the strategy sets on the rule, handed to the rule inside ------------------------------
     @property  # an attribute of the contract (BoundRule.sync_enabled), forwarded to the inner rule
     def sync_enabled(self) -> bool:
@@ -284,6 +310,24 @@ class BoundHybrid(BoundRule):
     @sync_enabled.setter
     def sync_enabled(self, value: bool) -> None:
         self.inner.sync_enabled = value
+
+    @property  # an attribute of the contract (BoundRule.healing), set by the strategy right after binding
+    def healing(self) -> bool:
+        return self._healing
+
+    @healing.setter
+    def healing(self, value: bool) -> None:
+        if value and self._shards is not None:
+            raise ValueError(
+                "mpi_hybrid does not heal with inner_exchange='zero' yet: a lost rank's shard of its replica's "
+                "optimizer would be lost. Use inner_exchange='asa' (or 'allreduce') with heal, or heal=None"
+            )
+        self._healing = value
+
+    @property
+    def optimizer_shards(self) -> OptimizerShards | None:
+        """With ZeRO inside the replicas, their shards (:class:`~.shards.ReplicaShards`); else None."""
+        return self._shards
 
     def _drive(self) -> None:
         """The progress thread's poll: move the exchange in flight; pause once none is."""
@@ -553,7 +597,7 @@ class BoundHybrid(BoundRule):
         replica: dict[str, Any] | None = None
         if self.layout.member == 0:
             optimizer = self._pending_optimizer
-            if optimizer is None:
+            if optimizer is None and self._shards is None:  # ZeRO inside: the strategy saves the shards
                 optimizer = optimizer_state_of(self._optimizer, self.params)
             replica = {"weights": local_weights(self.fragments), "optimizer": optimizer}
         mine = {
@@ -609,7 +653,8 @@ class BoundHybrid(BoundRule):
             saved = replicas[self.layout.replica]
             with torch.no_grad():
                 load_local_weights(self.fragments, saved["weights"])
-            self._pending_optimizer = list(saved["optimizer"])
+            if self._shards is None and saved["optimizer"] is not None:  # ZeRO inside: the strategy loads the shards
+                self._pending_optimizer = list(saved["optimizer"])
         else:
             warnings.warn(
                 f"lightning_mpi: the checkpoint holds {len(replicas)} mpi_hybrid replicas, this run has "

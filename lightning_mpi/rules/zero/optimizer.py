@@ -27,6 +27,7 @@ from lightning_mpi.rules.zero.layout import Piece
 from lightning_mpi.rules.zero.state import (
     SHARD_FORMAT,
     check_shard_set,
+    copies,
     gather_range,
     index_sources,
     is_shard_state,
@@ -210,7 +211,7 @@ class ShardedOptimizer:
                     "the shard states of every rank of that save"
                 )
             else:
-                shards = list(saved)
+                shards = copies(list(saved))[0]  # several copies (mpi_hybrid's replicas): the run's rank 0's
                 check_shard_set(shards)
                 sources = index_sources(shards)
                 loaded = [

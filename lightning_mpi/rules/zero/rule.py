@@ -229,6 +229,11 @@ class BoundZeroRule(BoundRule):
         """The optimizer this rule shards (once :meth:`take_optimizer` or :meth:`shard_optimizer` ran)."""
         return None if self.sharded is None else self.sharded.optimizer
 
+    @property
+    def same_weights(self) -> bool:
+        """Every step's Allgather leaves the same weights on every rank."""
+        return True
+
     def take_optimizer(self, optimizer: Optimizer, previous: BoundRule | None) -> bool:
         """The strategy's one call (:class:`~lightning_mpi.rules.base.OptimizerShards`): shard
         ``optimizer`` (:meth:`shard_optimizer`, with the buddy copy while ``healing``).

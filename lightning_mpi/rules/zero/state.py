@@ -22,6 +22,13 @@ state.
 Shards of any world size together cover every element of every stepped parameter once, so they
 can be assembled into torch's format (:func:`consolidate`) or cut again for another layout
 (:func:`gather_range`): resharding needs no world-size-specific code.
+
+A save may hold several *copies* of one optimizer, each sharded over its own ranks: ``mpi_hybrid``
+with ZeRO inside its replicas, whose replicas step apart between their outer exchanges. Each shard
+then also says which copy it belongs to, ``"copy": c`` (0 where absent), and its ``world_size`` and
+``rank`` are within its copy; :func:`copies` sorts the shards of a save by copy. Copy 0 is the one
+whose shards include the run's rank 0: what a one-process (or ``ddp``) save would hold, so
+:func:`consolidate` and a loader that needs one copy take it.
 """
 
 from __future__ import annotations
@@ -151,12 +158,23 @@ def check_shard_set(shards: Sequence[Mapping[str, Any]]) -> None:
         raise ValueError(f"expected the shard states of ranks 0..{world - 1} of one save, got ranks {ranks}")
 
 
+def copies(shards: Sequence[Mapping[str, Any]]) -> list[list[Mapping[str, Any]]]:
+    """The shard states of one save, by the copy of the optimizer each belongs to (module docstring),
+    in copy order; a save of one copy is one list."""
+    by_copy: dict[int, list[Mapping[str, Any]]] = {}
+    for shard in shards:
+        by_copy.setdefault(int(shard.get("copy", 0)), []).append(shard)
+    return [by_copy[copy] for copy in sorted(by_copy)]
+
+
 def consolidate(shards: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-    """All shards of one save as one optimizer state in torch's format (``Optimizer.state_dict()``).
+    """All shards of one save as one optimizer state in torch's format (``Optimizer.state_dict()``);
+    of a save of several copies, copy 0 (the run's rank 0's: module docstring).
 
     Every stepped parameter's per-element state is assembled to its full shape; scalars come from
     its first piece; ``_``-keys (lightning_mpi's own, such as master weights) are left out.
     """
+    shards = copies(shards)[0] if shards else shards
     check_shard_set(shards)
     shapes = [tuple(s) for s in shards[0]["param_shapes"]]
     by_param = index_sources(shards)

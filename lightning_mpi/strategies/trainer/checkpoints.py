@@ -71,9 +71,12 @@ class TrainerCheckpoints:
         def save(entry: dict[str, Any] | None) -> None:
             if entry is not None:
                 checkpoint[CHECKPOINT_KEY] = entry
-            if self._core.optimizer_sharding.active:  # every rank writes its optimizer shard; nothing is gathered
-                # and 1/W of the weights, which the Allgather made equal on every rank (buffers: rank 0's)
-                params = {f"state_dict/{name}" for name, _ in self._host.lightning_module.named_parameters()}
+            sharding = self._core.optimizer_sharding
+            if sharding.active:  # every rank writes its optimizer shard; nothing is gathered
+                # and 1/W of the weights where the rule keeps them equal on every rank (ZeRO's Allgather;
+                # buffers: rank 0's), else rank 0 writes its own (mpi_hybrid's replicas step apart)
+                names = self._host.lightning_module.named_parameters() if sharding.spreads_weights else ()
+                params = {f"state_dict/{name}" for name, _ in names}
                 save_sharded(filepath, checkpoint, self._core.transport, spread=params)
             else:
                 write()
