@@ -34,7 +34,7 @@ Library use::
     from benchmarks.cluster import SimCluster
     with SimCluster(2, rate="1gbit") as cluster:
         res = cluster.run_mpi([sys.executable, "benchmarks/link_check.py"], ranks_per_host=1)
-        print(res.stdout)
+        print(res.stdout, cluster.traffic())   # bytes the hosts sent over their links so far
 
 CLI::
 
@@ -475,6 +475,26 @@ class SimCluster:
             if signal.getsignal(sig) is _raise_exit:
                 signal.signal(sig, old if old is not None else signal.SIG_DFL)
         self._old_handlers.clear()
+
+    # ---------------------------------------------------------------- measuring
+    def traffic(self) -> dict[str, int]:
+        """Bytes the hosts have sent over their links since the cluster was created.
+
+        ``sent``: everything the hosts' egress qdiscs sent (the shaping ``tbf``, or the ``netem``
+        above it): frames with their Ethernet, IP and TCP headers, and a TSO/GSO packet counted
+        segment by segment with each segment's headers, as it would go on a wire (no preamble, FCS
+        or inter-frame gap); retransmissions count again, frames the qdisc dropped do not.
+        ``to_mpiexec``: of those, the bytes the switch namespace's own stack received (hydra's
+        proxies to ``mpiexec``: PMI and forwarded output; counted by the bridge without the
+        14-byte Ethernet header). ``between_hosts``: ``sent - to_mpiexec``, host to host.
+        """
+        sent = 0
+        for host in self.hosts:
+            res = _sh("tc", "-n", host, "-s", "-j", "qdisc", "show", "dev", HOST_IFACE)
+            sent += next(q["bytes"] for q in json.loads(res.stdout) if q.get("root"))
+        res = _sh("ip", "-n", self.switch, "-s", "-j", "link", "show", "br0")
+        to_mpiexec = json.loads(res.stdout)[0]["stats64"]["rx"]["bytes"]
+        return {"sent": sent, "to_mpiexec": to_mpiexec, "between_hosts": sent - to_mpiexec}
 
     # ---------------------------------------------------------------- running things
     def mpi_env(self, extra: dict[str, str] | None = None) -> dict[str, str]:

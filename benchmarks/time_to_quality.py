@@ -7,9 +7,13 @@ library's own source (held-out files kept apart), an embedding flattened into a 
 lr 3e-4, batch 16 per rank, the same seed and initial weights for every arm, each rank its own
 shard of the training windows.
 
-Each arm is a fresh ``mpiexec`` with one rank per simulated host (``benchmarks/cluster.py``:
-needs root) and trains through a ``pytorch_lightning`` Trainer for a wall-clock budget T
-(``--budget``), counted from the first training step (``benchmarks/ttq_worker.py``). Arms:
+Each arm is a fresh ``mpiexec`` across simulated hosts (``benchmarks/cluster.py``: needs root)
+and trains through a ``pytorch_lightning`` Trainer for a wall-clock budget T (``--budget``),
+counted from the first training step (``benchmarks/ttq_worker.py``). A setting ``hosts:N:RATE``
+(optionally ``:DELAY``, a one-way latency) is N hosts with one rank each, every host's link limited
+to RATE; ``hosts:NxK:RATE[:DELAY]`` puts K ranks on each host (N·K ranks: launch ranks 0..K-1 on
+the first host, K..2K-1 on the second, ...; ranks on one host talk over its loopback, only traffic
+between hosts crosses the links); ``shm:N`` is N ranks on this machine's shared memory. Arms:
 
 - peers: ``ddp``, ``ddp_fp16`` (which runs ``--peer-factor`` x T, so its loss at 3T and 5T can be
   read off its curve), ``ddp_powersgd1``, ``ddp_powersgd4`` (``benchmarks/ddp_peers.py``);
@@ -35,15 +39,28 @@ is killed (SIGKILL, the whole job) and reported as "hung", with how far it got. 
         mpi_streaming_diloco:wire=sparseloco                 # 10 Mbit/s links, 50 ms one-way latency
     python benchmarks/time_to_quality.py --settings hosts:2:100mbit --runs 3 --peer-factor 1 \
         --arms local ddp_fp16 ddp_powersgd1 mpi_auto mpi_diloco mpi_streaming_diloco
+    python benchmarks/time_to_quality.py --settings hosts:2x2:10mbit:50ms --peer-factor 1 --arms local \
+        mpi_hybrid:group_size=2 mpi_streaming_diloco mpi_asa ddp_fp16   # 2 hosts x 2 ranks
 
 Per setting it prints a markdown table (loss in T; effective speedup; time to reach the best loss
 ddp reaches in T; samples/s and steps/s against ``local``; ddp_fp16's loss at 3T and 5T and
 whether each arm's loss in T is as low; peak bytes per exchange where the rule's ``stats()``
-reports them; whether every rank ends with the same weights), a table of each arm's effective
-speedup over each peer's, and saves ``benchmarks/results/time_to_quality.json``, ``.md`` and one
+reports them; whether every rank ends with the same weights; on simulated hosts, the bytes that
+crossed between the hosts, measured on the links), a table of each arm's effective speedup over
+each peer's, and saves ``benchmarks/results/time_to_quality.json``, ``.md`` and one
 PNG per setting (``ttq_report.py``: the curves, and the effective speedups beside them). The
 curve points before the last are rank 0's own weights (a worker's, for local-step and asynchronous
 rules); the last point is the weights ``fit`` leaves (the average or center). Figures depend on the machine and its load.
+
+Link bytes (``hosts:`` settings; :class:`LinkMeter`, ``SimCluster.traffic``): the bytes every
+host's egress qdisc sent, less those the switch namespace's own stack received (``mpiexec``'s
+control traffic, reported apart as ``mpiexec_bytes``): host-to-host frames with their Ethernet, IP
+and TCP headers (ACKs and retransmissions included), each TSO/GSO segment with its own headers,
+without preamble, FCS and inter-frame gap. ``link_bytes`` covers the whole arm (from before
+``mpiexec`` starts to its exit: start-up, such as the process group and the first broadcast of the
+weights, and the end included); ``link_bytes_training`` only the training, from rank 0's first step
+to the end of its ``fit`` (the counters are read when rank 0's progress file says so, polled every
+0.1 s); ``link_bytes_per_step`` is ``link_bytes_training`` over rank 0's steps.
 """
 from __future__ import annotations
 
@@ -54,6 +71,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -94,8 +112,18 @@ def available(arm: str) -> bool:
     return name in STRATEGIES
 
 
+def hosts_of(setting: str) -> tuple[int, int, str, str | None]:
+    """``hosts:N:RATE[:DELAY]`` or ``hosts:NxK:RATE[:DELAY]`` -> (N hosts, K ranks per host, RATE, DELAY)."""
+    _, layout, rate, *delay = setting.split(":")
+    hosts, _, per_host = layout.partition("x")
+    return int(hosts), int(per_host or 1), rate, delay[0] if delay else None
+
+
 def world_of(setting: str) -> int:
-    """Ranks of ``hosts:N:RATE[:DELAY]`` or ``shm:N``."""
+    """Ranks of ``hosts:N:RATE[:DELAY]``, ``hosts:NxK:RATE[:DELAY]`` (N·K) or ``shm:N``."""
+    if setting.startswith("hosts:"):
+        hosts, per_host, _, _ = hosts_of(setting)
+        return hosts * per_host
     return int(setting.split(":")[1])
 
 
@@ -145,9 +173,54 @@ def _stacks(tmp: Path) -> dict[str, str]:
             for path in sorted(tmp.glob("stacks.*"))}
 
 
+class LinkMeter(threading.Thread):
+    """A simulated cluster's link counters (``SimCluster.traffic``) read when an arm starts, when rank
+    0's progress file first says it trains and first says it has finished training, and at the end."""
+
+    POLL_SECONDS = 0.1
+
+    def __init__(self, cluster, progress: Path) -> None:
+        super().__init__(name="ttq-link-meter", daemon=True)
+        self.cluster, self.progress = cluster, progress
+        self.readings: dict[str, dict] = {}
+        self._done = threading.Event()
+
+    def __enter__(self) -> LinkMeter:
+        self.readings["start"] = self.cluster.traffic()
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._done.set()
+        self.join()
+        self.readings["end"] = self.cluster.traffic()
+
+    def run(self) -> None:
+        while not self._done.wait(self.POLL_SECONDS):
+            try:
+                phase = json.loads(self.progress.read_text())["phase"]
+            except (OSError, ValueError, KeyError):  # not written yet, or caught mid-write
+                continue
+            key = "trained" if phase in ("evaluating", "done") else "training" if phase == "training" else None
+            if key and key not in self.readings:
+                self.readings[key] = self.cluster.traffic()
+
+    def figures(self, steps: int) -> dict:
+        """``link_bytes`` (the whole arm), ``link_bytes_training``, ``link_bytes_per_step`` (None
+        when the poll missed a phase) and ``mpiexec_bytes``: see the module docstring."""
+        r = self.readings
+        training = (r["trained"]["between_hosts"] - r["training"]["between_hosts"]
+                    if "training" in r and "trained" in r else None)
+        return {"link_bytes": r["end"]["between_hosts"] - r["start"]["between_hosts"],
+                "link_bytes_training": training,
+                "link_bytes_per_step": training / steps if training is not None and steps else None,
+                "mpiexec_bytes": r["end"]["to_mpiexec"] - r["start"]["to_mpiexec"]}
+
+
 def run_arm(setting: str, arm: str, args: argparse.Namespace, task: TaskConfig, data: Path, cluster=None,
             first: bool = True) -> dict:
-    """Run one arm in one setting; its result dict with ``status`` ok / failed / hung."""
+    """Run one arm in one setting (``cluster``: the setting's ``SimCluster``); its result dict with
+    ``status`` ok / failed / hung, and the link bytes on a cluster."""
     run = run_seconds(arm, args, first)
     timeout = run + args.margin
     with tempfile.TemporaryDirectory(prefix="ttq-") as tmp:
@@ -162,10 +235,12 @@ def run_arm(setting: str, arm: str, args: argparse.Namespace, task: TaskConfig, 
         cmd = [sys.executable, str(WORKER), str(tmp / "spec.json")]
         env = {"OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "PYTHONPATH": str(ROOT)}
         start = time.perf_counter()
+        meter = None
         try:
             if cluster is not None:
                 env["GLOO_SOCKET_IFNAME"] = cluster.iface
-                res = cluster.run_mpi(cmd, env=env, timeout=timeout)
+                with LinkMeter(cluster, tmp / "progress.json") as meter:
+                    res = cluster.run_mpi(cmd, ranks_per_host=hosts_of(setting)[1], env=env, timeout=timeout)
             else:
                 if setting != "local":
                     from lightning_mpi.launcher.checks import find_mpiexec
@@ -186,8 +261,9 @@ def run_arm(setting: str, arm: str, args: argparse.Namespace, task: TaskConfig, 
         # the strategies' own one-line reports (mpi_auto's choices), for the tables' readers
         notes = [line.strip() for line in res.stdout.splitlines() + res.stderr.splitlines()
                  if line.startswith("lightning_mpi:")]
-        return {**json.loads(out.read_text()), "status": "ok", "wall_seconds": wall, "notes": notes,
-                "invocation": INVOCATION}
+        result = json.loads(out.read_text())
+        link = meter.figures(result["steps"]) if meter is not None else {}
+        return {**result, **link, "status": "ok", "wall_seconds": wall, "notes": notes, "invocation": INVOCATION}
 
 
 def _run_killable(cmd: list[str], env: dict, timeout: float) -> subprocess.CompletedProcess:
@@ -218,7 +294,6 @@ def run_setting(setting: str, arms: list[str], args, task, data,
             results[arm] = {"arm": arm, "status": "not available", "reason": "not a strategy in this checkout"}
     runnable = [a for a in todo if a not in results]
     repeats: dict[str, list[dict]] = {}
-    kind, *rest = setting.split(":")
 
     def go(cluster=None) -> None:
         if before_round:
@@ -233,10 +308,11 @@ def run_setting(setting: str, arms: list[str], args, task, data,
                 r = run_arm(setting, arm, args, task, data, cluster, first=False)
                 repeats.setdefault(arm, []).append(_logged(f"{setting} run {run}", arm, r))
 
-    if kind == "hosts" and runnable:
+    if setting.startswith("hosts:") and runnable:
         from benchmarks.cluster import SimCluster
 
-        with SimCluster(int(rest[0]), rate=rest[1], delay=rest[2] if len(rest) > 2 else None) as cluster:
+        hosts, _, rate, delay = hosts_of(setting)
+        with SimCluster(hosts, rate=rate, delay=delay) as cluster:
             go(cluster)
     else:
         go()
@@ -246,6 +322,8 @@ def run_setting(setting: str, arms: list[str], args, task, data,
 def _logged(setting: str, arm: str, r: dict) -> dict:
     if r["status"] == "ok":
         line = f"loss {r['final_loss']:.3f}, {r['steps']} steps in {r['seconds']:.1f} s"
+        if r.get("link_bytes") is not None:
+            line += f", {r['link_bytes'] / 1e6:.1f} MB between hosts"
     else:
         line = r["reason"]
     print(f"[{setting}] {arm}: {r['status']} ({r['wall_seconds']:.0f} s wall): {line}", file=sys.stderr, flush=True)
@@ -272,8 +350,9 @@ def estimate_seconds(settings: list[str], arms: list[str], args) -> float:
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--settings", nargs="+", default=None, help=f"hosts:N:RATE[:DELAY] (DELAY: one-way latency in tc units, e.g. 50ms) or shm:N "
-                   f"(default {' '.join(SETTINGS)})")
+    p.add_argument("--settings", nargs="+", default=None,
+                   help="hosts:N:RATE[:DELAY] (N hosts, one rank each; DELAY: one-way latency in tc units, e.g. "
+                   f"50ms), hosts:NxK:RATE[:DELAY] (K ranks per host) or shm:N (default {' '.join(SETTINGS)})")
     p.add_argument("--arms", nargs="+", default=None, help="strategy names, ddp peers, local (default: all 13)")
     p.add_argument("--budget", type=float, default=None, help="wall-clock seconds T per arm (default 15)")
     p.add_argument("--peer-factor", type=float, default=None, help=f"{LONG_PEER} runs this many T (default 5)")

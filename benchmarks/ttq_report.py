@@ -11,6 +11,10 @@
   whether ``loss_T`` is no worse than each;
 - ``peak_exchange_bytes``: the largest exchange rank 0's rule reported (None: it reports none);
 - ``same_weights``: every rank ends with bit-identical weights;
+- ``link_bytes``, ``link_bytes_training``, ``link_bytes_per_step`` (simulated hosts only): the bytes
+  that crossed between the hosts, measured on the links (TCP/IP and Ethernet headers included):
+  over the whole arm (start-up included), over its training only, and the latter per step of rank 0
+  (``time_to_quality``'s docstring says how they are measured);
 - ``speedup``: the **effective speedup**: the time one process without any exchange (``local``,
   run for W·T) needs to reach the arm's loss in T, divided by T (ideal: W). The time is read off
   the local curve by linear interpolation between its snapshots (:func:`time_to_reach`), averaged
@@ -169,7 +173,8 @@ def summarize(results: dict[str, dict], local: dict | None, budget: float, peer_
         row = {"status": "ok", "loss_T": loss_T, "time_to_ddp_best": reached[0] if reached else None,
                "samples_per_s": sps, "steps_per_s": steps_ps, "steps": r["steps"], "world": r["world"],
                "peak_exchange_bytes": r.get("peak_exchange_bytes"), "same_weights": r.get("same_weights"),
-               "notes": r.get("notes") or []}
+               "link_bytes": r.get("link_bytes"), "link_bytes_training": r.get("link_bytes_training"),
+               "link_bytes_per_step": r.get("link_bytes_per_step"), "notes": r.get("notes") or []}
         if local_ok:
             row["samples_vs_local"] = sps / (local_ok["samples"] / local_ok["seconds"])
             row["steps_vs_local"] = steps_ps / (local_ok["steps"] / local_ok["seconds"])
@@ -222,6 +227,13 @@ def _bytes(n: float | None) -> str:
     return f"{n:.0f} B"
 
 
+def _link(row: dict) -> str:
+    """``73.20 MB (12.10 MB)``: the bytes between the hosts over the whole arm (over its training)."""
+    if row.get("link_bytes") is None:
+        return "-"
+    return f"{_bytes(row['link_bytes'])} ({_bytes(row.get('link_bytes_training'))})"
+
+
 def _yes(value) -> str:
     return "-" if value is None else ("yes" if value else "**no**")
 
@@ -263,19 +275,24 @@ def markdown(report: dict) -> str:
                          f"{_spread(local['loss_T_runs'])} at T, {_spread(local['loss_last_runs'])} at its end; "
                          f"effective speedup = (time local needs to reach the arm's loss in T) / T, ideal {world}; "
                          "'fit': read off one monotone fit of every local point instead of each raw curve")
+        if any(row.get("link_bytes") is not None for row in summary.values()):
+            lines.append("link bytes: what crossed between the hosts, measured on the links (Ethernet, IP and TCP "
+                         "headers included): over the whole arm, start-up (the first broadcast of the weights) "
+                         "included, and over its training in brackets; per step: the training's over rank 0's steps")
         lines += [f"| arm | loss in T | effective speedup (ideal {world}) | fit | time to ddp's best (s) "
                   f"| steps (rank 0) | samples/s (x local) | steps/s (x local) | ≤ {LONG_PEER} at 3T "
-                  f"| ≤ at {factor:g}T | peak bytes/exchange | same weights on every rank |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                  f"| ≤ at {factor:g}T | peak bytes/exchange | link bytes: arm (training) | link bytes/step "
+                  "| same weights on every rank |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         if local:
             lines.append(f"| local (1 process, no exchange) | {_spread(local['loss_T_runs'])} | 1 (by definition) "
                          "| - | - | - "
-                         f"| {local['samples_per_s']:.1f} | {local['steps_per_s']:.2f} | - | - | - | - |")
+                         f"| {local['samples_per_s']:.1f} | {local['steps_per_s']:.2f} | - | - | - | - | - | - |")
         for arm, row in summary.items():
             if arm.startswith("_"):
                 continue
             if row["status"] != "ok":
-                lines.append(f"| {arm} | {row['status']}: {row['reason']} | | | | | | | | | | |")
+                lines.append(f"| {arm} | {row['status']}: {row['reason']} | | | | | | | | | | | | |")
                 continue
             reached = "-" if ref["ddp_best_loss_in_T"] is None else _f(row["time_to_ddp_best"], "{:.1f}", "not reached")
             failed = f" ({row['failed_runs']} run(s) failed)" if row.get("failed_runs") else ""
@@ -285,7 +302,8 @@ def markdown(report: dict) -> str:
                 f"| {row['samples_per_s']:.1f} ({_f(row.get('samples_vs_local'), '{:.2f}x')}) "
                 f"| {row['steps_per_s']:.2f} ({_f(row.get('steps_vs_local'), '{:.2f}x')}) "
                 f"| {_yes(row.get(f'le_{LONG_PEER}_3T'))} | {_yes(row.get(f'le_{LONG_PEER}_last'))} "
-                f"| {_bytes(row['peak_exchange_bytes'])} | {_yes(row['same_weights'])} |")
+                f"| {_bytes(row['peak_exchange_bytes'])} | {_link(row)} | {_bytes(row.get('link_bytes_per_step'))} "
+                f"| {_yes(row['same_weights'])} |")
         for arm, row in summary.items():
             for note in row.get("notes") or []:
                 lines.append(f"- {arm} (first run): {note}")
