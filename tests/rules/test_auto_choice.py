@@ -14,6 +14,8 @@ from lightning_mpi.rules.auto.choice import (
     choose,
     default_plan,
     dry_run_exposed,
+    hybrid_plan,
+    inner_hides,
     powersgd_bytes,
     streaming_plan,
     worth_timing,
@@ -68,6 +70,39 @@ def test_streaming_gets_its_defaults_with_the_period_raised_where_the_exchange_n
     assert streaming_plan(STEP, mbit(100), MODEL) == Choice("streaming", "int4", 4, 50, 3)
     # fewer tensors than the default's fragments: one fragment per tensor, as the rule binds
     assert streaming_plan(STEP, mbit(10), Sizes.of([(100, 50), (100,)], world=2)).fragments == 2
+
+
+def test_per_level_every_step_inside_hosts_and_streaming_across_where_the_link_between_them_calls_for_it():
+    # 2 hosts x 2 ranks of the task's model; the link measured is the slowest, between the hosts
+    shapes = [(4000, 4000), (4000,), (500, 500), (1000, 1000), (10,)]
+    two = Sizes.of(shapes, world=4, hosts=[0, 0, 1, 1])
+    assert (two.hosts, two.per_host, two.two_levels) == (2, 2, True)
+    assert not Sizes.of(shapes, world=4).two_levels and not Sizes.of(shapes, world=4, hosts=[0, 0, 0, 0]).two_levels
+    assert Sizes.of(shapes, world=3, hosts=[0, 0, 1]).two_levels  # uneven hosts: the largest decides the pieces
+    # a fast link: every step over all ranks, whatever the hosts
+    assert choose(STEP, mbit(10_000), two)[0].arm == "sync"
+    # a slow one: two levels (inside not timed: a host's shared memory is taken to hide), and the plan of the
+    # rank's piece: half of the largest fragment, averaged with the one carrier of the other host
+    choice, why = choose(STEP, mbit(10), two, first=True)
+    assert choice == hybrid_plan(STEP, mbit(10), two) and choice.arm == "hybrid", why
+    assert "every step inside each host (not timed" in why
+    assert two.piece_bytes("int4", 4) * 2 <= exchange_bytes(16_000_000, 2, get_codec("int4")) + 64
+    flat = streaming_plan(STEP, mbit(10), Sizes.of(shapes, world=4))
+    plan = hybrid_plan(STEP, mbit(10), two)
+    assert plan.period <= flat.period  # each rank's piece hides sooner than a flat worker's whole fragment
+    assert "two levels" in plan.describe() and plan.describe().endswith(f"period={plan.period}, overlap_steps="
+                                                                         f"{plan.overlap_steps})")
+    # the exchange inside the hosts timed: hides -> two levels; exposes more than the tolerance -> flat streaming
+    assert choose(STEP, mbit(10), two, observed={"inner": 0.0}, first=True)[0].arm == "hybrid"
+    choice, why = choose(STEP, mbit(10), two, observed={"inner": 0.5 * STEP}, first=True)
+    assert choice.arm == "streaming" and "inside each host" not in why
+    # hysteresis: two levels in use are kept while the inner exposes up to tolerance x KEEP; entered at x ENTER
+    assert inner_hides(STEP, two, plan, {"inner": 0.15 * STEP}, 0.1) is not None
+    assert inner_hides(STEP, two, flat, {"inner": 0.08 * STEP}, 0.1) is None
+    assert inner_hides(STEP, two, flat, {"inner": 0.04 * STEP}, 0.1) is not None
+    # one host, or one rank per host: no inner level
+    assert inner_hides(STEP, Sizes.of(shapes, world=4, hosts=[0, 0, 0, 0]), None, {}, 0.1) is None
+    assert choose(STEP, mbit(10), Sizes.of(shapes, world=4), first=True)[0].arm == "streaming"
 
 
 def test_the_first_decision_takes_the_streaming_plan_as_computed_and_later_ones_keep_a_close_one():

@@ -1,4 +1,5 @@
-"""Run on W ranks: ``mpi_auto`` and ``period="auto"`` through the Trainer (rank 0 writes argv[1]).
+"""Run on W ranks: ``mpi_auto`` and ``period="auto"`` through the Trainer (rank 0 writes argv[1]);
+with argv[2] = ``levels``, on 4 ranks: ``mpi_auto`` per level (:func:`levels`).
 
 - ``switches``: ``mpi_auto`` with assumed measurements that force streaming (the defaults) -> sync -> streaming ->
   sync (decisions after steps 5, 9 and 13: ``auto_assumed`` patches the rule's measurement in this process);
@@ -72,7 +73,9 @@ class Watch(pl.Callback):
         arm = bound.choice.arm if hasattr(bound, "choice") else "-"
         seen = COMM.allgather((arm, digest(pl_module)))
         self.steps.append({"arm": arm, "arms_agree": len({a for a, _ in seen}) == 1,
-                           "identical": len({d for _, d in seen}) == 1})
+                           "identical": len({d for _, d in seen}) == 1,
+                           # hosts of two launch ranks (levels): each host's ranks hold the same weights
+                           "identical_in_hosts": all(seen[r][1] == seen[r ^ 1][1] for r in range(W - W % 2))})
 
 
 def run(strategy, steps_per_epoch=16, epochs=1, save_to=None, resume_from=None, late_at=None):
@@ -129,5 +132,19 @@ def main(out):
             json.dump(results, f)
 
 
+def levels(out):
+    """4 ranks as 2 hosts of 2: forced fast, slow, fast: every step over all ranks, two levels (every
+    step inside each host, Streaming DiLoCo across), every step again."""
+    os.environ["LIGHTNING_MPI_RANKS_PER_NODE"] = "2"  # fake hosts of 2 launch ranks
+    with assumed(f"{FAST};{SLOW};{FAST}"):
+        model, strategy, steps = run(lightning_mpi.AutoStrategy(measure_every=6), steps_per_epoch=20)
+    stats = strategy.bound_rule.stats()
+    result = {"steps": steps, "switches": stats["switches"],
+              "identical_end": len(set(COMM.allgather(digest(model)))) == 1}
+    if RANK == 0:
+        with open(out, "w") as f:
+            json.dump(result, f)
+
+
 if __name__ == "__main__":
-    main(sys.argv[1])
+    levels(sys.argv[1]) if sys.argv[2:] == ["levels"] else main(sys.argv[1])

@@ -48,3 +48,20 @@ def test_mpi_auto_on_two_ranks(tmp_path):
     # (d) period="auto" resumes with the period it chose
     diloco = r["resume_diloco_auto"]
     assert diloco["equal_on_every_rank"] and diloco["identical"] and diloco["saved"]["period"] >= 8, diloco
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(200)
+def test_mpi_auto_per_level_on_two_hosts_of_two_ranks(tmp_path):
+    """Forced fast, slow, fast on 2 hosts of 2 ranks (faked): every step over all ranks, then two levels
+    (every step inside each host: its ranks hold the same weights, the hosts differ), then every step again
+    (the switch averages the hosts)."""
+    out = tmp_path / "levels.json"
+    run_mpi(4, [str(SCRIPTS / "auto_train.py"), str(out), "levels"], timeout=180, cwd=tmp_path)
+    r = json.loads(out.read_text())
+    steps = r["steps"]
+    assert [s["arm"] for s in steps] == ["streaming"] * 4 + ["sync"] * 6 + ["hybrid"] * 6 + ["sync"] * 4
+    assert all(s["arms_agree"] and s["identical_in_hosts"] for s in steps[4:])
+    assert not any(s["identical"] for s in steps[11:16])  # the hosts step apart between outer exchanges
+    assert all(s["identical"] for s in steps if s["arm"] == "sync")
+    assert r["switches"] == 3 and r["identical_end"]

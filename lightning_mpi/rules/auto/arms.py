@@ -18,11 +18,12 @@ from lightning_mpi.rules.auto.choice import Choice
 from lightning_mpi.rules.base import BoundRule, Rule
 from lightning_mpi.rules.diloco.rule import DiLoCoRule
 from lightning_mpi.rules.diloco.streaming import StreamingDiLoCoRule
+from lightning_mpi.rules.hybrid import HybridRule
 from lightning_mpi.rules.powersgd.rule import PowerSGDRule
 from lightning_mpi.rules.sync import SyncRule
 
-#: The arms whose ranks step on their own between exchanges.
-LOCAL_STEP_ARMS = ("probing", "streaming")
+#: The arms whose ranks (or hosts) step on their own between exchanges.
+LOCAL_STEP_ARMS = ("probing", "streaming", "hybrid")
 #: The wires Streaming DiLoCo takes (its ``wire`` option's type).
 OuterWire = Literal["fp32", "bf16", "int8", "int4", "sparseloco"]
 
@@ -33,6 +34,13 @@ def arm_rule(choice: Choice) -> Rule:
         return SyncRule(exchange="asa", wire="bf16" if choice.wire == "bf16" else "fp16")
     if choice.arm == "powersgd":
         return PowerSGDRule()
+    if choice.arm == "hybrid":  # replicas: the hosts (as Sizes found them for the choice)
+        return HybridRule(
+            period=choice.period,
+            fragments=choice.fragments,
+            overlap_steps=choice.overlap_steps,
+            wire=cast(OuterWire, choice.wire),
+        )
     if choice.arm == "streaming":
         return StreamingDiLoCoRule(
             period=choice.period,

@@ -14,6 +14,16 @@ the batch):
    to hide (:func:`streaming_plan`); on SparseLoCo's wire where the dense 4-bit fragments would
    need more than :data:`SPARSE_WHEN` times the default period to hide.
 
+Per level, where the run spans several hosts of several ranks (``Sizes.hosts`` and
+``Sizes.per_host`` above 1; hosts as ``mpi_hybrid`` finds them): the arms above are judged on the
+link the whole run's exchanges cross, the slowest (between hosts). Where none of the every-step
+arms hides there, the low-communication arm is ``hybrid`` (``mpi_hybrid``): every step inside each
+host, unless its exchange there (``"inner"``: a dry fp32 ASA over the host's ranks) does not hide
+either, and Streaming DiLoCo across hosts, each rank carrying its piece of its host's outer Δ, with
+the plan that hides the piece's exchange (:func:`hybrid_plan`). Where the inner exchange does not
+hide (or was not timed, as a host's shared memory is taken to hide when it was not), flat
+Streaming DiLoCo, every rank a worker.
+
 An every-step arm's cost is what it adds to a step: ``observed`` where it was timed, predicted
 from the link only where it was not. The rule times every candidate that the link does not rule
 out before it takes it (a dry run of the arm's exchange on the real gradients) and every arm
@@ -34,13 +44,13 @@ weights) has to buy a clear gain.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from lightning_mpi.comm.codecs import get_codec
 from lightning_mpi.comm.sparseloco import SparseLoCoWire
-from lightning_mpi.rules.diloco.fragments import exchange_bytes
+from lightning_mpi.rules.diloco.fragments import Wire, exchange_bytes
 from lightning_mpi.rules.diloco.streaming import StreamingDiLoCoRule, split_fragments
 from lightning_mpi.rules.link.model import Link, exposed_seconds, hidden_schedule
 from lightning_mpi.rules.powersgd.lowrank import compression_rank, matrix_shape
@@ -87,11 +97,11 @@ class Choice:
         )
 
     def describe(self) -> str:
+        plan = f"wire={self.wire}, fragments={self.fragments}, period={self.period}, overlap_steps={self.overlap_steps}"
         if self.arm == "streaming":
-            return (
-                f"streaming DiLoCo (wire={self.wire}, fragments={self.fragments}, period={self.period}, "
-                f"overlap_steps={self.overlap_steps})"
-            )
+            return f"streaming DiLoCo ({plan})"
+        if self.arm == "hybrid":
+            return f"two levels: every step inside each host, streaming DiLoCo across hosts ({plan})"
         if self.arm == "sync":
             return f"every-step ASA (wire={self.wire})"
         return "PowerSGD (rank 1)"
@@ -101,34 +111,58 @@ class Choice:
 class Sizes:
     """What the arms send, from the model: ``numel`` trainable values, ``tensors`` trainable tensors,
     ``powersgd_bytes`` one rank sends per PowerSGD step, over ``world`` ranks; ``numels``, each
-    tensor's values in model order (empty: fragments taken as equal shares of ``numel``)."""
+    tensor's values in model order (empty: fragments taken as equal shares of ``numel``); the
+    ``world`` ranks sit on ``hosts`` hosts, at most ``per_host`` on one."""
 
     numel: int
     tensors: int
     powersgd_bytes: int
     world: int
     numels: tuple[int, ...] = ()
+    hosts: int = 1
+    per_host: int = 1
 
     @classmethod
-    def of(cls, shapes: Sequence[Sequence[int]], world: int) -> Sizes:
+    def of(cls, shapes: Sequence[Sequence[int]], world: int, hosts: Sequence[int] = ()) -> Sizes:
+        """``hosts``: the host of every rank (empty: one rank per host)."""
         numels = tuple(math.prod(s) for s in shapes)
-        return cls(sum(numels), len(shapes), powersgd_bytes(shapes, world), world, numels)
+        hosts = list(hosts) or list(range(world))
+        per_host = max(hosts.count(h) for h in set(hosts))
+        return cls(sum(numels), len(shapes), powersgd_bytes(shapes, world), world, numels, len(set(hosts)), per_host)
+
+    @property
+    def two_levels(self) -> bool:
+        """Several hosts of several ranks: a run that ``mpi_hybrid`` can split into levels."""
+        return self.hosts > 1 and self.per_host > 1
 
     def sync_bytes(self, wire: str = "fp16") -> int:
         return exchange_bytes(self.numel, self.world, get_codec(wire))
 
     def fragment_bytes(self, wire: str, fragments: int) -> int:
         """Bytes of the largest fragment's exchange, fragments cut as Streaming DiLoCo cuts them."""
-        if self.numels and fragments <= len(self.numels):
-            groups: list[list[int]] = [[] for _ in range(fragments)]
-            for numel, group in zip(self.numels, split_fragments(list(self.numels), fragments), strict=True):
-                groups[group].append(numel)
-            tensors = max(groups, key=sum)
-        else:
-            tensors = [math.ceil(self.numel / fragments)]
+        tensors = self.largest_fragment(fragments)
         padded = -(-sum(tensors) // self.world) * self.world  # as OuterFragment pads it
-        codec = SparseLoCoWire() if wire == "sparseloco" else get_codec(wire)
-        return exchange_bytes(padded, self.world, codec, tensors)
+        return exchange_bytes(padded, self.world, _wire(wire), tensors)
+
+    def piece_bytes(self, wire: str, fragments: int) -> int:
+        """Bytes one rank sends across hosts per exchange of the largest fragment under ``mpi_hybrid``:
+        its piece (1/``per_host`` of the fragment), averaged with one rank of each other host."""
+        piece = -(-sum(self.largest_fragment(fragments)) // (self.per_host * self.hosts)) * self.hosts
+        return exchange_bytes(piece, self.hosts, _wire(wire))
+
+    def largest_fragment(self, fragments: int) -> list[int]:
+        """The values of each tensor of the largest fragment, cut as Streaming DiLoCo cuts them
+        (without the tensors' sizes: an equal share of ``numel``)."""
+        if not self.numels or fragments > len(self.numels):
+            return [math.ceil(self.numel / fragments)]
+        groups: list[list[int]] = [[] for _ in range(fragments)]
+        for numel, group in zip(self.numels, split_fragments(list(self.numels), fragments), strict=True):
+            groups[group].append(numel)
+        return max(groups, key=sum)
+
+
+def _wire(name: str) -> Wire:
+    return SparseLoCoWire() if name == "sparseloco" else get_codec(name)
 
 
 def powersgd_bytes(
@@ -162,11 +196,23 @@ def streaming_plan(step_seconds: float, link: Link, sizes: Sizes) -> Choice:
     encoding and sums take CPU from the steps, and ``mpi_streaming_diloco:period=auto`` (period
     8 at 1 Gbit/s, 16 at 100 Mbit/s) made fewer steps and a worse loss in T than its default 50
     in the same time-to-quality run (docs/performance.md)."""
-    plan = default_plan(sizes)
-    seconds = link.seconds(sizes.fragment_bytes(plan.wire, plan.fragments))
+    return _hiding(default_plan(sizes), sizes.fragment_bytes, step_seconds, link)
+
+
+def hybrid_plan(step_seconds: float, link: Link, sizes: Sizes) -> Choice:
+    """``mpi_hybrid``'s plan: as :func:`streaming_plan`, between the hosts, where each exchange is a
+    rank's piece of its host's fragment (:meth:`Sizes.piece_bytes`: 1/``per_host`` of it, averaged
+    over ``hosts`` carriers), so that the period that hides it is that much shorter."""
+    return _hiding(replace(default_plan(sizes), arm="hybrid"), sizes.piece_bytes, step_seconds, link)
+
+
+def _hiding(plan: Choice, exchange: Callable[[str, int], int], step_seconds: float, link: Link) -> Choice:
+    """``plan`` (the defaults) with the period, τ and wire that hide an exchange of
+    ``exchange(wire, fragments)`` bytes (:func:`streaming_plan`)."""
+    seconds = link.seconds(exchange(plan.wire, plan.fragments))
     period, tau = hidden_schedule(seconds, step_seconds, plan.fragments, plan.overlap_steps)
     if period > SPARSE_WHEN * plan.period:  # too slow a link for dense fragments: SparseLoCo's wire
-        seconds = link.seconds(sizes.fragment_bytes("sparseloco", plan.fragments))
+        seconds = link.seconds(exchange("sparseloco", plan.fragments))
         period, tau = hidden_schedule(seconds, step_seconds, plan.fragments, plan.overlap_steps)
         return replace(plan, wire="sparseloco", period=period, overlap_steps=tau)
     if period > plan.period:
@@ -222,9 +268,10 @@ def choose(
 
     ``current`` is the arm in use (None: none yet) and ``observed`` the exposed seconds per step
     seen for the every-step arms on this link, in a dry run or while they ran (see the module
-    docstring); an arm observed is judged by that, not by the link. At the ``first`` decision
-    an every-step arm enters at ``tolerance`` and Streaming DiLoCo's plan is taken as computed
-    (no arm was chosen yet, so no hysteresis).
+    docstring); an arm observed is judged by that, not by the link; ``observed["inner"]``, on
+    several hosts of several ranks, is the exchange inside a host (:func:`inner_hides`). At the
+    ``first`` decision an every-step arm enters at ``tolerance`` and Streaming DiLoCo's plan is
+    taken as computed (no arm was chosen yet, so no hysteresis).
     """
     observed = observed or {}
     if world_alone(sizes):
@@ -242,9 +289,12 @@ def choose(
         if share <= enter:
             wire = "fp16" if arm == "sync" else ""
             return Choice(arm, wire), f"exposed {', '.join(costs)} of a step (enter ≤ {enter:.0%})"
-    plan = streaming_plan(step_seconds, link, sizes)
     why = f"exposed {', '.join(costs)} of a step: too slow for every-step exchanges"
-    if current is not None and current.arm == "streaming":
+    inside = inner_hides(step_seconds, sizes, current, observed, tolerance, first)
+    if inside is not None:
+        why += f"; every step inside each host ({inside})"
+    plan = (hybrid_plan if inside is not None else streaming_plan)(step_seconds, link, sizes)
+    if current is not None and current.arm == plan.arm:
         if current == plan:
             return current, why + "; the plan in use hides its exchanges"
         # Not at the first decision: the defaults' plan was not chosen, and moving to one that
@@ -252,6 +302,28 @@ def choose(
         if not first and _similar(current, plan):
             return current, why + f"; the plan in use is close to the new one ({plan.describe()})"
     return plan, why
+
+
+def inner_hides(
+    step_seconds: float,
+    sizes: Sizes,
+    current: Choice | None,
+    observed: Mapping[str, float],
+    tolerance: float,
+    first: bool = False,
+) -> str | None:
+    """Where the run spans several hosts of several ranks, whether every step inside each host
+    hides (what it exposes, as a phrase) or None (or not two levels): the exchange inside a host is
+    judged by its dry run (``observed["inner"]``), with :func:`choose`'s hysteresis; not timed, it is
+    taken to hide (a host's shared memory)."""
+    if not sizes.two_levels:
+        return None
+    if "inner" not in observed:
+        return "not timed: taken to hide"
+    share = observed["inner"] / step_seconds
+    keep = current is not None and current.arm == "hybrid" and not first
+    limit = tolerance * (KEEP if keep else 1.0 if current is None or first else ENTER)
+    return f"exposed {share:.0%} of a step (≤ {limit:.0%})" if share <= limit else None
 
 
 def world_alone(sizes: Sizes) -> bool:

@@ -10,7 +10,10 @@ the ranks, so that every rank decides from the same numbers:
   (ASA fp16 on zeros; PowerSGD's whole step on copies of this rank's gradients), the slowest
   rank's time, turned into what it would add to a step (:func:`~.choice.dry_run_exposed`);
 - where the arm in use exchanges every step, what its own steps showed: the median seconds its
-  hooks held a step, the slowest rank's.
+  hooks held a step, the slowest rank's;
+- on several hosts of several ranks (``inner``: the communicator of this rank's host), the exchange
+  inside a host, ``"inner"``: one dry fp32 ASA of the gradient size over each host's ranks at once,
+  the slowest host's time, of which the part longer than the backward is what it adds to a step.
 
 The training's parameters, gradients and state are untouched.
 """
@@ -29,12 +32,12 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 import lightning_mpi.rules.auto.choice as choice
-from lightning_mpi.comm.codecs import FP16
+from lightning_mpi.comm.codecs import FP16, FP32, Codec
 from lightning_mpi.comm.collectives import ASAWorkspace, asa_mean_steps
 from lightning_mpi.comm.engine import ExchangeScheduler
 from lightning_mpi.comm.transport import Transport
 from lightning_mpi.rules.auto.choice import EVERY_STEP_ARMS, Sizes, still_valid, worth_timing
-from lightning_mpi.rules.link.model import Link
+from lightning_mpi.rules.link.model import Link, exposed_seconds
 from lightning_mpi.rules.link.probe import LinkProbe, Measurement
 from lightning_mpi.rules.powersgd.rule import PowerSGDRule
 
@@ -74,11 +77,19 @@ class DecisionProbe:
     """The measurements of one decision over ``transport`` (module docstring), for a model of
     ``params`` (``sizes``) and an arm that may add ``tolerance`` of a step."""
 
-    def __init__(self, transport: Transport, params: Sequence[Tensor], sizes: Sizes, tolerance: float) -> None:
+    def __init__(
+        self,
+        transport: Transport,
+        params: Sequence[Tensor],
+        sizes: Sizes,
+        tolerance: float,
+        inner: Transport | None = None,
+    ) -> None:
         self.transport = transport
         self.params = params
         self.sizes = sizes
         self.tolerance = tolerance
+        self.inner = inner
 
     def measure(
         self, step_seconds: float, arm: str, held: Iterable[float], observed: dict[str, tuple[float, float]]
@@ -120,15 +131,21 @@ class DecisionProbe:
             real = float(self.transport.allreduce_(agreed, "max")[0])  # every rank decides from the same
             # through the module: a test pins what the dry runs say
             observed[arm] = (choice.dry_run_exposed(arm, real, step, link, self.sizes), link.bandwidth)
+        if self.inner is not None:  # the exchange inside the hosts (every host at once), timed at every decision
+            agreed = torch.tensor([self.sync_seconds(self.inner, FP32)], dtype=torch.float64)
+            real = float(self.transport.allreduce_(agreed, "max")[0])
+            observed["inner"] = (exposed_seconds(real, choice.BACKWARD_SHARE * step), link.bandwidth)
 
-    def sync_seconds(self) -> float:
-        """Collective: one fp16 ASA exchange of the real gradient size (zeros), timed."""
-        size = self.transport.size
+    def sync_seconds(self, transport: Transport | None = None, wire: Codec = FP16) -> float:
+        """Collective over ``transport`` (the run's): one ASA exchange of the real gradient size
+        (zeros) on ``wire``, timed."""
+        transport = transport or self.transport
+        size = transport.size
         flat = torch.zeros(-(-self.sizes.numel // size) * size, dtype=torch.float32)
-        work = ASAWorkspace.for_buffer(flat, size, FP16)
-        scheduler = ExchangeScheduler(self.transport.timeout, self.transport.rank, size, watch=self.transport.watch)
+        work = ASAWorkspace.for_buffer(flat, size, wire)
+        scheduler = ExchangeScheduler(transport.timeout, transport.rank, size, watch=transport.watch)
         start = time.perf_counter()
-        scheduler.start(asa_mean_steps(self.transport, flat, FP16, work))
+        scheduler.start(asa_mean_steps(transport, flat, wire, work))
         scheduler.wait_all()
         return time.perf_counter() - start
 

@@ -8,7 +8,10 @@ later decision only where the link moved past a factor 2 since), agrees the
 numbers over the ranks (their maxima), and picks an arm with :func:`~.choice.choose`:
 every-step ASA with an fp16 wire where what it adds to a step hides behind backward, PowerSGD
 in the middle, and where neither does, Streaming DiLoCo at its defaults, with the period its
-own ``period="auto"`` picks where the exchange needs a longer one to hide::
+own ``period="auto"`` picks where the exchange needs a longer one to hide (on several hosts of
+several ranks, ``mpi_hybrid`` instead where every step inside a host hides: its hosts are found at
+bind, one Allgather of the ranks' host keys, and each decision times the exchange inside them over
+a communicator of this rank's host, :attr:`BoundAuto.host`)::
 
     steps 1 .. 5       mpi_streaming_diloco at its defaults, whose first exchange comes after
                        step 12, so local steps: the first is not timed, the next 4 are
@@ -105,6 +108,7 @@ from lightning_mpi.rules.auto.heal import plan_after_heal
 from lightning_mpi.rules.auto.measure import DecisionProbe, measure_interval
 from lightning_mpi.rules.base import BoundRule, Execute, Operation, Rule, RunDirectly, RunPart
 from lightning_mpi.rules.diloco.rule import BoundDiLoCo
+from lightning_mpi.rules.hybrid.layout import host_key, replica_table
 from lightning_mpi.rules.link.probe import Measurement, StepClock
 
 #: Steps before the first decision; the first is not timed (caches, allocators warm up).
@@ -114,7 +118,7 @@ PROBE_STEPS = 5
 #: steps later.
 CONFIRM_STEPS = 6
 #: The arm in use as a number, for the logs.
-ARM_CODES = {"probing": -1.0, "sync": 0.0, "powersgd": 1.0, "streaming": 2.0}
+ARM_CODES = {"probing": -1.0, "sync": 0.0, "powersgd": 1.0, "streaming": 2.0, "hybrid": 3.0}
 #: Bits per value of a choice's wire, for the logs (0: the arm has no wire setting).
 WIRE_BITS = {"": 0.0, "fp32": 32.0, "fp16": 16.0, "bf16": 16.0, "int8": 8.0, "int4": 4.0}
 
@@ -124,7 +128,9 @@ class AutoRule(Rule):
     """The exchange chosen from the measured link and compute (``mpi_auto``): every-step ASA with an
     fp16 wire where it hides behind backward, PowerSGD in the middle (each timed in a dry run
     before it is chosen), and Streaming DiLoCo at its defaults (the period raised where the
-    exchange needs more steps to hide) where no every-step exchange hides; measured again every
+    exchange needs more steps to hide) where no every-step exchange hides; on several hosts of
+    several ranks, two levels there (``mpi_hybrid``: every step inside each host, where that hides,
+    and Streaming DiLoCo across hosts); measured again every
     ``measure_every`` steps and switched, at a step every rank agrees on, when the choice moves.
     Logs its choice and why under ``mpi/auto/*`` and prints one line per change (and one for the first
     decision) on rank 0.
@@ -157,7 +163,11 @@ class BoundAuto(BoundRule):
         #: under ``heal``: the state a decision in progress started from (what a heal keeps then)
         self.deciding: dict[str, Any] | None = None
         self.rule = rule
-        self.sizes = Sizes.of([tuple(p.shape) for p in self.params], transport.size)
+        #: the host of every rank (as mpi_hybrid finds hosts), and this rank's host's communicator
+        #: where the run spans several hosts of several ranks (the decisions time the exchange inside)
+        hosts = replica_table(transport.allgather_object(host_key(None))) if transport.size > 1 else [0]
+        self.sizes = Sizes.of([tuple(p.shape) for p in self.params], transport.size, hosts)
+        self.host: Transport | None = transport.split(hosts[transport.rank]) if self.sizes.two_levels else None
         # The first steps train mpi_streaming_diloco at its defaults (its first exchange comes after
         # the first decision), so where the decision keeps it nothing is switched. One rank: nothing
         # to measure or exchange (a plain every-step rule is a no-op there).
@@ -270,6 +280,9 @@ class BoundAuto(BoundRule):
 
     def close(self) -> None:
         self.inner.close()
+        if self.host is not None:
+            self.host.free()
+            self.host = None
 
     # -- decisions ------------------------------------------------------------------------------------
     def _decision_due(self) -> bool:
@@ -278,7 +291,7 @@ class BoundAuto(BoundRule):
     def _measure(self) -> tuple[Measurement, float | None]:
         """Collective: this decision's measurement and the arm's observed exposed seconds, agreed
         (:class:`~.measure.DecisionProbe`)."""
-        probe = DecisionProbe(self.transport, self.params, self.sizes, self.rule.tolerance)
+        probe = DecisionProbe(self.transport, self.params, self.sizes, self.rule.tolerance, self.host)
         return probe.measure(self.clock.seconds() or 1e-3, self.choice.arm, self.held, self.observed)
 
     def decide(self, optimizer: Optimizer) -> None:
