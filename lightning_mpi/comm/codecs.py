@@ -23,9 +23,10 @@ padded to a multiple of 4 bytes so the header of every row can be read as ``int3
   adding ``2**23`` (see the class), so encoding is three vectorised passes after the min/max.
 - :class:`Int4Codec`: the same grid with 16 levels, two values packed per byte (low nibble
   first); as exact as int8, at half its bytes (Streaming DiLoCo's 4-bit outer gradients).
-- :class:`OneBitCodec`: one sign bit per value and two per-row scales (the mean of the
-  non-negative values and the mean magnitude of the negative ones, as in Seide et al.'s 1-bit
-  SGD), rounded to 8 significant bits. Bits are packed by a 64-bit multiply, unpacked by a table.
+- :class:`OneBitCodec`: one sign bit per value and two scales per block of 128 values (the mean
+  of the non-negative values and the mean magnitude of the negative ones, as in Seide et al.'s
+  1-bit SGD, whose scales are per column), rounded to 8 significant bits: 1.5 bits per value.
+  Bits are packed by a 64-bit multiply, unpacked by a table.
 
 Every codec runs as a handful of whole-tensor torch ops on ``[rows, chunk]`` views, with scratch
 buffers allocated once per shape; per-row quantities are ``[rows, 1]`` tensors (no Python loop
@@ -318,6 +319,11 @@ _PACK = 0x8040201008040201 - 2**64
 _TABLES: dict[torch.device, tuple[Tensor, Tensor]] = {}
 
 
+def _bit_floats(device: torch.device) -> Tensor:
+    """``[256, 8]`` float32: the bits of each byte as 0 or 1, MSB first."""
+    return _bit_tables(device)[0].to(torch.float32)
+
+
 def _bit_tables(device: torch.device) -> tuple[Tensor, Tensor]:
     """``[256, 8]`` bool: the bits of each byte, MSB first; ``[256]`` float: their popcounts."""
     tables = _TABLES.get(device)
@@ -330,22 +336,36 @@ def _bit_tables(device: torch.device) -> tuple[Tensor, Tensor]:
 
 @dataclass(frozen=True)
 class OneBitCodec(Codec):
-    """Signs as bits with two per-row scales (see module docstring).
+    """Signs as bits with two scales per block of ``block`` values (see module docstring).
 
-    Wire row: ``float32 pos, float32 neg, uint8 bits[ceil(chunk / 8)]`` padded to 4 bytes, MSB
-    first; a set bit (value >= 0) decodes to ``pos``, a clear one to ``-neg``. Non-finite rows
-    decode to NaN.
+    Wire row: one record per block of ``block`` values (the last one of a row may be shorter):
+    ``float32 pos, float32 neg, uint8 bits[block / 8]``, MSB first; a set bit (value >= 0) decodes
+    to ``pos``, a clear one to ``-neg``. A block holding inf or NaN decodes to NaN. ``block=None``:
+    one record per row (its whole chunk, padded to 4 bytes).
 
     Bits are packed eight at a time with one 64-bit multiply, and unpacked by a table lookup that
-    maps each byte straight to its eight decoded floats (a ``[rows * 256, 8]`` table built per call).
+    maps each byte straight to its eight decoded floats (a ``[records * 256, 8]`` table built per call).
     """
 
     name: str = "onebit"
+    #: values per pair of scales (a multiple of 32, so that every record stays 4-byte aligned)
+    block: int | None = None
     wire_dtype: ClassVar[torch.dtype] = torch.uint8
     lossy: ClassVar[bool] = True
 
+    def __post_init__(self) -> None:
+        if self.block is not None and (self.block < 32 or self.block % 32):
+            raise ValueError(f"block={self.block!r}: a 1-bit block must be a multiple of 32 values")
+
+    def _blocks(self, chunk: int) -> tuple[int, int]:
+        """(records per row, values per record) for a row of ``chunk`` values."""
+        if self.block is None or chunk <= self.block:
+            return 1, chunk
+        return -(-chunk // self.block), self.block
+
     def wire_numel(self, chunk: int) -> int:
-        return 8 + _ceil4(-(-chunk // 8))
+        blocks, size = self._blocks(chunk)
+        return blocks * (8 + _ceil4(-(-size // 8)))
 
     @staticmethod
     def _round8(x: Tensor) -> Tensor:
@@ -353,6 +373,25 @@ class OneBitCodec(Codec):
         return x.to(torch.bfloat16).to(torch.float32)
 
     def encode(self, src: Tensor, dst: Tensor) -> None:
+        rows, chunk = src.shape
+        blocks, size = self._blocks(chunk)
+        if blocks == 1:
+            self._encode_records(src, dst, None)
+            return
+        padded = blocks * size
+        if padded != chunk:  # the last block of each row is short: zeros after it, not counted
+            x = scratch_buffer("onebit.padded", (rows, padded), src.dtype, src.device)
+            x[:, :chunk].copy_(src)
+            x[:, chunk:].zero_()
+            short = torch.zeros(rows, blocks, dtype=torch.float32, device=src.device)
+            short[:, -1] = padded - chunk
+            self._encode_records(x.view(rows * blocks, size), dst.view(rows * blocks, -1), short.view(-1))
+        else:
+            self._encode_records(src.reshape(rows * blocks, size), dst.view(rows * blocks, -1), None)
+
+    def _encode_records(self, src: Tensor, dst: Tensor, short: Tensor | None) -> None:
+        """Encode each row of ``src`` as one record of ``dst``; ``short``: per row, the zeros padded
+        at its end (counted neither as non-negative nor as negative values)."""
         rows, chunk = src.shape
         nbytes = -(-chunk // 8)
         header = dst[:, :8].view(torch.float32)
@@ -367,8 +406,11 @@ class OneBitCodec(Codec):
         npos = None if kernels is None else kernels.onebit_pack(src, dst)
         if npos is None:
             npos = self._pack_signs(src, dst)
+        if short is not None:
+            npos = npos - short
+        nneg = chunk - npos if short is None else chunk - short - npos
         pos = pos_sum / npos.clamp(min=1)
-        neg = -neg_sum / (chunk - npos).clamp(min=1)
+        neg = -neg_sum / nneg.clamp(min=1)
         bad = ~(torch.isfinite(pos_sum) & torch.isfinite(neg_sum))  # inf or NaN anywhere in the row
         nan = torch.full_like(pos, float("nan"))
         header[:, 0].copy_(torch.where(bad, nan, self._round8(pos)))
@@ -401,6 +443,29 @@ class OneBitCodec(Codec):
 
     def decode(self, src: Tensor, dst: Tensor) -> None:
         rows, chunk = dst.shape
+        blocks, size = self._blocks(chunk)
+        if blocks == 1:
+            self._decode_records(src, dst)
+            return
+        # Many records: a per-record table (8 KiB each) would cost more than the values; the bits
+        # as 0/1 floats instead, times each record's scales (exact: 0·x and 1·x are).
+        records = src.reshape(rows * blocks, -1)
+        header = records[:, :8].view(torch.float32)
+        nbytes = size // 8
+        index = scratch_buffer("onebit.index", (rows * blocks, nbytes), torch.int32, src.device)
+        index.copy_(records[:, 8 : 8 + nbytes])
+        ones = scratch_buffer("onebit.ones", (rows, blocks * size), torch.float32, src.device)
+        torch.index_select(_bit_floats(src.device), 0, index.view(-1), out=ones.view(-1, 8))
+        flat = ones.view(rows * blocks, size)
+        zeros = scratch_buffer("onebit.zeros", (rows, blocks * size), torch.float32, src.device)
+        torch.sub(1.0, flat, out=zeros.view(rows * blocks, size))
+        zeros.view(rows * blocks, size).mul_(header[:, 1:2])
+        flat.mul_(header[:, 0:1]).sub_(zeros.view(rows * blocks, size))
+        dst.copy_(ones[:, :chunk])
+
+    def _decode_records(self, src: Tensor, dst: Tensor) -> None:
+        """Decode each record (row) of ``src`` into the row of ``dst``."""
+        rows, chunk = dst.shape
         nbytes = -(-chunk // 8)
         header = src[:, :8].view(torch.float32)
         bits, _ = _bit_tables(src.device)
@@ -425,7 +490,14 @@ BF16 = HalfCodec(name="bf16", half_dtype=torch.bfloat16, scaled=False)
 
 INT8 = Int8Codec()
 INT4 = Int4Codec()
-ONEBIT = OneBitCodec()
+# 128 values per pair of scales: an ASA row is a whole chunk of a bucket, several layers of very
+# different magnitudes, and one pair of scales for it sent a small layer at a large one's magnitude
+# (error feedback then held it back for many steps). Chosen on tuning seeds 3-5 of
+# benchmarks/compression.py --families (held-out 0-2 in docs/convergence.md), against mpi_asa:
+# whole rows -16.3 / -55.0 points (MLP / CNN, SGD) and -10.2% (LM, AdamW); blocks of 1024:
+# -5.8 / -25.7 / -8.3; 256: -3.6 / -3.6 / -7.6; 128: +0.7 / -0.8 / -6.5; 64: +0.2 / -0.4 / -5.9;
+# bits per value (one bit, and 64 per block for its two scales): 1.06, 1.25, 1.5 and 2.
+ONEBIT = OneBitCodec(block=128)
 
 CODECS: dict[str, Codec] = {c.name: c for c in (FP32, FP16, BF16, INT8, INT4, ONEBIT)}
 

@@ -3,7 +3,7 @@
 Three wire formats, every one usable by every synchronous step:
 
 - ``"int8"``: ASA with per-chunk min-max 8-bit quantization (fp32 sums, one rounding of the sum);
-- ``"onebit"``: ASA with one sign bit per value and two per-chunk scales;
+- ``"onebit"``: ASA with one sign bit per value and two scales per block of 128 values;
 - ``"topk"``: each rank sends its ``ratio`` largest-magnitude entries as (index, value) pairs,
   one Allgather, local scatter-add (ranks choose different entries, so there is no ASA chunk).
 
@@ -87,7 +87,7 @@ class CompressedSyncRule(SyncRule):
         default="int8",
         doc='the format on the wire: `"int8"` (ASA with per-chunk min-max 8-bit quantization, fp32 sums), '
         '`"topk"` (each rank sends its `ratio` largest-magnitude entries as (index, value) pairs) or `"onebit"` '
-        "(ASA with signs and two per-chunk scales).",
+        "(ASA with signs and two scales per block of 128 values).",
     )
     ratio: float = option(
         default=0.01, doc='fraction of entries `"topk"` sends, in (0, 1].', check=number(0.0, 1.0, low_open=True)
