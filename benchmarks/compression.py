@@ -511,7 +511,7 @@ def family_report(rows: list[dict]) -> str:
     base = []
     for family in families:
         for seeds, label in ((HELD_OUT_SEEDS, "0-2"), (TUNING_SEEDS, "3-5")):
-            values = [r["metric"] for r in rows
+            values = [r["metric"] for r in sorted(rows, key=lambda r: r["seed"])
                       if r["family"] == family and r["arm"] == "mpi_asa" and r["seed"] in seeds]
             if values:
                 unit = "loss" if family == "lm" else "acc %"
