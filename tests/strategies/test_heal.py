@@ -1628,7 +1628,8 @@ def test_an_mpi_auto_survivor_inside_a_decision_another_completed_takes_its_outc
             state = runner_b.bound.heal_state()
             assert state["deciding"] and state["choice"]["arm"] == "streaming" and state["decisions"] == 0
             transport = Transport(MPI.COMM_SELF)
-            transport.allgather_object = lambda mine: [mine, theirs]  # the healed run's two survivors
+            # the healed run's two survivors: on one host (the binding's host keys), and A's agreement
+            transport.allgather_object = lambda mine: [mine, mine if isinstance(mine, str) else theirs]
             transport.size = 2
             healed = rule.bind(transport, list(net_b.parameters()))
             healed.load_state_dict(state)  # binds A's arm: binding is collective, every survivor binds the same
