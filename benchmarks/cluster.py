@@ -297,6 +297,41 @@ class DelayLine(threading.Thread):
         self.peer.clear()
 
 
+class LinkReadings:
+    """A cluster's link counters (:meth:`SimCluster.traffic`) read on entering (``"start"``), on
+    leaving (``"end"``), and at the moments ``watch(self)`` picks, in a thread of its own while
+    inside: it calls :meth:`take` and waits with :meth:`wait`, which says when the block was left."""
+
+    def __init__(self, cluster: SimCluster, watch, name: str) -> None:
+        self.cluster = cluster
+        self.readings: dict[str, dict] = {}
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=watch, args=(self,), name=name, daemon=True)
+
+    def __enter__(self) -> LinkReadings:
+        self.take("start")
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._done.set()
+        self._thread.join()
+        self.take("end")
+
+    def take(self, key: str, reading: dict | None = None) -> None:
+        """Keep ``reading`` (default: the counters now) as ``key``."""
+        self.readings[key] = self.cluster.traffic() if reading is None else reading
+
+    def wait(self, seconds: float) -> bool:
+        """Sleep up to ``seconds``; True once the block was left (the watcher should return)."""
+        return self._done.wait(seconds)
+
+    def between(self, a: str, b: str, key: str = "between_hosts") -> int | None:
+        """Bytes of ``key`` from reading ``a`` to reading ``b`` (None where either was not taken)."""
+        r = self.readings
+        return r[b][key] - r[a][key] if a in r and b in r else None
+
+
 class SimCluster:
     """N simulated hosts on one bridge, each link limited to ``rate``; a context manager.
 

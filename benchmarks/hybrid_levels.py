@@ -110,7 +110,6 @@ import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -275,88 +274,77 @@ def worker(arm: str, steps: int, marks: list[int], seed: int, out: Path, phases:
 
 
 # ------------------------------------------------------------------------------------- driver ---
-class PhaseMeter(threading.Thread):
-    """A cluster's link counters (``SimCluster.traffic``) read when the arm starts, at each of
-    ``PHASES`` once every rank has reached it and the links have gone quiet (the ranks wait for the
-    reading: :func:`meet`), and when the arm has ended."""
+#: seconds between the driver's looks at the phase markers; the links are quiet when two readings
+#: ``QUIET_SECONDS`` apart agree, waited for at most ``SETTLE_LIMIT`` seconds
+POLL_SECONDS, QUIET_SECONDS, SETTLE_LIMIT = 0.02, 0.25, 5.0
 
-    POLL_SECONDS, QUIET_SECONDS, SETTLE_LIMIT = 0.02, 0.25, 5.0
 
-    def __init__(self, cluster, folder: Path, ranks: int) -> None:
-        super().__init__(name="hybrid-levels-phase-meter", daemon=True)
-        self.cluster, self.folder, self.ranks = cluster, folder, ranks
-        self.readings: dict[str, dict] = {}
-        self._done = threading.Event()
+def watch_phases(folder: Path, ranks: int):
+    """A :class:`~benchmarks.cluster.LinkReadings` watcher: at each of ``PHASES``, once every rank has
+    reached it (its marker file in ``folder``) and the links have gone quiet, the counters, then the
+    ``go`` file the ranks wait for (:func:`meet`)."""
 
-    def __enter__(self) -> PhaseMeter:
-        self.readings["start"] = self.cluster.traffic()
-        self.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._done.set()
-        self.join()
-        self.readings["end"] = self.cluster.traffic()
-
-    def settle(self) -> dict:
-        """The counters once two readings ``QUIET_SECONDS`` apart agree (at most ``SETTLE_LIMIT`` s)."""
-        last, deadline = self.cluster.traffic(), time.monotonic() + self.SETTLE_LIMIT
-        while True:
-            time.sleep(self.QUIET_SECONDS)
-            now = self.cluster.traffic()
-            if now == last or time.monotonic() > deadline:
-                return {**now, "settled": now == last}
-            last = now
-
-    def run(self) -> None:
+    def watch(meter) -> None:
         for phase in PHASES:
-            while not all((self.folder / f"{phase}.{r}").exists() for r in range(self.ranks)):
-                if self._done.wait(self.POLL_SECONDS):
+            while not all((folder / f"{phase}.{r}").exists() for r in range(ranks)):
+                if meter.wait(POLL_SECONDS):
                     return
-            self.readings[phase] = self.settle()
-            (self.folder / f"{phase}.go").write_text("")
+            meter.take(phase, settled(meter.cluster))
+            (folder / f"{phase}.go").write_text("")
 
-    def figures(self, steps: int) -> dict:
-        """The module docstring's ``link_*`` figures (None where a phase was not reached)."""
-        r = self.readings
+    return watch
 
-        def between(a: str, b: str, key: str = "between_hosts") -> int | None:
-            return r[b][key] - r[a][key] if a in r and b in r else None
 
-        training = between("train_start", "train_end")
-        return {
-            "link_bytes_training": training,
-            "link_bytes_per_step": training / steps if training is not None and steps else None,
-            "link_bytes_end": between("train_end", "fit_end"),
-            "link_bytes_arm": between("start", "end"),
-            "mpiexec_bytes": between("start", "end", "to_mpiexec"),
-            "mpiexec_bytes_training": between("train_start", "train_end", "to_mpiexec"),
-            "link_settled": {p: r[p]["settled"] for p in PHASES if p in r},
-        }
+def settled(cluster) -> dict:
+    """The counters once two readings ``QUIET_SECONDS`` apart agree (at most ``SETTLE_LIMIT`` s)."""
+    last, deadline = cluster.traffic(), time.monotonic() + SETTLE_LIMIT
+    while True:
+        time.sleep(QUIET_SECONDS)
+        now = cluster.traffic()
+        if now == last or time.monotonic() > deadline:
+            return {**now, "settled": now == last}
+        last = now
+
+
+def link_figures(meter, steps: int) -> dict:
+    """The module docstring's ``link_*`` figures (None where a phase was not reached), per step of
+    ``steps``."""
+    training = meter.between("train_start", "train_end")
+    return {
+        "link_bytes_training": training,
+        "link_bytes_per_step": training / max(1, steps) if training is not None else None,
+        "link_bytes_end": meter.between("train_end", "fit_end"),
+        "link_bytes_arm": meter.between("start", "end"),
+        "mpiexec_bytes": meter.between("start", "end", "to_mpiexec"),
+        "mpiexec_bytes_training": meter.between("train_start", "train_end", "to_mpiexec"),
+        "link_settled": {p: meter.readings[p]["settled"] for p in PHASES if p in meter.readings},
+    }
 
 
 def run_arm(label: str, spec: str, ranks: int, steps: int, marks: list[int], seed: int, timeout: float,
             hosts: str | None = None) -> dict:
     """One ``mpiexec`` of the worker; with ``hosts`` (a rate) and several ranks, on a fresh
-    ``SimCluster(WORLD // HOST, hosts)`` with the links measured (:class:`PhaseMeter`)."""
+    ``SimCluster(WORLD // HOST, hosts)`` with the links measured (:func:`watch_phases`)."""
     out = RESULTS / f".hybrid_levels_{label}_{seed}.json"
     out.unlink(missing_ok=True)
     program = [sys.executable, str(Path(__file__).resolve()), "--worker", spec, "--steps", str(steps), "--seed",
                str(seed), "--worker-out", str(out), "--marks", *map(str, marks)]
     env = {"OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     link: dict = {}
+    meter = None
     begin = time.perf_counter()
     try:
         if hosts and ranks > 1:
-            from benchmarks.cluster import SimCluster
+            from benchmarks.cluster import LinkReadings, SimCluster
 
             with tempfile.TemporaryDirectory(prefix="hybrid-levels-") as phases, \
                     SimCluster(ranks // HOST, rate=hosts) as cluster:
                 env["GLOO_SOCKET_IFNAME"] = cluster.iface
-                with PhaseMeter(cluster, Path(phases), ranks) as meter:
+                watch = watch_phases(Path(phases), ranks)
+                with LinkReadings(cluster, watch, "hybrid-levels-phase-meter") as meter:
                     proc = cluster.run_mpi([*program, "--phases", phases], ranks_per_host=HOST, env=env,
                                            timeout=timeout, cwd=ROOT)
-                link = {"hosts": hosts, **meter.figures(steps)}
+                link = {"hosts": hosts}
         else:
             proc = subprocess.run(["mpiexec", "-n", str(ranks), *program], cwd=ROOT, env={**os.environ, **env},
                                   capture_output=True, text=True, timeout=timeout)
@@ -368,12 +356,13 @@ def run_arm(label: str, spec: str, ranks: int, steps: int, marks: list[int], see
     wall = time.perf_counter() - begin
     if proc.returncode != 0 or not out.exists():
         tail = (proc.stdout + proc.stderr)[-3000:]
+        figures = link_figures(meter, steps) if meter is not None else {}
         return {"label": label, "arm": spec, "seed": seed, "error": f"rc={proc.returncode}", "log_tail": tail,
-                "wall_s": round(wall, 1), **link}
+                "wall_s": round(wall, 1), **link, **figures}
     result = json.loads(out.read_text())
     out.unlink()
-    if link.get("link_bytes_training") is not None:
-        link["link_bytes_per_step"] = link["link_bytes_training"] / max(1, result["steps"])
+    if meter is not None:  # per step of the steps the worker made
+        link.update(link_figures(meter, result["steps"]))
     return {"label": label, **result, **link, "wall_s": round(wall, 1)}
 
 

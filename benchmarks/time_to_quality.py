@@ -52,7 +52,7 @@ PNG per setting (``ttq_report.py``: the curves, and the effective speedups besid
 curve points before the last are rank 0's own weights (a worker's, for local-step and asynchronous
 rules); the last point is the weights ``fit`` leaves (the average or center). Figures depend on the machine and its load.
 
-Link bytes (``hosts:`` settings; :class:`LinkMeter`, ``SimCluster.traffic``): the bytes every
+Link bytes (``hosts:`` settings; :func:`watch_progress`, ``SimCluster.traffic``): the bytes every
 host's egress qdisc sent, less those the switch namespace's own stack received (``mpiexec``'s
 control traffic, reported apart as ``mpiexec_bytes``): host-to-host frames with their Ethernet, IP
 and TCP headers (ACKs and retransmissions included), each TSO/GSO segment with its own headers,
@@ -71,7 +71,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -173,48 +172,32 @@ def _stacks(tmp: Path) -> dict[str, str]:
             for path in sorted(tmp.glob("stacks.*"))}
 
 
-class LinkMeter(threading.Thread):
-    """A simulated cluster's link counters (``SimCluster.traffic``) read when an arm starts, when rank
-    0's progress file first says it trains and first says it has finished training, and at the end."""
+def watch_progress(progress: Path):
+    """A :class:`~benchmarks.cluster.LinkReadings` watcher: the counters when rank 0's progress file
+    first says it trains (``"training"``) and first says it has finished training (``"trained"``),
+    polled every 0.1 s."""
 
-    POLL_SECONDS = 0.1
-
-    def __init__(self, cluster, progress: Path) -> None:
-        super().__init__(name="ttq-link-meter", daemon=True)
-        self.cluster, self.progress = cluster, progress
-        self.readings: dict[str, dict] = {}
-        self._done = threading.Event()
-
-    def __enter__(self) -> LinkMeter:
-        self.readings["start"] = self.cluster.traffic()
-        self.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._done.set()
-        self.join()
-        self.readings["end"] = self.cluster.traffic()
-
-    def run(self) -> None:
-        while not self._done.wait(self.POLL_SECONDS):
+    def watch(meter) -> None:
+        while not meter.wait(0.1):
             try:
-                phase = json.loads(self.progress.read_text())["phase"]
+                phase = json.loads(progress.read_text())["phase"]
             except (OSError, ValueError, KeyError):  # not written yet, or caught mid-write
                 continue
             key = "trained" if phase in ("evaluating", "done") else "training" if phase == "training" else None
-            if key and key not in self.readings:
-                self.readings[key] = self.cluster.traffic()
+            if key and key not in meter.readings:
+                meter.take(key)
 
-    def figures(self, steps: int) -> dict:
-        """``link_bytes`` (the whole arm), ``link_bytes_training``, ``link_bytes_per_step`` (None
-        when the poll missed a phase) and ``mpiexec_bytes``: see the module docstring."""
-        r = self.readings
-        training = (r["trained"]["between_hosts"] - r["training"]["between_hosts"]
-                    if "training" in r and "trained" in r else None)
-        return {"link_bytes": r["end"]["between_hosts"] - r["start"]["between_hosts"],
-                "link_bytes_training": training,
-                "link_bytes_per_step": training / steps if training is not None and steps else None,
-                "mpiexec_bytes": r["end"]["to_mpiexec"] - r["start"]["to_mpiexec"]}
+    return watch
+
+
+def link_figures(meter, steps: int) -> dict:
+    """``link_bytes`` (the whole arm), ``link_bytes_training``, ``link_bytes_per_step`` (None when the
+    poll missed a phase) and ``mpiexec_bytes``: see the module docstring."""
+    training = meter.between("training", "trained")
+    return {"link_bytes": meter.between("start", "end"),
+            "link_bytes_training": training,
+            "link_bytes_per_step": training / steps if training is not None and steps else None,
+            "mpiexec_bytes": meter.between("start", "end", "to_mpiexec")}
 
 
 def run_arm(setting: str, arm: str, args: argparse.Namespace, task: TaskConfig, data: Path, cluster=None,
@@ -239,7 +222,9 @@ def run_arm(setting: str, arm: str, args: argparse.Namespace, task: TaskConfig, 
         try:
             if cluster is not None:
                 env["GLOO_SOCKET_IFNAME"] = cluster.iface
-                with LinkMeter(cluster, tmp / "progress.json") as meter:
+                from benchmarks.cluster import LinkReadings
+
+                with LinkReadings(cluster, watch_progress(tmp / "progress.json"), "ttq-link-meter") as meter:
                     res = cluster.run_mpi(cmd, ranks_per_host=hosts_of(setting)[1], env=env, timeout=timeout)
             else:
                 if setting != "local":
@@ -262,7 +247,7 @@ def run_arm(setting: str, arm: str, args: argparse.Namespace, task: TaskConfig, 
         notes = [line.strip() for line in res.stdout.splitlines() + res.stderr.splitlines()
                  if line.startswith("lightning_mpi:")]
         result = json.loads(out.read_text())
-        link = meter.figures(result["steps"]) if meter is not None else {}
+        link = link_figures(meter, result["steps"]) if meter is not None else {}
         return {**result, **link, "status": "ok", "wall_seconds": wall, "notes": notes, "invocation": INVOCATION}
 
 
