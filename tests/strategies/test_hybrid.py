@@ -120,6 +120,24 @@ def _bind(rule: HybridRule, params: list[torch.Tensor]):
     return bound
 
 
+def _rebound(bound, rule: HybridRule, params: list[torch.Tensor], state: dict):
+    """``bound`` closed and ``rule`` bound anew from ``state`` (a heal's or a checkpoint's), started."""
+    bound.close()
+    bound = _bind(rule, params)
+    bound.load_state_dict(state)
+    bound.on_train_start()
+    return bound
+
+
+def _step(bound, net: nn.Module, opt: torch.optim.Optimizer) -> None:
+    """One training step of ``net`` on random inputs, through the rule's hooks."""
+    opt.zero_grad()
+    net(torch.randn(6, 3)).pow(2).mean().backward()
+    assert bound.before_step(opt)
+    opt.step()
+    bound.after_step(opt)
+
+
 @pytest.mark.timeout(60)
 def test_a_binding_rebuilt_from_its_heal_state_goes_on_as_the_uninterrupted_run():
     """On one rank (no peers): bound again mid-run from ``heal_state()``, also while an exchange is in
@@ -136,16 +154,8 @@ def test_a_binding_rebuilt_from_its_heal_state_goes_on_as_the_uninterrupted_run(
         statuses = []
         for step in range(11):
             if step == cut:  # as a heal: the state read on this rank, a new binding started from it
-                state = bound.heal_state()
-                bound.close()
-                bound = _bind(rule, params)
-                bound.load_state_dict(state)
-                bound.on_train_start()
-            opt.zero_grad()
-            net(torch.randn(6, 3)).pow(2).mean().backward()
-            assert bound.before_step(opt)
-            opt.step()
-            bound.after_step(opt)
+                bound = _rebound(bound, rule, params, bound.heal_state())
+            _step(bound, net, opt)
             statuses.append([f.status for f in bound.fragments])
         bound.on_train_end()
         bound.close()
@@ -494,16 +504,8 @@ def test_a_sparse_hybrid_run_on_one_rank_resumes_its_accumulators_from_a_checkpo
         filled = False
         for step in range(11):
             if step == cut:
-                state = bound.state_dict()
-                bound.close()
-                bound = _bind(rule, params)
-                bound.load_state_dict(state)
-                bound.on_train_start()
-            opt.zero_grad()
-            net(torch.randn(6, 3)).pow(2).mean().backward()
-            assert bound.before_step(opt)
-            opt.step()
-            bound.after_step(opt)
+                bound = _rebound(bound, rule, params, bound.state_dict())
+            _step(bound, net, opt)
             filled = filled or any(p.residual.any() for f in bound.fragments for p in f.pieces.values())
         assert bound.outer_steps > 0 and bound.stats()["bytes_per_exchange"] == 0.0
         assert all(group["momentum"] == 0.0 and group["lr"] == 1.0 for group in bound.outer.param_groups)
