@@ -20,6 +20,7 @@ import threading
 from collections.abc import Callable, Generator
 from typing import Any
 
+from lightning_mpi.comm.errors import failures_raised
 from lightning_mpi.comm.progress import ProgressThread
 from lightning_mpi.comm.resources import keep_pending
 from lightning_mpi.comm.transport import Transport, wait_request
@@ -105,10 +106,14 @@ class ExchangeScheduler:
         active, self._active = self._active, []
         for i, (exchange, request) in enumerate(active):
             try:
-                if request.Test():
-                    self._advance(exchange)
-                else:
-                    self._active.append((exchange, request))
+                # a dead rank (ULFM) raises ProcessFailed, as a wait reports it: a gradient hook
+                # that polls leaves that one to the exchange, which heals (a bare MPI error escaped
+                # the hook and aborted a run that could heal)
+                with failures_raised(where="gradient exchange"):
+                    if request.Test():
+                        self._advance(exchange)
+                    else:
+                        self._active.append((exchange, request))
             except BaseException:
                 self._active.extend(active[i + 1 :])  # the others stay in flight
                 raise

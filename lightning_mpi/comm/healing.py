@@ -235,19 +235,20 @@ def finish_growth(run: HealedRun, respawned: Respawned, serial: int = 0) -> Heal
     return HealedRun(respawned.comm, errors, fresh, healed=run.healed, respawned=respawned, kept=run.kept)
 
 
-def join_run(timeout: float | None, serial: int = 0) -> HealedRun | None:
+def join_run(timeout: float | None, serial: int = 0, min_ranks: int | None = None) -> HealedRun | None:
     """In a process spawned by :func:`grow_run` or :func:`start_growth`: join the survivors and
     build the same run (its half of the collectives of :func:`grow_run` / :func:`finish_growth`);
     ``None`` in a process that was not spawned. A process started by :mod:`.spawned` joined
     already: it tells rank 0 it is ready and waits for the survivors to let it in. A spare
-    (:mod:`.spares`) waits until the survivors of a heal call it (or leaves when the job ends)."""
+    (:mod:`.spares`) waits until the survivors of a heal call it (or leaves when the job ends, or
+    when it sees fewer than ``min_ranks`` training ranks alive: :func:`~.spares.wait_as_spare`)."""
     import numpy as np
 
     if JOINED:
         merged = JOINED.pop()
         merged.Send(np.ones(1, dtype=np.int32), dest=0, tag=READY_TAG)
     elif is_spare():
-        merged = wait_as_spare()
+        merged = wait_as_spare(min_ranks)
     else:
         merged = join_parent()
     if merged is None:

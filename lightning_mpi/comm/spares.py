@@ -38,7 +38,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from lightning_mpi.comm.errors import process_failure
+from lightning_mpi.comm.errors import failed_ranks, process_failure
 from lightning_mpi.comm.respawn import Respawned
 from lightning_mpi.comm.ulfm import free, heal
 
@@ -68,12 +68,23 @@ class SparePool:
 
     - ``comm``: the pool communicator (``MPI.ERRORS_RETURN``);
     - ``spare``: this process is a spare still waiting;
-    - ``spare_ranks``: the ranks in ``comm`` of the spares still waiting (the same everywhere).
+    - ``spare_ranks``: the ranks in ``comm`` of the spares still waiting (the same everywhere);
+    - ``start_training``: the training ranks the job was launched with.
     """
 
     comm: Any
     spare: bool
     spare_ranks: tuple[int, ...]
+    start_training: int
+
+    def training_side(self, min_ranks: int | None) -> bool:
+        """Whether the training ranks this process knows alive are at least ``min_ranks`` (``None``:
+        more than half of :attr:`start_training`, the strategies' default): ``False`` on the side
+        of a partition that stops, or once the run itself stopped."""
+        dead = set(failed_ranks(self.comm))
+        waiting = set(self.spare_ranks)
+        alive = sum(1 for rank in range(self.comm.Get_size()) if rank not in dead and rank not in waiting)
+        return alive >= (min_ranks if min_ranks is not None else self.start_training // 2 + 1)
 
 
 _POOL: list[SparePool] = []
@@ -126,7 +137,7 @@ def split_off_spares(world: Any, count: int) -> Any:
     pool = world.Dup()
     pool.Set_errhandler(MPI.ERRORS_RETURN)
     spare = rank >= size - count
-    _POOL[:] = [SparePool(pool, spare, tuple(range(size - count, size)))]
+    _POOL[:] = [SparePool(pool, spare, tuple(range(size - count, size)), size - count)]
     own = world.Split(1 if spare else 0, rank)
     if not spare:
         training_world(own)
@@ -152,10 +163,14 @@ def spares_left() -> int:
     return len(_POOL[0].spare_ranks) if _POOL and _BUILT[0] == 1 else 0
 
 
-def wait_as_spare() -> Any:
+def wait_as_spare(min_ranks: int | None = None) -> Any:
     """In a spare: wait until the survivors of a heal let this process in, and return the merged
     communicator of the grown run (survivors first, as :func:`~.respawn.join_parent` returns it),
-    or leave with ``SystemExit(0)`` when the job ends without needing it."""
+    or leave with ``SystemExit(0)`` when the job ends without needing it. A spare that sees fewer
+    training ranks alive than ``min_ranks`` (the strategy's; ``None``: more than half) is on the side
+    of a partition that stops: it leaves at once (exit code 0). Waiting on, it would report the other
+    side's ranks failed once the link is back, and a live rank reported failed aborts (measured: a
+    rank of the side that had healed and gone on aborted when a 15 s partition ended)."""
     import numpy as np
     from mpi4py import MPI
 
@@ -175,14 +190,29 @@ def wait_as_spare() -> Any:
                 if process_failure(error) is None:
                     raise
                 # a process of the pool died: acknowledged, and this spare waits on (the survivors
-                # revoke the pool when they call it)
+                # revoke the pool when they call it), unless it is left on a side that stops
                 pool.comm.Ack_failed()
+                if not pool.training_side(min_ranks):
+                    _leave_cut_off()
                 request = pool.comm.Irecv(message, source=MPI.ANY_SOURCE, tag=DISMISS_TAG)
                 continue
             time.sleep(POLL_S)
         merged = _regroup(pool, survivor_rank=-1, wanted=0)
         if merged is not None:
             return merged
+
+
+def _leave_cut_off() -> None:
+    """A spare on the side of a partition that stops (or of a run that stopped): leave now, no MPI
+    call."""
+    import sys
+
+    sys.stderr.write(
+        "lightning_mpi: a spare sees fewer training ranks alive than min_ranks (the side of a partition that "
+        "stops, or a run that stopped): it leaves\n"
+    )
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def call_spares(survivors: Any, wanted: int) -> Respawned | None:
@@ -223,7 +253,7 @@ def _regroup(pool: SparePool, survivor_rank: int, wanted: int) -> Any | None:
     merged = comm.Split(1 if stays else 0, key)
     merged.Set_errhandler(MPI.ERRORS_RETURN)
     left = tuple(rank for rank in spares if rank not in chosen)
-    _POOL[:] = [SparePool(comm, stays, left)]
+    _POOL[:] = [SparePool(comm, stays, left, pool.start_training)]
     if stays:
         merged.Free()
         return None

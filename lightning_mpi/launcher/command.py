@@ -104,7 +104,8 @@ def build_command(spec: LaunchSpec, flavor: Flavor) -> list[str]:
       --bind-to none [--host a:S,b:S | --hostfile F] [--map-by ppr:K:node | node] [-x K=V]...
       python script args``. Hosts without explicit slots get ``S = K`` (with ``ppn``) or
       ``S = ceil(N / hosts)`` plus ``--map-by node``, so ranks go round-robin over hosts as hydra
-      places them. ``--bind-to none`` as hydra does: Open MPI would otherwise bind each of up to
+      places them; hosts of one slot each get ``--map-by node`` too (oversubscribed, the extra ranks
+      then wrap around as in hydra). ``--bind-to none`` as hydra does: Open MPI would otherwise bind each of up to
       two ranks to a single core, and torch's threads of a rank would share that core.
     - ``"srun"``: ``srun --ntasks=N [--nodes=H --nodelist=a,b] [--ntasks-per-node=K] [--overcommit]
       [--export=ALL,K=V,...] --kill-on-bad-exit=1 python script args``. Slurm owns the slots,
@@ -150,7 +151,10 @@ def build_command(spec: LaunchSpec, flavor: Flavor) -> list[str]:
             cmd += ["--hostfile", spec.hostfile]
         if spec.ppn:
             cmd += ["--map-by", f"ppr:{spec.ppn}:node"]
-        elif entries and all(e.slots is None for e in entries):
+        elif entries and (all(e.slots is None for e in entries) or all(e.slots == 1 for e in entries)):
+            # one slot per host: by node is the plan's round-robin, also past the slots (Open MPI's
+            # default, by slot, then fills the first hosts with the extra ranks: 5 ranks on a:1,b:1,c:1
+            # went 0,1 | 2,3 | 4 instead of 0,3 | 1,4 | 2)
             cmd += ["--map-by", "node"]
         for key, value in spec.env:
             cmd += ["-x", f"{key}={value}"]

@@ -128,7 +128,8 @@ class RunHealing:
         self.history: list[dict[str, Any]] = []
         #: the world size to grow back to (``heal="replace"``): the strategy's at construction
         self.start_size = int(getattr(failures, "world_size", 1))
-        self.min_ranks = min_ranks if min_ranks is not None else self.start_size // 2 + 1
+        #: the strategy's ``min_ranks`` as given (``None``: the default, read by :attr:`min_ranks`)
+        self.requested_min_ranks = min_ranks
         #: the survivors were too few (``min_ranks``: the minority of a partition): this side stopped,
         #: and saves nothing more (:meth:`refuse_saves`)
         self.stopped = False
@@ -165,6 +166,12 @@ class RunHealing:
                 f"not saving {target}: this side of the run stopped with fewer than min_ranks={self.min_ranks} ranks "
                 "(the other side, if it holds the majority, went on and saves its own)",
             )
+
+    @property
+    def min_ranks(self) -> int:
+        """Fewer survivors than this stop their side: the strategy's ``min_ranks``, by default more
+        than half of :attr:`start_size` (a spare let in learns the run's start size then)."""
+        return self.requested_min_ranks if self.requested_min_ranks is not None else self.start_size // 2 + 1
 
     @staticmethod
     def require(mode: str | None) -> None:

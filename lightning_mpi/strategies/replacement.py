@@ -202,7 +202,7 @@ class RunReplacing:
         leaves when the job ends."""
         if not self.active and not is_spare():
             return
-        run = join_run(self._failures.timeout)
+        run = join_run(self._failures.timeout, min_ranks=self._healing.requested_min_ranks)
         if run is None:
             return
         self._failures.adopt(run)
@@ -224,6 +224,8 @@ class RunReplacing:
         transport = self._failures.transport
         handover: Handover = transport.broadcast_object(None, root=0)
         self._healing.learn_processes(transport)  # with the survivors (they do it after the same broadcast)
+        # the survivors' count of operations starts over here too: a later heal compares them
+        self._healing.completed = 0
         self.handover = handover
         self._healing.boundaries = handover.boundaries - 1  # its first batch's start counts the join's
         shard = handover.shards[transport.rank - (transport.size - len(handover.shards))]
@@ -380,6 +382,7 @@ class RunReplacing:
             handover = Handover(checkpoint, shards, self._loop.batches_done(at), healing.boundaries)
         transport.broadcast_object(handover, root=0)
         healing.learn_processes(transport)  # with the new ranks (they do it after the same broadcast)
+        healing.completed = 0  # the operations count again from here, as on the new ranks
         self._adopt(state)
         joined = list(pending.respawned.new_ranks)
         seconds = time.perf_counter() - pending.started

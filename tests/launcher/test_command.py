@@ -57,6 +57,13 @@ class TestBuildCommand:
         assert cmd[:7] == ["mpirun", "-np", "5", "--bind-to", "none", "--host", "a:4,b:3"]
         assert "--map-by" not in cmd
 
+    def test_openmpi_one_slot_hosts_wrap_round_robin(self):
+        # 5 ranks (3 training, 2 spares) on 3 hosts of 1 slot: by node, as the plan prints them
+        # (by slot, Open MPI put ranks 0 and 1 on the first host).
+        hosts = ("a:1", "b:1", "c:1")
+        cmd = build_command(spec(nprocs=5, hosts=hosts, oversubscribe=True, launcher="mpirun"), "openmpi")
+        assert cmd[cmd.index("--host") : cmd.index("--host") + 4] == ["--host", "a:1,b:1,c:1", "--map-by", "node"]
+
     def test_openmpi_hostfile(self):
         cmd = build_command(spec(hostfile="hf", ppn=8, launcher="mpirun"), "openmpi")
         assert cmd[:9] == ["mpirun", "-np", "4", "--bind-to", "none", "--hostfile", "hf", "--map-by", "ppr:8:node"]
