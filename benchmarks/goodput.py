@@ -26,7 +26,9 @@ waits for one); ``--faults`` picks the kinds, each a separate run of each faulte
 At the end of the budget (partitions restored) the benchmark writes ``OUT/stop``: the step, a few
 steps past the last one logged, at which every process stops; every process that gets there writes
 a digest of its final weights (``replicas identical``). A job that does not end within ``--drain``
-seconds (a hung rank) is SIGKILLed whole. Arms:
+seconds (a hung rank) is SIGKILLed whole; a job with no step for 20 s after a fault gets every
+process's stack dumped (``py-spy dump``, where installed) into ``stall-stacks.txt`` under its
+``--workdir`` run directory, where it hangs. Arms:
 
 - ``heal_shrink``, ``heal_replace``: ``lightning-mpi --heal`` with ``SyncStrategy(heal=...)``: the
   survivors heal and go on (``"replace"`` spawns new ranks back up to ``--ranks``);
@@ -149,9 +151,12 @@ class Settings:
     timeout: float = 300.0  # seconds from the launch to the first training step
     partition_s: float = 15.0  # seconds a partitioned host stays cut off
     drain: float = 30.0  # seconds the job gets to stop at the stop step before it is killed
+    hang_timeout: float | None = None  # the heal arms' ``lightning-mpi --hang-timeout`` (None: its default, 8 s)
     sync_every: int = 10  # torchft DiLoCo's inner steps per sync
 
 
+#: seconds without a step after a fault before the benchmark dumps every process's stack (py-spy)
+STALL_DUMP_S = 20.0
 QUICK = Settings(budget=12.0, ckpt_every=100, every=4.0, max_kills=1, partition_s=3.0, drain=15.0)
 #: the worker's max_steps: never reached, the benchmark stops each job at its budget
 MAX_STEPS = 10**8
@@ -358,11 +363,14 @@ def replicas_identical(lines: list[str], world: int | None) -> dict:
 
 
 def error_line(log: str) -> str | None:
-    """The last line of a launcher log that names an error (what the table says a failed job died of)."""
+    """The last line of a launcher log that names an error (what the table says a failed job died of):
+    the last exception of this package's that a traceback ended with (it says why: ``RunStopped``
+    names ``min_ranks``), else the last exception, else the last line that says error or failed."""
     lines = [line.strip() for line in log.splitlines()]
-    raised = [line for line in lines if re.match(r"[\w.]*(Error|Exception)\b.*:", line)]
+    raised = [line for line in lines if re.match(r"[\w.]*(Error|Exception|RunStopped)\b.*:", line)]
+    ours = [line for line in raised if line.startswith("lightning_mpi.")]
     if raised:  # the exception a traceback ends with
-        return raised[-1][:240]
+        return (ours or raised)[-1][:240]
     named = [
         line
         for line in lines
@@ -563,6 +571,8 @@ def command(arm: Arm, s: Settings, out: Path, cluster=None) -> list[str]:
         script = " & ".join(shlex.join(_in_namespace(h, agent)) for h in cluster.hosts[:hosts])
         return ["/bin/sh", "-c", f"{script} & wait"]
     heal = ["--heal"] if arm.heal else []
+    if arm.heal and s.hang_timeout is not None:
+        heal += ["--hang-timeout", f"{s.hang_timeout:g}"]
     spares = ["--spares", str(s.spares)] if arm.spares else []
     launch = [sys.executable, "-m", "lightning_mpi", "-n", str(s.ranks)]
     if cluster is None:
@@ -674,6 +684,7 @@ def run_arm(arm: Arm, s: Settings, out: Path, fault: str | None = None, cluster=
     stopped: set[int] = set()
     first: float | None = None
     status = "ok"
+    dumped, checked = False, 0.0
     try:
         while True:
             now = time.time()
@@ -692,6 +703,11 @@ def run_arm(arm: Arm, s: Settings, out: Path, fault: str | None = None, cluster=
             seen.update(tree)
             if parts:
                 parts.restore(now)
+            if kills and not dumped and now - checked >= 1.0:
+                checked = now
+                entries = parse_progress(_read(out / "progress"))
+                if entries and now - max(entries[-1][0], kills[-1]) > STALL_DUMP_S:
+                    dumped = dump_stacks(tree, out / "stall-stacks.txt")
             due = first is not None and now >= next_kill_at(first, s.every, kills)
             if arm.faults and fault and due and (s.max_kills is None or len(kills) < s.max_kills):
                 if inject(fault, out, tree, stopped, parts, s):
@@ -742,6 +758,26 @@ def run_arm(arm: Arm, s: Settings, out: Path, fault: str | None = None, cluster=
         result["log_tail"] = text[-2000:]
     result["verdict"] = verdict(result, s.budget)
     return result
+
+
+def dump_stacks(tree: dict[int, int], path: Path) -> bool:
+    """Where every process of a stalled job is (``py-spy dump``, when installed), into ``path``: a run
+    that stopped training after a fault says where it hangs. Returns True: done (once per run, also
+    without py-spy)."""
+    spy = shutil.which("py-spy")
+    if spy is None:
+        return True
+    dumps = []
+    for pid in tree:
+        if "python" not in _read(Path(f"/proc/{pid}/cmdline")):
+            continue
+        try:
+            got = subprocess.run([spy, "dump", "--pid", str(pid)], capture_output=True, text=True, timeout=30)
+            dumps.append(f"== pid {pid}\n{got.stdout}{got.stderr}")
+        except subprocess.TimeoutExpired:
+            dumps.append(f"== pid {pid}\npy-spy took over 30 s")
+    path.write_text("\n".join(dumps))
+    return True
 
 
 def drain(proc: subprocess.Popen, out: Path, s: Settings) -> None:
@@ -903,6 +939,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-kills", type=int, help="at most this many faults per run (default: no limit)")
     parser.add_argument("--spares", type=int, help="spare ranks of heal_replace_spares (default 2)")
     parser.add_argument("--partition-s", type=float, help="seconds a host stays cut off (default 15)")
+    parser.add_argument(
+        "--hang-timeout", type=float, help="the heal arms' lightning-mpi --hang-timeout (default: the launcher's, 8 s)"
+    )
     parser.add_argument("--drain", type=float, help="seconds a job gets to stop after its budget (default 30)")
     parser.add_argument("--out", type=Path, default=RESULTS / "goodput.json")
     parser.add_argument("--workdir", type=Path, help="keep each run's files (logs, checkpoints) in WORKDIR/...")
@@ -920,7 +959,7 @@ def main(argv: list[str] | None = None) -> None:
     s = QUICK if args.quick else Settings()
     overrides = {
         k: getattr(args, k)
-        for k in ("budget", "ckpt_every", "every", "max_kills", "spares", "partition_s", "drain")
+        for k in ("budget", "ckpt_every", "every", "max_kills", "spares", "partition_s", "drain", "hang_timeout")
         if getattr(args, k)
     }
     s = Settings(**{**asdict(s), **overrides})
@@ -998,6 +1037,8 @@ def show(report: dict, out: Path) -> None:
         f"(kill: SIGKILL, stop: SIGSTOP, partition: a host cut off for {s.partition_s:g} s); "
         f"checkpoint every {s.ckpt_every} steps; {s.budget:g} s of training per run; {report['load_before']}"
     )
+    if s.hang_timeout is not None:
+        title += f"; heal arms with --hang-timeout {s.hang_timeout:g}"
     for r in report["runs"]:  # the words of the current verdict, from the run's numbers
         if r.get("status") not in (None, "not available"):
             r["verdict"] = verdict(r, s.budget)

@@ -266,6 +266,12 @@ def test_the_outcome_names_the_error_of_a_failed_job_and_a_job_that_never_traine
         "NBC_Progress: an error 75\nlightning_mpi.comm.errors.RankFailedError: rank 2 failed\nrank 1 failed; aborting\n"
     )
     assert g.error_line(spares) == "lightning_mpi.comm.errors.RankFailedError: rank 2 failed"
+    # why the side stopped, not the bare MPI error another process's traceback ended with later
+    stopped = (
+        "lightning_mpi.comm.errors.RunStopped: lightning_mpi: 1 of the 3 ranks remain here, fewer than min_ranks=2\n"
+        "Traceback (most recent call last):\nmpi4py.MPI.Exception: MPI_ERR_PROC_FAILED: Process Failure\n"
+    )
+    assert g.error_line(stopped).startswith("lightning_mpi.comm.errors.RunStopped: lightning_mpi: 1 of the 3")
 
 
 def test_the_target_skips_stopped_processes_and_cut_off_hosts(tmp_path):

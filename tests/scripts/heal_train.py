@@ -324,6 +324,8 @@ def _trainer_fit(model, strategy, **trainer_args) -> dict:
         "final": weights(model.net),
         "stats": {k: v for k, v in strategy.stats().items() if k.startswith("mpi/heal/")},
         "history": strategy._core.healing.history,
+        # the operations a later heal would compare (counted from the let-in on every rank)
+        "operations": strategy._core.healing.completed,
         "world_size": trainer.world_size,
         "rank": trainer.global_rank,
         "global_step": trainer.global_step,
@@ -464,6 +466,7 @@ def replace_fabric_phase() -> dict:
         "final": weights(net),
         "optimizer": _as_lists((i, opt.optimizer.state[p]) for i, p in enumerate(net.parameters())),
         "history": strategy._core.healing.history,
+        "operations": strategy._core.healing.completed,
         "stats": {k: v for k, v in strategy.stats().items() if k.startswith("mpi/heal/")},
         "world_size": fabric.world_size,
         "global_step": state["step"],

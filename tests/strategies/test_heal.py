@@ -1173,6 +1173,9 @@ def _replaced_phase_checks(finals, records, phase, lost_launch_rank, new_launch_
     assert all(result["final"] == ours[0]["final"] for result in ours)  # bitwise identical, the new rank too
     for result in ours:
         assert result["global_step"] == 8 and result["world_size"] == 3
+    # every rank counted the same operations since the let-in, the new one too: a later heal
+    # compares these counts (a replacement's count from its start made the next heal fail)
+    assert len({result["operations"] for result in ours}) == 1, [result["operations"] for result in ours]
     healed_event, joined_event = ours[0]["history"]
     assert healed_event["lost"] == [2] and healed_event["world_size"] == 2
     assert joined_event["joined"] == [2] and joined_event["world_size"] == 3
