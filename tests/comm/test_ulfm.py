@@ -131,4 +131,7 @@ def test_two_lost_at_once_a_loss_during_a_heal_and_a_replacement_lost_before_it_
         sums = {int(step): value for step, value in result["sums"].items()}
         assert sorted(sums) == list(range(12))
         assert all(total == size for total, size in sums.values())
-        assert [sums[s][1] for s in range(12)] == [4] * 8 + [3] * 4
+        # ULFM may fail the Allreduce of the step before a death on a survivor (the dying rank had
+        # completed it and moved on): the survivors then redo that step at the new size (seen in CI)
+        assert first["step"] in (3, 4) and second["step"] in (7, 8), (first["step"], second["step"])
+        assert [sums[s][1] for s in range(12)] == [4] * second["step"] + [3] * (12 - second["step"])
