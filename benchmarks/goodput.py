@@ -707,7 +707,8 @@ def run_arm(arm: Arm, s: Settings, out: Path, fault: str | None = None, cluster=
                 checked = now
                 entries = parse_progress(_read(out / "progress"))
                 if entries and now - max(entries[-1][0], kills[-1]) > STALL_DUMP_S:
-                    dumped = dump_stacks(tree, out / "stall-stacks.txt")
+                    dump_stacks(tree, out / "stall-stacks.txt")
+                    dumped = True
             due = first is not None and now >= next_kill_at(first, s.every, kills)
             if arm.faults and fault and due and (s.max_kills is None or len(kills) < s.max_kills):
                 if inject(fault, out, tree, stopped, parts, s):
@@ -760,13 +761,12 @@ def run_arm(arm: Arm, s: Settings, out: Path, fault: str | None = None, cluster=
     return result
 
 
-def dump_stacks(tree: dict[int, int], path: Path) -> bool:
+def dump_stacks(tree: dict[int, int], path: Path) -> None:
     """Where every process of a stalled job is (``py-spy dump``, when installed), into ``path``: a run
-    that stopped training after a fault says where it hangs. Returns True: done (once per run, also
-    without py-spy)."""
+    that stopped training after a fault says where it hangs."""
     spy = shutil.which("py-spy")
     if spy is None:
-        return True
+        return
     dumps = []
     for pid in tree:
         if "python" not in _read(Path(f"/proc/{pid}/cmdline")):
@@ -777,7 +777,6 @@ def dump_stacks(tree: dict[int, int], path: Path) -> bool:
         except subprocess.TimeoutExpired:
             dumps.append(f"== pid {pid}\npy-spy took over 30 s")
     path.write_text("\n".join(dumps))
-    return True
 
 
 def drain(proc: subprocess.Popen, out: Path, s: Settings) -> None:

@@ -34,13 +34,14 @@ from __future__ import annotations
 
 import atexit
 import os
+import sys
 import time
 from dataclasses import dataclass
 from typing import Any
 
 from lightning_mpi.comm.errors import failed_ranks, process_failure
 from lightning_mpi.comm.respawn import Respawned
-from lightning_mpi.comm.ulfm import free, heal
+from lightning_mpi.comm.ulfm import free, heal, majority
 
 __all__ = [
     "SPARES_ENV",
@@ -84,7 +85,7 @@ class SparePool:
         dead = set(failed_ranks(self.comm))
         waiting = set(self.spare_ranks)
         alive = sum(1 for rank in range(self.comm.Get_size()) if rank not in dead and rank not in waiting)
-        return alive >= (min_ranks if min_ranks is not None else self.start_training // 2 + 1)
+        return alive >= (min_ranks if min_ranks is not None else majority(self.start_training))
 
 
 _POOL: list[SparePool] = []
@@ -205,8 +206,6 @@ def wait_as_spare(min_ranks: int | None = None) -> Any:
 def _leave_cut_off() -> None:
     """A spare on the side of a partition that stops (or of a run that stopped): leave now, no MPI
     call."""
-    import sys
-
     sys.stderr.write(
         "lightning_mpi: a spare sees fewer training ranks alive than min_ranks (the side of a partition that "
         "stops, or a run that stopped): it leaves\n"

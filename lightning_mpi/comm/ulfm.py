@@ -46,6 +46,7 @@ __all__ = [
     "free",
     "heal",
     "heal_support",
+    "majority",
     "mark_failed",
     "mark_finished",
     "require_heal",
@@ -61,6 +62,13 @@ HEAL_OUTCOME_ENV = "LIGHTNING_MPI_HEAL_OUTCOME"
 
 #: How often :func:`heal` shrinks again when ranks keep dying while it runs.
 HEAL_ATTEMPTS = 8
+
+
+def majority(size: int) -> int:
+    """More than half of ``size`` ranks: the fewest a side of a partition needs to go on (``min_ranks``'s
+    default), so that the two sides never both do."""
+    return size // 2 + 1
+
 
 _FIX = (
     "fix: run under Open MPI 5 with ULFM: launch with `lightning-mpi --heal -n N script.py` (or "

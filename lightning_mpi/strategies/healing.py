@@ -56,7 +56,7 @@ import torch
 from lightning_mpi.comm.errors import ProcessFailed, RankFailedError, RunStopped, process_failure
 from lightning_mpi.comm.healing import HealedRun, heal_run
 from lightning_mpi.comm.liveness import Processes, heartbeat
-from lightning_mpi.comm.ulfm import HEAL_ATTEMPTS, mark_finished, require_heal
+from lightning_mpi.comm.ulfm import HEAL_ATTEMPTS, majority, mark_finished, require_heal
 from lightning_mpi.rules.base import BoundRule, Operation
 
 _T = TypeVar("_T")
@@ -151,9 +151,12 @@ class RunHealing:
         #: ranks spawned that joined (``heal="replace"``)
         self.replaced = 0
 
-    def learn_processes(self, transport: Any) -> None:
+    def after_let_in(self, transport: Any) -> None:
         """After ranks were let in (``heal="replace"``; collective over the grown run, survivors and new
-        ranks): every rank's host and pid again."""
+        ranks, after the handover): every rank's host and pid again, and the count of operations
+        starts over on every rank, so that a later heal compares counts of the same operations (a new
+        rank counted from its start, the survivors from theirs)."""
+        self.completed = 0
         if self.active:
             self.processes = Processes.gather(transport)
 
@@ -171,7 +174,7 @@ class RunHealing:
     def min_ranks(self) -> int:
         """Fewer survivors than this stop their side: the strategy's ``min_ranks``, by default more
         than half of :attr:`start_size` (a spare let in learns the run's start size then)."""
-        return self.requested_min_ranks if self.requested_min_ranks is not None else self.start_size // 2 + 1
+        return self.requested_min_ranks if self.requested_min_ranks is not None else majority(self.start_size)
 
     @staticmethod
     def require(mode: str | None) -> None:

@@ -223,9 +223,7 @@ class RunReplacing:
         ``ckpt_path`` to resume from."""
         transport = self._failures.transport
         handover: Handover = transport.broadcast_object(None, root=0)
-        self._healing.learn_processes(transport)  # with the survivors (they do it after the same broadcast)
-        # the survivors' count of operations starts over here too: a later heal compares them
-        self._healing.completed = 0
+        self._healing.after_let_in(transport)  # with the survivors (they do it after the same broadcast)
         self.handover = handover
         self._healing.boundaries = handover.boundaries - 1  # its first batch's start counts the join's
         shard = handover.shards[transport.rank - (transport.size - len(handover.shards))]
@@ -381,8 +379,7 @@ class RunReplacing:
                 checkpoint[self._key] = {"rule": rule, "state": handed, "world_size": transport.size}
             handover = Handover(checkpoint, shards, self._loop.batches_done(at), healing.boundaries)
         transport.broadcast_object(handover, root=0)
-        healing.learn_processes(transport)  # with the new ranks (they do it after the same broadcast)
-        healing.completed = 0  # the operations count again from here, as on the new ranks
+        healing.after_let_in(transport)  # with the new ranks (they do it after the same broadcast)
         self._adopt(state)
         joined = list(pending.respawned.new_ranks)
         seconds = time.perf_counter() - pending.started
