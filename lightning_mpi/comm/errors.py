@@ -103,7 +103,8 @@ class ProcessFailed(RankFailedError):
             increasing order; ``()`` when another survivor noticed first and revoked the
             communicator (:attr:`~lightning_mpi.comm.ulfm.Healed.lost` is the agreed answer).
         where: the operation that failed (``"allreduce"``, ``"progress thread"``, ...).
-        error_class: ``"MPI_ERR_PROC_FAILED"``, ``"MPI_ERR_REVOKED"`` or ``"MPI_ERR_PROC_FAILED_PENDING"``.
+        error_class: ``"MPI_ERR_PROC_FAILED"``, ``"MPI_ERR_REVOKED"``, ``"MPI_ERR_PROC_FAILED_PENDING"``
+            or ``"MPI_ERR_OTHER"`` (from a communicator with a rank known dead: :func:`process_failure`).
         rank: the first of ``ranks``, ``-1`` when none is known (as :class:`RankFailedError`).
     """
 
@@ -156,9 +157,15 @@ def process_failure(error: BaseException | None, comm: Any = None, where: str = 
     ``MPI_ERR_PROC_FAILED_PENDING`` or ``MPI_ERR_REVOKED`` becomes one naming ``comm``'s dead
     ranks (when ``comm`` is given and this process knows them); a :class:`ProcessFailed` is
     returned as it is. Walks ``__cause__`` / ``__context__``, so an MPI error that a library
-    wrapped is still recognised."""
+    wrapped is still recognised.
+
+    ``MPI_ERR_OTHER`` from an operation on a ``comm`` with a rank known dead is one too: Open MPI's
+    non-blocking collectives (libnbc) fail a schedule that meets a dead peer with its generic error
+    ("Error in NBC_Start_round", ``MPI_ERR_OTHER``) instead of a failure class (measured: a rank of
+    the healthy side of a partition, 8 ranks, got it from ``Request.Test`` of a barrier)."""
     seen: set[int] = set()
-    classes = _failure_classes() if "mpi4py.MPI" in sys.modules else {}  # no MPI loaded: no MPI error
+    mpi = sys.modules.get("mpi4py.MPI")  # no MPI loaded: no MPI error
+    classes = _failure_classes() if mpi is not None else {}
     while error is not None and id(error) not in seen:
         seen.add(id(error))
         if isinstance(error, ProcessFailed):
@@ -168,6 +175,10 @@ def process_failure(error: BaseException | None, comm: Any = None, where: str = 
             error_class = classes.get(get_class())
             if error_class is not None:
                 return ProcessFailed(failed_ranks(comm) if comm is not None else (), where, error_class)
+            if mpi is not None and comm is not None and get_class() == mpi.ERR_OTHER:
+                dead = failed_ranks(comm)
+                if dead:
+                    return ProcessFailed(dead, where, "MPI_ERR_OTHER")
         error = error.__cause__ or error.__context__
     return None
 

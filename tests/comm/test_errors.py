@@ -51,6 +51,33 @@ def test_process_failure_finds_a_failure_behind_other_exceptions():
     assert process_failure(None) is None
 
 
+class _OneRankDead:
+    """A communicator of one rank that this process knows dead (what ``Get_failed`` says under
+    ULFM after a peer died)."""
+
+    def __init__(self, MPI):
+        self._group = MPI.COMM_SELF.Get_group
+
+    def Get_failed(self):
+        return self._group()
+
+    def Get_group(self):
+        return self._group()
+
+
+@pytest.mark.timeout(10)
+def test_mpi_err_other_is_a_process_failure_only_on_a_communicator_with_a_dead_rank(MPI):
+    """libnbc fails a schedule that meets a dead peer with MPI_ERR_OTHER: with a rank of the
+    communicator known dead it heals like MPI_ERR_PROC_FAILED; anywhere else it is the error it is."""
+    error = MPI.Exception(MPI.ERR_OTHER)
+    failed = process_failure(error, _OneRankDead(MPI), "barrier")
+    assert isinstance(failed, ProcessFailed)
+    assert (failed.ranks, failed.where, failed.error_class) == ((0,), "barrier", "MPI_ERR_OTHER")
+    assert process_failure(error) is None  # no communicator: nothing says a rank died
+    assert process_failure(error, MPI.COMM_SELF, "barrier") is None  # nobody dead
+    assert process_failure(MPI.Exception(MPI.ERR_TRUNCATE), _OneRankDead(MPI)) is None
+
+
 @pytest.fixture
 def channel(MPI):
     channel = ErrorChannel(MPI.COMM_SELF, linger_seconds=0.0)
