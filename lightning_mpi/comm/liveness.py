@@ -46,6 +46,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from lightning_mpi.comm.quorum import LEAVE_SHARE, Beacon, Quorum
+
 #: seconds between two calls into MPI from the heartbeat thread (the detector's period is ``>= 0.2 s``
 #: at any useful timeout; a call costs microseconds)
 BEAT_SECONDS = 0.05
@@ -106,6 +108,27 @@ def heartbeat() -> Heartbeat | None:
     return _HEARTBEAT[0]
 
 
+_QUORUM: list[Quorum] = []
+
+
+def quorum() -> Quorum | None:
+    """This process's :class:`~.quorum.Quorum` (a process cut off from most of the run stops before
+    Open MPI's detector on its side fires), started on first use, when Open MPI's detector is on
+    (``None`` otherwise): its timeout is :data:`~.quorum.LEAVE_SHARE` of the detector's."""
+    if not _QUORUM:
+        timeout = detector_timeout()
+        if timeout is None:
+            return None
+        _QUORUM.append(Quorum(LEAVE_SHARE * timeout))
+    return _QUORUM[0]
+
+
+def beacon() -> Beacon | None:
+    """Where this process's :func:`quorum` hears beats (``None`` without one)."""
+    found = quorum()
+    return found.beacon if found is not None else None
+
+
 def beat_from_mpi_init() -> None:
     """When Open MPI's detector is on in this job, start :func:`heartbeat` as soon as ``mpi4py.MPI``
     is imported (at once if it is already), whoever imports it. Cheap otherwise: one look at the
@@ -119,9 +142,11 @@ def beat_from_mpi_init() -> None:
 
 @dataclass(frozen=True)
 class Processes:
-    """Where every rank of the run lives: ``(host, pid)`` by rank."""
+    """Where every rank of the run lives: ``(host, pid)`` by rank, and where its :func:`quorum`
+    hears beats (``None`` without one)."""
 
     where: tuple[tuple[str, int], ...]
+    beacons: tuple[Beacon | None, ...]
 
     @staticmethod
     def here() -> tuple[str, int]:
@@ -129,12 +154,13 @@ class Processes:
 
     @classmethod
     def gather(cls, transport: Any) -> Processes:
-        """Collective over ``transport``: every rank's :meth:`here`."""
-        return cls(tuple((str(host), int(pid)) for host, pid in transport.allgather_object(cls.here())))
+        """Collective over ``transport``: every rank's :meth:`here` and :func:`beacon`."""
+        everyone = transport.allgather_object((*cls.here(), beacon()))
+        return cls(tuple((str(host), int(pid)) for host, pid, _ in everyone), tuple(b for _, _, b in everyone))
 
     def survivors(self, old_ranks: Sequence[int]) -> Processes:
         """The table of a healed run whose rank ``r`` was rank ``old_ranks[r]`` of this one."""
-        return Processes(tuple(self.where[old] for old in old_ranks))
+        return Processes(tuple(self.where[old] for old in old_ranks), tuple(self.beacons[old] for old in old_ranks))
 
     def kill_lost(self, lost: Sequence[int]) -> list[int]:
         """SIGKILL the ``lost`` ranks that run on this host (not this process); returns their pids.

@@ -40,6 +40,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from lightning_mpi.comm.errors import failed_ranks, process_failure
+from lightning_mpi.comm.liveness import beacon, quorum
+from lightning_mpi.comm.quorum import Beacon
 from lightning_mpi.comm.respawn import Respawned
 from lightning_mpi.comm.ulfm import free, heal, majority
 
@@ -53,6 +55,7 @@ __all__ = [
     "split_off_spares",
     "training_world",
     "wait_as_spare",
+    "waiting_beacons",
 ]
 
 #: Exported by ``lightning-mpi --spares K``: the number of spare ranks at the end of the job.
@@ -70,13 +73,15 @@ class SparePool:
     - ``comm``: the pool communicator (``MPI.ERRORS_RETURN``);
     - ``spare``: this process is a spare still waiting;
     - ``spare_ranks``: the ranks in ``comm`` of the spares still waiting (the same everywhere);
-    - ``start_training``: the training ranks the job was launched with.
+    - ``start_training``: the training ranks the job was launched with;
+    - ``beacons``: where each process of ``comm`` hears its quorum's beats (:mod:`.quorum`), by rank.
     """
 
     comm: Any
     spare: bool
     spare_ranks: tuple[int, ...]
     start_training: int
+    beacons: tuple[Beacon | None, ...]
 
     def training_side(self, min_ranks: int | None) -> bool:
         """Whether the training ranks this process knows alive are at least ``min_ranks`` (``None``:
@@ -85,7 +90,20 @@ class SparePool:
         dead = set(failed_ranks(self.comm))
         waiting = set(self.spare_ranks)
         alive = sum(1 for rank in range(self.comm.Get_size()) if rank not in dead and rank not in waiting)
-        return alive >= (min_ranks if min_ranks is not None else majority(self.start_training))
+        return alive >= self.min_ranks(min_ranks)
+
+    def min_ranks(self, requested: int | None) -> int:
+        """The strategy's ``min_ranks`` (``requested``), by default more than half of :attr:`start_training`."""
+        return requested if requested is not None else majority(self.start_training)
+
+    def watch(self, min_ranks: int | None) -> None:
+        """Tell this process's quorum (when there is one) who trains and who waits, by the pool."""
+        found = quorum()
+        if found is None:
+            return
+        waiting = set(self.spare_ranks)
+        training = [b for rank, b in enumerate(self.beacons) if rank not in waiting]
+        found.watch(training, [self.beacons[rank] for rank in self.spare_ranks], self.min_ranks(min_ranks))
 
 
 _POOL: list[SparePool] = []
@@ -100,6 +118,14 @@ _TRAINING: list[Any] = []
 def training_world(comm: Any) -> None:
     """``comm`` is the communicator this process trains over now (its rank 0 dismisses the spares)."""
     _TRAINING[:] = [comm]
+
+
+def waiting_beacons() -> tuple[Beacon | None, ...]:
+    """Where the spares still waiting hear beats (:mod:`.quorum`); ``()`` without spares."""
+    if not _POOL:
+        return ()
+    pool = _POOL[0]
+    return tuple(pool.beacons[rank] for rank in pool.spare_ranks)
 
 
 def requested(environ: Any = None) -> int:
@@ -138,7 +164,8 @@ def split_off_spares(world: Any, count: int) -> Any:
     pool = world.Dup()
     pool.Set_errhandler(MPI.ERRORS_RETURN)
     spare = rank >= size - count
-    _POOL[:] = [SparePool(pool, spare, tuple(range(size - count, size)), size - count)]
+    beacons = tuple(world.allgather(beacon()))
+    _POOL[:] = [SparePool(pool, spare, tuple(range(size - count, size)), size - count, beacons)]
     own = world.Split(1 if spare else 0, rank)
     if not spare:
         training_world(own)
@@ -177,6 +204,7 @@ def wait_as_spare(min_ranks: int | None = None) -> Any:
 
     while True:
         pool = _POOL[0]
+        pool.watch(min_ranks)
         message = np.zeros(1, dtype=np.int64)
         request = pool.comm.Irecv(message, source=MPI.ANY_SOURCE, tag=DISMISS_TAG)
         woken = False
@@ -241,10 +269,10 @@ def _regroup(pool: SparePool, survivor_rank: int, wanted: int) -> Any | None:
     healed = heal(pool.comm)  # revokes the pool first: the waiting spares wake
     free(pool.comm)  # revoked: released here, locally
     comm = healed.comm
-    roles = comm.allgather((int(spare), survivor_rank, int(wanted)))
-    wanted = max(w for _, _, w in roles)  # the survivors' number (a spare says 0)
-    survivors = sum(1 for s, _, _ in roles if not s)
-    spares = [rank for rank, (s, _, _) in enumerate(roles) if s]
+    roles = comm.allgather((int(spare), survivor_rank, int(wanted), beacon()))
+    wanted = max(w for _, _, w, _ in roles)  # the survivors' number (a spare says 0)
+    survivors = sum(1 for s, _, _, _ in roles if not s)
+    spares = [rank for rank, (s, _, _, _) in enumerate(roles) if s]
     chosen = spares[:wanted]
     me = comm.Get_rank()
     stays = spare and me not in chosen
@@ -252,7 +280,7 @@ def _regroup(pool: SparePool, survivor_rank: int, wanted: int) -> Any | None:
     merged = comm.Split(1 if stays else 0, key)
     merged.Set_errhandler(MPI.ERRORS_RETURN)
     left = tuple(rank for rank in spares if rank not in chosen)
-    _POOL[:] = [SparePool(comm, stays, left, pool.start_training)]
+    _POOL[:] = [SparePool(comm, stays, left, pool.start_training, tuple(b for _, _, _, b in roles))]
     if stays:
         merged.Free()
         return None

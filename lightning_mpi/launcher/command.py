@@ -49,8 +49,10 @@ class LaunchSpec:
       survivors can heal (Open MPI only: see :func:`build_command`).
     - ``hang_timeout``: with ``heal``, seconds after which a rank that stopped answering (a frozen
       process, a lost host) is declared failed by Open MPI's heartbeat detector, which beats every
-      ``hang_timeout / 5`` seconds; ``None``: the detector stays off (a lost rank is then noticed
-      only when its process ends).
+      ``hang_timeout / 5`` seconds and passes what it finds on to every rank at once
+      (``mpi_ft_propagator_with_rbcast``: without it a failure that a spare detected reached no
+      training rank, and 8 ranks waited on a cut-off host for good); ``None``: the detector stays off
+      (a lost rank is then noticed only when its process ends).
 
     Invalid values raise ``ValueError`` naming the field and the value.
     """
@@ -138,6 +140,7 @@ def build_command(spec: LaunchSpec, flavor: Flavor) -> list[str]:
                 cmd += ["--mca", "mpi_ft_detector", "true"]
                 cmd += ["--mca", "mpi_ft_detector_period", f"{period:g}"]
                 cmd += ["--mca", "mpi_ft_detector_timeout", f"{spec.hang_timeout:g}"]
+                cmd += ["--mca", "mpi_ft_propagator_with_rbcast", "true"]
         if spec.oversubscribe:
             cmd.append("--oversubscribe")
         if spec.as_root:

@@ -55,7 +55,8 @@ import torch
 
 from lightning_mpi.comm.errors import ProcessFailed, RankFailedError, RunStopped, process_failure
 from lightning_mpi.comm.healing import HealedRun, heal_run
-from lightning_mpi.comm.liveness import Processes, heartbeat
+from lightning_mpi.comm.liveness import Processes, heartbeat, quorum
+from lightning_mpi.comm.spares import waiting_beacons
 from lightning_mpi.comm.ulfm import HEAL_ATTEMPTS, majority, mark_finished, require_heal
 from lightning_mpi.rules.base import BoundRule, Operation
 
@@ -137,7 +138,7 @@ class RunHealing:
         self.processes: Processes | None = None
         if self.active:
             heartbeat()  # started when MPI was (comm.liveness); here for a process that imported it first
-            self.processes = Processes.gather(failures.transport)
+            self._locate(Processes.gather(failures.transport))
         #: a heal happened and replacements are still to be spawned (``heal="replace"``)
         self.grow_pending = False
         #: training batches begun on this rank (counted by ``heal="replace"`` at each batch's start,
@@ -158,7 +159,15 @@ class RunHealing:
         rank counted from its start, the survivors from theirs)."""
         self.completed = 0
         if self.active:
-            self.processes = Processes.gather(transport)
+            self._locate(Processes.gather(transport))
+
+    def _locate(self, processes: Processes) -> None:
+        """``processes`` are the run's ranks now: the ones a heal kills on its host, and the ones this
+        process's quorum hears (:mod:`lightning_mpi.comm.quorum`), with the spares still waiting."""
+        self.processes = processes
+        found = quorum()
+        if found is not None:
+            found.watch(processes.beacons, waiting_beacons(), self.min_ranks)
 
     def refuse_saves(self, target: Any) -> None:
         """Raise ``RankFailedError`` when this side of the run stopped (:attr:`stopped`): a minority
@@ -356,7 +365,7 @@ class RunHealing:
         mine = (self.completed, where, failure.error_class, old_rank, self.boundaries)
         everyone = transport.allgather_object(mine)
         if self.processes is not None:
-            self.processes = self.processes.survivors([entry[3] for entry in everyone])
+            self._locate(self.processes.survivors([entry[3] for entry in everyone]))
         self.grow_at = max(entry[4] for entry in everyone) + 1
         counts = [entry[0] for entry in everyone]
         low, high = min(counts), max(counts)

@@ -26,7 +26,7 @@ def test_lost_ranks_on_this_host_are_killed_and_the_table_follows_the_survivors(
     try:
         os.kill(stopped.pid, signal.SIGSTOP)  # a frozen rank
         host, me = Processes.here()
-        table = Processes(((host, me), ("another-host", stopped.pid), (host, stopped.pid)))
+        table = Processes(((host, me), ("another-host", stopped.pid), (host, stopped.pid)), (None, None, None))
         assert table.kill_lost([1]) == []  # on another host: not this survivor's to kill
         assert table.kill_lost([0]) == []  # never itself
         assert table.kill_lost([2]) == [stopped.pid]

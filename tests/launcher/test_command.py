@@ -76,6 +76,8 @@ class TestBuildCommand:
             # the heartbeat detector: a rank silent for hang_timeout (8 s) is declared failed
             "--mca", "mpi_ft_detector", "true", "--mca", "mpi_ft_detector_period", "1.6",
             "--mca", "mpi_ft_detector_timeout", "8",
+            # what it finds reaches every rank (a spare that detected a loss told no training rank)
+            "--mca", "mpi_ft_propagator_with_rbcast", "true",
             "--oversubscribe", "--allow-run-as-root", "--bind-to", "none", "py", "train.py", "fit", "--x=1",
         ]
         quiet = build_command(spec(nprocs=3, heal=True, hang_timeout=None, launcher="mpirun"), "openmpi")

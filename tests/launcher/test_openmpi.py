@@ -48,6 +48,7 @@ def test_open_mpi_dry_run_heals_oversubscribes_and_runs_as_root(capsys, monkeypa
         *("--mca", "mpi_ft_detector", "true"),  # a rank silent for --hang-timeout (8 s) is declared failed
         *("--mca", "mpi_ft_detector_period", "1.6"),
         *("--mca", "mpi_ft_detector_timeout", "8"),
+        *("--mca", "mpi_ft_propagator_with_rbcast", "true"),  # and every rank learns what it found
         "--oversubscribe",
         "--allow-run-as-root",
         "--bind-to",
