@@ -1,5 +1,6 @@
 """A hung rank is a lost rank: keep live ranks answering Open MPI's heartbeat detector, and kill the
-ranks a heal left behind so that they cannot come back.
+ranks a heal left behind so that they cannot come back. (A rank on the side of a network partition
+that stops freezes itself before its detector fires: :mod:`.quorum`, started here by :func:`quorum`.)
 
 Detection is Open MPI's (ULFM): ``lightning-mpi --heal`` turns on its heartbeat failure detector
 (``mpi_ft_detector``, with ``--hang-timeout``), and a rank that sends no heartbeat for that long (a

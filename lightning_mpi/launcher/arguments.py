@@ -131,7 +131,9 @@ def build_parser() -> argparse.ArgumentParser:
         default=HANG_TIMEOUT,
         help=f"with --heal: a rank that answers no heartbeat for S seconds (a frozen process, a lost host) "
         f"is declared failed and healed like a killed one (Open MPI's detector; default {HANG_TIMEOUT:g}; 0: no "
-        "detector). Lower detects sooner; a rank starved of CPU for longer than S is declared failed too",
+        "detector). Lower detects sooner; a rank starved of CPU for longer than S is declared failed too. A "
+        "process that hears fewer than min_ranks training ranks for 0.6 S (the side of a network partition that "
+        "stops) freezes first, so that it cannot report the other side failed",
     )
     parser.add_argument(
         "--spares",
