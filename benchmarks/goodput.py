@@ -492,16 +492,25 @@ def descendants(root: int) -> dict[int, int]:
 def pick_target(out: Path, tree: dict[int, int], exclude: set[int] | frozenset[int] = frozenset()) -> int | None:
     """A process to hit: the worker with the highest non-zero rank among those that have trained a
     batch (``out/pids``) and are alive under the launcher, never rank 0, none in ``exclude``
-    (stopped already, or on a host cut off already)."""
+    (stopped already, or on a host cut off already) and none stopped (state T: a process that the
+    side of a partition it was on froze, gone from the run)."""
     ranks = {}
     for path in (out / "pids").glob("*"):
         try:
             pid, rank = int(path.name), int(path.read_text())
         except ValueError:
             continue
-        if rank != 0 and pid in tree and pid not in exclude:
+        if rank != 0 and pid in tree and pid not in exclude and not _stopped(pid):
             ranks[pid] = rank
     return max(ranks, key=lambda p: (ranks[p], p)) if ranks else None
+
+
+def _stopped(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] == "T"
+    except (OSError, IndexError):
+        return False
 
 
 def rank_zero_pids(out: Path) -> set[int]:
