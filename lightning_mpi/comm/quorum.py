@@ -26,11 +26,12 @@ is still received when the link is back. A process that had ended answers those 
 with a reset, which fails sends that Open MPI's non-blocking collectives had already given up and
 freed, and an error on a freed request aborts the process (measured: "Send error after request
 freed", the healed side's rank 0 aborted when a 15 s partition ended). Once the link is back,
-Open MPI's runtime ends the frozen process (the other side reported it failed): continued, it is
-killed (``SIGKILL``) by its beating process at once, which the runtime takes as the failure it
-already knew of (an exit with a status made it end the whole job: measured). A host cut off for
-good, or a process frozen without a partition (below), is killed after four of Open MPI's detector
-timeouts, so that a job never waits on it for good (``--max-restarts`` relaunches a job that failed).
+Open MPI's runtime may end the frozen process (the other side reported it failed; it continues it
+first): continued, it is killed (``SIGKILL``) by its beating process at once, which the runtime
+takes as the failure it already knew of (an exit with a status made it end the whole job:
+measured). One that nobody ends (a host cut off for good, a process the runtime left alone, one
+frozen without a partition: below) is killed four of Open MPI's detector timeouts after it froze,
+so that a job never waits on it for good (``--max-restarts`` relaunches a job that failed).
 
 What can look like a cut, and what does not:
 
