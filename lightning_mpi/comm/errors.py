@@ -172,10 +172,11 @@ def process_failure(error: BaseException | None, comm: Any = None, where: str = 
             return error
         get_class = getattr(error, "Get_error_class", None)
         if classes and get_class is not None:
-            error_class = classes.get(get_class())
+            code = get_class()
+            error_class = classes.get(code)
             if error_class is not None:
                 return ProcessFailed(failed_ranks(comm) if comm is not None else (), where, error_class)
-            if mpi is not None and comm is not None and get_class() == mpi.ERR_OTHER:
+            if mpi is not None and comm is not None and code == mpi.ERR_OTHER:
                 dead = failed_ranks(comm)
                 if dead:
                     return ProcessFailed(dead, where, "MPI_ERR_OTHER")
