@@ -133,7 +133,8 @@ def build_parser() -> argparse.ArgumentParser:
         f"is declared failed and healed like a killed one (Open MPI's detector; default {HANG_TIMEOUT:g}; 0: no "
         "detector). Lower detects sooner; a rank starved of CPU for longer than S is declared failed too. A "
         "process that hears fewer than min_ranks training ranks for 0.6 S (the side of a network partition that "
-        "stops) freezes first, so that it cannot report the other side failed",
+        "stops) freezes first, so that it cannot report the other side failed. On several hosts the ranks are "
+        "numbered round-robin over them, so that a host cut off is found in one timeout",
     )
     parser.add_argument(
         "--spares",

@@ -52,7 +52,8 @@ class LaunchSpec:
       ``hang_timeout / 5`` seconds and passes what it finds on to every rank at once
       (``mpi_ft_propagator_with_rbcast``: without it a failure that a spare detected reached no
       training rank, and 8 ranks waited on a cut-off host for good); ``None``: the detector stays off
-      (a lost rank is then noticed only when its process ends).
+      (a lost rank is then noticed only when its process ends). With the detector on, the ranks are
+      numbered round-robin over the hosts (:attr:`ranks_by_node`).
 
     Invalid values raise ``ValueError`` naming the field and the value.
     """
@@ -70,6 +71,19 @@ class LaunchSpec:
     as_root: bool = False
     heal: bool = False
     hang_timeout: float | None = HANG_TIMEOUT
+
+    @property
+    def ranks_by_node(self) -> bool:
+        """Whether the ranks are numbered round-robin over the hosts (rank ``r`` on host ``r % H``
+        while every host has ranks left): under ``heal`` with the detector, on hosts. Open MPI's
+        detector is a ring in which rank ``r + 1`` watches rank ``r``, and it watches the next rank
+        only once it has declared the first one failed: with a host's ranks consecutive, the ranks
+        of a host cut off were found one detector timeout after the other (measured: a host of 2
+        of 8 ranks, 17.3 s after a 15 s cut at an 8 s timeout, after the link was back). Numbered
+        round-robin, every rank is watched from another host, and a host cut off is found in one
+        timeout. The cost: a flat ring collective crosses between hosts at every hop; the
+        hierarchical rules find each host's ranks by ``Split_type`` and do not mind."""
+        return self.heal and self.hang_timeout is not None and bool(self.hosts or self.hostfile)
 
     def __post_init__(self) -> None:
         # Accept lists for convenience but store tuples, so the spec stays hashable and frozen.
@@ -103,12 +117,15 @@ def build_command(spec: LaunchSpec, flavor: Flavor) -> list[str]:
     - ``"mpich"`` (hydra): ``mpiexec -n N [-hosts a,b | -f F] [-ppn K] [-genv K V]... python script args``.
       Hydra oversubscribes and runs as root by itself; it cannot heal (``ValueError``).
     - ``"openmpi"``: ``mpirun -np N [--with-ft ulfm] [--oversubscribe] [--allow-run-as-root]
-      --bind-to none [--host a:S,b:S | --hostfile F] [--map-by ppr:K:node | node] [-x K=V]...
-      python script args``. Hosts without explicit slots get ``S = K`` (with ``ppn``) or
+      --bind-to none [--host a:S,b:S | --hostfile F] [--map-by ppr:K:node [--rank-by node] | node]
+      [-x K=V]... python script args``. Hosts without explicit slots get ``S = K`` (with ``ppn``) or
       ``S = ceil(N / hosts)`` plus ``--map-by node``, so ranks go round-robin over hosts as hydra
       places them; hosts of one slot each get ``--map-by node`` too (oversubscribed, the extra ranks
-      then wrap around as in hydra). ``--bind-to none`` as hydra does: Open MPI would otherwise bind each of up to
-      two ranks to a single core, and torch's threads of a rank would share that core.
+      then wrap around as in hydra). Under ``heal`` with the detector, ranks are numbered
+      round-robin over the hosts whatever their slots (:attr:`LaunchSpec.ranks_by_node`: ``--map-by
+      node``, or ``--rank-by node`` after ``--map-by ppr:K:node``). ``--bind-to none`` as hydra
+      does: Open MPI would otherwise bind each of up to two ranks to a single core, and torch's
+      threads of a rank would share that core.
     - ``"srun"``: ``srun --ntasks=N [--nodes=H --nodelist=a,b] [--ntasks-per-node=K] [--overcommit]
       [--export=ALL,K=V,...] --kill-on-bad-exit=1 python script args``. Slurm owns the slots,
       so a hostfile must be turned into ``hosts`` first (``ValueError`` otherwise); values with
@@ -154,7 +171,11 @@ def build_command(spec: LaunchSpec, flavor: Flavor) -> list[str]:
             cmd += ["--hostfile", spec.hostfile]
         if spec.ppn:
             cmd += ["--map-by", f"ppr:{spec.ppn}:node"]
-        elif entries and (all(e.slots is None for e in entries) or all(e.slots == 1 for e in entries)):
+            if spec.ranks_by_node:
+                cmd += ["--rank-by", "node"]
+        elif spec.ranks_by_node or (
+            entries and (all(e.slots is None for e in entries) or all(e.slots == 1 for e in entries))
+        ):
             # one slot per host: by node is the plan's round-robin, also past the slots (Open MPI's
             # default, by slot, then fills the first hosts with the extra ranks: 5 ranks on a:1,b:1,c:1
             # went 0,1 | 2,3 | 4 instead of 0,3 | 1,4 | 2)

@@ -83,4 +83,4 @@ def topology_lines(
         where = ",".join(e.name for e in entries) or environ.get("SLURM_JOB_NODELIST", "the allocation")
         per_node = f", at most {spec.ppn} per node" if spec.ppn else ""
         return [header, f"Slurm places them on {where}{per_node}"]
-    return [header, *format_topology(plan_topology(spec.nprocs, entries, spec.ppn))]
+    return [header, *format_topology(plan_topology(spec.nprocs, entries, spec.ppn, spec.ranks_by_node))]

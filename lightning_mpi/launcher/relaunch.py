@@ -41,7 +41,7 @@ def relaunch_plan(
     notes: list[str] = []
     lost = lost_hosts(entries, hostfile) if entries else {}
     if lost:
-        nprocs = ranks_left(spec.nprocs, entries, spec.ppn, list(lost))
+        nprocs = ranks_left(spec.nprocs, entries, spec.ppn, list(lost), spec.ranks_by_node)
         min_ranks = policy.min_ranks if policy.min_ranks is not None else spec.nprocs
         detail = "; ".join(f"{name} {why}" for name, why in lost.items())
         if nprocs < min_ranks:

@@ -112,7 +112,9 @@ def lost_hosts(entries: Sequence[HostEntry], hostfile: str | None) -> dict[str, 
     return lost
 
 
-def ranks_left(nprocs: int, entries: Sequence[HostEntry], ppn: int | None, lost: Sequence[str]) -> int:
-    """How many of the ``nprocs`` ranks hydra placed (:func:`plan_topology`) are on hosts not in ``lost``."""
+def ranks_left(
+    nprocs: int, entries: Sequence[HostEntry], ppn: int | None, lost: Sequence[str], by_node: bool = False
+) -> int:
+    """How many of the ``nprocs`` ranks placed as :func:`plan_topology` says are on hosts not in ``lost``."""
     gone = set(lost)
-    return sum(len(ranks) for host, ranks in plan_topology(nprocs, entries, ppn) if host not in gone)
+    return sum(len(ranks) for host, ranks in plan_topology(nprocs, entries, ppn, by_node) if host not in gone)

@@ -12,13 +12,19 @@ from .hosts import HostEntry
 __all__ = ["format_topology", "oversubscribed", "plan_topology"]
 
 
-def plan_topology(nprocs: int, hosts: Sequence[HostEntry], ppn: int | None = None) -> list[tuple[str, list[int]]]:
+def plan_topology(
+    nprocs: int, hosts: Sequence[HostEntry], ppn: int | None = None, by_node: bool = False
+) -> list[tuple[str, list[int]]]:
     """Where hydra places ``nprocs`` ranks: ``[(host, [ranks...]), ...]`` in host order.
 
     Hosts are visited round-robin; each visit takes ``ppn`` ranks if given, else the host's slots,
     else 1, until all ranks are placed (so more ranks than slots wrap around). A host listed
     twice is reported once. No hosts means one machine: ``[("localhost", [0..N-1])]``. The Open
     MPI command from :func:`build_command` places ranks the same way when they fit in the slots.
+
+    ``by_node`` (:attr:`~.command.LaunchSpec.ranks_by_node`): Open MPI's ``--map-by node`` (one rank
+    per visit), or with ``ppn`` its ``--map-by ppr:K:node --rank-by node`` (``ppn`` per host, then
+    numbered round-robin over the hosts that have ranks left).
     """
     if not hosts:
         return [("localhost", list(range(nprocs)))]
@@ -26,11 +32,20 @@ def plan_topology(nprocs: int, hosts: Sequence[HostEntry], ppn: int | None = Non
     rank = 0
     while rank < nprocs:
         for entry in hosts:
-            take = min(ppn or entry.slots or 1, nprocs - rank)
+            take = min(1 if by_node and not ppn else ppn or entry.slots or 1, nprocs - rank)
             placed[entry.name].extend(range(rank, rank + take))
             rank += take
             if rank == nprocs:
                 break
+    if by_node and ppn:
+        counts = {name: len(ranks) for name, ranks in placed.items()}
+        placed = {name: [] for name in placed}
+        rank = 0
+        while rank < nprocs:
+            for name, ranks in placed.items():
+                if len(ranks) < counts[name] and rank < nprocs:
+                    ranks.append(rank)
+                    rank += 1
     return list(placed.items())
 
 

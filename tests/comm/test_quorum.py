@@ -101,6 +101,7 @@ def test_a_training_rank_that_stops_hearing_a_majority_freezes_says_why_and_dies
         assert child.wait(timeout=10) == -signal.SIGKILL
         err = child.stderr.read().decode()
         assert "hears 1 of the run's 3 training ranks (itself included) for 1 s, fewer than min_ranks=2" in err
+        assert "(ranks 0, 1 silent for " in err  # a and b, ranks 0 and 1 of the run (it is rank 2)
     finally:
         child.kill()
 
@@ -115,7 +116,8 @@ def test_a_spare_cut_off_from_the_training_ranks_freezes_too():
         assert frozen(child, within=10)
         child.send_signal(signal.SIGCONT)
         assert child.wait(timeout=10) == -signal.SIGKILL
-        assert "hears 0 of the run's 3 training ranks" in child.stderr.read().decode()
+        err = child.stderr.read().decode()
+        assert "hears 0 of the run's 3 training ranks" in err and "(ranks 0, 1, 2 silent for " in err
     finally:
         child.kill()
 

@@ -85,6 +85,21 @@ class TestBuildCommand:
         with pytest.raises(ValueError, match=r"hang_timeout=0: must be a number of seconds > 0, or None"):
             spec(heal=True, hang_timeout=0)
 
+    def test_openmpi_heal_numbers_ranks_round_robin_over_hosts(self):
+        # Open MPI's detector is a ring (rank r + 1 watches rank r): with a host's ranks consecutive, a
+        # host cut off was found one timeout per rank. Under heal with the detector every rank is
+        # watched from another host, whatever the slots.
+        slots = build_command(spec(nprocs=10, hosts=("a:2", "b:2"), heal=True, launcher="mpirun"), "openmpi")
+        assert slots[slots.index("--host") : slots.index("--host") + 4] == ["--host", "a:2,b:2", "--map-by", "node"]
+        ppn = build_command(spec(nprocs=4, hosts=("a", "b"), ppn=2, heal=True, launcher="mpirun"), "openmpi")
+        assert ppn[ppn.index("--map-by") : ppn.index("--map-by") + 4] == ["--map-by", "ppr:2:node", "--rank-by", "node"]
+        hostfile = build_command(spec(hostfile="hf", heal=True, launcher="mpirun"), "openmpi")
+        assert hostfile[hostfile.index("--hostfile") :][:4] == ["--hostfile", "hf", "--map-by", "node"]
+        # one machine, or no detector: nothing to watch across hosts, placement as without heal
+        assert "--map-by" not in build_command(spec(heal=True, launcher="mpirun"), "openmpi")
+        quiet = spec(nprocs=10, hosts=("a:2", "b:2"), heal=True, hang_timeout=None, launcher="mpirun")
+        assert not quiet.ranks_by_node and "--map-by" not in build_command(quiet, "openmpi")
+
     def test_mpich_needs_no_permission_and_cannot_heal(self):
         # Hydra oversubscribes and runs as root by itself: the same spec gives the plain command.
         assert build_command(spec(nprocs=2, oversubscribe=True, as_root=True), "mpich") == build_command(

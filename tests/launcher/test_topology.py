@@ -28,6 +28,17 @@ class TestTopology:
         assert plan_topology(5, hosts) == [("a", [0, 1, 3, 4]), ("b", [2])]
         assert format_topology(plan_topology(5, hosts)) == ["a: 4 ranks (0-1,3-4)", "b: 1 rank (2)"]
 
+    def test_by_node_as_open_mpi_numbers_them(self):
+        # what Open MPI 5.0.11 did on 4 simulated hosts of 2 slots (--map-by node; --map-by ppr:3:node
+        # --rank-by node), read back from each rank's network namespace
+        hosts = [HostEntry(h, 2) for h in "abcd"]
+        assert plan_topology(10, hosts, by_node=True) == [
+            ("a", [0, 4, 8]), ("b", [1, 5, 9]), ("c", [2, 6]), ("d", [3, 7]),
+        ]
+        assert plan_topology(10, hosts, ppn=3, by_node=True) == [
+            ("a", [0, 4, 7]), ("b", [1, 5, 8]), ("c", [2, 6, 9]), ("d", [3]),
+        ]
+
     def test_duplicate_hosts_and_idle_hosts(self):
         hosts = [HostEntry("a"), HostEntry("b"), HostEntry("a"), HostEntry("c")]
         assert plan_topology(3, hosts) == [("a", [0, 2]), ("b", [1]), ("c", [])]
