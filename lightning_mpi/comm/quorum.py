@@ -270,8 +270,8 @@ class _Beats:
             f"lightning_mpi: this process ({socket.gethostname()}, pid {self.parent}) hears {heard} of the run's "
             f"{len(self.training)} training ranks (itself included) for {self.timeout:g} s, fewer than "
             f"min_ranks={self.min_ranks}{detail}: it is on the side of a network partition that stops (or the run "
-            "lost too many ranks), and is frozen before it can report the other side failed, then killed once continued or "
-            f"{FROZEN_TIMEOUTS} detector timeouts later; the side with min_ranks goes on (`lightning-mpi "
+            "lost too many ranks), and is frozen before it can report the other side failed, then killed once "
+            f"continued or {FROZEN_TIMEOUTS} detector timeouts later; the side with min_ranks goes on (`lightning-mpi "
             "--max-restarts` relaunches a run that stopped)"
         )
 
