@@ -37,7 +37,7 @@ import pickle
 import sys
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -297,10 +297,14 @@ class ErrorChannel:
             self._posted = None
             self._acks = set()
 
-    def close(self) -> None:
-        """Free the communicator (local; messages still in flight are abandoned)."""
+    def close(self, release: Callable[[Any], None] | None = None) -> None:
+        """Free the communicator (local; messages still in flight are abandoned), or hand it to
+        ``release`` instead (:func:`~.ulfm.retire`, after a heal)."""
         if self.comm is not None:
-            self.comm.Free()
+            if release is None:
+                self.comm.Free()
+            else:
+                release(self.comm)
             self.comm = None
 
     # -- internals ---------------------------------------------------------------------------------

@@ -53,7 +53,7 @@ from lightning_mpi.comm.resources import RunResources, keep_pending
 from lightning_mpi.comm.respawn import JOINED, READY_TAG, Respawned, join_parent, respawn
 from lightning_mpi.comm.spares import is_spare, wait_as_spare
 from lightning_mpi.comm.transport import Transport
-from lightning_mpi.comm.ulfm import Healed, free, heal
+from lightning_mpi.comm.ulfm import Healed, free, heal, retire
 
 __all__ = [
     "HealedRun",
@@ -122,9 +122,11 @@ def release_failed_run(resources: RunResources, transport: Transport) -> list[Ru
 
     The survivors first agree that each made the same windows (the counts of every rank's
     ``resources``); a window's free synchronises, so it is freed only when all of them free it.
-    Windows are freed in creation order and communicators locally, each ignoring the MPI error
-    that the dead ranks cause (Open MPI 5 returns one and frees the window); mailboxes' sends to a
-    dead rank never complete, so their requests are kept for the life of the process. Call it
+    Windows are freed in creation order, each ignoring the MPI error that the dead ranks cause
+    (Open MPI 5 returns one and frees the window); communicators are kept, revoked, until the
+    process ends (:func:`~.ulfm.retire`: messages the lost ranks sent on them may still arrive);
+    mailboxes' sends to a dead rank never complete, so their requests are kept for the life of the
+    process. Call it
     once nothing uses these resources any more: no thread polls them, no rule reads window memory.
     """
     from mpi4py import MPI
@@ -141,11 +143,12 @@ def release_failed_run(resources: RunResources, transport: Transport) -> list[Ru
         return [resources]
     for box in resources.mailboxes:
         keep_pending(box)  # with its sends to the dead ranks, which never complete
-    for handle in (*resources.windows, *resources.comms):
+    for window in resources.windows:
         try:
-            handle.Free()
+            window.Free()
         except MPI.Exception:
             pass  # the dead ranks' share is gone; the handle is released locally
+    retire(*resources.comms)  # freed at exit: what the lost ranks sent on them may still arrive
     resources.windows, resources.comms, resources.mailboxes = [], [], []
     return []
 
@@ -166,7 +169,8 @@ def heal_run(
     ``also``: more communicators to revoke (the node communicator, a user's). ``before_release``
     runs after the new transport exists and before the failed run is released: close the rule
     there (stop its progress threads). ``serial`` numbers the new run's resources. ``base`` is
-    freed (it is revoked: use ``run.base`` from now on).
+    retired with the failed run's other communicators (revoked, freed at exit: :func:`~.ulfm.retire`;
+    use ``run.base`` from now on).
     """
     old_errors = transport.errors
     healed = heal(base, also=[*run_communicators(transport), *also])
@@ -176,8 +180,8 @@ def heal_run(
         before_release()
     kept = release_failed_run(transport.resources, fresh)
     if old_errors is not None:
-        old_errors.close()
-    free(base)
+        old_errors.close(release=retire)
+    retire(base)
     return HealedRun(healed.comm, errors, fresh, healed=healed, kept=kept)
 
 

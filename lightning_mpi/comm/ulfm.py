@@ -31,6 +31,7 @@ MPI only (mpi4py, loaded on first use): no torch, no Lightning.
 
 from __future__ import annotations
 
+import atexit
 import os
 import time
 from collections.abc import Sequence
@@ -46,6 +47,7 @@ __all__ = [
     "free",
     "heal",
     "heal_support",
+    "retire",
     "majority",
     "mark_failed",
     "mark_finished",
@@ -141,6 +143,32 @@ def revoke(*comms: Any) -> None:
                 comm.Revoke()
         except (MPI.Exception, NotImplementedError):
             pass
+
+
+#: communicators of runs that lost ranks, kept until the process ends (:func:`retire`)
+_RETIRED: list[Any] = []
+
+
+def retire(*comms: Any) -> None:
+    """Keep ``comms`` (revoked, of a run that lost ranks) until the process ends, then free them
+    (at exit, before mpi4py finalizes MPI): not now.
+
+    Open MPI's ob1 finds the communicator of an arriving message by its local id, and a freed
+    communicator's id goes to the next one made. What a lost rank sent before it went and had not
+    arrived yet (a host cut off delivers it when its link is back) then lands in a communicator of
+    the healed run: ob1 aborts the process when the sender's rank is outside it ("PML OB1 received a
+    message from a rank outside the valid range of the communicator", exit -1 and nothing printed:
+    a rank of the majority at the end of a partition at 8 ranks), and would match it to another
+    rank's receive when it is not. Kept and revoked, the communicator drops such messages.
+    """
+    if not _RETIRED:
+        atexit.register(_free_retired)  # after mpi4py's import: runs before it finalizes MPI
+    _RETIRED.extend(comms)
+
+
+def _free_retired() -> None:
+    free(*_RETIRED)
+    _RETIRED.clear()
 
 
 def free(*comms: Any) -> None:
