@@ -126,8 +126,8 @@ def release_failed_run(resources: RunResources, transport: Transport) -> list[Ru
     (Open MPI 5 returns one and frees the window); communicators are kept, revoked, until the
     process ends (:func:`~.ulfm.retire`: messages the lost ranks sent on them may still arrive);
     mailboxes' sends to a dead rank never complete, so their requests are kept for the life of the
-    process. Call it
-    once nothing uses these resources any more: no thread polls them, no rule reads window memory.
+    process. Call it once nothing uses these resources any more: no thread polls them, no rule
+    reads window memory.
     """
     from mpi4py import MPI
 

@@ -47,11 +47,11 @@ __all__ = [
     "free",
     "heal",
     "heal_support",
-    "retire",
     "majority",
     "mark_failed",
     "mark_finished",
     "require_heal",
+    "retire",
     "revoke",
 ]
 
