@@ -46,7 +46,9 @@ class LaunchSpec:
       srun refuse unless told).
     - ``as_root``: the job runs as root (Open MPI refuses unless told; hydra and srun do not mind).
     - ``heal``: launch with ULFM fault tolerance, so that the job survives a rank's death and the
-      survivors can heal (Open MPI only: see :func:`build_command`).
+      survivors can heal (Open MPI only: see :func:`build_command`), without Open MPI's
+      hierarchical collectives (``coll/han``: their lazily made node communicators deadlocked on a
+      healed communicator).
     - ``hang_timeout``: with ``heal``, seconds after which a rank that stopped answering (a frozen
       process, a lost host) is declared failed by Open MPI's heartbeat detector, which beats every
       ``hang_timeout / 5`` seconds and passes what it finds on to every rank at once
@@ -116,7 +118,7 @@ def build_command(spec: LaunchSpec, flavor: Flavor) -> list[str]:
 
     - ``"mpich"`` (hydra): ``mpiexec -n N [-hosts a,b | -f F] [-ppn K] [-genv K V]... python script args``.
       Hydra oversubscribes and runs as root by itself; it cannot heal (``ValueError``).
-    - ``"openmpi"``: ``mpirun -np N [--with-ft ulfm] [--oversubscribe] [--allow-run-as-root]
+    - ``"openmpi"``: ``mpirun -np N [--with-ft ulfm --mca coll ^han] [--oversubscribe] [--allow-run-as-root]
       --bind-to none [--host a:S,b:S | --hostfile F] [--map-by ppr:K:node [--rank-by node] | node]
       [-x K=V]... python script args``. Hosts without explicit slots get ``S = K`` (with ``ppn``) or
       ``S = ceil(N / hosts)`` plus ``--map-by node``, so ranks go round-robin over hosts as hydra
@@ -152,6 +154,10 @@ def build_command(spec: LaunchSpec, flavor: Flavor) -> list[str]:
         cmd = [spec.launcher, "-np", str(spec.nprocs)]
         if spec.heal:
             cmd += ["--with-ft", "ulfm"]
+            # HAN (hierarchical collectives) makes its node communicators inside the first collective
+            # on a communicator: on a healed one, with 2 ranks per host, the ranks deadlocked there
+            # (some in ompi_comm_nextcid, one in ompi_comm_activate: spares never let in)
+            cmd += ["--mca", "coll", "^han"]
             if spec.hang_timeout is not None:  # heartbeats (comm.liveness keeps a live rank beating)
                 period = spec.hang_timeout / DETECTOR_BEATS
                 cmd += ["--mca", "mpi_ft_detector", "true"]
