@@ -161,7 +161,7 @@ def retire(*comms: Any) -> None:
     a rank of the majority at the end of a partition at 8 ranks), and would match it to another
     rank's receive when it is not. Kept and revoked, the communicator drops such messages.
     """
-    if not _RETIRED:
+    if comms and not _RETIRED:  # registered once until it runs; a call with nothing registers nothing
         atexit.register(_free_retired)  # after mpi4py's import: runs before it finalizes MPI
     _RETIRED.extend(comms)
 
