@@ -19,7 +19,12 @@ seconds (0.6 of Open MPI's detector timeout: it fires first) is on the side of a
 stop: its beating process writes why (and, for a training rank, leaves the launcher's failure
 mark), and freezes it (``SIGSTOP``): no MPI call, no report, no checkpoint from then on. The side with the majority
 hears enough, heals when Open MPI's detector declares the other side failed, and goes on; when the
-link is back, nothing arrives from the frozen side.
+link is back, nothing arrives from the frozen side. A process whose unheard ranks are fewer than
+``min_ranks`` too is not frozen: no side can go on, so it is left to Open MPI's detector and the
+heal, which stops every side (``RunStopped``) and ends the job, where frozen sides would hold it
+until they are killed (measured, 8 ranks, a cut leaving 4 and 2 of 6 with ``min_ranks=5``: frozen,
+the job still ran 30 s after it was asked to stop; not frozen, every side stopped and it ended,
+exit code 1).
 
 Frozen, not ended: its sockets stay open, so what the other side had sent it while the link was down
 is still received when the link is back. A process that had ended answers those retransmissions
@@ -194,6 +199,7 @@ class _Beats:
         self.training: dict[bytes, int] = {}  # token -> training rank
         self.min_ranks = 0  # 0: judging nothing
         self.heard: dict[bytes, float] = {}
+        self._hopeless = False  # said that no side of a cut can go on
 
     def run(self, commands: IO[bytes]) -> None:
         """Until told to stop (or the parent is gone): beat every period, take what arrives, judge."""
@@ -261,6 +267,20 @@ class _Beats:
         }
         heard = len(self.training) - len(silent)
         if heard >= self.min_ranks:
+            self._hopeless = False
+            return None
+        if len(silent) < self.min_ranks:
+            # the ranks not heard are too few to go on as well: no side of this cut can, so there is no
+            # majority to protect, and a frozen side would only hold the job until it is killed
+            if not self._hopeless:
+                self._hopeless = True
+                sys.stderr.write(
+                    f"lightning_mpi: this process ({socket.gethostname()}, pid {self.parent}) hears {heard} of the "
+                    f"run's {len(self.training)} training ranks, and the {len(silent)} it does not hear are fewer "
+                    f"than min_ranks={self.min_ranks} too: no side can go on, so it is not frozen; the run stops "
+                    "once Open MPI declares the others failed\n"
+                )
+                sys.stderr.flush()
             return None
         detail = ""
         if silent:

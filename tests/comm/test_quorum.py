@@ -123,6 +123,35 @@ def test_a_spare_cut_off_from_the_training_ranks_freezes_too():
 
 
 @pytest.mark.timeout(60)
+def test_a_cut_that_no_side_can_go_on_from_freezes_nobody():
+    """5 training ranks, min_ranks=4: hearing 2 of 5, the 3 not heard cannot go on either, so the
+    process is left to Open MPI and the heal (RunStopped on every side), not frozen; with
+    min_ranks=3 the 3 could go on, and it freezes."""
+    peers = [Peer() for _ in range(4)]
+    child, beacon = start(peers, [], min_ranks=4)
+    try:
+        beat_for(1.5, beacon, peers)
+        beat_for(4.0, beacon, peers[:1])  # 4 timeouts hearing itself and one peer
+        assert not frozen(child, within=0.5) and child.poll() is None
+        child.kill()
+        child.wait(timeout=10)
+        err = child.stderr.read().decode()
+        assert err.count("hears 2 of the run's 5 training ranks, and the 3 it does not hear are fewer than") == 1
+        assert "min_ranks=4 too: no side can go on, so it is not frozen" in err
+    finally:
+        child.kill()
+    peers = [Peer() for _ in range(4)]
+    child, beacon = start(peers, [], min_ranks=3)
+    try:
+        beat_for(1.5, beacon, peers)
+        beat_for(1.0, beacon, peers[:1])
+        assert frozen(child, within=10)
+    finally:
+        child.kill()
+        child.wait()
+
+
+@pytest.mark.timeout(60)
 def test_peers_never_heard_and_peers_that_said_goodbye_count_as_heard():
     quiet, leaving, other = Peer(), Peer(), Peer()
     child, beacon = start([quiet, leaving, other], [], min_ranks=4)
