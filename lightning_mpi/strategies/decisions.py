@@ -71,6 +71,8 @@ class StopDecisions:
         self._asked = 0  # questions answered on a board, the same count on every rank
         self._stopping = False  # whether this rank learned of a stop (its board may have been replaced by a heal)
         self._counted_from = 0  # collectives this rank skipped (a rank let in) are counted as run
+        #: this rank's training loop ended (set by the strategy from its ``on_train_end``)
+        self.ended = False
 
     @contextmanager
     def collective_decisions(self) -> Generator[None, None, None]:
@@ -110,17 +112,20 @@ class StopDecisions:
         self._stopping = board.stop_at is not None or board.stopped
         return answer
 
-    def agree_after_heal(self, transport: Any, collectives: int, joining: bool = False) -> None:
+    def agree_after_heal(self, transport: Any, collectives: int, joining: bool = False) -> bool:
         """After a heal (collective over the survivors, and the ranks let in: ``joining``), with
         ``collectives`` Lightning collectives run here: if some survivor had learned of a stop, every
         rank stops at its next question. A rank let in skipped the collectives the survivors ran:
-        it counts on from theirs (questions too: Lightning numbers them alike)."""
-        known = transport.allgather_object((self._stopping, self._asked, collectives - self._counted_from, joining))
-        self._stopping = any(stopping for stopping, _, _, _ in known)
+        it counts on from theirs (questions too: Lightning numbers them alike). Returns whether some
+        survivor's training loop had ended (:attr:`ended`): it runs no collective of the loop again."""
+        mine = (self._stopping, self._asked, collectives - self._counted_from, joining, self.ended)
+        known = transport.allgather_object(mine)
+        self._stopping = any(entry[0] for entry in known)
         if joining:
-            survivors = [(asked, count) for _, asked, count, joins in known if not joins]
+            survivors = [(asked, count) for _, asked, count, joins, _ in known if not joins]
             self._asked = max(asked for asked, _ in survivors)
             self._counted_from = collectives - max(count for _, count in survivors)
+        return any(entry[4] for entry in known)
 
     # -- the checkpoint callbacks' hooks run in a collective scope while the rule trains ------------
     def scope_checkpoint_hooks(self, trainer: Any) -> None:

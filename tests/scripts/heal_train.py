@@ -11,7 +11,9 @@ its redo's switch, one in the exchange; ``auto_replace``: the Trainer with ``hea
 Adam, see :func:`_replace_rule_phase`; ``replace_fabric``: a Fabric loop with Adam, see
 :func:`replace_fabric_phase`; each loses its last rank at step 1 and lets a replacement in: the
 first spare, launch rank 3, in the first phase, a spawned process in the others; the second spare
-is never used, a spare waiting in the first phase's strategy construction);
+is never used, a spare waiting in the first phase's strategy construction), then ``drain_heal``
+(DOWNPOUR with ``heal="shrink"``, W 3 -> 2: one survivor heals after its last batch, the other while
+still training, :func:`drain_heal_phase`);
 ``lightning-mpi --heal -n 4 heal_train.py OUT_DIR gosgd`` runs only the two
 asynchronous phases, each a Fabric loop whose last rank dies at Fabric step FABRIC_KILL, and whose
 survivors notice it when they do (no collective while training):
@@ -137,6 +139,7 @@ ZERO_TRAINER_KILL, ZERO_TRAINER_STEPS, ZERO_CLIP, ZERO_GAMMA = 2, 8, 0.5, 0.7  #
 AUTO_DECIDES, AUTO_KILL, AUTO_STEPS = 5, 8, 11  # mpi_auto: its first decision after step 5 (PROBE_STEPS)
 AUTO_REPLACE_KILL, AUTO_REPLACE_STEPS = 7, 14  # W = 2: 8 batches per rank and epoch
 AUTO_END_STEPS, AUTO_END_DIES_AT = 4, 1  # mpi_auto's first arm to the end, before its first decision
+DRAIN_STEPS, DRAIN_SLOW_S = 10, 0.5  # the replace_rules launch's last phase: W 3 -> 2, rank 0 slow
 
 
 class Indexed(Dataset):
@@ -406,6 +409,53 @@ def _replace_rule_phase(phase: str, strategy_class: str, configure=None, freezes
     if options.get("shard_optimizer"):
         result["optimizer"] = _whole_optimizer_state(strategy)
     return result
+
+
+def drain_heal_phase() -> dict:
+    """DOWNPOUR with ``heal="shrink"`` on the three ranks there are (the replace_rules launch's last
+    phase), its survivors healing in two places at once: rank 1 is in the end of training's drain of
+    the preemption votes when the last rank dies (in its own ``on_train_end``, once rank 1 is in the
+    drain), while rank 0, slow (DRAIN_SLOW_S per step), still trains. Rank 0 heals in a step and
+    drains the votes restarted over the two at its end; rank 1 must drain them again, or each waits
+    in another collective for good. No ``sync_dist``, no checkpoint: nothing keeps the ranks in step."""
+    import lightning as L
+
+    from lightning_mpi.lightning import DownpourStrategy
+
+    in_drain = OUT / "drain_heal.rank1"
+
+    class Net(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = make_net()
+
+        def training_step(self, batch, batch_idx):
+            index, x, y = batch
+            if self.global_rank == 0:
+                time.sleep(DRAIN_SLOW_S)
+            record(phase="drain_heal", step=self.global_step, world=self.trainer.world_size, rank=self.global_rank)
+            return nn.functional.mse_loss(self.net(x), y)
+
+        def on_train_end(self):
+            # Lightning calls it before the strategy's on_train_end (the drain)
+            if self.trainer.world_size == 3 and self.global_rank == 1:
+                in_drain.write_text("")
+            if self.trainer.world_size == 3 and self.global_rank == 2:
+                deadline = time.monotonic() + 60
+                while not in_drain.exists() and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                time.sleep(0.3)  # rank 1 is inside the drain by then
+                die()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=LR)
+
+        def train_dataloader(self):
+            return DataLoader(Indexed(), batch_size=B, shuffle=True)
+
+    model = Net()
+    strategy = DownpourStrategy(heal="shrink")
+    return _trainer_fit(model, strategy, max_steps=DRAIN_STEPS, enable_checkpointing=False, limit_val_batches=0)
 
 
 def replace_downpour_phase() -> dict:
@@ -1011,6 +1061,7 @@ def main() -> None:
             ("replace_gosgd", replace_gosgd_phase),
             ("replace_zero", replace_zero_phase),
             ("replace_fabric", replace_fabric_phase),
+            ("drain_heal", drain_heal_phase),
         )
     names = [name for name, _ in phases]
     if os.environ.get("LIGHTNING_MPI_REPLACEMENT"):  # a replacement starts at the phase that spawned it

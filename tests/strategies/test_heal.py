@@ -1148,7 +1148,8 @@ def rules_replaced(tmp_path_factory):
     loop with Adam), each losing its last rank (from the second on: the replacement of the one
     before) at step 1 and letting a replacement in: in the first phase a spare (launch rank 3),
     which waited from the start, in the others a process spawned after the loss (a spare waits in
-    the first strategy's construction: the second spare is never used, and dismissed at the end)."""
+    the first strategy's construction: the second spare is never used, and dismissed at the end);
+    then ``drain_heal`` (DOWNPOUR, ``heal="shrink"``, W 3 -> 2), survivors healing in two places."""
     # the launcher's default --hang-timeout: a phase freezes a rank (5 processes start: no stall that long)
     _, err, out = _heal_launch(tmp_path_factory, "replace_rules", 3, 360, "replace_rules", spares=2, hang_timeout=8)
     return (err, *launch_outputs(out))
@@ -1234,6 +1235,34 @@ def test_a_spare_launched_with_the_job_takes_a_lost_ranks_place_at_the_next_batc
     assert 4 not in finals["replace_downpour"]  # the second spare never trained
     lines = [x for x in err.splitlines() if "spares launched with the job" in x]
     assert len(lines) == 1 and f"joined at step {first}" in lines[0], err[-3000:]
+
+
+@pytest.mark.mpi
+@pytest.mark.openmpi_core
+@pytest.mark.timeout(360)
+def test_survivors_that_heal_one_after_its_last_batch_one_still_training_both_end(rules_replaced):
+    """The replace_rules launch's last phase (DOWNPOUR, ``heal="shrink"``, W 3 -> 2): rank 1 had run
+    all its steps and was draining the preemption votes when the last rank died, while rank 0, slow,
+    still trained (an epoch ahead of it). Rank 1 drains the votes restarted by the heal again, and
+    rank 0 trains on with the loaders it has (loading them again is collective, and rank 1 never
+    would): both reach max_steps and end on the same center. Before, rank 1 skipped the drain and
+    met rank 0's collectives with its own (MPI_ERR_TRUNCATE, or a wait for good)."""
+    _, finals, records = rules_replaced
+    steps = _script_module().DRAIN_STEPS
+    assert sorted(finals["drain_heal"]) == [0, 1]
+    ours = [finals["drain_heal"][r] for r in (0, 1)]
+    for result in ours:
+        assert result["global_step"] == steps and result["world_size"] == 2
+        (event,) = result["history"]
+        assert event["lost"] == [2] and event["world_size"] == 2
+    assert ours[0]["final"] == ours[1]["final"]
+    entries = [e for es in records["drain_heal"].values() for _, e in es]
+    rank1_done = max(e["t"] for e in entries if e["rank"] == 1)
+    rank0_healed = [e for e in entries if e["rank"] == 0 and e["world"] == 2]
+    assert len([e for e in entries if e["rank"] == 1]) == steps
+    # rank 1 had ended before rank 0 trained at W = 2, with an epoch's start (step 5) still ahead of it
+    assert rank0_healed and rank1_done <= min(e["t"] for e in rank0_healed)
+    assert min(e["step"] for e in rank0_healed) < 5
 
 
 @pytest.mark.mpi

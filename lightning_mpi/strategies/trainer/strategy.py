@@ -240,6 +240,7 @@ def trainer_strategy(api: TrainerAPI, environment_class: type, checkpoint_io_cla
             if bound is not None:
                 bound.on_train_start()
             self._core.aids.announce(self.world_size, self.optimizers)
+            self._decisions.ended = False
             if self._core.replacing.catching_up:  # a rank let in: the survivors agree on a stop here too
                 self._decisions.agree_after_heal(self.transport, self._core.collectives.count, joining=True)
             # Asynchronous rules must not wait for the vote; their checkpoint decisions stay collective.
@@ -305,20 +306,28 @@ def trainer_strategy(api: TrainerAPI, environment_class: type, checkpoint_io_cla
         def _adopt_healed_run(self, state: dict[str, Any] | None) -> None:
             """After a heal (collective over the survivors): Lightning's ranks, the rule bound again
             on the new transport with ``state``, the vote restarted, the loaders sharded anew from
-            the next epoch (see :mod:`..healing`)."""
+            the next epoch (see :mod:`..healing`), unless a survivor had ended training: a survivor
+            still training (an asynchronous rule's) then keeps its loaders, since loading them again
+            is collective (a barrier, a reduce of their lengths) and the other never loads them."""
             self.set_world_ranks()
             self._core.rebind(state, self.model, self.optimizers)
             # a stop some survivor learned holds for all (with the ranks let in: at their on_train_start)
-            self._decisions.agree_after_heal(self.transport, self._core.collectives.count)
+            ended = self._decisions.agree_after_heal(self.transport, self._core.collectives.count)
             self._preemption.restart(self.transport)
             trainer = getattr(self.lightning_module, "_trainer", None) if self._lightning_module is not None else None
-            if trainer is not None:
+            if trainer is not None and not ended:
                 self._sharding.reshard_next_epoch(trainer)
 
         @override
         def on_train_end(self) -> None:
-            # drains the votes: a signal at the last batch counts
-            if self._core.healing.between("the preemption vote", self._preemption.requested_at_end, False):
+            # drains the votes: a signal at the last batch counts. A heal during the drain restarts
+            # the votes over the survivors, and each drains the new ones: a survivor that healed
+            # elsewhere (still training, under an asynchronous rule) drains them at its own end
+            self._decisions.ended = True
+            stop = None
+            while stop is None:
+                stop = self._core.healing.between("the preemption vote", self._preemption.requested_at_end, None)
+            if stop:
                 self._preempt()
             self._preemption.stop()
             self._core.end_training()  # collective for asynchronous rules: every rank is here
