@@ -1,10 +1,12 @@
 #!/usr/bin/env python3
 """How long a hung rank holds the survivors up, and whether a live rank that computes for long is
-ever taken for a hung one: ``lightning-mpi --heal --hang-timeout S``.
+ever taken for a hung one: ``lightning-mpi --heal --hang-timeout S --freeze-timeout F``.
 
-    python benchmarks/hang_detection.py [--timeouts 2,5,10] [--runs 3]   # from .venv-ompi (ULFM)
+    python benchmarks/hang_detection.py [--timeouts 2,5,10] [--freeze-timeouts 0,2] [--runs 3]   # .venv-ompi
 
-Each run launches ``lightning-mpi --heal -n 3 --hang-timeout S`` on this script's worker: a Lightning
+Open MPI's heartbeat detector (``--hang-timeout``) and the watchdog beside each rank
+(``--freeze-timeout``, 0: off; ``lightning_mpi.comm.watchdog``) side by side, every pair of them.
+Each run launches ``lightning-mpi --heal -n 3 --hang-timeout S --freeze-timeout F`` on this script's worker: a Lightning
 ``Trainer`` with ``SyncStrategy(heal="shrink")`` on a tiny model, steps of ``--step-ms``. At step 10
 the last rank SIGSTOPs itself (a frozen process: every thread stopped) after writing the time; the
 survivors record the wall time of every step. Reported per timeout (medians over runs): hang ->
@@ -93,9 +95,10 @@ def worker(out: Path, mode: str, step_ms: float, busy_s: float) -> None:
     )
 
 
-def one_run(timeout: float, mode: str, step_ms: float) -> dict:
+def one_run(timeout: float, freeze: float, mode: str, step_ms: float) -> dict:
     with tempfile.TemporaryDirectory() as out:
         cmd = [sys.executable, "-m", "lightning_mpi", "-n", "3", "--heal", "--hang-timeout", str(timeout)]
+        cmd += ["--freeze-timeout", str(freeze)]
         cmd += ["--grace", "3", __file__, "--worker", out, mode, str(step_ms), str(2 * timeout)]
         start = time.time()
         proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
@@ -114,7 +117,8 @@ def one_run(timeout: float, mode: str, step_ms: float) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--timeouts", default="2,5,10")
+    parser.add_argument("--timeouts", default="2,5,10", help="--hang-timeout values (Open MPI's detector)")
+    parser.add_argument("--freeze-timeouts", default="0,2", help="--freeze-timeout values (0: no watchdog)")
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--step-ms", type=float, default=20.0)
     parser.add_argument("--busy", action="store_true", help="also check for false positives (long compute)")
@@ -125,27 +129,33 @@ def main() -> None:
         worker(Path(out), mode, float(step_ms), float(busy_s))
         return
     table = []
-    for timeout in [float(t) for t in args.timeouts.split(",")]:
-        runs = [one_run(timeout, "stop", args.step_ms) for _ in range(args.runs)]
+    pairs = [(float(t), float(f)) for t in args.timeouts.split(",") for f in args.freeze_timeouts.split(",")]
+    for timeout, freeze in pairs:
+        runs = [one_run(timeout, freeze, "stop", args.step_ms) for _ in range(args.runs)]
         ok = [r for r in runs if "failed" not in r]
         row = {
             "hang_timeout_s": timeout,
+            "freeze_timeout_s": freeze,
             "runs": len(runs),
             "failed": len(runs) - len(ok),
             "hang_to_next_step_s": statistics.median(r["hang_to_next_step_s"] for r in ok) if ok else None,
             "frozen_killed": all(alive is False for r in ok for alive in r["frozen_alive"]),
         }
         if args.busy:
-            busy = one_run(timeout, "busy", args.step_ms)
+            busy = one_run(timeout, freeze, "busy", args.step_ms)
             row["busy_2x_timeout_ranks_at_end"] = busy.get("ranks_at_end", busy)
         table.append({**row, "detail": runs})
         print(json.dumps({k: v for k, v in row.items()}), flush=True)
-    print("\n| --hang-timeout s | runs | hang -> next step s (median) | frozen process killed | busy 2x timeout: ranks at end |")
-    print("|---|---|---|---|---|")
+    print(
+        "\n| --hang-timeout s | --freeze-timeout s | runs | hang -> next step s (median) | frozen process killed "
+        "| busy 2x --hang-timeout: ranks at end |"
+    )
+    print("|---|---|---|---|---|---|")
     for row in table:
         print(
-            f"| {row['hang_timeout_s']:g} | {row['runs'] - row['failed']}/{row['runs']} | "
-            f"{row['hang_to_next_step_s']:.2f} | {row['frozen_killed']} | {row.get('busy_2x_timeout_ranks_at_end', '-')} |"
+            f"| {row['hang_timeout_s']:g} | {row['freeze_timeout_s']:g} | "
+            f"{row['runs'] - row['failed']}/{row['runs']} | {row['hang_to_next_step_s']:.2f} | "
+            f"{row['frozen_killed']} | {row.get('busy_2x_timeout_ranks_at_end', '-')} |"
         )
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "hang_detection.json").write_text(json.dumps(table, indent=2))

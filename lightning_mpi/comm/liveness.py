@@ -1,6 +1,8 @@
 """A hung rank is a lost rank: keep live ranks answering Open MPI's heartbeat detector, and kill the
 ranks a heal left behind so that they cannot come back. (A rank on the side of a network partition
-that stops freezes itself before its detector fires: :mod:`.quorum`, started here by :func:`quorum`.)
+that stops freezes itself before its detector fires, and a rank that stopped running while its
+peers ran is killed within ``lightning-mpi --freeze-timeout``: :mod:`.quorum` and :mod:`.watchdog`,
+in a process beside the rank started here by :func:`quorum`.)
 
 Detection is Open MPI's (ULFM): ``lightning-mpi --heal`` turns on its heartbeat failure detector
 (``mpi_ft_detector``, with ``--hang-timeout``), and a rank that sends no heartbeat for that long (a
@@ -55,6 +57,11 @@ BEAT_SECONDS = 0.05
 #: the environment variable through which ``mpirun --mca mpi_ft_detector_timeout S`` reaches the ranks
 DETECTOR_TIMEOUT_ENV = "OMPI_MCA_mpi_ft_detector_timeout"
 DETECTOR_ENV = "OMPI_MCA_mpi_ft_detector"
+#: the environment variable through which ``lightning-mpi --freeze-timeout S`` reaches the ranks
+FREEZE_TIMEOUT_ENV = "LIGHTNING_MPI_FREEZE_TIMEOUT"
+#: seconds a rank may go without running while its peers run before it is killed
+#: (:mod:`.watchdog`), when ``--freeze-timeout`` did not say (``lightning-mpi``'s default too)
+FREEZE_TIMEOUT = 2.0
 
 
 def detector_timeout(environ: dict[str, str] | None = None) -> float | None:
@@ -67,6 +74,20 @@ def detector_timeout(environ: dict[str, str] | None = None) -> float | None:
         return float(env.get(DETECTOR_TIMEOUT_ENV, "10"))
     except ValueError:
         return None
+
+
+def freeze_timeout(environ: dict[str, str] | None = None) -> float | None:
+    """Seconds a rank may go without running while its peers run before the process beside it kills
+    it (``lightning-mpi --freeze-timeout``; :mod:`.watchdog`), or ``None`` when that is off (0)."""
+    env = os.environ if environ is None else environ
+    try:
+        seconds = float(env.get(FREEZE_TIMEOUT_ENV, FREEZE_TIMEOUT))
+    except ValueError:
+        raise ValueError(
+            f"{FREEZE_TIMEOUT_ENV}={env[FREEZE_TIMEOUT_ENV]!r}: must be a number of seconds (0: off); "
+            "set it with `lightning-mpi --freeze-timeout S`"
+        ) from None
+    return seconds if seconds > 0 else None
 
 
 class Heartbeat:
@@ -114,13 +135,17 @@ _QUORUM: list[Quorum] = []
 
 def quorum() -> Quorum | None:
     """This process's :class:`~.quorum.Quorum` (a process cut off from most of the run stops before
-    Open MPI's detector on its side fires), started on first use, when Open MPI's detector is on
-    (``None`` otherwise): its timeout is :data:`~.quorum.LEAVE_SHARE` of the detector's."""
+    Open MPI's detector on its side fires, and a rank frozen while its peers run is killed:
+    :mod:`.watchdog`), started on first use, when Open MPI's detector is on (``None`` otherwise): its
+    timeout is :data:`~.quorum.LEAVE_SHARE` of the detector's, its freeze timeout
+    :func:`freeze_timeout`'s. MPI must be initialised: the :func:`heartbeat` thread is started first,
+    since the watchdog takes a rank none of whose threads ran for the freeze timeout for a frozen one."""
     if not _QUORUM:
         timeout = detector_timeout()
         if timeout is None:
             return None
-        _QUORUM.append(Quorum(LEAVE_SHARE * timeout))
+        heartbeat()
+        _QUORUM.append(Quorum(LEAVE_SHARE * timeout, freeze_timeout()))
     return _QUORUM[0]
 
 

@@ -47,10 +47,12 @@ What can look like a cut, and what does not:
   gap: every peer counts as heard at its end;
 - a process that ends normally says so (a last datagram at exit), and counts as heard from then on:
   ranks that end seconds apart do not make the last ones stop;
-- a training process that hangs keeps beating (its beating process runs on): finding hung ranks is
-  Open MPI's detector's job (:mod:`.liveness`), not this one's.
+- a training process that hangs keeps beating (its beating process runs on): the beating process
+  kills a rank that stopped running while its peers ran (:mod:`.watchdog`: each beat says how long
+  ago the sender's rank last ran), and Open MPI's detector finds a whole host that stopped
+  (:mod:`.liveness`).
 
-Cost: ``N - 1`` datagrams of 8 bytes per period from each of ``N`` processes (64 ranks at the
+Cost: ``N - 1`` datagrams of 16 bytes per period from each of ``N`` processes (64 ranks at the
 default 8 s timeout: 126 datagrams a second each), and a Python process of about 25 MB beside each
 rank. Linux only (the host's addresses are read with ``SIOCGIFADDR``); MPI is not used here.
 """
@@ -58,6 +60,7 @@ rank. Linux only (the host's addresses are read with ``SIOCGIFADDR``); MPI is no
 from __future__ import annotations
 
 import atexit
+import contextlib
 import fcntl
 import os
 import pickle
@@ -74,6 +77,7 @@ from dataclasses import dataclass
 from typing import IO, Any
 
 from lightning_mpi.comm.ulfm import mark_failed
+from lightning_mpi.comm.watchdog import Watchdog, process_state
 
 __all__ = ["Beacon", "Quorum", "local_addresses"]
 
@@ -122,14 +126,19 @@ class Quorum:
 
     Args:
         timeout: seconds hearing fewer than ``min_ranks`` training ranks before this process stops.
+        freeze_timeout: seconds this process may go without running while a peer runs before its
+            beating process kills it (:mod:`.watchdog`); ``None``: never.
     """
 
-    def __init__(self, timeout: float) -> None:
+    def __init__(self, timeout: float, freeze_timeout: float | None = None) -> None:
         if not timeout > 0:
             raise ValueError(f"timeout={timeout!r}: must be a number of seconds > 0")
+        if freeze_timeout is not None and not freeze_timeout > 0:
+            raise ValueError(f"freeze_timeout={freeze_timeout!r}: must be a number of seconds > 0, or None")
         self.timeout = float(timeout)
+        self.freeze_timeout = freeze_timeout
         self._child = subprocess.Popen(
-            [sys.executable, "-m", __name__, str(os.getpid()), repr(self.timeout)],
+            [sys.executable, "-m", __name__, str(os.getpid()), repr(self.timeout), repr(freeze_timeout)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             # a session of its own: Linux's autogroup scheduler then gives it a share of its own
@@ -184,13 +193,17 @@ def _read(stream: IO[bytes]) -> Any:
 
 
 class _Beats:
-    """The beating process's work (``python -m lightning_mpi.comm.quorum PARENT TIMEOUT``): beat,
-    listen, judge, and freeze ``parent`` when it is cut off."""
+    """The beating process's work (``python -m lightning_mpi.comm.quorum PARENT TIMEOUT
+    FREEZE_TIMEOUT``): beat, listen, judge, freeze ``parent`` when it is cut off, and kill it when it
+    stopped running while its peers ran (:mod:`.watchdog`, unless ``freeze_timeout`` is ``None``)."""
 
-    def __init__(self, parent: int, timeout: float) -> None:
+    def __init__(self, parent: int, timeout: float, freeze_timeout: float | None) -> None:
         self.parent = parent
         self.timeout = timeout
         self.period = timeout / BEATS
+        self.watchdog = None if freeze_timeout is None else Watchdog(parent, freeze_timeout, time.monotonic())
+        # a look at the parent's CPU time at every turn of the loop: several per freeze timeout
+        self.turn = self.period / 2 if freeze_timeout is None else min(self.period / 2, freeze_timeout / 8)
         self.socket = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         self.socket.bind(("0.0.0.0", 0))
         self.socket.setblocking(False)
@@ -199,6 +212,7 @@ class _Beats:
         self.training: dict[bytes, int] = {}  # token -> training rank
         self.min_ranks = 0  # 0: judging nothing
         self.heard: dict[bytes, float] = {}
+        self.ran: dict[bytes, float] = {}  # token -> when that peer's rank last ran, by its beats
         self._hopeless = False  # said that no side of a cut can go on
 
     def run(self, commands: IO[bytes]) -> None:
@@ -206,20 +220,31 @@ class _Beats:
         last = time.monotonic()
         next_beat = last
         while os.getppid() == self.parent:
-            ready, _, _ = select.select([self.socket.fileno(), commands.fileno()], [], [], self.period / 2)
+            ready, _, _ = select.select([self.socket.fileno(), commands.fileno()], [], [], self.turn)
             now = time.monotonic()
             if commands.fileno() in ready and not self._obey(_read_or_none(commands)):
                 return
             self._receive(now)
             if now - last > self.timeout / 2:  # this process did not run: judge nothing from the gap
                 self.heard = {t: max(at, now) for t, at in self.heard.items()}  # a goodbye stays
+            if self.watchdog is not None:
+                if now - last > self.watchdog.timeout / 2:  # the same for the parent's stillness
+                    self.watchdog.excuse(now)
+                self.watchdog.look(now)
             last = now
             if now >= next_beat:
-                self._send(b"")
+                self._send(b"" if self.watchdog is None else struct.pack("!d", now - self.watchdog.last_ran))
                 next_beat = now + self.period
             reason = self._cut_off(now)
             if reason is not None:
                 self._freeze_parent(reason)
+                return
+            reason = self._still(now)
+            if reason is not None:
+                sys.stderr.write(reason + "\n")
+                sys.stderr.flush()
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(self.parent, signal.SIGKILL)
                 return
 
     def _obey(self, message: tuple[Any, ...] | None) -> bool:
@@ -245,6 +270,8 @@ class _Beats:
                 return
             token, said = data[:8], data[8:]
             self.heard[token] = float("inf") if said == BYE else now
+            if len(said) == 8:  # how long ago the peer's rank last ran
+                self.ran[token] = now - struct.unpack("!d", said)[0]
 
     def _send(self, what: bytes) -> None:
         payload = self.beacon.token + what
@@ -295,6 +322,15 @@ class _Beats:
             "--max-restarts` relaunches a run that stopped)"
         )
 
+    def _still(self, now: float) -> str | None:
+        """Why the parent must be killed now (:mod:`.watchdog`), or ``None``."""
+        if self.watchdog is None or not self.peers:
+            return None
+        peers = {p.token for p in self.peers}
+        rank = self.training.get(self.beacon.token)
+        who = "a spare" if rank is None else f"rank {rank}"
+        return self.watchdog.verdict(now, (at for t, at in self.ran.items() if t in peers), who)
+
     def _freeze_parent(self, reason: str) -> None:
         """Write ``reason`` (and the launcher's failure mark for a training rank), freeze the parent,
         and kill it the moment it is continued, or after :data:`FROZEN_TIMEOUTS` detector timeouts
@@ -306,10 +342,10 @@ class _Beats:
         try:
             os.kill(self.parent, signal.SIGSTOP)
             seen = time.monotonic() + 1.0  # stopping takes it a moment (unless it is continued first)
-            while _state(self.parent) != "T" and time.monotonic() < seen:
+            while process_state(self.parent) != "T" and time.monotonic() < seen:
                 time.sleep(0.005)
             until = time.monotonic() + FROZEN_TIMEOUTS * self.timeout / LEAVE_SHARE
-            while _state(self.parent) == "T" and time.monotonic() < until:
+            while process_state(self.parent) == "T" and time.monotonic() < until:
                 time.sleep(0.01)
             os.kill(self.parent, signal.SIGKILL)
         except (ProcessLookupError, FileNotFoundError):  # it ended meanwhile
@@ -323,18 +359,13 @@ def _read_or_none(stream: IO[bytes]) -> Any:
         return None
 
 
-def _state(pid: int) -> str:
-    """A process's state letter (``T``: stopped), from ``/proc``."""
-    with open(f"/proc/{pid}/stat") as stat:
-        return stat.read().rsplit(")", 1)[1].split()[0]
-
-
 def main(argv: Sequence[str]) -> None:
-    """``python -m lightning_mpi.comm.quorum PARENT TIMEOUT``: started by :class:`Quorum`; writes
+    """``python -m lightning_mpi.comm.quorum PARENT TIMEOUT FREEZE_TIMEOUT``: started by :class:`Quorum`; writes
     its :class:`Beacon` on stdout, then takes commands on stdin."""
     parent, timeout = int(argv[0]), float(argv[1])
+    freeze_timeout = None if argv[2] == "None" else float(argv[2])
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C is the parent's to handle
-    beats = _Beats(parent, timeout)
+    beats = _Beats(parent, timeout, freeze_timeout)
     _write(sys.stdout.buffer, _plain([beats.beacon])[0])
     # unbuffered: a line left in a buffer would wait for the next one, unseen by select
     with open(sys.stdin.fileno(), "rb", buffering=0, closefd=False) as commands:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import argparse
 
-from .command import ENV_KEY, HANG_TIMEOUT
+from .command import ENV_KEY, FREEZE_TIMEOUT, HANG_TIMEOUT
 from .errors import PROG
 from .hosts import parse_host, positive_int
 from .process import KILL_GRACE_S
@@ -135,6 +135,16 @@ def build_parser() -> argparse.ArgumentParser:
         "process that hears fewer than min_ranks training ranks for 0.6 S (the side of a network partition that "
         "stops) freezes first, so that it cannot report the other side failed. On several hosts the ranks are "
         "numbered round-robin over them, so that a host cut off is found in one timeout",
+    )
+    parser.add_argument(
+        "--freeze-timeout",
+        metavar="S",
+        type=_arg_seconds,
+        default=FREEZE_TIMEOUT,
+        help=f"with --heal and the detector: a rank whose process does not run at all for S seconds while the "
+        f"other ranks run (stopped by a signal, frozen by its kernel) is killed by the process beside it, and "
+        f"healed at once like a killed one (default {FREEZE_TIMEOUT:g}; 0: never, the detector finds it after "
+        "--hang-timeout). A whole job stopped at once is left alone",
     )
     parser.add_argument(
         "--spares",

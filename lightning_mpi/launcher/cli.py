@@ -115,6 +115,7 @@ def _prepare(args: argparse.Namespace, environ: Mapping[str, str]) -> LaunchPlan
             as_root=as_root,
             heal=args.heal,
             hang_timeout=args.hang_timeout or None,
+            freeze_timeout=args.freeze_timeout or None,
         )
         command = build_command(spec, flavor)
     except ValueError as exc:

@@ -29,6 +29,12 @@ ENV_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 HANG_TIMEOUT = 8.0
 #: heartbeats per timeout (Open MPI wants the timeout above 3 periods)
 DETECTOR_BEATS = 5
+#: ``--freeze-timeout``'s default: seconds a rank's process may go without running while the others
+#: run before the process beside it kills it, so that the run heals it at once (docs/faults.md,
+#: "Hung ranks"; ``lightning_mpi.comm.watchdog``)
+FREEZE_TIMEOUT = 2.0
+#: how it reaches the ranks (``lightning_mpi.comm.liveness`` reads it)
+FREEZE_TIMEOUT_ENV = "LIGHTNING_MPI_FREEZE_TIMEOUT"
 
 
 @dataclass(frozen=True)
@@ -56,6 +62,10 @@ class LaunchSpec:
       training rank, and 8 ranks waited on a cut-off host for good); ``None``: the detector stays off
       (a lost rank is then noticed only when its process ends). With the detector on, the ranks are
       numbered round-robin over the hosts (:attr:`ranks_by_node`).
+    - ``freeze_timeout``: with ``heal`` and the detector, seconds a rank's process may go without
+      running at all (every thread stopped: ``SIGSTOP``, frozen by its kernel) while the other ranks
+      run, before the process beside it kills it, which the run heals at once; ``None``: never (a
+      frozen rank is then found by the detector).
 
     Invalid values raise ``ValueError`` naming the field and the value.
     """
@@ -73,6 +83,7 @@ class LaunchSpec:
     as_root: bool = False
     heal: bool = False
     hang_timeout: float | None = HANG_TIMEOUT
+    freeze_timeout: float | None = FREEZE_TIMEOUT
 
     @property
     def ranks_by_node(self) -> bool:
@@ -102,6 +113,11 @@ class LaunchSpec:
             raise ValueError(
                 f"hang_timeout={self.hang_timeout!r}: must be a number of seconds > 0, or None (no detector)"
             )
+        if self.freeze_timeout is not None and not self.freeze_timeout > 0:
+            raise ValueError(
+                f"freeze_timeout={self.freeze_timeout!r}: must be a number of seconds > 0, or None (never kill a "
+                "frozen rank)"
+            )
         for host in self.hosts:
             parse_host(host)  # raises ValueError naming the bad host
         for key, _ in self.env:
@@ -120,7 +136,8 @@ def build_command(spec: LaunchSpec, flavor: Flavor) -> list[str]:
       Hydra oversubscribes and runs as root by itself; it cannot heal (``ValueError``).
     - ``"openmpi"``: ``mpirun -np N [--with-ft ulfm --mca coll ^han] [--oversubscribe] [--allow-run-as-root]
       --bind-to none [--host a:S,b:S | --hostfile F] [--map-by ppr:K:node [--rank-by node] | node]
-      [-x K=V]... python script args``. Hosts without explicit slots get ``S = K`` (with ``ppn``) or
+      [-x K=V]... python script args``, with the detector's settings and ``-x
+      LIGHTNING_MPI_FREEZE_TIMEOUT=S`` after ``--with-ft``. Hosts without explicit slots get ``S = K`` (with ``ppn``) or
       ``S = ceil(N / hosts)`` plus ``--map-by node``, so ranks go round-robin over hosts as hydra
       places them; hosts of one slot each get ``--map-by node`` too (oversubscribed, the extra ranks
       then wrap around as in hydra). Under ``heal`` with the detector, ranks are numbered
@@ -164,6 +181,7 @@ def build_command(spec: LaunchSpec, flavor: Flavor) -> list[str]:
                 cmd += ["--mca", "mpi_ft_detector_period", f"{period:g}"]
                 cmd += ["--mca", "mpi_ft_detector_timeout", f"{spec.hang_timeout:g}"]
                 cmd += ["--mca", "mpi_ft_propagator_with_rbcast", "true"]
+                cmd += ["-x", f"{FREEZE_TIMEOUT_ENV}={spec.freeze_timeout or 0:g}"]  # 0: off
         if spec.oversubscribe:
             cmd.append("--oversubscribe")
         if spec.as_root:

@@ -9,7 +9,22 @@ import time
 
 import pytest
 
-from lightning_mpi.comm.liveness import DETECTOR_ENV, DETECTOR_TIMEOUT_ENV, Processes, detector_timeout
+from lightning_mpi.comm.liveness import (
+    DETECTOR_ENV,
+    DETECTOR_TIMEOUT_ENV,
+    FREEZE_TIMEOUT_ENV,
+    Processes,
+    detector_timeout,
+    freeze_timeout,
+)
+
+
+def test_the_freeze_timeout_defaults_to_2_s_and_0_turns_it_off():
+    assert freeze_timeout({}) == 2.0  # a plain mpirun --with-ft ulfm with the detector: the default
+    assert freeze_timeout({FREEZE_TIMEOUT_ENV: "3.5"}) == 3.5
+    assert freeze_timeout({FREEZE_TIMEOUT_ENV: "0"}) is None
+    with pytest.raises(ValueError, match=r"LIGHTNING_MPI_FREEZE_TIMEOUT='soon': must be a number of seconds"):
+        freeze_timeout({FREEZE_TIMEOUT_ENV: "soon"})
 
 
 def test_the_detector_timeout_is_read_only_when_the_detector_is_on():

@@ -7,6 +7,7 @@ import os
 import secrets
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import textwrap
@@ -18,10 +19,15 @@ from lightning_mpi.comm.quorum import BYE, Beacon, Quorum, local_addresses
 
 CHILD = textwrap.dedent(
     """
-    import pickle, sys, time
+    import pickle, sys, threading, time
     from lightning_mpi.comm.quorum import Beacon, Quorum
 
-    quorum = Quorum(timeout=1.0)
+    def wake():  # a rank's heartbeat thread (comm.liveness): a live rank runs every 50 ms
+        while True:
+            time.sleep(0.05)
+
+    threading.Thread(target=wake, daemon=True).start()
+    quorum = Quorum(timeout=1.0, freeze_timeout=None if sys.argv[1] == "None" else float(sys.argv[1]))
     print(pickle.dumps(quorum.beacon).hex(), flush=True)
     training, spares, min_ranks, me_training = pickle.loads(sys.stdin.buffer.read())
     (training if me_training else spares).append(quorum.beacon)
@@ -43,6 +49,10 @@ class Peer:
     def beat(self, to: Beacon, what: bytes = b"") -> None:
         self.socket.sendto(self.beacon.token + what, ("127.0.0.1", to.port))
 
+    def beat_ran(self, to: Beacon, ago: float) -> None:
+        """A beat that says this peer's rank last ran ``ago`` seconds ago (comm.watchdog)."""
+        self.beat(to, struct.pack("!d", ago))
+
     def heard_from(self, who: Beacon) -> bool:
         try:
             while True:
@@ -52,13 +62,19 @@ class Peer:
             return False
 
 
-def start(training, spares, min_ranks, me_training=True):
+def start(training, spares, min_ranks, me_training=True, freeze_timeout=None):
+    """A process with a quorum (and a freeze timeout), watching ``training`` and ``spares`` with
+    itself among the training ranks (the last) or the spares: (the process, its beacon)."""
     import pickle
 
     env = dict(os.environ)
     env.pop("LIGHTNING_MPI_HEAL_OUTCOME", None)
     child = subprocess.Popen(
-        [sys.executable, "-c", CHILD], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env
+        [sys.executable, "-c", CHILD, repr(freeze_timeout)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
     )
     beacon = pickle.loads(bytes.fromhex(child.stdout.readline().decode()))
     child.stdin.write(pickle.dumps(([p.beacon for p in training], [p.beacon for p in spares], min_ranks, me_training)))

@@ -80,12 +80,18 @@ class TestBuildCommand:
             "--mca", "mpi_ft_detector_timeout", "8",
             # what it finds reaches every rank (a spare that detected a loss told no training rank)
             "--mca", "mpi_ft_propagator_with_rbcast", "true",
+            # a rank that does not run for 2 s while the others run is killed beside it (comm.watchdog)
+            "-x", "LIGHTNING_MPI_FREEZE_TIMEOUT=2",
             "--oversubscribe", "--allow-run-as-root", "--bind-to", "none", "py", "train.py", "fit", "--x=1",
         ]
         quiet = build_command(spec(nprocs=3, heal=True, hang_timeout=None, launcher="mpirun"), "openmpi")
         assert "mpi_ft_detector" not in quiet  # no detector: a lost rank is noticed when its process ends
         with pytest.raises(ValueError, match=r"hang_timeout=0: must be a number of seconds > 0, or None"):
             spec(heal=True, hang_timeout=0)
+        off = build_command(spec(nprocs=3, heal=True, freeze_timeout=None, launcher="mpirun"), "openmpi")
+        assert off[off.index("LIGHTNING_MPI_FREEZE_TIMEOUT=0") - 1] == "-x"  # 0: the ranks keep no watchdog
+        with pytest.raises(ValueError, match=r"freeze_timeout=-1: must be a number of seconds > 0, or None"):
+            spec(heal=True, freeze_timeout=-1)
 
     def test_openmpi_heal_numbers_ranks_round_robin_over_hosts(self):
         # Open MPI's detector is a ring (rank r + 1 watches rank r): with a host's ranks consecutive, a

@@ -182,8 +182,7 @@ FROZEN = "frozen.pid"
 
 def freeze() -> None:
     """This rank hangs (SIGSTOP: every thread stopped, nothing answers), after writing its pid to
-    OUT/FROZEN; the survivors' heartbeat detector declares it failed and a survivor on this host
-    kills it."""
+    OUT/FROZEN; the process beside it kills it (lightning_mpi.comm.watchdog), and the survivors heal."""
     (OUT / FROZEN).write_text(str(os.getpid()))
     sys.stdout.flush()
     os.kill(os.getpid(), signal.SIGSTOP)
@@ -459,9 +458,9 @@ def drain_heal_phase() -> dict:
 
 
 def replace_downpour_phase() -> dict:
-    """The last rank hangs (SIGSTOP) instead of dying: the heartbeat detector of ``lightning-mpi
-    --heal`` declares it failed, a survivor kills it, and a spare takes its place. (Only a rank of
-    the job as launched: Open MPI 5.0.11's detector does not watch processes spawned later.)"""
+    """The last rank hangs (SIGSTOP) instead of dying: the process beside it kills it once its peers
+    ran on for ``lightning-mpi --freeze-timeout`` (lightning_mpi.comm.watchdog), the survivors heal,
+    and a spare takes its place."""
     return _replace_rule_phase("replace_downpour", "DownpourStrategy", freezes=True)
 
 
@@ -474,7 +473,10 @@ def replace_powersgd_phase() -> dict:
 
 
 def replace_easgd_phase() -> dict:
-    return _replace_rule_phase("replace_easgd", "EASGDStrategy")
+    """The last rank, spawned in the phase before, hangs (SIGSTOP): Open MPI 5.0.11's detector does
+    not watch processes spawned after the launch (the survivors waited for good, before the
+    watchdog), the process beside it does, and kills it."""
+    return _replace_rule_phase("replace_easgd", "EASGDStrategy", freezes=True)
 
 
 def replace_fabric_phase() -> dict:
