@@ -1,7 +1,7 @@
 """A hung rank is a lost rank: keep live ranks answering Open MPI's heartbeat detector, and kill the
 ranks a heal left behind so that they cannot come back. (A rank on the side of a network partition
-that stops freezes itself before its detector fires, and a rank that stopped running while its
-peers ran is killed within ``lightning-mpi --freeze-timeout``: :mod:`.quorum` and :mod:`.watchdog`,
+that stops freezes itself before its detector fires, and a rank that is stopped while its peers go
+on is killed within ``lightning-mpi --freeze-timeout``: :mod:`.quorum` and :mod:`.watchdog`,
 in a process beside the rank started here by :func:`quorum`.)
 
 Detection is Open MPI's (ULFM): ``lightning-mpi --heal`` turns on its heartbeat failure detector
@@ -59,7 +59,7 @@ DETECTOR_TIMEOUT_ENV = "OMPI_MCA_mpi_ft_detector_timeout"
 DETECTOR_ENV = "OMPI_MCA_mpi_ft_detector"
 #: the environment variable through which ``lightning-mpi --freeze-timeout S`` reaches the ranks
 FREEZE_TIMEOUT_ENV = "LIGHTNING_MPI_FREEZE_TIMEOUT"
-#: seconds a rank may go without running while its peers run before it is killed
+#: seconds a rank may stay stopped (``SIGSTOP``) while its peers go on before it is killed
 #: (:mod:`.watchdog`), when ``--freeze-timeout`` did not say (``lightning-mpi``'s default too)
 FREEZE_TIMEOUT = 2.0
 
@@ -77,8 +77,8 @@ def detector_timeout(environ: dict[str, str] | None = None) -> float | None:
 
 
 def freeze_timeout(environ: dict[str, str] | None = None) -> float | None:
-    """Seconds a rank may go without running while its peers run before the process beside it kills
-    it (``lightning-mpi --freeze-timeout``; :mod:`.watchdog`), or ``None`` when that is off (0)."""
+    """Seconds a rank may stay stopped while its peers go on before the process beside it kills it
+    (``lightning-mpi --freeze-timeout``; :mod:`.watchdog`), or ``None`` when that is off (0)."""
     env = os.environ if environ is None else environ
     try:
         seconds = float(env.get(FREEZE_TIMEOUT_ENV, FREEZE_TIMEOUT))
@@ -135,16 +135,14 @@ _QUORUM: list[Quorum] = []
 
 def quorum() -> Quorum | None:
     """This process's :class:`~.quorum.Quorum` (a process cut off from most of the run stops before
-    Open MPI's detector on its side fires, and a rank frozen while its peers run is killed:
+    Open MPI's detector on its side fires, and a rank stopped while its peers go on is killed:
     :mod:`.watchdog`), started on first use, when Open MPI's detector is on (``None`` otherwise): its
     timeout is :data:`~.quorum.LEAVE_SHARE` of the detector's, its freeze timeout
-    :func:`freeze_timeout`'s. MPI must be initialised: the :func:`heartbeat` thread is started first,
-    since the watchdog takes a rank none of whose threads ran for the freeze timeout for a frozen one."""
+    :func:`freeze_timeout`'s."""
     if not _QUORUM:
         timeout = detector_timeout()
         if timeout is None:
             return None
-        heartbeat()
         _QUORUM.append(Quorum(LEAVE_SHARE * timeout, freeze_timeout()))
     return _QUORUM[0]
 

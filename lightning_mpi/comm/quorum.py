@@ -48,8 +48,8 @@ What can look like a cut, and what does not:
 - a process that ends normally says so (a last datagram at exit), and counts as heard from then on:
   ranks that end seconds apart do not make the last ones stop;
 - a training process that hangs keeps beating (its beating process runs on): the beating process
-  kills a rank that stopped running while its peers ran (:mod:`.watchdog`: each beat says how long
-  ago the sender's rank last ran), and Open MPI's detector finds a whole host that stopped
+  kills a rank that is stopped while its peers go on (:mod:`.watchdog`: each beat says how long ago
+  the sender's rank was last seen not stopped), and Open MPI's detector finds a whole host that stopped
   (:mod:`.liveness`).
 
 Cost: ``N - 1`` datagrams of 16 bytes per period from each of ``N`` processes (64 ranks at the
@@ -126,8 +126,8 @@ class Quorum:
 
     Args:
         timeout: seconds hearing fewer than ``min_ranks`` training ranks before this process stops.
-        freeze_timeout: seconds this process may go without running while a peer runs before its
-            beating process kills it (:mod:`.watchdog`); ``None``: never.
+        freeze_timeout: seconds this process may stay stopped (``SIGSTOP``) while a peer goes on before
+            its beating process kills it (:mod:`.watchdog`); ``None``: never.
     """
 
     def __init__(self, timeout: float, freeze_timeout: float | None = None) -> None:
@@ -195,14 +195,14 @@ def _read(stream: IO[bytes]) -> Any:
 class _Beats:
     """The beating process's work (``python -m lightning_mpi.comm.quorum PARENT TIMEOUT
     FREEZE_TIMEOUT``): beat, listen, judge, freeze ``parent`` when it is cut off, and kill it when it
-    stopped running while its peers ran (:mod:`.watchdog`, unless ``freeze_timeout`` is ``None``)."""
+    is stopped while its peers go on (:mod:`.watchdog`, unless ``freeze_timeout`` is ``None``)."""
 
     def __init__(self, parent: int, timeout: float, freeze_timeout: float | None) -> None:
         self.parent = parent
         self.timeout = timeout
         self.period = timeout / BEATS
         self.watchdog = None if freeze_timeout is None else Watchdog(parent, freeze_timeout, time.monotonic())
-        # a look at the parent's CPU time at every turn of the loop: several per freeze timeout
+        # a look at the parent's state at every turn of the loop: several per freeze timeout
         self.turn = self.period / 2 if freeze_timeout is None else min(self.period / 2, freeze_timeout / 8)
         self.socket = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         self.socket.bind(("0.0.0.0", 0))
@@ -212,7 +212,7 @@ class _Beats:
         self.training: dict[bytes, int] = {}  # token -> training rank
         self.min_ranks = 0  # 0: judging nothing
         self.heard: dict[bytes, float] = {}
-        self.ran: dict[bytes, float] = {}  # token -> when that peer's rank last ran, by its beats
+        self.going: dict[bytes, float] = {}  # token -> when that peer's rank was last not stopped, by its beats
         self._hopeless = False  # said that no side of a cut can go on
 
     def run(self, commands: IO[bytes]) -> None:
@@ -228,12 +228,12 @@ class _Beats:
             if now - last > self.timeout / 2:  # this process did not run: judge nothing from the gap
                 self.heard = {t: max(at, now) for t, at in self.heard.items()}  # a goodbye stays
             if self.watchdog is not None:
-                if now - last > self.watchdog.timeout / 2:  # the same for the parent's stillness
+                if now - last > self.watchdog.timeout / 2:  # the same for the parent's stop
                     self.watchdog.excuse(now)
                 self.watchdog.look(now)
             last = now
             if now >= next_beat:
-                self._send(b"" if self.watchdog is None else struct.pack("!d", now - self.watchdog.last_ran))
+                self._send(b"" if self.watchdog is None else struct.pack("!d", now - self.watchdog.last_going))
                 next_beat = now + self.period
             reason = self._cut_off(now)
             if reason is not None:
@@ -270,8 +270,8 @@ class _Beats:
                 return
             token, said = data[:8], data[8:]
             self.heard[token] = float("inf") if said == BYE else now
-            if len(said) == 8:  # how long ago the peer's rank last ran
-                self.ran[token] = now - struct.unpack("!d", said)[0]
+            if len(said) == 8:  # how long ago the peer's rank was last seen not stopped
+                self.going[token] = now - struct.unpack("!d", said)[0]
 
     def _send(self, what: bytes) -> None:
         payload = self.beacon.token + what
@@ -329,7 +329,7 @@ class _Beats:
         peers = {p.token for p in self.peers}
         rank = self.training.get(self.beacon.token)
         who = "a spare" if rank is None else f"rank {rank}"
-        return self.watchdog.verdict(now, (at for t, at in self.ran.items() if t in peers), who)
+        return self.watchdog.verdict(now, (at for t, at in self.going.items() if t in peers), who)
 
     def _freeze_parent(self, reason: str) -> None:
         """Write ``reason`` (and the launcher's failure mark for a training rank), freeze the parent,

@@ -141,10 +141,10 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="S",
         type=_arg_seconds,
         default=FREEZE_TIMEOUT,
-        help=f"with --heal and the detector: a rank whose process does not run at all for S seconds while the "
-        f"other ranks run (stopped by a signal, frozen by its kernel) is killed by the process beside it, and "
-        f"healed at once like a killed one (default {FREEZE_TIMEOUT:g}; 0: never, the detector finds it after "
-        "--hang-timeout). A whole job stopped at once is left alone",
+        help=f"with --heal and the detector: a rank whose process stays stopped for S seconds while the other "
+        f"ranks go on (SIGSTOP; SIGTTIN from reading the terminal in the background) is killed by the process "
+        f"beside it, and healed at once like a killed one (default {FREEZE_TIMEOUT:g}; 0: never, the detector "
+        "finds it after --hang-timeout). A whole job stopped at once is left alone",
     )
     parser.add_argument(
         "--spares",

@@ -29,9 +29,9 @@ ENV_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 HANG_TIMEOUT = 8.0
 #: heartbeats per timeout (Open MPI wants the timeout above 3 periods)
 DETECTOR_BEATS = 5
-#: ``--freeze-timeout``'s default: seconds a rank's process may go without running while the others
-#: run before the process beside it kills it, so that the run heals it at once (docs/faults.md,
-#: "Hung ranks"; ``lightning_mpi.comm.watchdog``)
+#: ``--freeze-timeout``'s default: seconds a rank's process may stay stopped (``SIGSTOP``) while the
+#: others go on before the process beside it kills it, so that the run heals it at once
+#: (docs/faults.md, "Hung ranks"; ``lightning_mpi.comm.watchdog``)
 FREEZE_TIMEOUT = 2.0
 #: how it reaches the ranks (``lightning_mpi.comm.liveness`` reads it)
 FREEZE_TIMEOUT_ENV = "LIGHTNING_MPI_FREEZE_TIMEOUT"
@@ -62,10 +62,10 @@ class LaunchSpec:
       training rank, and 8 ranks waited on a cut-off host for good); ``None``: the detector stays off
       (a lost rank is then noticed only when its process ends). With the detector on, the ranks are
       numbered round-robin over the hosts (:attr:`ranks_by_node`).
-    - ``freeze_timeout``: with ``heal`` and the detector, seconds a rank's process may go without
-      running at all (every thread stopped: ``SIGSTOP``, frozen by its kernel) while the other ranks
-      run, before the process beside it kills it, which the run heals at once; ``None``: never (a
-      frozen rank is then found by the detector).
+    - ``freeze_timeout``: with ``heal`` and the detector, seconds a rank's process may stay stopped
+      (``SIGSTOP``; ``SIGTTIN`` from reading the terminal in the background) while the other ranks
+      go on, before the process beside it kills it, which the run heals at once; ``None``: never (a
+      stopped rank is then found by the detector).
 
     Invalid values raise ``ValueError`` naming the field and the value.
     """

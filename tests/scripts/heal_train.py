@@ -458,8 +458,8 @@ def drain_heal_phase() -> dict:
 
 
 def replace_downpour_phase() -> dict:
-    """The last rank hangs (SIGSTOP) instead of dying: the process beside it kills it once its peers
-    ran on for ``lightning-mpi --freeze-timeout`` (lightning_mpi.comm.watchdog), the survivors heal,
+    """The last rank hangs (SIGSTOP) instead of dying: the process beside it kills it once it has been
+    stopped for ``lightning-mpi --freeze-timeout`` (lightning_mpi.comm.watchdog), the survivors heal,
     and a spare takes its place."""
     return _replace_rule_phase("replace_downpour", "DownpourStrategy", freezes=True)
 

@@ -1199,8 +1199,8 @@ def test_parameter_server_and_gossip_rules_replace_a_lost_rank(rules_replaced):
     # its last rank hung (SIGSTOP) rather than died: killed by the process beside it, which saw it stop
     # while the others ran on (comm.watchdog)
     assert all(result["frozen_alive"] is False for result in ours[:2])
-    frozen = [line for line in err.splitlines() if "lightning_mpi: rank 2 (" in line and "has not run for" in line]
-    assert len(frozen) >= 1 and "while the rest of the run ran" in frozen[0], err[-3000:]
+    frozen = [line for line in err.splitlines() if "lightning_mpi: rank 2 (" in line and "has been stopped for" in line]
+    assert len(frozen) >= 1 and "while the rest of the run went on" in frozen[0], err[-3000:]
     _replaced_phase_checks(finals, records, "replace_gosgd", 18, 14)
 
 
@@ -1216,7 +1216,7 @@ def test_powersgd_and_easgd_replace_a_lost_rank(rules_replaced):
     _replaced_phase_checks(finals, records, "replace_powersgd", 3, 17)
     ours = _replaced_phase_checks(finals, records, "replace_easgd", 17, 18)
     assert all(result["frozen_alive"] is False for result in ours[:2])
-    frozen = [line for line in err.splitlines() if "lightning_mpi: rank 2 (" in line and "has not run for" in line]
+    frozen = [line for line in err.splitlines() if "lightning_mpi: rank 2 (" in line and "has been stopped for" in line]
     assert len(frozen) == 2, err[-3000:]  # this phase's and DOWNPOUR's
 
 
