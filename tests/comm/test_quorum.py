@@ -19,14 +19,9 @@ from lightning_mpi.comm.quorum import BYE, Beacon, Quorum, local_addresses
 
 CHILD = textwrap.dedent(
     """
-    import pickle, sys, threading, time
+    import pickle, sys, time
     from lightning_mpi.comm.quorum import Beacon, Quorum
 
-    def wake():  # a rank's heartbeat thread (comm.liveness): a live rank runs every 50 ms
-        while True:
-            time.sleep(0.05)
-
-    threading.Thread(target=wake, daemon=True).start()
     quorum = Quorum(timeout=1.0, freeze_timeout=None if sys.argv[1] == "None" else float(sys.argv[1]))
     print(pickle.dumps(quorum.beacon).hex(), flush=True)
     training, spares, min_ranks, me_training = pickle.loads(sys.stdin.buffer.read())
@@ -49,8 +44,8 @@ class Peer:
     def beat(self, to: Beacon, what: bytes = b"") -> None:
         self.socket.sendto(self.beacon.token + what, ("127.0.0.1", to.port))
 
-    def beat_ran(self, to: Beacon, ago: float) -> None:
-        """A beat that says this peer's rank last ran ``ago`` seconds ago (comm.watchdog)."""
+    def beat_going(self, to: Beacon, ago: float) -> None:
+        """A beat that says this peer's rank was last seen not stopped ``ago`` seconds ago (comm.watchdog)."""
         self.beat(to, struct.pack("!d", ago))
 
     def heard_from(self, who: Beacon) -> bool:

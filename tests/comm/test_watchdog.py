@@ -15,13 +15,13 @@ from lightning_mpi.comm.watchdog import Watchdog, process_state
 from tests.comm.test_quorum import Peer, start
 
 
-def beat_ran_for(seconds, child, beacon, peers, stopped_at=None):
-    """Beat to ``child`` for ``seconds`` (or until it ends), each peer saying its rank ran just now,
-    or, with ``stopped_at``, that it stopped then too."""
+def beat_going_for(seconds, child, beacon, peers, stopped_at=None):
+    """Beat to ``child`` for ``seconds`` (or until it ends), each peer saying its rank goes on, or,
+    with ``stopped_at``, that it stopped then too."""
     end = time.monotonic() + seconds
     while time.monotonic() < end and child.poll() is None:
         for peer in peers:
-            peer.beat_ran(beacon, 0.0 if stopped_at is None else time.monotonic() - stopped_at)
+            peer.beat_going(beacon, 0.0 if stopped_at is None else time.monotonic() - stopped_at)
         time.sleep(0.05)
 
 
@@ -30,10 +30,10 @@ def test_a_rank_stopped_while_its_peers_run_is_killed_and_says_why():
     a, b = Peer(), Peer()
     child, beacon = start([a, b], [], min_ranks=2, freeze_timeout=1.0)
     try:
-        beat_ran_for(2.5, child, beacon, [a, b])  # not stopped (it sleeps, mostly): stays
+        beat_going_for(2.5, child, beacon, [a, b])  # not stopped (it sleeps, mostly): stays
         assert child.poll() is None
         child.send_signal(signal.SIGSTOP)
-        beat_ran_for(20.0, child, beacon, [a, b])  # its peers run on
+        beat_going_for(20.0, child, beacon, [a, b])  # its peers run on
         assert child.wait(timeout=10) == -signal.SIGKILL
         err = child.stderr.read().decode()
         assert "lightning_mpi: rank 2 (" in err and "has been stopped for " in err
@@ -50,12 +50,12 @@ def test_a_whole_run_stopped_at_once_and_peers_that_say_nothing_of_their_ranks_k
     a, b = Peer(), Peer()
     child, beacon = start([a, b], [], min_ranks=2, freeze_timeout=1.0)
     try:
-        beat_ran_for(1.5, child, beacon, [a, b])
+        beat_going_for(1.0, child, beacon, [a, b])
         child.send_signal(signal.SIGSTOP)  # the launcher stops every rank at once (a Ctrl-Z)
-        beat_ran_for(4.0, child, beacon, [a, b], stopped_at=time.monotonic())
+        beat_going_for(3.0, child, beacon, [a, b], stopped_at=time.monotonic())
         assert child.poll() is None
         child.send_signal(signal.SIGCONT)
-        beat_ran_for(2.0, child, beacon, [a, b])
+        beat_going_for(1.0, child, beacon, [a, b])
         assert child.poll() is None  # continued, it runs on
     finally:
         child.kill()
@@ -64,7 +64,7 @@ def test_a_whole_run_stopped_at_once_and_peers_that_say_nothing_of_their_ranks_k
     child, beacon = start([a, b], [], min_ranks=2, freeze_timeout=1.0)
     try:
         child.send_signal(signal.SIGSTOP)
-        end = time.monotonic() + 4.0
+        end = time.monotonic() + 3.0
         while time.monotonic() < end:  # plain beats: heard, but nothing said of when their ranks ran
             a.beat(beacon)
             b.beat(beacon)
@@ -81,7 +81,7 @@ def test_without_a_freeze_timeout_a_stopped_rank_is_left_to_open_mpi():
     child, beacon = start([a, b], [], min_ranks=2)
     try:
         child.send_signal(signal.SIGSTOP)
-        beat_ran_for(4.0, child, beacon, [a, b])
+        beat_going_for(3.0, child, beacon, [a, b])
         assert child.poll() is None
     finally:
         child.kill()
