@@ -136,7 +136,6 @@ class Quorum:
         if freeze_timeout is not None and not freeze_timeout > 0:
             raise ValueError(f"freeze_timeout={freeze_timeout!r}: must be a number of seconds > 0, or None")
         self.timeout = float(timeout)
-        self.freeze_timeout = freeze_timeout
         self._child = subprocess.Popen(
             [sys.executable, "-m", __name__, str(os.getpid()), repr(self.timeout), repr(freeze_timeout)],
             stdin=subprocess.PIPE,

@@ -14,9 +14,8 @@ process end at once, and the survivors heal.
 
 Stopped, not merely idle: a live rank can go seconds without running at all. Measured at 8 ranks and
 2 spares on 2 cores, in a network partition: a rank of the side that went on, and a spare, did not
-run for 2.8 s (every thread waiting, the heartbeat thread included: a main thread blocked in an MPI
-call with Python's lock held), and a watchdog that judged by CPU time killed both, leaving too few
-ranks to go on.
+run for 2.8 s (every thread waiting, the heartbeat thread included; on what, not found), and a
+watchdog that judged by CPU time killed both, leaving too few ranks to go on.
 
 What it leaves alone:
 

@@ -116,7 +116,7 @@ class LaunchSpec:
         if self.freeze_timeout is not None and not self.freeze_timeout > 0:
             raise ValueError(
                 f"freeze_timeout={self.freeze_timeout!r}: must be a number of seconds > 0, or None (never kill a "
-                "frozen rank)"
+                "stopped rank)"
             )
         for host in self.hosts:
             parse_host(host)  # raises ValueError naming the bad host
@@ -137,8 +137,8 @@ def build_command(spec: LaunchSpec, flavor: Flavor) -> list[str]:
     - ``"openmpi"``: ``mpirun -np N [--with-ft ulfm --mca coll ^han] [--oversubscribe] [--allow-run-as-root]
       --bind-to none [--host a:S,b:S | --hostfile F] [--map-by ppr:K:node [--rank-by node] | node]
       [-x K=V]... python script args``, with the detector's settings and ``-x
-      LIGHTNING_MPI_FREEZE_TIMEOUT=S`` after ``--with-ft``. Hosts without explicit slots get ``S = K`` (with ``ppn``) or
-      ``S = ceil(N / hosts)`` plus ``--map-by node``, so ranks go round-robin over hosts as hydra
+      LIGHTNING_MPI_FREEZE_TIMEOUT=S`` after ``--with-ft``. Hosts without explicit slots get ``S =
+      K`` (with ``ppn``) or ``S = ceil(N / hosts)`` plus ``--map-by node``, so ranks go round-robin over hosts as hydra
       places them; hosts of one slot each get ``--map-by node`` too (oversubscribed, the extra ranks
       then wrap around as in hydra). Under ``heal`` with the detector, ranks are numbered
       round-robin over the hosts whatever their slots (:attr:`LaunchSpec.ranks_by_node`: ``--map-by
