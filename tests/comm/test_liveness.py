@@ -1,10 +1,12 @@
 """comm/liveness.py: the heartbeat detector's timeout as the ranks see it, and the survivors' kill of
-lost ranks on their own host (multi-rank: tests/strategies/test_heal.py, the ``hang`` launch)."""
+lost ranks on their own host (multi-rank: tests/strategies/test_heal.py, the ``hang`` launch), and MPI
+finalized at exit as soon as the heartbeat ends."""
 
 import os
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 
 import pytest
@@ -51,3 +53,25 @@ def test_lost_ranks_on_this_host_are_killed_and_the_table_follows_the_survivors(
     finally:
         if stopped.poll() is None:
             stopped.kill()
+
+
+@pytest.mark.timeout(60)
+def test_the_heartbeat_ends_and_mpi_is_finalized_at_exit_before_the_interpreter_tears_down():
+    """Open MPI's ULFM ``MPI_Finalize`` waits for every rank, and a rank that answers no heartbeat
+    while its interpreter tears down (mpi4py finalizes only after that) was declared failed: the
+    heartbeat's exit handler finalizes MPI at once. An exit handler registered before it runs after
+    it, and sees MPI finalized; the process ends cleanly."""
+    script = textwrap.dedent(
+        """
+        import atexit
+        from mpi4py import MPI
+        from lightning_mpi.comm.liveness import Heartbeat
+
+        atexit.register(lambda: print("finalized at exit:", MPI.Is_finalized(), flush=True))
+        beat = Heartbeat()
+        print("beating:", beat._thread.is_alive(), flush=True)
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=50)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.splitlines() == ["beating: True", "finalized at exit: True"], done.stdout
