@@ -19,9 +19,10 @@ stopped) goes silent. It starts the moment ``mpi4py.MPI`` is imported (MPI initi
 process of such a job (:func:`beat_from_mpi_init`, which ``import lightning_mpi`` calls): a script
 that initialises MPI and then imports torch and Lightning, seconds without an MPI call on a loaded
 machine, was declared failed before its first collective (measured: 12 ranks on 2 cores). Open
-MPI's own detector thread (``mpi_ft_detector_thread``) would do the same
-but hangs ``MPI_Finalize`` in 5.0.11, and its loop keeps a core busy per rank. A rank whose training thread hangs while its process still
-runs (a kernel that never returns) keeps answering: ``collective_timeout`` is what ends that wait.
+MPI's own detector thread (``mpi_ft_detector_thread``) would do the same but hangs ``MPI_Finalize``
+in 5.0.11, and its loop keeps a core busy per rank. A rank whose training thread hangs while its
+process still runs (a kernel that never returns) keeps answering: ``collective_timeout`` is what
+ends that wait.
 
 A rank declared failed may still be alive: stopped, or cut off by the network. Open MPI aborts
 such a process as soon as it learns that it was reported dead (measured: "ompi_proc_mark_as_failed:

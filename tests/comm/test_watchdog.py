@@ -1,8 +1,9 @@
 """comm/watchdog: a rank whose process is stopped while its peers go on is killed by the beating
 process beside it (so that the run heals it as a killed rank); a whole run stopped at once, a rank
-whose peers say nothing of their own, and a rank that waits without being stopped are left alone. The process under test is a child with a
-quorum (tests/comm/test_quorum.py's); this test process plays its peers. The heal that follows such
-a kill, under mpiexec, is in tests/strategies/test_heal.py."""
+whose peers say nothing of their own, and a rank that waits without being stopped are left alone.
+The process under test is a child with a quorum (tests/comm/test_quorum.py's); this test process
+plays its peers. The heal that follows such a kill, under mpiexec, is in
+tests/strategies/test_heal.py."""
 
 import signal
 import subprocess
@@ -12,7 +13,7 @@ import time
 import pytest
 
 from lightning_mpi.comm.watchdog import Watchdog, process_state
-from tests.comm.test_quorum import Peer, start
+from tests.comm.test_quorum import Peer, beat_for, start
 
 
 def beat_going_for(seconds, child, beacon, peers, stopped_at=None):
@@ -64,11 +65,7 @@ def test_a_whole_run_stopped_at_once_and_peers_that_say_nothing_of_their_ranks_k
     child, beacon = start([a, b], [], min_ranks=2, freeze_timeout=1.0)
     try:
         child.send_signal(signal.SIGSTOP)
-        end = time.monotonic() + 3.0
-        while time.monotonic() < end:  # plain beats: heard, but nothing said of when their ranks ran
-            a.beat(beacon)
-            b.beat(beacon)
-            time.sleep(0.05)
+        beat_for(3.0, beacon, [a, b])  # plain beats: heard, but nothing said of when their ranks ran
         assert child.poll() is None
     finally:
         child.kill()
