@@ -26,9 +26,9 @@ waits for one); ``--faults`` picks the kinds, each a separate run of each faulte
 At the end of the budget (partitions restored) the benchmark writes ``OUT/stop``: the step, a few
 steps past the last one logged, at which every process stops; every process that gets there writes
 a digest of its final weights (``replicas identical``). A job that does not end within ``--drain``
-seconds (a hung rank) is SIGKILLed whole; a job with no step for 20 s after a fault gets every
-process's stack dumped (``py-spy dump``, where installed) into ``stall-stacks.txt`` under its
-``--workdir`` run directory, where it hangs. Arms:
+seconds (a hung rank) is SIGKILLed whole; a job with no step for 20 s after a fault, or that does
+not end after the stop request, gets every process's stack dumped first (``py-spy dump``, where
+installed) into ``stall-stacks.txt`` under its ``--workdir`` run directory, where it hangs. Arms:
 
 - ``heal_shrink``, ``heal_replace``: ``lightning-mpi --heal`` with ``SyncStrategy(heal=...)``: the
   survivors heal and go on (``"replace"`` spawns new ranks back up to ``--ranks``);
@@ -730,6 +730,8 @@ def run_arm(arm: Arm, s: Settings, out: Path, fault: str | None = None, cluster=
             drain(proc, out, s)
             code = proc.poll()
             if code is None:
+                if not dumped:  # where it hangs, before it is killed
+                    dump_stacks(descendants(proc.pid), out / "stall-stacks.txt")
                 ended = f"still running {s.drain:g} s after the stop request, killed"
             else:
                 ended = "stopped" if code == 0 else f"the job failed (exit code {code})"

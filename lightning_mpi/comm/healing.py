@@ -36,13 +36,16 @@ A survivor therefore (1) catches :class:`~.errors.ProcessFailed`, (2) calls :fun
 closes the rule through ``before_release``), (3) rebuilds its node layout and binds its rule on
 ``run.transport`` with the state it kept, and (4) redoes the interrupted exchange. With
 ``heal="replace"`` it then calls :func:`grow_run` (the survivors wait for the new processes'
-start-up), or :func:`start_growth`, :func:`poll_ready` at each step and :func:`finish_growth` (the
-survivors train on while the new processes start: what the Trainer strategies do), and the new
-processes call :func:`join_run` and receive the state from a survivor.
+start-up), or :class:`Growing` (the spawn in a thread of its own), :func:`poll_ready` at
+each step and :func:`finish_growth` (the survivors train on while the new processes start: what
+the Trainer strategies do), and the new processes call :func:`join_run` and receive the state from
+a survivor.
 """
 
 from __future__ import annotations
 
+import sys
+import threading
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -53,9 +56,10 @@ from lightning_mpi.comm.resources import RunResources, keep_pending
 from lightning_mpi.comm.respawn import JOINED, READY_TAG, Respawned, join_parent, respawn
 from lightning_mpi.comm.spares import is_spare, wait_as_spare
 from lightning_mpi.comm.transport import Transport
-from lightning_mpi.comm.ulfm import Healed, free, heal, retire
+from lightning_mpi.comm.ulfm import Healed, free, heal, retire, revoke
 
 __all__ = [
+    "Growing",
     "HealedRun",
     "build_run",
     "finish_growth",
@@ -65,7 +69,6 @@ __all__ = [
     "poll_ready",
     "release_failed_run",
     "run_communicators",
-    "start_growth",
 ]
 
 
@@ -196,25 +199,92 @@ def grow_run(
     parent of the merged one). On :class:`~.errors.ProcessFailed` from the spawn (new processes kept
     dying), ``run`` is still intact: go on without replacements.
     """
-    import sys
-
     respawned = respawn(run.base, script, argv, n, python=python or sys.executable)
     errors, fresh = build_run(respawned.comm, run.transport.timeout, serial)
     run.close()
     return HealedRun(respawned.comm, errors, fresh, healed=run.healed, respawned=respawned, kept=run.kept)
 
 
-def start_growth(
-    base: Any, script: str, argv: Sequence[str] = (), n: int = 1, *, python: str | None = None
-) -> Respawned:
-    """The survivors' first half of a growth that does not wait for the new processes' imports:
-    spawn ``n`` processes (``python -m lightning_mpi.comm.spawned script argv...``), which join at
-    once (:func:`~.respawn.respawn`, about a second), then run ``script``. Collective over
-    ``base``; the survivors go on over ``base`` and call :func:`poll_ready` (rank 0) until every
-    new process is ready, then :func:`finish_growth`. Raises as :func:`~.respawn.respawn`."""
-    import sys
+class Growing:
+    """The survivors' first half of a growth that waits neither for the new processes' imports nor
+    for their start: ``n`` processes spawned (``python -m lightning_mpi.comm.spawned script
+    argv...``), which join at once (:func:`~.respawn.respawn`), then run ``script``, from a thread
+    of its own. Once it has ended the survivors go on over ``base`` and call :func:`poll_ready`
+    (rank 0) until every new process is ready, then :func:`finish_growth`.
 
-    return respawn(base, "-m", ["lightning_mpi.comm.spawned", script, *argv], n, python=python or sys.executable)
+    The spawn blocks its callers until the new interpreters have started MPI and said hello
+    (measured with ``benchmarks/goodput.py``'s ``heal_replace`` at 8 ranks on 2 cores: 1.3 and
+    1.8 s per kill in which the survivors trained nothing). Here it runs over a duplicate of
+    ``base`` (made now, collective over ``base``; MPI allows collectives of two threads on two
+    communicators), and the caller asks :meth:`done` between its own operations; every
+    survivor's thread ends with the same outcome (:func:`~.respawn.respawn` agrees on it), which
+    :meth:`outcome` returns or raises.
+
+    :meth:`cancel` (training ended, or a survivor was lost and the healed run spawns anew) cuts the
+    wait for hellos short (:data:`~.respawn.CANCEL_GRACE`) and rules out a second try, on every
+    survivor (they agree on it), and waits for the thread a bounded time: a spawn whose new
+    processes never start MPI cannot be interrupted.
+    ``hosts``: where to start each new process first (:func:`~.respawn.placement`).
+    """
+
+    def __init__(
+        self,
+        base: Any,
+        script: str,
+        argv: Sequence[str] = (),
+        n: int = 1,
+        *,
+        python: str | None = None,
+        hosts: Sequence[str] | None = None,
+    ) -> None:
+        self._comm = base.Dup()
+        self._cancel = threading.Event()
+        self._result: Respawned | BaseException | None = None
+        where = list(hosts) if hosts else None
+        self._thread = threading.Thread(
+            target=self._run, args=(script, list(argv), n, python, where), name="lightning_mpi spawn", daemon=True
+        )
+        self._thread.start()
+
+    def _run(self, script: str, argv: list[str], n: int, python: str | None, hosts: list[str] | None) -> None:
+        try:
+            command = ["lightning_mpi.comm.spawned", script, *argv]
+            python = python or sys.executable
+            self._result = respawn(
+                self._comm, "-m", command, n, python=python, cancelled=self._cancel.is_set, hosts=hosts
+            )
+        except BaseException as error:  # noqa: BLE001  (handed to the training thread by outcome())
+            self._result = error
+
+    def done(self) -> bool:
+        """Whether this survivor's thread has ended (local; the survivors agree on the moment)."""
+        return not self._thread.is_alive()
+
+    def outcome(self) -> Respawned:
+        """Once :meth:`done`: the new processes joined to the survivors, or what the spawn raised
+        (as :func:`~.respawn.respawn`: :class:`~.errors.ProcessFailed` when none joined, or a
+        survivor died)."""
+        assert self.done(), "Growing.outcome() before the spawn ended"
+        free(self._comm)
+        result = self._result
+        if isinstance(result, BaseException):
+            raise result
+        assert result is not None
+        return result
+
+    def cancel(self, wait: float) -> bool:
+        """Give the spawn up (every survivor calls it, in any order) and wait up to ``wait`` seconds
+        for the thread; frees what it made. Returns whether the thread ended."""
+        self._cancel.set()
+        self._thread.join(timeout=wait)
+        if self._thread.is_alive():
+            return False
+        result = self._result
+        if isinstance(result, Respawned):  # joined before the cancel reached it: let the new ones go
+            revoke(result.comm)
+            free(result.comm)
+        free(self._comm)
+        return True
 
 
 def poll_ready(respawned: Respawned, heard: set[int]) -> bool:
@@ -240,7 +310,7 @@ def finish_growth(run: HealedRun, respawned: Respawned, serial: int = 0) -> Heal
 
 
 def join_run(timeout: float | None, serial: int = 0, min_ranks: int | None = None) -> HealedRun | None:
-    """In a process spawned by :func:`grow_run` or :func:`start_growth`: join the survivors and
+    """In a process spawned by :func:`grow_run` or :class:`Growing`: join the survivors and
     build the same run (its half of the collectives of :func:`grow_run` / :func:`finish_growth`);
     ``None`` in a process that was not spawned. A process started by :mod:`.spawned` joined
     already: it tells rank 0 it is ready and waits for the survivors to let it in. A spare

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,10 +31,22 @@ import numpy as np
 from lightning_mpi.comm.errors import ProcessFailed, failures_raised, process_failure
 from lightning_mpi.comm.ulfm import free, require_heal, revoke
 
-__all__ = ["JOINED", "JOIN_TIMEOUT", "READY_TAG", "REPLACEMENT_ENV", "Respawned", "join_parent", "respawn"]
+__all__ = [
+    "JOINED",
+    "JOIN_TIMEOUT",
+    "READY_TAG",
+    "REPLACEMENT_ENV",
+    "Respawned",
+    "join_parent",
+    "placement",
+    "respawn",
+]
 
 #: Seconds the survivors wait for a spawned process to join (:func:`respawn`).
 JOIN_TIMEOUT = 120.0
+#: Seconds the survivors still wait for hellos once a spawn is cancelled (:func:`respawn`), so that
+#: the new processes starting up are told to leave rather than left waiting.
+CANCEL_GRACE = 5.0
 #: Tag of a spawned process's hello to its parents, and of their answer.
 HELLO_TAG = 7410
 #: Tag of a new process's "ready" to rank 0 of the merged communicator (:mod:`.spawned`).
@@ -44,6 +56,8 @@ READY_TAG = 7412
 REPLACEMENT_ENV = "LIGHTNING_MPI_REPLACEMENT"
 #: The merged communicator of a process started by :mod:`.spawned` (joined before its script ran).
 JOINED: list[Any] = []
+#: The bit of :func:`respawn`'s agreement that every rank leaves set while it was not cancelled.
+_GOING = 2
 
 
 @dataclass(frozen=True)
@@ -71,6 +85,8 @@ def respawn(
     python: str = sys.executable,
     join_timeout: float = JOIN_TIMEOUT,
     attempts: int = 2,
+    cancelled: Callable[[], bool] | None = None,
+    hosts: Sequence[str] | None = None,
 ) -> Respawned:
     """Start ``n`` new processes running ``python script argv...`` and merge them after the ranks of
     ``comm`` (the healed communicator). Collective over ``comm``; the new processes must call
@@ -86,6 +102,14 @@ def respawn(
     tried again, up to ``attempts`` times in all; then :class:`ProcessFailed`
     (``where="respawn"``) is raised and ``comm`` is still usable. A new process that dies after
     joining is a failure like any other: heal the merged communicator.
+
+    ``hosts``: where to start each new process on the first try (the MPI ``host`` info key, one
+    per process: :func:`placement`); a second try leaves the place to Open MPI's runtime.
+
+    ``cancelled`` (for a spawn in a thread of its own, :class:`~.healing.Growing`): once it returns
+    ``True`` on any rank of ``comm``, rank 0 waits at most :data:`CANCEL_GRACE` more for hellos, the
+    spawn is given up on every rank (the ranks agree on it; the new processes that said hello leave
+    with exit code 0) and not tried again: :class:`ProcessFailed` (``where="respawn (cancelled)"``).
     """
     from mpi4py import MPI
 
@@ -93,23 +117,37 @@ def respawn(
         raise ValueError(f"n={n!r}: the number of processes to spawn must be >= 1")
     require_heal()
     start = time.perf_counter()
+    stop = cancelled if cancelled is not None else (lambda: False)
     for attempt in range(1, attempts + 1):
         merged: Any = None
         inter: Any = None
         heard: list[int] = []
         try:
-            inter = comm.Spawn(python, args=[script, *argv], maxprocs=n, root=0)
+            if hosts and attempt == 1:
+                infos = [MPI.Info.Create() for _ in range(n)]
+                for info, host in zip(infos, hosts, strict=True):
+                    info.Set("host", host)
+                commands, args = [python] * n, [[script, *argv]] * n
+                inter = comm.Spawn_multiple(commands, args=args, maxprocs=[1] * n, info=infos, root=0)
+                for info in infos:
+                    info.Free()
+            else:
+                inter = comm.Spawn(python, args=[script, *argv], maxprocs=n, root=0)
             inter.Set_errhandler(MPI.ERRORS_RETURN)
             if comm.Get_rank() == 0:
-                heard = _hellos(inter, join_timeout)
+                heard = _hellos(inter, join_timeout, stop)
             alive = int(comm.Get_rank() != 0 or len(heard) == n)
         except MPI.Exception as error:
             if process_failure(error) is None and error.Get_error_class() != MPI.ERR_SPAWN:
                 raise
             alive = 0
         joined = 0
+        going = _GOING  # cleared by the agreement when any rank was cancelled: no merge, no second try
         try:
-            alive = comm.Agree(alive)  # every survivor takes the same branch; only rank 0 heard them
+            # every survivor takes the same branch (only rank 0 heard them), and stops on anyone's cancel
+            agreed = comm.Agree(alive | (0 if stop() else _GOING))
+            going = agreed & _GOING
+            alive = agreed & 1 if going else 0
             for child in heard:  # only those that said hello: the others cannot be reached safely
                 inter.Send(np.array([alive], dtype=np.int32), dest=child, tag=HELLO_TAG)
             if alive:
@@ -134,19 +172,41 @@ def respawn(
             return Respawned(merged, tuple(range(size - n, size)), time.perf_counter() - start, attempt)
         revoke(merged)
         free(merged)
+        if not going:
+            raise ProcessFailed((), "respawn (cancelled)")
     raise ProcessFailed((), f"respawn (every one of {attempts} spawns lost a new process before it joined)")
 
 
-def _hellos(inter: Any, timeout: float) -> list[int]:
+def placement(hosts: Sequence[str], n: int) -> list[str]:
+    """Where to start ``n`` new processes, given the host of every rank left (``hosts``, by rank):
+    each on the host with the fewest ranks so far, the first such host in rank order on a tie. So a
+    rank killed on a host that is still there is replaced on that host, and the ranks of a host cut
+    off are spread over the others, not piled onto one that a next cut would take whole."""
+    count: dict[str, int] = {}
+    for host in hosts:
+        count[host] = count.get(host, 0) + 1
+    chosen = []
+    for _ in range(n):
+        host = min(count, key=count.__getitem__)  # dicts keep rank order: the first on a tie
+        count[host] += 1
+        chosen.append(host)
+    return chosen
+
+
+def _hellos(inter: Any, timeout: float, cancelled: Callable[[], bool]) -> list[int]:
     """On rank 0 of the parents: the spawned processes that said hello within ``timeout`` seconds
-    (all of them as soon as they have)."""
+    (all of them as soon as they have), or within :data:`CANCEL_GRACE` of ``cancelled()``: those
+    that said hello are then told to leave (exit code 0), not left waiting for an answer."""
 
     size = inter.Get_remote_size()
     inbox = np.zeros(size, dtype=np.int32)
     requests = [inter.Irecv(inbox[i : i + 1], source=i, tag=HELLO_TAG) for i in range(size)]
     done = [False] * size
     deadline = time.monotonic() + timeout
+    was_cancelled = False
     while not all(done) and time.monotonic() < deadline:
+        if not was_cancelled and cancelled():
+            was_cancelled, deadline = True, min(deadline, time.monotonic() + CANCEL_GRACE)
         done = [d or bool(r.Test()) for d, r in zip(done, requests, strict=True)]
         time.sleep(0.001)
     for request, completed in zip(requests, done, strict=True):

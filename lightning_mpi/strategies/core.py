@@ -215,7 +215,9 @@ class StrategyCore:
 
     def end_training(self) -> None:
         """The rule's ``on_train_end``: its consensus weights in the module (collective for the
-        asynchronous rules; under ``heal`` redone over the survivors of a loss there)."""
+        asynchronous rules; under ``heal`` redone over the survivors of a loss there), after a spawn
+        still in flight (``heal="replace"``) was given up."""
+        self.replacing.end()
         if self.runner.bound is not None:
             self.runner.bound.healable_train_end(self.healing)
 

@@ -5,15 +5,19 @@ The survivors, at the start of training batches (:meth:`RunReplacing.at_batch_st
 survivor is, after the interrupted step was finished on the healed run: the Trainer's batch start,
 or ``fabric.strategy.let_in(state)`` at the top of a Fabric loop's iteration):
 
-1. at the first batch after a heal: :func:`~lightning_mpi.comm.healing.start_growth` spawns
+1. at the first batch after a heal: :class:`~lightning_mpi.comm.healing.Growing` spawns
    ``python -m lightning_mpi.comm.spawned <script> <arguments>`` (``sys.argv`` as launched) once
-   per lost rank. The new processes start MPI and join at once (about a second); a new process
-   that dies before it joined makes the spawn be tried once more
-   (:func:`~lightning_mpi.comm.respawn.respawn`), then the survivors go on without replacements;
-   a survivor that dies is healed as any loss, and the spawn is started again for the healed run.
-   **The survivors train on** while the new processes import and build their Trainer;
-2. at the first batch after the spawn and every :attr:`RunReplacing.poll_every` batches after it,
-   rank 0 looks whether every new process said it is ready (its strategy is built) and the
+   per lost rank, in a thread of its own. The new processes start MPI and join (a second or more
+   on a loaded machine); a new process that dies before it joined makes the spawn be tried once
+   more (:func:`~lightning_mpi.comm.respawn.respawn`), then the survivors go on without
+   replacements; a survivor that dies is healed as any loss, and the spawn is given up and started
+   again for the healed run. At the first batch after the spawn began and every
+   :attr:`RunReplacing.poll_every` batches after it, the survivors look whether the thread has
+   ended on every one of them (a small collective). **The survivors train on** meanwhile, and
+   while the new processes import and build their Trainer; training that ends first gives the
+   spawn up (:meth:`RunReplacing.end`);
+2. at the batch where the spawn was found ended and every :attr:`RunReplacing.poll_every` batches
+   after it, rank 0 looks whether every new process said it is ready (its strategy is built) and the
    survivors take its verdict (a small broadcast). A new process that died, or is not ready
    within ``JOIN_TIMEOUT`` seconds, is given up and spawned again;
 3. once they are ready, at the first batch where the rule has no exchange in flight (Streaming
@@ -66,8 +70,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lightning_mpi.comm.errors import ProcessFailed, process_failure
-from lightning_mpi.comm.healing import HealedRun, finish_growth, join_run, poll_ready, start_growth
-from lightning_mpi.comm.respawn import JOIN_TIMEOUT, Respawned
+from lightning_mpi.comm.healing import Growing, HealedRun, finish_growth, join_run, poll_ready
+from lightning_mpi.comm.respawn import JOIN_TIMEOUT, Respawned, placement
 from lightning_mpi.comm.spares import call_spares, is_spare, spares_left
 from lightning_mpi.comm.ulfm import free as ulfm_free
 from lightning_mpi.comm.ulfm import revoke as ulfm_revoke
@@ -131,6 +135,16 @@ def replacement_shards(taken: list[tuple[int, int] | None], missing: int) -> lis
 
 
 @dataclass
+class _Spawning:
+    """A spawn running in a thread of its own while the survivors train on."""
+
+    growing: Growing
+    started: float  # perf_counter at the spawn
+    events: int  # the survivors' heals at the spawn: one more means a survivor was lost
+    batches: int = 0  # batches since the spawn began (the same count on every survivor)
+
+
+@dataclass
 class _Pending:
     """Processes spawned and joined to the survivors, starting up (not yet in the run)."""
 
@@ -162,6 +176,8 @@ class RunReplacing:
     #: while new processes start, the survivors ask whether they are ready at the first batch after
     #: the spawn and then every this many batches (each asking is a small collective)
     poll_every = 8
+    #: seconds :meth:`end` waits for a spawn in flight to stop
+    END_WAIT = 10.0
 
     def __init__(
         self,
@@ -186,6 +202,7 @@ class RunReplacing:
         self.script = os.path.abspath(sys.argv[0]) if sys.argv and sys.argv[0] not in ("", "-c") else ""
         self.argv = list(sys.argv[1:])
         self.handover: Handover | None = None
+        self._spawning: _Spawning | None = None  # a spawn in flight, in a thread of its own
         self._pending: _Pending | None = None  # spawned processes not yet let in
         #: a replacement before its first training batch: Lightning's collectives stay local
         self.catching_up = False
@@ -249,6 +266,15 @@ class RunReplacing:
             return
         if not self.active:
             return
+        spawning = self._spawning
+        if spawning is not None and spawning.events != self._healing.events:
+            self.end()  # a survivor was lost meanwhile: spawn anew for the healed run
+            spawning = None
+        if spawning is not None:
+            spawning.batches += 1
+            if spawning.batches % self.poll_every == 1 or self.poll_every == 1:
+                self._spawned(at, spawning)
+            return
         pending = self._pending
         if pending is not None and pending.events != self._healing.events:
             self._give_up(revoke=True)  # a survivor was lost meanwhile: spawn anew for the healed run
@@ -284,28 +310,53 @@ class RunReplacing:
         if not self.script or not os.path.isfile(self.script):
             self._say(f"cannot replace the lost ranks: {sys.argv[0]!r} is no script to spawn", warn=True)
             return
-        spawned: Respawned | bool | None = healing.between("the respawn", lambda: self._spawn(missing), None)
-        if spawned is None:  # a survivor died meanwhile: healed again; spawn at the next batch
+        hosts = self._hosts(missing)
+        growing = healing.between(
+            "the respawn", lambda: Growing(failures.base_comm, self.script, self.argv, missing, hosts=hosts), None
+        )
+        if growing is not None:  # else a survivor died meanwhile: healed again; spawn at the next batch
+            self._spawning = _Spawning(growing, started, healing.events)
+
+    def _hosts(self, missing: int) -> list[str] | None:
+        """Where to start the new processes (:func:`~lightning_mpi.comm.respawn.placement`), when the
+        survivors run on more than one host (on one, there is nothing to choose)."""
+        processes = self._healing.processes
+        if processes is None or len({host for host, _ in processes.where}) < 2:
+            return None
+        return placement([host for host, _ in processes.where], missing)
+
+    def _spawned(self, at: Any, spawning: _Spawning) -> None:
+        """Whether the spawn has ended on every survivor (a small collective); then its outcome: the
+        new processes, joined, start up (:class:`_Pending`; asked at once whether they are ready), or
+        none joined."""
+        failures = self._failures
+        everywhere = self._healing.between(
+            "waiting for a spawn", lambda: all(failures.transport.allgather_object(spawning.growing.done())), None
+        )
+        if not everywhere:  # still spawning somewhere, or a survivor died (healed: given up at the next batch)
             return
-        if spawned is False:
+        self._spawning = None
+        try:
+            spawned = spawning.growing.outcome()
+        except ProcessFailed as failure:
+            if failure.ranks or not failure.where.startswith("respawn (every"):
+                self._healing.grow_pending = True  # a survivor died in the spawn: healed at the next operation
+                return
             self._say(
                 f"no replacement joined (every spawn lost a new process); training goes on at world size "
                 f"{failures.world_size}",
                 warn=True,
             )
             return
-        assert isinstance(spawned, Respawned)
-        self._pending = _Pending(spawned, started, time.monotonic() + JOIN_TIMEOUT, healing.events)
+        deadline = time.monotonic() + JOIN_TIMEOUT
+        pending = self._pending = _Pending(spawned, spawning.started, deadline, spawning.events, batches=1)
+        self._poll(at, pending)  # ready already (spawned long enough ago)? let in at this batch
 
-    def _spawn(self, n: int) -> Respawned | bool:
-        """``n`` new processes joined to the survivors (not yet in the run); ``False`` when none
-        joined. A survivor lost meanwhile raises :class:`ProcessFailed` (healed by the caller)."""
-        try:
-            return start_growth(self._failures.base_comm, self.script, self.argv, n)
-        except ProcessFailed as failure:
-            if failure.ranks or not failure.where.startswith("respawn (every"):
-                raise
-            return False
+    def end(self) -> None:
+        """Training ended (or a survivor was lost): give a spawn still in flight up, on every survivor."""
+        spawning, self._spawning = self._spawning, None
+        if spawning is not None and not spawning.growing.cancel(self.END_WAIT):
+            self._say(f"a spawn in flight did not stop within {self.END_WAIT:g} s; leaving it", warn=True)
 
     def _poll(self, at: Any, pending: _Pending) -> None:
         """Rank 0 looks whether every new process is ready (its strategy built), and every survivor

@@ -8,8 +8,9 @@ as a user would launch it, in two launches:
   Allreduce loop, in an Iallreduce polled with Test, and while a window is used with a progress
   thread; each time the survivors heal, redo the interrupted step and spawn a replacement, and
   the replacements are the ranks killed next;
-- W = 4 (``tests/scripts/ulfm_shrink.py``, mpi4py only): two ranks lost at once, a rank lost
-  during a heal, and a replacement that dies before it joins.
+- W = 4 (``tests/scripts/ulfm_shrink.py``, mpi4py only): two ranks lost at once (replaced by a
+  spawn in a thread, on the host asked for), a rank lost during a heal, a replacement that dies
+  before it joins, and a spawn in a thread cancelled at once.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from pathlib import Path
 
 import pytest
 
+from lightning_mpi.comm.respawn import placement
 from lightning_mpi.comm.ulfm import FT_ENV, HEAL_OUTCOME_ENV, heal_support
 from lightning_mpi.launcher.healing import HEAL_OUTCOME_ENV as LAUNCHER_OUTCOME_ENV
 from tests.launcher.helpers import finish, launch
@@ -44,6 +46,17 @@ def test_heal_support_names_what_is_missing_and_the_fix():
 @pytest.mark.timeout(10)
 def test_the_launcher_and_the_ranks_agree_on_the_outcome_variable():
     assert HEAL_OUTCOME_ENV == LAUNCHER_OUTCOME_ENV
+
+
+@pytest.mark.timeout(10)
+def test_new_processes_go_where_the_fewest_ranks_are_left():
+    # a rank killed on a host still there: replaced on that host
+    assert placement(["a", "a", "b", "c", "c"], 1) == ["b"]
+    # a host of 2 cut off (4 hosts of 2): spread over the others, not piled onto one
+    assert placement(["a", "b", "c", "a", "b", "c"], 2) == ["a", "b"]
+    # the first host in rank order on a tie; then counting the ones placed
+    assert placement(["b", "a"], 3) == ["b", "a", "b"]
+    assert placement(["a"], 2) == ["a", "a"]
 
 
 @pytest.mark.timeout(60)
@@ -124,6 +137,8 @@ def test_two_lost_at_once_a_loss_during_a_heal_and_a_replacement_lost_before_it_
         first, second = result["events"]
         assert first["lost"] == [2, 3] and first["shrinks"] == 1 and first["size"] == 2
         assert first["new_ranks"] == [2, 3] and first["size_after_respawn"] == 4
+        assert first["attempts"] == 1 and first["polls"] >= 1  # in a thread, on the host asked for, at once
+        assert result["cancel"] == {"ended": True, "outcome": "respawn (cancelled)"}
         # replacement 3 died; replacement 2 died inside the heal, after the first shrink
         assert second["lost"] == [2, 3] and second["shrinks"] == 2 and second["size"] == 2
         # the first process spawned for it died before joining: spawned again

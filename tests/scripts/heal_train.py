@@ -1007,30 +1007,11 @@ def min_ranks_phase() -> dict:
     return {"caught": None}
 
 
-def survivors_wait_for_the_join() -> None:
-    """The survivors wait for a replacement at the first batch after its spawn instead of training on
-    meanwhile, so that it joins at a known step (REPLACE_KILL + 2): rank 0's poll of whether the new
-    processes are ready, which answers at once, is made to wait for them here (up to the join's
-    timeout), in this script only."""
-    import lightning_mpi.strategies.replacement as replacement
-    from lightning_mpi.comm.respawn import JOIN_TIMEOUT
-
-    answers_at_once = replacement.poll_ready
-
-    def waits(respawned, heard) -> bool:
-        deadline = time.monotonic() + JOIN_TIMEOUT
-        while not answers_at_once(respawned, heard):
-            if time.monotonic() > deadline:
-                return False
-            time.sleep(0.01)
-        return True
-
-    replacement.poll_ready = waits
-
-
 def main() -> None:
     global OUT, RANK, W
     from mpi4py import MPI
+
+    from known_join import survivors_wait_for_the_join
 
     survivors_wait_for_the_join()  # every heal="replace" phase joins at a known step
 

@@ -146,30 +146,11 @@ def replace_phase(name: str, group_size: int | None, momentum: float) -> dict:
     }
 
 
-def survivors_wait_for_the_join() -> None:
-    """The survivor waits for the replacement at the first batch after its spawn instead of training on
-    meanwhile (rank 0's poll of whether it is ready is made to wait for it, in this script only)."""
-    import time
-
-    import lightning_mpi.strategies.replacement as replacement
-    from lightning_mpi.comm.respawn import JOIN_TIMEOUT
-
-    answers_at_once = replacement.poll_ready
-
-    def waits(respawned, heard) -> bool:
-        deadline = time.monotonic() + JOIN_TIMEOUT
-        while not answers_at_once(respawned, heard):
-            if time.monotonic() > deadline:
-                return False
-            time.sleep(0.01)
-        return True
-
-    replacement.poll_ready = waits
-
-
 def main() -> None:
     global OUT, RANK
     from mpi4py import MPI
+
+    from known_join import survivors_wait_for_the_join
 
     survivors_wait_for_the_join()
     OUT, RANK = Path(sys.argv[1]), MPI.COMM_WORLD.Get_rank()

@@ -7,7 +7,12 @@ blocking Allreduces (each rank adds 1.0: a step's sum is the communicator's size
 - step 8: replacement rank 3 dies, and replacement rank 2 dies *during* the heal (it takes part
   in the first shrink, then dies before the agreement), so the survivors shrink twice;
 - then the survivors respawn 1, and the first process spawned for it dies before it joins, so
-  :func:`respawn` spawns again; the loop ends on 3 ranks at step 12.
+  :func:`respawn` spawns again; the loop ends on 3 ranks at step 12;
+- then the 3 start one more spawn in a thread (:class:`Growing`) and cancel it at once: it is
+  given up on every rank, and the new process leaves with exit code 0.
+
+The first spawn runs in a thread too (:class:`Growing`, on the host :func:`placement` picks,
+through the MPI ``host`` info key), while the survivors keep calling collectives of their own.
 
 Each original rank that finishes writes ``OUT_DIR/out.<rank>.json``.
 """
@@ -15,6 +20,7 @@ Each original rank that finishes writes ``OUT_DIR/out.<rank>.json``.
 import json
 import os
 import signal
+import socket
 import sys
 import time
 from pathlib import Path
@@ -22,8 +28,9 @@ from pathlib import Path
 import numpy as np
 from mpi4py import MPI
 
-from lightning_mpi.comm.respawn import join_parent, respawn
+from lightning_mpi.comm.respawn import JOINED, join_parent, placement, respawn
 from lightning_mpi.comm.errors import ProcessFailed, failures_raised
+from lightning_mpi.comm.healing import Growing
 from lightning_mpi.comm.ulfm import free, heal, mark_finished, revoke
 
 OUT = Path(sys.argv[1])
@@ -48,7 +55,7 @@ def mark(name: str) -> bool:
 def main() -> None:
     if "--late" in sys.argv and mark("dies_before_join"):
         die()  # spawned, but gone before joining: respawn spawns again
-    comm = join_parent()
+    comm = JOINED.pop() if JOINED else join_parent()  # a Growing's new process joined before the script
     spawned = comm is not None
     if not spawned:
         comm = MPI.COMM_WORLD.Dup()
@@ -87,7 +94,17 @@ def main() -> None:
             }
             n = 2 if step == 4 else 1
             late = step != 4  # the second respawn: its first new process dies before it joins
-            spawned_run = respawn(comm, __file__, [str(OUT), *(["--late"] if late else [])], n, join_timeout=4)
+            if late:
+                spawned_run = respawn(comm, __file__, [str(OUT), "--late"], n, join_timeout=4)
+            else:  # in a thread, on the host placement() picks, while the survivors go on talking
+                hosts = placement([socket.gethostname()] * comm.Get_size(), n)
+                growing = Growing(comm, __file__, [str(OUT)], n, hosts=hosts)
+                polls = 1
+                while not all(comm.allgather(growing.done())):
+                    polls += 1
+                    time.sleep(0.02)
+                spawned_run = growing.outcome()
+                event["polls"] = polls
             free(comm)
             comm = spawned_run.comm
             comm.bcast(step, root=0)
@@ -101,8 +118,16 @@ def main() -> None:
             continue
         sums[step] = (float(x[0]), comm.Get_size())
         step += 1
+    growing = Growing(comm, __file__, [str(OUT)], 1)  # cancelled at once: given up on every rank
+    ended = growing.cancel(60)
+    try:
+        growing.outcome()
+        cancelled = "joined"
+    except ProcessFailed as failure:
+        cancelled = failure.where
     if not spawned:
-        (OUT / f"out.{comm.Get_rank()}.json").write_text(json.dumps({"events": events, "sums": sums}))
+        result = {"events": events, "sums": sums, "cancel": {"ended": ended, "outcome": cancelled}}
+        (OUT / f"out.{comm.Get_rank()}.json").write_text(json.dumps(result))
     mark_finished(comm)  # lightning-mpi --heal: finished, whatever mpirun reports or waits for
     free(comm)
 

@@ -1096,6 +1096,51 @@ def test_a_replacement_skips_the_batches_done_once_then_resumes_from_the_handove
     assert AutoResume(Inner(), "fit", lambda t, r: "x").launch(fit, None, trainer=Trainer()) is None  # no reason
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("package", ["pytorch_lightning", "lightning.pytorch"])
+def test_a_replacement_takes_what_the_survivors_model_checkpoints_saved_last(tmp_path, package):
+    """A ``ModelCheckpoint(save_last=True)`` saves at the end of training when its process saved
+    nothing yet, and that save is a collective: a replacement let in after the last periodic save
+    must know that the survivors saved, or it reduces alone while they end (a job that never ended,
+    measured). The handover carries each callback's last save, and the new rank takes it."""
+    import importlib
+
+    from lightning_mpi.strategies.trainer.checkpoints import adopt_saves, handover_checkpoint
+
+    pl = importlib.import_module(package)
+    callbacks = importlib.import_module(f"{package}.callbacks")
+
+    class Model(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.layer = torch.nn.Linear(2, 1)
+
+        def training_step(self, batch, batch_idx):
+            return self.layer(batch).sum()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def trainer(root):
+        saves = callbacks.ModelCheckpoint(dirpath=root, save_last=True, every_n_train_steps=2)
+        return pl.Trainer(
+            default_root_dir=root, max_steps=3, callbacks=[saves], logger=False, enable_progress_bar=False,
+            enable_model_summary=False, accelerator="cpu",
+        ), saves
+
+    survivor, saved = trainer(tmp_path / "survivor")
+    survivor.fit(Model(), torch.utils.data.DataLoader(torch.randn(8, 2), batch_size=2))
+    assert saved._last_checkpoint_saved  # the survivors saved (and would not save again at the end)
+    handed = handover_checkpoint(survivor)
+    assert "state_dict" in handed  # Lightning's own checkpoint dictionary, with the saves beside it
+
+    joined, fresh = trainer(tmp_path / "replacement")
+    assert not fresh._last_checkpoint_saved and fresh._last_global_step_saved == 0
+    adopt_saves(joined, handed)
+    assert fresh._last_checkpoint_saved == saved._last_checkpoint_saved
+    assert fresh._last_global_step_saved == saved._last_global_step_saved == 2
+
+
 @pytest.mark.mpi
 @pytest.mark.openmpi_core
 @pytest.mark.timeout(480)

@@ -31,6 +31,35 @@ from lightning_mpi.checkpoint.sharded import save_sharded
 from lightning_mpi.strategies.core import StrategyCore
 from lightning_mpi.strategies.rule_runner import CHECKPOINT_KEY
 
+#: Where a handover (``heal="replace"``) carries what each ``ModelCheckpoint`` saved last
+HANDED_SAVES_KEY = "lightning_mpi_checkpoint_saves"
+
+
+def handover_checkpoint(trainer: Any) -> dict[str, Any]:
+    """What the survivors hand a new rank (``heal="replace"``): Lightning's checkpoint dictionary of
+    this moment, and what each ``ModelCheckpoint`` saved last (its step and path). Those two are no
+    part of a callback's state in a checkpoint, yet they decide whether it saves at the end of
+    training (``save_last=True`` saves there when this process saved nothing yet), and that save
+    is collective (``file_exists`` reduces a decision over the ranks): a new rank that had not
+    saved went into that reduction alone, the survivors into their end of training, and the job
+    did not end (measured: ``benchmarks/goodput.py``, a replacement let in after the last periodic
+    save)."""
+    checkpoint: dict[str, Any] = trainer._checkpoint_connector.dump_checkpoint()
+    checkpoint[HANDED_SAVES_KEY] = {
+        callback.state_key: (callback._last_global_step_saved, callback._last_checkpoint_saved)
+        for callback in trainer.checkpoint_callbacks
+        if hasattr(callback, "_last_checkpoint_saved")  # a ModelCheckpoint (of either Lightning package)
+    }
+    return checkpoint
+
+
+def adopt_saves(trainer: Any, handed: dict[str, Any]) -> None:
+    """In a new rank: what the survivors' ``ModelCheckpoint``\\ s saved last (:func:`handover_checkpoint`)."""
+    saves = handed.get(HANDED_SAVES_KEY, {})
+    for callback in trainer.checkpoint_callbacks:
+        if callback.state_key in saves:
+            callback._last_global_step_saved, callback._last_checkpoint_saved = saves[callback.state_key]
+
 
 class CheckpointHost(Protocol):
     """What the checkpoints use of the Trainer strategy (Lightning's own properties)."""
@@ -94,6 +123,8 @@ class TrainerCheckpoints:
         """The checkpoint at ``checkpoint_path`` (``read()`` is Lightning's own load of it), or a
         replacement's handover; the rule's state restored from it."""
         handed = self._core.replacing.checkpoint(checkpoint_path)  # heal="replace": the survivors' state
+        if handed is not None:
+            adopt_saves(self._host.lightning_module.trainer, handed)
         checkpoint = handed if handed is not None else read()
         self._core.runner.restore(checkpoint.get(CHECKPOINT_KEY), self._core.world_size)
         return checkpoint

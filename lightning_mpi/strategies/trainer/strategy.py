@@ -56,14 +56,14 @@ from lightning_mpi.strategies.preemption import PreemptionWatch
 from lightning_mpi.strategies.replacement import LoopAccess
 from lightning_mpi.strategies.sharding import LoaderSharding
 from lightning_mpi.strategies.signatures import document_frontend
-from lightning_mpi.strategies.trainer.checkpoints import TrainerCheckpoints
+from lightning_mpi.strategies.trainer.checkpoints import TrainerCheckpoints, handover_checkpoint
 from lightning_mpi.strategies.trainer.launch import trainer_launcher
 from lightning_mpi.strategies.trainer.step import TrainerStep
 
 #: ``heal="replace"``: what the survivors hand a new rank at a batch's start, Lightning's own
 #: checkpoint dictionary of that moment, and where the epoch is (a new rank skips those batches)
 TRAINER_LOOP = LoopAccess(
-    snapshot=lambda trainer: trainer._checkpoint_connector.dump_checkpoint(),
+    snapshot=handover_checkpoint,
     step=lambda trainer: int(trainer.global_step),
     batches_done=lambda trainer: int(trainer.fit_loop.epoch_loop.batch_progress.current.completed),
 )
