@@ -118,7 +118,7 @@ def one_run(timeout: float, freeze: float, mode: str, step_ms: float) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--timeouts", default="2,5,10", help="--hang-timeout values (Open MPI's detector)")
-    parser.add_argument("--freeze-timeouts", default="0,2", help="--freeze-timeout values (0: no watchdog)")
+    parser.add_argument("--freeze-timeouts", default="0,1", help="--freeze-timeout values (0: no watchdog)")
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--step-ms", type=float, default=20.0)
     parser.add_argument("--busy", action="store_true", help="also check for false positives (long compute)")

@@ -41,6 +41,8 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
+from lightning_mpi.comm.resources import keep_pending
+
 #: message tags on the channel's private communicator
 ERROR_TAG = 1
 ACK_TAG = 2
@@ -299,7 +301,17 @@ class ErrorChannel:
 
     def close(self, release: Callable[[Any], None] | None = None) -> None:
         """Free the communicator (local; messages still in flight are abandoned), or hand it to
-        ``release`` instead (:func:`~.ulfm.retire`, after a heal)."""
+        ``release`` instead (:func:`~.ulfm.retire`, after a heal). A send still in flight (to a rank
+        that died, or is cut off) is kept for the life of the process
+        (:func:`~.resources.keep_pending`): a request dropped here would be freed by mpi4py, and
+        Open MPI aborts the process when a freed send fails later ("Send error after request
+        freed", ``MPI_ERRORS_ARE_FATAL`` on ``COMM_NULL``: seen on a rank of the side that went on
+        in an 8-rank partition)."""
+        with self._lock:
+            self._reap()
+            for pending in self._sends:
+                keep_pending(pending)
+            self._sends = []
         if self.comm is not None:
             if release is None:
                 self.comm.Free()
@@ -350,6 +362,15 @@ class ErrorChannel:
                 raise self._copy_of_failure()
         self._reap()
 
-    def _reap(self) -> None:
+    def _reap(self) -> None:  # the sends that are over
         with self._lock:
-            self._sends = [(r, p) for r, p in self._sends if not r.Test()]
+            self._sends = [(r, p) for r, p in self._sends if not _completed(r)]
+
+
+def _completed(request: Any) -> bool:
+    """Whether a send is over: done, or ended with an error (its peer died; such a request is no
+    longer in flight, and the failure is found where it matters, by the next operation)."""
+    try:
+        return bool(request.Test())
+    except Exception:  # noqa: BLE001  (an MPI error: the send ended)
+        return True

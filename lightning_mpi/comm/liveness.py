@@ -62,7 +62,7 @@ DETECTOR_ENV = "OMPI_MCA_mpi_ft_detector"
 FREEZE_TIMEOUT_ENV = "LIGHTNING_MPI_FREEZE_TIMEOUT"
 #: seconds a rank may stay stopped (``SIGSTOP``) while its peers go on before it is killed
 #: (:mod:`.watchdog`), when ``--freeze-timeout`` did not say (``lightning-mpi``'s default too)
-FREEZE_TIMEOUT = 2.0
+FREEZE_TIMEOUT = 1.0
 
 
 def detector_timeout(environ: dict[str, str] | None = None) -> float | None:

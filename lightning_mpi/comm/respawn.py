@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from lightning_mpi.comm.errors import ProcessFailed, failures_raised, process_failure
+from lightning_mpi.comm.resources import keep_pending
 from lightning_mpi.comm.ulfm import free, require_heal, revoke
 
 __all__ = [
@@ -260,4 +261,8 @@ def _connect_every_pair(comm: Any) -> None:
         if peer != rank:
             requests.append(comm.Irecv(inbox[peer : peer + 1], source=peer, tag=7411))
             requests.append(comm.Isend(out[peer : peer + 1], dest=peer, tag=7411))
-    MPI.Request.Waitall(requests)
+    try:
+        MPI.Request.Waitall(requests)
+    except MPI.Exception:
+        keep_pending((requests, out, inbox))  # a peer died: freed sends to it would abort this process
+        raise

@@ -32,7 +32,7 @@ DETECTOR_BEATS = 5
 #: ``--freeze-timeout``'s default: seconds a rank's process may stay stopped (``SIGSTOP``) while the
 #: others go on before the process beside it kills it, so that the run heals it at once
 #: (docs/faults.md, "Hung ranks"; ``lightning_mpi.comm.watchdog``)
-FREEZE_TIMEOUT = 2.0
+FREEZE_TIMEOUT = 1.0
 #: how it reaches the ranks (``lightning_mpi.comm.liveness`` reads it)
 FREEZE_TIMEOUT_ENV = "LIGHTNING_MPI_FREEZE_TIMEOUT"
 

@@ -85,6 +85,29 @@ def channel(MPI):
     channel.close()
 
 
+def test_a_send_still_in_flight_when_the_channel_closes_is_kept_for_the_life_of_the_process(MPI):
+    """An error or an acknowledgement sent to a rank that died (or is cut off) may never complete.
+    Dropped at ``close``, mpi4py would free the request, and Open MPI aborts a process whose freed
+    send fails later ("Send error after request freed": seen in an 8-rank partition); one that
+    ended with an error is over."""
+    from lightning_mpi.comm import resources
+
+    class InFlight:
+        def Test(self):
+            return False
+
+    class Failed:
+        def Test(self):
+            raise MPI.Exception(MPI.ERR_OTHER)
+
+    channel = ErrorChannel(MPI.COMM_SELF, linger_seconds=0.0)
+    in_flight, failed = (InFlight(), b"payload"), (Failed(), b"")
+    channel._sends += [in_flight, failed]
+    before = len(resources._PENDING_FOREVER)
+    channel.close()
+    assert resources._PENDING_FOREVER[before:] == [in_flight]
+
+
 def test_a_healthy_channel_checks_quietly(channel):
     channel.check()
     assert channel.failure is None and channel.posted is None

@@ -21,8 +21,8 @@ from lightning_mpi.comm.liveness import (
 )
 
 
-def test_the_freeze_timeout_defaults_to_2_s_and_0_turns_it_off():
-    assert freeze_timeout({}) == 2.0  # a plain mpirun --with-ft ulfm with the detector: the default
+def test_the_freeze_timeout_defaults_to_1_s_and_0_turns_it_off():
+    assert freeze_timeout({}) == 1.0  # a plain mpirun --with-ft ulfm with the detector: the default
     assert freeze_timeout({FREEZE_TIMEOUT_ENV: "3.5"}) == 3.5
     assert freeze_timeout({FREEZE_TIMEOUT_ENV: "0"}) is None
     with pytest.raises(ValueError, match=r"LIGHTNING_MPI_FREEZE_TIMEOUT='soon': must be a number of seconds"):

@@ -81,7 +81,7 @@ class TestBuildCommand:
             # what it finds reaches every rank (a spare that detected a loss told no training rank)
             "--mca", "mpi_ft_propagator_with_rbcast", "true",
             # a rank that does not run for 2 s while the others run is killed beside it (comm.watchdog)
-            "-x", "LIGHTNING_MPI_FREEZE_TIMEOUT=2",
+            "-x", "LIGHTNING_MPI_FREEZE_TIMEOUT=1",
             "--oversubscribe", "--allow-run-as-root", "--bind-to", "none", "py", "train.py", "fit", "--x=1",
         ]
         quiet = build_command(spec(nprocs=3, heal=True, hang_timeout=None, launcher="mpirun"), "openmpi")
