@@ -137,7 +137,8 @@ def test_two_lost_at_once_a_loss_during_a_heal_and_a_replacement_lost_before_it_
         first, second = result["events"]
         assert first["lost"] == [2, 3] and first["shrinks"] == 1 and first["size"] == 2
         assert first["new_ranks"] == [2, 3] and first["size_after_respawn"] == 4
-        assert first["attempts"] == 1 and first["polls"] >= 1  # in a thread, on the host asked for, at once
+        # in a thread (the survivors' allgathers went on while it ran), on the host asked for, at once
+        assert first["attempts"] == 1 and first["polls"] >= 2
         assert result["cancel"] == {"ended": True, "outcome": "respawn (cancelled)"}
         # replacement 3 died; replacement 2 died inside the heal, after the first shrink
         assert second["lost"] == [2, 3] and second["shrinks"] == 2 and second["size"] == 2
