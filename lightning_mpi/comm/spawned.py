@@ -2,7 +2,7 @@
 lost rank without waiting for the new process's imports (:class:`~.healing.Growing`).
 
 MPI starts at once and the process joins the survivors (:func:`~.respawn.join_parent`: hello,
-merge), so their spawn returns in about a second; then it runs ``SCRIPT`` as ``__main__`` with
+merge), so their spawn ends in a second or more; then it runs ``SCRIPT`` as ``__main__`` with
 ``sys.argv = [SCRIPT, *ARGS]`` (the script's directory first on ``sys.path``, as for ``python
 SCRIPT``) and ``LIGHTNING_MPI_REPLACEMENT=1`` in its environment. The survivors go on training
 meanwhile; the script's strategy takes the joined communicator (:func:`~.healing.join_run`), says

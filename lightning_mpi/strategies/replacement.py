@@ -291,8 +291,9 @@ class RunReplacing:
                 self._let_in(at, self._pending)
 
     def _start(self) -> None:
-        """Let spares in (:mod:`~lightning_mpi.comm.spares`: ready at once) or spawn the missing
-        ranks (collective over the survivors, about a second; training goes on meanwhile)."""
+        """Let spares in (:mod:`~lightning_mpi.comm.spares`: ready at once) or start spawning the
+        missing ranks (:class:`~lightning_mpi.comm.healing.Growing`: a collective ``Dup``, then a
+        thread of its own; training goes on meanwhile)."""
         healing, failures = self._healing, self._failures
         healing.grow_pending = False
         missing = healing.start_size - failures.world_size
