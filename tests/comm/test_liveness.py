@@ -21,6 +21,16 @@ from lightning_mpi.comm.liveness import (
 )
 
 
+def test_the_launcher_and_the_ranks_agree_on_the_freeze_timeout_and_the_spares():
+    """The launcher imports nothing of ``lightning_mpi.comm``, so the names and the default it
+    passes to the ranks are written twice: they must agree."""
+    from lightning_mpi.comm import liveness, spares
+    from lightning_mpi.launcher import command, healing
+
+    assert (command.FREEZE_TIMEOUT_ENV, command.FREEZE_TIMEOUT) == (FREEZE_TIMEOUT_ENV, liveness.FREEZE_TIMEOUT)
+    assert healing.SPARES_ENV == spares.SPARES_ENV
+
+
 def test_the_freeze_timeout_defaults_to_1_s_and_0_turns_it_off():
     assert freeze_timeout({}) == 1.0  # a plain mpirun --with-ft ulfm with the detector: the default
     assert freeze_timeout({FREEZE_TIMEOUT_ENV: "3.5"}) == 3.5
