@@ -272,7 +272,7 @@ class RunReplacing:
             spawning = None
         if spawning is not None:
             spawning.batches += 1
-            if spawning.batches % self.poll_every == 1 or self.poll_every == 1:
+            if self._asks(spawning.batches):
                 self._spawned(at, spawning)
             return
         pending = self._pending
@@ -283,12 +283,17 @@ class RunReplacing:
             pending.batches += 1
             if pending.ready:
                 self._let_in(at, pending)
-            elif pending.batches % self.poll_every == 1 or self.poll_every == 1:
+            elif self._asks(pending.batches):
                 self._poll(at, pending)
         elif self._healing.grow_pending and self._healing.boundaries >= self._healing.grow_at:
             self._start()
             if self._pending is not None and self._pending.ready:  # spares: in at once
                 self._let_in(at, self._pending)
+
+    def _asks(self, batches: int) -> bool:
+        """Whether the survivors ask (a small collective) at the ``batches``-th batch since a spawn
+        began, or since its processes joined: the first, then every :attr:`poll_every`."""
+        return batches % self.poll_every == 1 or self.poll_every == 1
 
     def _start(self) -> None:
         """Let spares in (:mod:`~lightning_mpi.comm.spares`: ready at once) or start spawning the
@@ -322,9 +327,8 @@ class RunReplacing:
         """Where to start the new processes (:func:`~lightning_mpi.comm.respawn.placement`), when the
         survivors run on more than one host (on one, there is nothing to choose)."""
         processes = self._healing.processes
-        if processes is None or len({host for host, _ in processes.where}) < 2:
-            return None
-        return placement([host for host, _ in processes.where], missing)
+        hosts = [] if processes is None else [host for host, _ in processes.where]
+        return placement(hosts, missing) if len(set(hosts)) > 1 else None
 
     def _spawned(self, at: Any, spawning: _Spawning) -> None:
         """Whether the spawn has ended on every survivor (a small collective); then its outcome: the
