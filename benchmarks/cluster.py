@@ -543,6 +543,13 @@ class SimCluster:
             {
                 "UCX_TLS": "tcp,self",  # no shared memory / cma between "hosts" on one kernel
                 "UCX_NET_DEVICES": HOST_IFACE,
+                # The hosts share this machine's cores, which Open MPI cannot see (each host shows all
+                # of them): its ranks busy-poll their sockets while they wait and starve the kernel's
+                # packet processing on the same cores, and every message across a link then took a
+                # scheduler tick (measured: an 8-byte ping-pong between 2 hosts, 8.0 ms; 0.04-0.11 ms
+                # with this; MPICH, which waits differently, 0.17 ms). Open MPI sets it itself on
+                # a host it sees oversubscribed, as one machine running the ranks of every host is.
+                "OMPI_MCA_mpi_yield_when_idle": "1",
                 # MPICH's node-local path (shared memory) stays on: hydra counts as local only the
                 # ranks its proxy on one host launched, so it joins the ranks of a host, never two hosts
                 "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", "1"),

@@ -112,13 +112,19 @@ class Handover:
       epoch (``None``: the survivors' loader is not sharded);
     - ``skip_batches``: the batches of this epoch already trained;
     - ``boundaries``: the survivors' count of training batches begun (this one included), which
-      the new rank continues (:attr:`.healing.RunHealing.boundaries`).
+      the new rank continues (:attr:`.healing.RunHealing.boundaries`);
+    - ``start_size``: the world size the run started with (what ``min_ranks`` is a majority of, and
+      what a replacement grows the run back to), not the new rank's first world size;
+    - ``grow_pending``: ranks are still missing after this let-in (fewer spares than ranks lost):
+      every rank, the new ones too, starts the spawn of the rest at the next batch (a collective).
     """
 
     checkpoint: dict[str, Any]
     shards: list[tuple[int, int] | None]
     skip_batches: int
-    boundaries: int = 0  # the survivors' count of batches begun, this one included
+    boundaries: int  # the survivors' count of batches begun, this one included
+    start_size: int
+    grow_pending: bool
 
 
 def replacement_shards(taken: list[tuple[int, int] | None], missing: int) -> list[tuple[int, int] | None]:
@@ -240,9 +246,12 @@ class RunReplacing:
         ``ckpt_path`` to resume from."""
         transport = self._failures.transport
         handover: Handover = transport.broadcast_object(None, root=0)
-        self._healing.after_let_in(transport)  # with the survivors (they do it after the same broadcast)
+        healing = self._healing
+        healing.start_size = handover.start_size  # before after_let_in: min_ranks is a majority of it
+        healing.grow_pending, healing.grow_at = handover.grow_pending, 0  # the survivors' next batch
+        healing.after_let_in(transport)  # with the survivors (they do it after the same broadcast)
         self.handover = handover
-        self._healing.boundaries = handover.boundaries - 1  # its first batch's start counts the join's
+        healing.boundaries = handover.boundaries - 1  # its first batch's start counts the join's
         shard = handover.shards[transport.rank - (transport.size - len(handover.shards))]
         if shard is not None and self._sharding is not None:
             self._sharding.next_training_shard = (*shard, handover.skip_batches)
@@ -425,6 +434,8 @@ class RunReplacing:
         self._environment.adopt(grown.base)
         remember_healed(grown.base)
         transport = grown.transport
+        # fewer spares than ranks lost: every rank, the new ones too, spawns the rest at the next batch
+        healing.grow_pending = healing.mode == "replace" and transport.size < healing.start_size
         handover = None
         if transport.rank == 0:
             checkpoint = self._loop.snapshot(at)
@@ -433,7 +444,14 @@ class RunReplacing:
                 state, handed = bound.hand_over(state, missing)
                 rule = type(self._runner.rule).__name__
                 checkpoint[self._key] = {"rule": rule, "state": handed, "world_size": transport.size}
-            handover = Handover(checkpoint, shards, self._loop.batches_done(at), healing.boundaries)
+            handover = Handover(
+                checkpoint,
+                shards,
+                self._loop.batches_done(at),
+                healing.boundaries,
+                healing.start_size,
+                healing.grow_pending,
+            )
         transport.broadcast_object(handover, root=0)
         healing.after_let_in(transport)  # with the new ranks (they do it after the same broadcast)
         self._adopt(state)
@@ -458,8 +476,6 @@ class RunReplacing:
             f"replaced: {len(joined)} new rank{'s' if len(joined) > 1 else ''} ({', '.join(map(str, joined))}) "
             f"joined at step {self._loop.step(at)}, {source}; training goes on at world size {transport.size}"
         )
-        # fewer spares than ranks lost: spawn the rest at the next batch
-        healing.grow_pending = healing.mode == "replace" and transport.size < healing.start_size
 
     def _shards(self, missing: int) -> list[tuple[int, int] | None]:
         """Per new rank, the training shard it takes this epoch (collective over the survivors;

@@ -1290,6 +1290,37 @@ def test_a_spare_launched_with_the_job_takes_a_lost_ranks_place_at_the_next_batc
 
 @pytest.mark.mpi
 @pytest.mark.openmpi_core
+@pytest.mark.timeout(300)
+def test_fewer_spares_than_ranks_lost_let_one_in_and_spawn_the_rest(tmp_path):
+    """``lightning-mpi --heal -n 3 --spares 1 partial_let_in.py``: ranks 1 and 2 die together; rank 0
+    heals alone, lets the one spare in, and both spawn the rank still missing at the next batch. The
+    spare learns from the handover the size the run started with (3, not the 2 it joined) and that a
+    rank is still missing, so it takes part in the spawn. Before, it did not: rank 0 waited in the
+    spawn's first collective while the spare trained on (seen in an 8-rank partition run, where the
+    run stood still until the next loss), and the spare's ``min_ranks`` was a majority of 2."""
+    require_ulfm()
+    script = REPO / "tests" / "scripts" / "partial_let_in.py"
+    args = [sys.executable, "-m", "lightning_mpi", "-n", 3, "--heal", "--spares", 1]
+    args += ["--hang-timeout", STARTUP_HANG_TIMEOUT, "--grace", 3, script, tmp_path]
+    code, _, err = finish(launch(args, REPO), 280)
+    assert code == 0, err[-6000:]
+    ends = {path.stem: json.loads(path.read_text()) for path in tmp_path.glob("*.json")}
+    assert sorted(ends) == ["rank0", "spare", "spawned"], (sorted(ends), err[-3000:])
+    for who, end in ends.items():
+        assert end["world_size"] == 3 and end["start_size"] == 3 and end["min_ranks"] == 1, (who, end)
+        assert end["weights"] == ends["rank0"]["weights"], who  # one run, bitwise
+        assert end["step"] == ends["rank0"]["step"] >= 6, who
+    history = ends["rank0"]["history"]
+    heals = [event for event in history if "lost" in event]
+    joins = [event for event in history if "joined" in event]
+    assert sorted(rank for event in heals for rank in event["lost"]) == [1, 2] and heals[-1]["world_size"] == 1
+    assert [(event["spares"], event["world_size"]) for event in joins] == [(True, 2), (False, 3)], joins
+    # the spare took part in the second let-in (each rank times it itself)
+    assert {**ends["spare"]["history"][-1], "seconds": 0} == {**joins[-1], "seconds": 0}
+
+
+@pytest.mark.mpi
+@pytest.mark.openmpi_core
 @pytest.mark.timeout(360)
 def test_survivors_that_heal_one_after_its_last_batch_one_still_training_both_end(rules_replaced):
     """The replace_rules launch's last phase (DOWNPOUR, ``heal="shrink"``, W 3 -> 2): rank 1 had run
