@@ -74,6 +74,42 @@ def mpi_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
+def _children() -> dict[int, list[int]]:
+    """Every process's children, by parent pid (from /proc)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        parent = int(stat.rsplit(")", 1)[1].split()[1])
+        children.setdefault(parent, []).append(int(entry))
+    return children
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL ``pid``'s process group and every process below it. MPI ranks, and the processes
+    beside them, run in sessions of their own, out of reach of ``killpg``: left running after a
+    launch that timed out, they took the CPU from the tests after it (a rank spinning for minutes).
+    The tree is read before anything is killed (an orphan is re-parented to init)."""
+    children, below, todo = _children(), [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            below.append(child)
+            todo.append(child)
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except OSError:
+        pass
+    for child in below:
+        try:
+            os.kill(child, signal.SIGKILL)
+        except OSError:
+            pass
+
+
 def run_mpi(
     n: int,
     args: list[str],
@@ -83,7 +119,7 @@ def run_mpi(
     check: bool = True,
     ft: bool = False,
 ) -> subprocess.CompletedProcess:
-    """Run ``mpiexec -n n python args...`` (``ft``: with ULFM); kill the whole process group on timeout."""
+    """Run ``mpiexec -n n python args...`` (``ft``: with ULFM); kill the whole process tree on timeout."""
     cmd = mpiexec_command(n, args, ft=ft)
     proc = subprocess.Popen(
         cmd,
@@ -97,7 +133,7 @@ def run_mpi(
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        kill_tree(proc.pid)
         out, err = proc.communicate()
         raise AssertionError(
             f"mpiexec -n {n} {' '.join(args)} timed out after {timeout}s\n--- stdout\n{out[-4000:]}\n--- stderr\n{err[-4000:]}"

@@ -3,9 +3,7 @@ subprocesses that run the launcher package without importing ``lightning_mpi`` (
 """
 from __future__ import annotations
 
-import os
 import shlex
-import signal
 import subprocess
 import sys
 import textwrap
@@ -15,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from lightning_mpi.launcher import cli
-from tests.mpi_utils import mpi_env
+from tests.mpi_utils import kill_tree, mpi_env
 
 VENV_MPIEXEC = Path(sys.executable).parent / "mpiexec"
 needs_venv_mpiexec = pytest.mark.skipif(
@@ -104,7 +102,7 @@ def finish(proc: subprocess.Popen, timeout: float) -> tuple[int, str, str]:
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        kill_tree(proc.pid)
         try:  # a surviving grandchild may hold the pipes open: don't wait for it forever
             out, err = proc.communicate(timeout=5)
         except subprocess.TimeoutExpired:
@@ -129,7 +127,7 @@ def wait_for_pid_files(directory: Path, n: int, proc: subprocess.Popen, timeout:
         if proc.poll() is not None:
             raise AssertionError(f"launcher exited early: {proc.communicate()}")
         if time.monotonic() > deadline:
-            os.killpg(proc.pid, signal.SIGKILL)
+            kill_tree(proc.pid)
             raise AssertionError("ranks did not start")
         time.sleep(0.05)
     return [int(f.read_text()) for f in files]
