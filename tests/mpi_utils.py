@@ -18,6 +18,8 @@ import subprocess
 import textwrap
 from pathlib import Path
 
+from lightning_mpi.launcher.process import descendants
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -74,36 +76,17 @@ def mpi_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
-def _children() -> dict[int, list[int]]:
-    """Every process's children, by parent pid (from /proc)."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-        except OSError:
-            continue
-        parent = int(stat.rsplit(")", 1)[1].split()[1])
-        children.setdefault(parent, []).append(int(entry))
-    return children
-
-
 def kill_tree(pid: int) -> None:
     """SIGKILL ``pid``'s process group and every process below it. MPI ranks, and the processes
     beside them, run in sessions of their own, out of reach of ``killpg``: left running after a
     launch that timed out, they took the CPU from the tests after it (a rank spinning for minutes).
     The tree is read before anything is killed (an orphan is re-parented to init)."""
-    children, below, todo = _children(), [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            below.append(child)
-            todo.append(child)
+    below = descendants(pid)
     try:
         os.killpg(pid, signal.SIGKILL)
     except OSError:
         pass
-    for child in below:
+    for child, _ in below:
         try:
             os.kill(child, signal.SIGKILL)
         except OSError:

@@ -19,7 +19,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-__all__ = ["KILL_GRACE_S", "FORWARDED_ONLY", "JobOutcome", "run_command", "run_job"]
+__all__ = ["KILL_GRACE_S", "FORWARDED_ONLY", "JobOutcome", "descendants", "run_command", "run_job"]
 
 #: Seconds between forwarding SIGINT/SIGTERM and killing every remaining process with SIGKILL.
 KILL_GRACE_S = 5.0
@@ -40,7 +40,7 @@ def _start_time(pid: int) -> str | None:
     return stat.rsplit(")", 1)[1].split()[19]
 
 
-def _descendants(root: int) -> list[tuple[int, str]]:
+def descendants(root: int) -> list[tuple[int, str]]:
     """``(pid, start_time)`` of every live descendant of ``root``; empty without /proc."""
     children: dict[int, list[int]] = {}
     starts: dict[int, str] = {}
@@ -90,7 +90,7 @@ class _Stopper:
 
     def _track(self) -> None:
         # Snapshot now: once the launcher dies its ranks are re-parented and can't be found.
-        self._tracked.update(_descendants(self.proc.pid))
+        self._tracked.update(descendants(self.proc.pid))
 
     def on_notice(self, signum: int, frame: object) -> None:
         """Pass a notice (SIGUSR1) on to the job; the job decides what to do with it."""
