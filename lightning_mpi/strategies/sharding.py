@@ -93,6 +93,11 @@ class LoaderSharding:
         self.next_training_shard: tuple[int, int, int] | None = None
         #: a heal during fit's validation: its loaders are to be built anew once it ended
         self._validation_reshard_pending = False
+        #: the training loader was sharded and its first batch is not yet taken (Lightning is still
+        #: setting it up: a reduce of its length comes next, and the epoch's first batch)
+        self._training_loader_setting_up = False
+        #: a heal while the training loader was set up: it is to be built anew from the next batch on
+        self._training_reshard_pending = False
 
     def take_over(self, trainer: Any) -> None:
         """Before Lightning builds this stage's loaders: keep the user's ``use_distributed_sampler``
@@ -106,6 +111,8 @@ class LoaderSharding:
     def shard(self, dataloader: Any, trainer: Any, world_size: int, rank: int) -> Any:
         """This rank's share of ``dataloader`` (unchanged when it must not be sharded)."""
         training = trainer is not None and trainer.state.stage == self._api.RunningStage.TRAINING
+        if training:
+            self._training_loader_setting_up = True
         skip = 0
         if training and self.next_training_shard is not None:
             world_size, rank, skip = self.next_training_shard
@@ -141,14 +148,21 @@ class LoaderSharding:
         """After a heal: the loaders are built and sharded again over the new world size, the
         training loader from the next epoch and the validation loaders at the next validation
         (Lightning builds a stage's loaders again when it holds none). The current epoch goes on
-        with the shards it has: the lost rank's share of it is not seen this epoch. A heal during
-        fit's validation leaves that validation its loaders (it is iterating them) and drops them at
-        the next training batch (:meth:`reshard_validation_if_pending`): the lost rank's share of
-        that one validation is not evaluated."""
+        with the shards it has: the lost rank's share of it is not seen this epoch.
+
+        A loader that Lightning is using or still setting up is dropped only at the next training
+        batch (:meth:`at_training_batch`): fit's validation loaders during a validation (it is
+        iterating them: the lost rank's share of that one validation is not evaluated), and the
+        training loader between its sharding and the epoch's first batch (a heal in the reduce of
+        its length: dropped there, Lightning's fit loop found no loader when it went on, an
+        ``AssertionError``; measured once in an 8-rank partition run)."""
         fit_loop = getattr(trainer, "fit_loop", None)
         if fit_loop is None:
             return
-        fit_loop._combined_loader = None
+        if self._training_loader_setting_up:
+            self._training_reshard_pending = True
+        else:
+            fit_loop._combined_loader = None
         val_loop = getattr(getattr(fit_loop, "epoch_loop", None), "val_loop", None)
         if val_loop is None:
             return
@@ -157,15 +171,20 @@ class LoaderSharding:
         else:
             val_loop._combined_loader = None
 
-    def reshard_validation_if_pending(self, trainer: Any) -> None:
-        """At a training batch: drop fit's validation loaders if a heal happened during the last
-        validation, so that the next one shards them over the survivors."""
-        if not self._validation_reshard_pending:
-            return
-        self._validation_reshard_pending = False
-        val_loop = getattr(getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None), "val_loop", None)
-        if val_loop is not None:
-            val_loop._combined_loader = None
+    def at_training_batch(self, trainer: Any) -> None:
+        """At a training batch: the training loader is set up; drop the loaders that a heal left to
+        be built anew while they were in use or being set up (:meth:`reshard_next_epoch`)."""
+        self._training_loader_setting_up = False
+        fit_loop = getattr(trainer, "fit_loop", None)
+        if self._training_reshard_pending:
+            self._training_reshard_pending = False
+            if fit_loop is not None:
+                fit_loop._combined_loader = None
+        if self._validation_reshard_pending:
+            self._validation_reshard_pending = False
+            val_loop = getattr(getattr(fit_loop, "epoch_loop", None), "val_loop", None)
+            if val_loop is not None:
+                val_loop._combined_loader = None
 
     def _should_shard(self, dataloader: Any, trainer: Any, world_size: int) -> bool:
         return (

@@ -1321,6 +1321,35 @@ def test_fewer_spares_than_ranks_lost_let_one_in_and_spawn_the_rest(tmp_path):
 
 @pytest.mark.mpi
 @pytest.mark.openmpi_core
+@pytest.mark.timeout(200)
+def test_a_rank_lost_while_lightning_sets_the_training_loader_up(tmp_path):
+    """``lightning-mpi --heal -n 3 heal_in_loader_setup.py``: rank 2 dies while epoch 1's training
+    loader is sharded; the survivors heal in the reduce of its length, with the loader (sharded
+    over 3) already handed to Lightning. They train epoch 1 on it (rank 2's share not seen) and
+    epoch 2 on a loader sharded over the two. Before, the heal dropped the loader at once, and
+    Lightning's fit loop, going on, found none (``AssertionError``; seen in an 8-rank partition run)."""
+    require_ulfm()
+    script = REPO / "tests" / "scripts" / "heal_in_loader_setup.py"
+    args = [sys.executable, "-m", "lightning_mpi", "-n", 3, "--heal", "--hang-timeout", STARTUP_HANG_TIMEOUT]
+    code, _, err = finish(launch(args + ["--grace", 3, script, tmp_path], REPO), 190)
+    assert code == 0, err[-6000:]
+    ends = {int(p.suffixes[0][1:]): json.loads(p.read_text()) for p in tmp_path.glob("end.*.json")}
+    assert sorted(ends) == [0, 1], err[-3000:]
+    assert ends[0]["weights"] == ends[1]["weights"]
+    (event,) = ends[0]["history"]
+    assert event["lost"] == [2] and event["world_size"] == 2
+    steps = {r: [json.loads(x) for x in (tmp_path / f"steps.{r}.jsonl").read_text().splitlines()] for r in (0, 1, 2)}
+    everything = [s for r in (0, 1, 2) for s in steps[r]]
+    seen = {e: sorted(i for s in everything if s["epoch"] == e for i in s["indices"]) for e in range(3)}
+    assert seen[0] == list(range(60))  # 3 ranks
+    assert len(seen[1]) == 40 and len(set(seen[1])) == 40  # the shards of 3, rank 2's not seen
+    assert seen[2] == list(range(60))  # sharded anew over the two
+    assert {s["world"] for r in (0, 1) for s in steps[r] if s["epoch"] > 0} == {2}
+    assert all(s["epoch"] == 0 for s in steps[2])
+
+
+@pytest.mark.mpi
+@pytest.mark.openmpi_core
 @pytest.mark.timeout(360)
 def test_survivors_that_heal_one_after_its_last_batch_one_still_training_both_end(rules_replaced):
     """The replace_rules launch's last phase (DOWNPOUR, ``heal="shrink"``, W 3 -> 2): rank 1 had run
@@ -1955,10 +1984,10 @@ def test_a_heal_during_validation_reshards_the_next_validation():
     sharding.reshard_next_epoch(trainer)
     assert fit_loop._combined_loader is None and val_loop._combined_loader == "validation loaders"
     trainer.validating = False
-    sharding.reshard_validation_if_pending(trainer)
+    sharding.at_training_batch(trainer)
     assert val_loop._combined_loader is None
     val_loop._combined_loader = "rebuilt"
-    sharding.reshard_validation_if_pending(trainer)  # once only
+    sharding.at_training_batch(trainer)  # once only
     assert val_loop._combined_loader == "rebuilt"
     sharding.reshard_next_epoch(trainer)  # training: at once
     assert val_loop._combined_loader is None

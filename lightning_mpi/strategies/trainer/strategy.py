@@ -258,7 +258,7 @@ def trainer_strategy(api: TrainerAPI, environment_class: type, checkpoint_io_cla
         def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
             super().on_train_batch_start(batch, batch_idx)
             trainer = self.lightning_module.trainer
-            self._sharding.reshard_validation_if_pending(trainer)  # a heal during the last validation
+            self._sharding.at_training_batch(trainer)  # loaders a heal left in use or being set up
             self._core.replacing.at_batch_start(trainer)  # heal="replace": new ranks join here
             if self._core.healing.between("the preemption vote", self._preemption.requested, False):
                 self._preempt()
