@@ -29,6 +29,9 @@ ENV_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 HANG_TIMEOUT = 8.0
 #: heartbeats per timeout (Open MPI wants the timeout above 3 periods)
 DETECTOR_BEATS = 5
+#: ``mpi_add_procs_cutoff`` under the detector: jobs up to this many processes make every peer's
+#: endpoint in ``MPI_Init`` (Open MPI's default, 0, makes each at the first message to that peer)
+ADD_PROCS_CUTOFF = 1_000_000
 #: ``--freeze-timeout``'s default: seconds a rank's process may stay stopped (``SIGSTOP``) while the
 #: others go on before the process beside it kills it, so that the run heals it at once
 #: (docs/faults.md, "Hung ranks"; ``lightning_mpi.comm.watchdog``)
@@ -181,6 +184,12 @@ def build_command(spec: LaunchSpec, flavor: Flavor) -> list[str]:
                 cmd += ["--mca", "mpi_ft_detector_period", f"{period:g}"]
                 cmd += ["--mca", "mpi_ft_detector_timeout", f"{spec.hang_timeout:g}"]
                 cmd += ["--mca", "mpi_ft_propagator_with_rbcast", "true"]
+                # every peer's endpoint made in MPI_Init, not at the first message to it: a rank that
+                # first wrote to a peer of a host cut off (forwarding the news of a failure is such a
+                # message) waited inside PMIx_Get for that host's address until the link was back,
+                # sent no heartbeat meanwhile, and was declared failed with it (measured: 8 ranks on
+                # 4 hosts, one cut for 15 s, a live host's 2 ranks stuck 14 s)
+                cmd += ["--mca", "mpi_add_procs_cutoff", str(ADD_PROCS_CUTOFF)]
                 cmd += ["-x", f"{FREEZE_TIMEOUT_ENV}={spec.freeze_timeout or 0:g}"]  # 0: off
         if spec.oversubscribe:
             cmd.append("--oversubscribe")

@@ -80,6 +80,9 @@ class TestBuildCommand:
             "--mca", "mpi_ft_detector_timeout", "8",
             # what it finds reaches every rank (a spare that detected a loss told no training rank)
             "--mca", "mpi_ft_propagator_with_rbcast", "true",
+            # every peer's endpoint made in MPI_Init: a first message to a peer cut off does not
+            # wait for its address (and miss heartbeats meanwhile)
+            "--mca", "mpi_add_procs_cutoff", "1000000",
             # a rank that does not run for 2 s while the others run is killed beside it (comm.watchdog)
             "-x", "LIGHTNING_MPI_FREEZE_TIMEOUT=1",
             "--oversubscribe", "--allow-run-as-root", "--bind-to", "none", "py", "train.py", "fit", "--x=1",

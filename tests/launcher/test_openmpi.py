@@ -50,6 +50,7 @@ def test_open_mpi_dry_run_heals_oversubscribes_and_runs_as_root(capsys, monkeypa
         *("--mca", "mpi_ft_detector_period", "1.6"),
         *("--mca", "mpi_ft_detector_timeout", "8"),
         *("--mca", "mpi_ft_propagator_with_rbcast", "true"),  # and every rank learns what it found
+        *("--mca", "mpi_add_procs_cutoff", "1000000"),  # every peer's address known from MPI_Init
         *("-x", "LIGHTNING_MPI_FREEZE_TIMEOUT=1"),  # a rank that stops running while the others run: killed
         "--oversubscribe",
         "--allow-run-as-root",
