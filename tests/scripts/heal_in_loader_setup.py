@@ -7,40 +7,27 @@ loader's barrier and dies when Lightning reads the length of the loader it shard
 find the loss in the reduce of the lengths that comes next, with the loader already sharded over 3
 and handed to Lightning. Every training step is recorded in
 ``OUT_DIR/steps.<rank>.jsonl`` (epoch, world size, sample indices); every rank that ends writes
-``OUT_DIR/end.<rank>.json`` (its weights, world size, step, heal history).
+``OUT_DIR/end.<rank>.json`` (what heal_train.py's Trainer phases report: final weights, world size,
+step, heal history). The data, model and Trainer are heal_train.py's.
 """
 
 import json
-import os
-import signal
 import sys
 from pathlib import Path
 
 import lightning as L
 import torch
+from heal_train import LR, B, Indexed, _trainer_fit, die, make_net
 from mpi4py import MPI
 from torch import nn
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
 
 from lightning_mpi.lightning import SyncStrategy
 
-N, B, EPOCHS, DIES = 60, 4, 3, 2
+EPOCHS, DIES = 3, 2
 out = Path(sys.argv[1])
 launch_rank = MPI.COMM_WORLD.Get_rank()
 epochs_ended = 0
-
-
-class Indexed(Dataset):
-    def __init__(self) -> None:
-        g = torch.Generator().manual_seed(0)
-        self.x = torch.randn(N, 6, generator=g)
-        self.y = self.x @ torch.randn(6, 1, generator=g)
-
-    def __len__(self) -> int:
-        return N
-
-    def __getitem__(self, i: int):
-        return i, self.x[i], self.y[i]
 
 
 class Loader(DataLoader):
@@ -49,16 +36,14 @@ class Loader(DataLoader):
 
     def __len__(self) -> int:
         if epochs_ended == 1 and launch_rank == DIES:
-            sys.stdout.flush()
-            os.kill(os.getpid(), signal.SIGKILL)
+            die()
         return super().__len__()
 
 
 class Net(L.LightningModule):
     def __init__(self) -> None:
         super().__init__()
-        torch.manual_seed(0)
-        self.net = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 1))
+        self.net = make_net()
 
     def training_step(self, batch, batch_idx):
         index, x, y = batch
@@ -75,26 +60,9 @@ class Net(L.LightningModule):
         return Loader(Indexed(), batch_size=B, shuffle=True)
 
     def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.05)
+        return torch.optim.SGD(self.parameters(), lr=LR)
 
 
 strategy = SyncStrategy(heal="shrink")
-trainer = L.Trainer(
-    strategy=strategy,
-    accelerator="cpu",
-    max_epochs=EPOCHS,
-    reload_dataloaders_every_n_epochs=1,
-    logger=False,
-    enable_checkpointing=False,
-    enable_progress_bar=False,
-    enable_model_summary=False,
-)
-model = Net()
-trainer.fit(model)
-end = {
-    "weights": [p.detach().double().flatten().tolist() for p in model.parameters()],
-    "world_size": trainer.world_size,
-    "global_step": trainer.global_step,
-    "history": strategy._core.healing.history,
-}
+end = _trainer_fit(Net(), strategy, max_epochs=EPOCHS, reload_dataloaders_every_n_epochs=1, enable_checkpointing=False)
 (out / f"end.{launch_rank}.json").write_text(json.dumps(end))

@@ -1335,7 +1335,7 @@ def test_a_rank_lost_while_lightning_sets_the_training_loader_up(tmp_path):
     assert code == 0, err[-6000:]
     ends = {int(p.suffixes[0][1:]): json.loads(p.read_text()) for p in tmp_path.glob("end.*.json")}
     assert sorted(ends) == [0, 1], err[-3000:]
-    assert ends[0]["weights"] == ends[1]["weights"]
+    assert ends[0]["final"] == ends[1]["final"]
     (event,) = ends[0]["history"]
     assert event["lost"] == [2] and event["world_size"] == 2
     steps = {r: [json.loads(x) for x in (tmp_path / f"steps.{r}.jsonl").read_text().splitlines()] for r in (0, 1, 2)}
