@@ -32,6 +32,12 @@ DETECTOR_BEATS = 5
 #: ``mpi_add_procs_cutoff`` under the detector: jobs up to this many processes make every peer's
 #: endpoint in ``MPI_Init`` (Open MPI's default, 0, makes each at the first message to that peer)
 ADD_PROCS_CUTOFF = 1_000_000
+#: how an Open MPI rank that waits gives up its core in an oversubscribed job (Open MPI then yields
+#: between polls, whatever ``mpi_yield_when_idle`` says): a sleep of microseconds, not ``sched_yield``.
+#: Under Linux's EEVDF scheduler (6.6 on) a process that polls with ``sched_yield`` can be left off
+#: its core for seconds (measured: 8 ranks and 2 spares on 2 cores, 6-40 s with no CPU time while
+#: runnable, so that Open MPI's detector declared live ranks failed, docs/faults.md)
+YIELD_STRATEGY = "nanosleep"
 #: ``--freeze-timeout``'s default: seconds a rank's process may stay stopped (``SIGSTOP``) while the
 #: others go on before the process beside it kills it, so that the run heals it at once
 #: (docs/faults.md, "Hung ranks"; ``lightning_mpi.comm.watchdog``)
@@ -137,10 +143,12 @@ def build_command(spec: LaunchSpec, flavor: Flavor) -> list[str]:
 
     - ``"mpich"`` (hydra): ``mpiexec -n N [-hosts a,b | -f F] [-ppn K] [-genv K V]... python script args``.
       Hydra oversubscribes and runs as root by itself; it cannot heal (``ValueError``).
-    - ``"openmpi"``: ``mpirun -np N [--with-ft ulfm --mca coll ^han] [--oversubscribe] [--allow-run-as-root]
-      --bind-to none [--host a:S,b:S | --hostfile F] [--map-by ppr:K:node [--rank-by node] | node]
+    - ``"openmpi"``: ``mpirun -np N [--with-ft ulfm --mca coll ^han] [--oversubscribe --mca
+      threads_pthreads_yield_strategy nanosleep] [--allow-run-as-root] --bind-to none
+      [--host a:S,b:S | --hostfile F] [--map-by ppr:K:node [--rank-by node] | node]
       [-x K=V]... python script args``, with the detector's settings and ``-x
-      LIGHTNING_MPI_FREEZE_TIMEOUT=S`` after ``--with-ft``. Hosts without explicit slots get ``S =
+      LIGHTNING_MPI_FREEZE_TIMEOUT=S`` after ``--with-ft``; oversubscribed, a rank that waits sleeps
+      between polls (:data:`YIELD_STRATEGY`). Hosts without explicit slots get ``S =
       K`` (with ``ppn``) or ``S = ceil(N / hosts)`` plus ``--map-by node``, so ranks go round-robin over hosts as hydra
       places them; hosts of one slot each get ``--map-by node`` too (oversubscribed, the extra ranks
       then wrap around as in hydra). Under ``heal`` with the detector, ranks are numbered
@@ -192,7 +200,8 @@ def build_command(spec: LaunchSpec, flavor: Flavor) -> list[str]:
                 cmd += ["--mca", "mpi_add_procs_cutoff", str(ADD_PROCS_CUTOFF)]
                 cmd += ["-x", f"{FREEZE_TIMEOUT_ENV}={spec.freeze_timeout or 0:g}"]  # 0: off
         if spec.oversubscribe:
-            cmd.append("--oversubscribe")
+            # Open MPI then yields between polls: by a short sleep (YIELD_STRATEGY)
+            cmd += ["--oversubscribe", "--mca", "threads_pthreads_yield_strategy", YIELD_STRATEGY]
         if spec.as_root:
             cmd.append("--allow-run-as-root")
         cmd += ["--bind-to", "none"]

@@ -85,7 +85,10 @@ class TestBuildCommand:
             "--mca", "mpi_add_procs_cutoff", "1000000",
             # a rank that does not run for 2 s while the others run is killed beside it (comm.watchdog)
             "-x", "LIGHTNING_MPI_FREEZE_TIMEOUT=1",
-            "--oversubscribe", "--allow-run-as-root", "--bind-to", "none", "py", "train.py", "fit", "--x=1",
+            "--oversubscribe",
+            # a rank that waits sleeps between polls (sched_yield left ranks off their core for seconds)
+            "--mca", "threads_pthreads_yield_strategy", "nanosleep",
+            "--allow-run-as-root", "--bind-to", "none", "py", "train.py", "fit", "--x=1",
         ]
         quiet = build_command(spec(nprocs=3, heal=True, hang_timeout=None, launcher="mpirun"), "openmpi")
         assert "mpi_ft_detector" not in quiet  # no detector: a lost rank is noticed when its process ends

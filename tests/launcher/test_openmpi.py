@@ -53,6 +53,7 @@ def test_open_mpi_dry_run_heals_oversubscribes_and_runs_as_root(capsys, monkeypa
         *("--mca", "mpi_add_procs_cutoff", "1000000"),  # every peer's address known from MPI_Init
         *("-x", "LIGHTNING_MPI_FREEZE_TIMEOUT=1"),  # a rank that stops running while the others run: killed
         "--oversubscribe",
+        *("--mca", "threads_pthreads_yield_strategy", "nanosleep"),  # waits sleep, not sched_yield
         "--allow-run-as-root",
         "--bind-to",
         "none",
