@@ -45,8 +45,12 @@ class ExchangeScheduler:
         size: int = 1,
         watch: Callable[[], None] | None = None,
         on_driver_error: Callable[[BaseException], None] | None = None,
+        comm: Any = None,
     ) -> None:
         self._active: list[tuple[Exchange, Any]] = []
+        # the communicator the exchanges run on: an MPI error there is a lost rank when it has one
+        # known dead (libnbc's MPI_ERR_OTHER: :func:`~lightning_mpi.comm.errors.process_failure`)
+        self._comm = comm
         self.timeout = timeout  # seconds one request may take before CollectiveTimeout
         self._where = (rank, size)
         self._watch = watch  # raises when another rank failed (every wait calls it)
@@ -109,7 +113,7 @@ class ExchangeScheduler:
                 # a dead rank (ULFM) raises ProcessFailed, as a wait reports it: a gradient hook
                 # that polls leaves that one to the exchange, which heals (a bare MPI error escaped
                 # the hook and aborted a run that could heal)
-                with failures_raised(where="gradient exchange"):
+                with failures_raised(self._comm, "gradient exchange"):
                     if request.Test():
                         self._advance(exchange)
                     else:
@@ -131,7 +135,7 @@ class ExchangeScheduler:
                     return
                 exchange, request = self._active.pop(0)
             # Waited on outside the lock: the driver thread keeps advancing the others meanwhile.
-            wait_request(request, self.timeout, "gradient exchange", *self._where, watch=self._watch)
+            wait_request(request, self.timeout, "gradient exchange", *self._where, watch=self._watch, comm=self._comm)
             with self._lock:
                 self._advance(exchange)
                 self._poll()
@@ -147,7 +151,7 @@ class ExchangeScheduler:
                 if not self._active:
                     return
                 exchange, request = self._active.pop(0)
-            wait_request(request, self.timeout, "gradient exchange", *self._where, watch=self._watch)
+            wait_request(request, self.timeout, "gradient exchange", *self._where, watch=self._watch, comm=self._comm)
             with self._lock:
                 self._advance(exchange)
                 self._poll()
@@ -180,6 +184,7 @@ def watched_scheduler(
         transport.size,
         watch=transport.watch,
         on_driver_error=transport.report_thread_failure,
+        comm=transport.comm,
     )
     if not progress_thread or transport.size <= 1:
         return scheduler, None

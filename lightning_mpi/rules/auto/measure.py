@@ -147,7 +147,9 @@ class DecisionProbe:
         size = transport.size
         flat = torch.zeros(-(-self.sizes.numel // size) * size, dtype=torch.float32)
         work = ASAWorkspace.for_buffer(flat, size, wire)
-        scheduler = ExchangeScheduler(transport.timeout, transport.rank, size, watch=transport.watch)
+        scheduler = ExchangeScheduler(
+            transport.timeout, transport.rank, size, watch=transport.watch, comm=transport.comm
+        )
         start = time.perf_counter()
         scheduler.start(asa_mean_steps(transport, flat, wire, work))
         scheduler.wait_all()

@@ -299,7 +299,7 @@ class BoundDiLoCo(BoundLocalStepRule):
         self.replicas = ReplicaState(transport, self.params)
         # A private communicator: an exchange in flight must not interleave with other collectives.
         self.team = transport.dup() if transport.size > 1 else transport
-        self.progress = ExchangeScheduler(transport.timeout, transport.rank, transport.size)
+        self.progress = ExchangeScheduler(transport.timeout, transport.rank, transport.size, comm=self.team.comm)
         self.driver: ProgressThread | None = None
         if (overlap_steps > 0 or (self.period is None and len(groups) > 1)) and transport.size > 1:
             # MPICH moves a non-blocking exchange only inside MPI calls: poll while one is in flight,

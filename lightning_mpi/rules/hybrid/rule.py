@@ -265,6 +265,7 @@ class BoundHybrid(BoundRule):
             transport.size,
             watch=transport.watch,
             on_driver_error=transport.report_thread_failure,
+            comm=transport.comm,
         )
         self.driver: ProgressThread | None = None
         #: whether an outer exchange goes over the wire: across replicas, or SparseLoCo's rows Allgathered

@@ -134,7 +134,7 @@ class BoundPowerSGD(BoundRule):
         self.hook_launches = 0
         self._index = {id(p): i for i, p in enumerate(self.params)}  # checkpoint keys
         self.buckets: list[PowerSGDBucket] = []
-        self.progress = ExchangeScheduler(transport.timeout, transport.rank, transport.size)
+        self.progress = ExchangeScheduler(transport.timeout, transport.rank, transport.size, comm=transport.comm)
         self.driver: ProgressThread | None = None
         self._hooks: list[Any] = []
         self._last: dict[str, float] = {}
