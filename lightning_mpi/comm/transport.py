@@ -22,6 +22,8 @@ from torch import Tensor
 from lightning_mpi.comm.cuda import mpi_is_cuda_aware
 from lightning_mpi.comm.errors import AbandonedRunError, process_failure
 from lightning_mpi.comm.resources import RunResources, keep_pending
+from lightning_mpi.comm.ring import allreduce_steps, ring_tags
+from lightning_mpi.comm.ulfm import heal_support
 
 _AS_WORDS = {torch.float16: torch.int16, torch.bfloat16: torch.int16}
 
@@ -149,10 +151,20 @@ class Transport:
             failed; ``None``: nothing to watch.
         resources: where the communicators and windows made for this run are tracked (see
             :mod:`lightning_mpi.comm.resources`); transports made by :meth:`dup` share it.
+        ring: sums (:meth:`iallreduce_`) of host buffers go over point-to-point messages
+            (:mod:`lightning_mpi.comm.ring`) instead of a non-blocking collective; ``None``: when the
+            job runs with Open MPI's fault tolerance on (``--with-ft ulfm``), whose non-blocking
+            collectives abort a live process after a peer's failure (see there). Transports made
+            from this one keep it.
     """
 
     def __init__(
-        self, comm: Any, timeout: float | None = None, errors: Any = None, resources: RunResources | None = None
+        self,
+        comm: Any,
+        timeout: float | None = None,
+        errors: Any = None,
+        resources: RunResources | None = None,
+        ring: bool | None = None,
     ) -> None:
         from mpi4py import MPI  # deferred: importing it initialises MPI (see lightning_mpi.comm)
 
@@ -164,6 +176,12 @@ class Transport:
         self.rank: int = comm.Get_rank()
         self.size: int = comm.Get_size()
         self._staging: dict[tuple, Tensor] = {}
+        self.ring = heal_support().ok if ring is None else ring
+        self._tags = ring_tags()
+
+    def _derived(self, comm: Any) -> Transport:
+        """A transport over ``comm`` (made from this one's) with this one's settings."""
+        return Transport(self.resources.comm(comm), self.timeout, self.errors, self.resources, self.ring)
 
     @property
     def abandoned(self) -> bool:
@@ -255,8 +273,8 @@ class Transport:
         bytes. Raises :class:`CollectiveMismatch` naming each rank's call, on every rank (each sees
         the mismatch in the same reduction)."""
         code = zlib.crc32(call.encode())
-        header = np.array([code, -code], dtype=np.int64)
-        self._wait(self.comm.Iallreduce(self.MPI.IN_PLACE, header, op=self.MPI.MAX), "allreduce")
+        header = torch.tensor([code, -code], dtype=torch.int64)
+        self.allreduce_(header, "max")
         if header[0] != -header[1]:
             raise CollectiveMismatch(self.allgather_object(call))
 
@@ -325,7 +343,7 @@ class Transport:
         pipelined segments) therefore each get their own communicator."""
         comm, request = self.comm.Idup()
         self._wait(request, "communicator duplication", settle=True)
-        return Transport(self.resources.comm(comm), self.timeout, self.errors, self.resources)
+        return self._derived(comm)
 
     def free(self) -> None:
         """Free this transport's communicator (only for ones made by :meth:`dup` or
@@ -350,10 +368,10 @@ class Transport:
             local = self.comm.Split_type(self.MPI.COMM_TYPE_SHARED, key=self.rank)
         is_leader = local.Get_rank() == 0
         leaders = self.comm.Split(color=0 if is_leader else self.MPI.UNDEFINED, key=self.rank)
-        local_t = Transport(self.resources.comm(local), self.timeout, self.errors, self.resources)
+        local_t = self._derived(local)
         if not is_leader:
             return local_t, None
-        return local_t, Transport(self.resources.comm(leaders), self.timeout, self.errors, self.resources)
+        return local_t, self._derived(leaders)
 
     def split(self, color: int | None, key: int | None = None) -> Transport | None:
         """A transport over the ranks that pass the same ``color`` (ordered by ``key``, default this
@@ -366,7 +384,7 @@ class Transport:
         )
         if color is None:
             return None
-        return Transport(self.resources.comm(comm), self.timeout, self.errors, self.resources)
+        return self._derived(comm)
 
     # -- non-blocking: generators that yield one MPI request and finish after it completes ----------
     # Staging copies happen before the start and after completion, inside the generator, so a
@@ -378,7 +396,10 @@ class Transport:
             raise TypeError(f"allreduce_ cannot sum {tensor.dtype} words; upcast to float32 first")
         self._sync_device(tensor)
         host = self._host(tensor, "iallreduce", copy_in=True)
-        yield self.comm.Iallreduce(self.MPI.IN_PLACE, host, op=mpi_op)
+        if self.ring and host.device.type == "cpu" and host.is_contiguous():
+            yield from allreduce_steps(self.comm, host.view(-1), op, next(self._tags))
+        else:
+            yield self.comm.Iallreduce(self.MPI.IN_PLACE, host, op=mpi_op)
         self._back(host, tensor)
         return tensor
 
