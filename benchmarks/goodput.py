@@ -23,6 +23,9 @@ waits for one); ``--faults`` picks the kinds, each a separate run of each faulte
   down drops silently, like a pulled cable), then comes back. The side with a majority of the
   ranks is expected to go on. Needs root, ``ip``, ``tc`` and ``unshare``.
 
+``--all-on-hosts`` runs kills and hangs on the simulated hosts too (ranks then talk over the hosts'
+links, as in a partition run, instead of this machine's shared memory).
+
 At the end of the budget (partitions restored) the benchmark writes ``OUT/stop``: the step, a few
 steps past the last one logged, at which every process stops; every process that gets there writes
 a digest of its final weights (``replicas identical``). A job that does not end within ``--drain``
@@ -195,14 +198,18 @@ def host_layout(ranks: int) -> tuple[int, int]:
     return hosts, math.ceil(ranks / hosts)
 
 
-def plan(arms: list[str], faults: tuple[str, ...], ranks: tuple[int, ...]) -> list[tuple[int, str, str, str | None]]:
+def plan(
+    arms: list[str], faults: tuple[str, ...], ranks: tuple[int, ...], on_hosts: bool = False
+) -> list[tuple[int, str, str, str | None]]:
     """``(ranks, placement, arm, fault)`` in the order they run: per rank count and placement, each
     baseline right before its faulted arms (each fault kind of that placement), so that a run cut
-    short keeps whole comparisons. A baseline arm's fault is None."""
+    short keeps whole comparisons. A baseline arm's fault is None. ``on_hosts``: every fault kind
+    on the simulated hosts (kills and hangs too)."""
+    where = {f: "hosts" if on_hosts else PLACEMENT[f] for f in faults}
     runs = []
     for n in ranks:
-        for placement in dict.fromkeys(PLACEMENT[f] for f in faults):
-            kinds = [f for f in faults if PLACEMENT[f] == placement]
+        for placement in dict.fromkeys(where.values()):
+            kinds = [f for f in faults if where[f] == placement]
             for base in (a for a in ARMS.values() if a.baseline is None):
                 faulted = [a for a in arms if ARMS[a].baseline == base.name]
                 if not faulted:
@@ -943,6 +950,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--arms", nargs="+", choices=[a for a in ARMS if ARMS[a].faults], help="faulted arms")
     parser.add_argument("--faults", default=",".join(FAULTS), help="fault kinds, comma-separated (default: all)")
     parser.add_argument("--ranks", default="3", help="rank counts, comma-separated (default 3; e.g. 3,8)")
+    parser.add_argument(
+        "--all-on-hosts",
+        action="store_true",
+        help="run kills and hangs on the simulated hosts too, as partitions are (default: on this machine)",
+    )
     parser.add_argument("--budget", type=float, help="seconds of training per run (default 70)")
     parser.add_argument("--ckpt-every", type=int)
     parser.add_argument("--every", type=float, help="seconds between faults (default 20)")
@@ -974,7 +986,7 @@ def main(argv: list[str] | None = None) -> None:
     }
     s = Settings(**{**asdict(s), **overrides})
     wanted = args.arms or (list(QUICK_ARMS) if args.quick else [a for a in ARMS if ARMS[a].faults])
-    runs_planned = plan(wanted, faults, rank_counts)
+    runs_planned = plan(wanted, faults, rank_counts, args.all_on_hosts)
     missing = unavailable({a for _, _, a, _ in runs_planned}, faults)
     runs: list[dict] = []
     load_before = _load()

@@ -206,6 +206,12 @@ def test_the_plan_runs_each_baseline_before_its_faulted_arms_per_placement_and_r
         (3, "local", "torchft_dl", None),
         (3, "local", "torchft_diloco", "kill"),
     ]
+    # --all-on-hosts: kills and hangs on the simulated hosts too, after one baseline there
+    assert g.plan(["heal_shrink"], ("kill", "partition"), (8,), on_hosts=True) == [
+        (8, "hosts", "mpi_heal", None),
+        (8, "hosts", "heal_shrink", "kill"),
+        (8, "hosts", "heal_shrink", "partition"),
+    ]
 
 
 def test_torchft_lines_count_the_participants_samples_and_diloco_syncs_count_every_inner_step():
