@@ -7,7 +7,8 @@ From the bottom up:
 - :mod:`.resources`: what one run made over MPI (communicators, windows, mailboxes), so that a
   failed run's can be abandoned whole; :mod:`.errors`: one rank's failure told to every other;
 - :mod:`.transport`: blocking and non-blocking collectives on tensors, every wait with a timeout
-  and watching the error channel;
+  and watching the error channel; :mod:`.ring`: its sums over point-to-point messages, for jobs
+  that heal;
 - :mod:`.mailbox`: point-to-point messages nobody waits for; :mod:`.window`: one-sided windows
   (a sharded vector, counters, a decision board); :mod:`.reclaim`: freeing a failed run's
   handles on the next run's fresh communicator;

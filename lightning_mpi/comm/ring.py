@@ -1,13 +1,13 @@
-"""An allreduce over point-to-point messages (a ring: reduce-scatter, then allgather), for jobs
-that heal.
+"""Allreduces over point-to-point messages (recursive doubling, or a ring: reduce-scatter, then
+allgather), for jobs that heal.
 
 Under Open MPI's fault tolerance (ULFM) a non-blocking collective (libnbc) that meets a dead peer
 frees its pending sends at once (``ompi_request_is_failed`` marks them failed, ``NBC_Progress``
 frees them), while the transport below may still hold them; when it later completes one (the
 peer's connection closed, or a partitioned host came back), Open MPI aborts the process: "Send
 error after request freed". That took a live rank of the healthy side of a partition with it (8
-ranks on 4 simulated hosts: once in 3 runs, at the heal or when the cut ended), and the run
-stopped with too few ranks. Here every request stays this module's until it completes: an
+ranks on 4 simulated hosts: 2 runs of 8, at a heal or when the cut ended), and the run stopped
+with too few ranks. Here every request stays this module's until it completes: an
 exchange cut short by a failure keeps its requests for the life of the process
 (:func:`~lightning_mpi.comm.resources.keep_pending`), so nothing is freed in flight.
 
