@@ -60,6 +60,19 @@ def chunk_bounds(numel: int, size: int) -> list[tuple[int, int]]:
     return bounds
 
 
+def _posted(requests: list[Any], *buffers: Any) -> Generator[Any, None, None]:
+    """Yield each of ``requests`` to wait on, in order; an exchange dropped before the last one
+    completed (a failure, or nobody drives it any more) keeps them and ``buffers`` for the life of
+    the process: never freed in flight."""
+    completed = False
+    try:
+        yield from requests
+        completed = True
+    finally:
+        if not completed:
+            keep_pending((requests, *buffers))
+
+
 def ring_allreduce_steps(comm: Any, flat: Tensor, op: str, tag: int) -> Generator[Any, None, Tensor]:
     """Reduce the 1-D CPU tensor ``flat`` in place over ``comm`` with ``op`` ("sum", "prod",
     "max", "min"), yielding each request to wait on (receive, then send, per step); every rank
@@ -74,34 +87,20 @@ def ring_allreduce_steps(comm: Any, flat: Tensor, op: str, tag: int) -> Generato
     longest = max(end - start for start, end in bounds)
     scratch = torch.empty(longest, dtype=flat.dtype)
     inbox = scratch.numpy()
-    pending: list[Any] = []
-    try:
-        # reduce-scatter: after step s, chunk (rank - s - 1) holds s + 2 ranks' values here
-        for step in range(size - 1):
-            out_start, out_end = bounds[(rank - step) % size]
-            in_start, in_end = bounds[(rank - step - 1) % size]
-            n = in_end - in_start
-            pending = [
-                comm.Irecv(inbox[:n], source=left, tag=tag),
-                comm.Isend(array[out_start:out_end], dest=right, tag=tag),
-            ]
-            yield pending[0]
-            yield pending[1]
-            reduce(flat[in_start:in_end], scratch[:n])
-        # allgather: the reduced chunk (rank + 1) goes round unchanged
-        for step in range(size - 1):
-            out_start, out_end = bounds[(rank + 1 - step) % size]
-            in_start, in_end = bounds[(rank - step) % size]
-            pending = [
-                comm.Irecv(array[in_start:in_end], source=left, tag=tag),
-                comm.Isend(array[out_start:out_end], dest=right, tag=tag),
-            ]
-            yield pending[0]
-            yield pending[1]
-        pending = []
-    finally:
-        if pending:  # cut short (a failure, or the exchange was dropped): never freed in flight
-            keep_pending((pending, array, inbox))
+    # reduce-scatter: after step s, chunk (rank - s - 1) holds s + 2 ranks' values here
+    for step in range(size - 1):
+        out_start, out_end = bounds[(rank - step) % size]
+        in_start, in_end = bounds[(rank - step - 1) % size]
+        n = in_end - in_start
+        receive = comm.Irecv(inbox[:n], source=left, tag=tag)
+        yield from _posted([receive, comm.Isend(array[out_start:out_end], dest=right, tag=tag)], array, inbox)
+        reduce(flat[in_start:in_end], scratch[:n])
+    # allgather: the reduced chunk (rank + 1) goes round unchanged
+    for step in range(size - 1):
+        out_start, out_end = bounds[(rank + 1 - step) % size]
+        in_start, in_end = bounds[(rank - step) % size]
+        receive = comm.Irecv(array[in_start:in_end], source=left, tag=tag)
+        yield from _posted([receive, comm.Isend(array[out_start:out_end], dest=right, tag=tag)], array)
     return flat
 
 
@@ -119,36 +118,24 @@ def doubling_allreduce_steps(comm: Any, flat: Tensor, op: str, tag: int) -> Gene
     array = flat.numpy()
     scratch = torch.empty_like(flat)
     inbox = scratch.numpy()
-    pending: list[Any] = []
-    try:
-        if rank < 2 * extra and rank % 2 == 0:  # folded into rank + 1, and sent the result at the end
-            pending = [comm.Isend(array, dest=rank + 1, tag=tag)]
-            yield pending[0]
-            pending = [comm.Irecv(array, source=rank + 1, tag=tag)]
-            yield pending[0]
-            pending = []
-            return flat
-        if rank < 2 * extra:
-            pending = [comm.Irecv(inbox, source=rank - 1, tag=tag)]
-            yield pending[0]
-            reduce(flat, scratch)
-        me = rank // 2 if rank < 2 * extra else rank - extra  # among the power-of-two ranks
-        distance = 1
-        while distance < power:
-            partner = me ^ distance
-            peer = partner * 2 + 1 if partner < extra else partner + extra
-            pending = [comm.Irecv(inbox, source=peer, tag=tag), comm.Isend(array, dest=peer, tag=tag)]
-            yield pending[0]
-            yield pending[1]
-            reduce(flat, scratch)
-            distance *= 2
-        if rank < 2 * extra:
-            pending = [comm.Isend(array, dest=rank - 1, tag=tag)]
-            yield pending[0]
-        pending = []
-    finally:
-        if pending:  # cut short (a failure, or the exchange was dropped): never freed in flight
-            keep_pending((pending, array, inbox))
+    if rank < 2 * extra and rank % 2 == 0:  # folded into rank + 1, and sent the result at the end
+        yield from _posted([comm.Isend(array, dest=rank + 1, tag=tag)], array)
+        yield from _posted([comm.Irecv(array, source=rank + 1, tag=tag)], array)
+        return flat
+    if rank < 2 * extra:
+        yield from _posted([comm.Irecv(inbox, source=rank - 1, tag=tag)], inbox)
+        reduce(flat, scratch)
+    me = rank // 2 if rank < 2 * extra else rank - extra  # among the power-of-two ranks
+    distance = 1
+    while distance < power:
+        partner = me ^ distance
+        peer = partner * 2 + 1 if partner < extra else partner + extra
+        receive = comm.Irecv(inbox, source=peer, tag=tag)
+        yield from _posted([receive, comm.Isend(array, dest=peer, tag=tag)], array, inbox)
+        reduce(flat, scratch)
+        distance *= 2
+    if rank < 2 * extra:
+        yield from _posted([comm.Isend(array, dest=rank - 1, tag=tag)], array)
     return flat
 
 
